@@ -1,0 +1,3 @@
+from looped_lm.cli import main
+import sys
+sys.exit(main())

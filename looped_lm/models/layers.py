@@ -1,0 +1,143 @@
+"""Building blocks shared by every model: RMSNorm, RoPE, attention with a KV cache, SwiGLU.
+
+Single-device PyTorch only: nothing here knows about DeepSpeed, files or HTTP.
+Shapes: B batch, T time, H heads, D head dim, C = H * D model width.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def ffn_width(d_model: int, ffn_hidden: int) -> int:
+    """SwiGLU hidden width: 8/3 d rounded up to a multiple of 64 (Llama's rule), unless given."""
+    if ffn_hidden > 0:
+        return ffn_hidden
+    return 64 * math.ceil(8 * d_model / 3 / 64)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE tables for any position up to `max_len`, looked up by an explicit position tensor."""
+
+    def __init__(self, head_dim: int, max_len: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)  # (max_len, D/2)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: (T,) or (B, T) int -> cos, sin broadcastable to (B, H, T, D/2)."""
+        if positions.max() >= self.cos.shape[0]:
+            raise ValueError(f"position {int(positions.max())} beyond the RoPE table ({self.cos.shape[0]})")
+        cos, sin = self.cos[positions], self.sin[positions]
+        if positions.dim() == 2:  # (B, T, D/2) -> (B, 1, T, D/2)
+            return cos.unsqueeze(1), sin.unsqueeze(1)
+        return cos, sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., :D/2], x[..., D/2:]) of x (B, H, T, D) by the position angles."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.type_as(x)
+
+
+class KVCache:
+    """Preallocated keys and values of one attention layer: (B, H, max_len, D), filled up to `length`."""
+
+    def __init__(self, batch: int, n_heads: int, max_len: int, head_dim: int, device, dtype):
+        self.k = torch.zeros(batch, n_heads, max_len, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, H, n, D) after the current length; return all keys and values so far."""
+        n = k.shape[2]
+        if self.length + n > self.k.shape[2]:
+            raise ValueError(f"KV cache full: {self.length} + {n} > {self.k.shape[2]} positions")
+        self.k[:, :, self.length:self.length + n] = k
+        self.v[:, :, self.length:self.length + n] = v
+        self.length += n
+        return self.k[:, :, :self.length], self.v[:, :, :self.length]
+
+    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[:, :, :self.length], self.v[:, :, :self.length]
+
+    def nbytes_per_token(self) -> int:
+        return 2 * self.k.shape[1] * self.k.shape[3] * self.k.element_size()
+
+
+class Attention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, d_model // n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.proj = nn.Linear(d_model, d_model, bias=False)
+
+    def project(self, x: torch.Tensor, cos, sin):
+        """x (B, T, C) -> q, k, v (B, H, T, D), with RoPE applied to q and k."""
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def merge(self, y: torch.Tensor) -> torch.Tensor:
+        """y (B, H, T, D) -> (B, T, C) through the output projection."""
+        B, H, T, D = y.shape
+        return self.proj(y.transpose(1, 2).reshape(B, T, H * D))
+
+    def forward(self, x, cos, sin, cache: KVCache | None = None):
+        """Causal self-attention; with a cache, x holds the newest positions only."""
+        q, k, v = self.project(x, cos, sin)
+        if cache is None:
+            return self.merge(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        past = cache.length
+        k, v = cache.append(k, v)
+        T_new, T_all = q.shape[2], k.shape[2]
+        if T_new == 1:
+            y = F.scaled_dot_product_attention(q, k, v)
+        else:  # query i sits at absolute position past + i and sees keys <= that
+            mask = torch.ones(T_new, T_all, dtype=torch.bool, device=x.device).tril(diagonal=past)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.merge(y)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.gate_up = nn.Linear(d_model, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm attention + SwiGLU. The two-stream DiffusionBlocks layer reuses these parts."""
+
+    def __init__(self, d_model: int, n_heads: int, ffn_hidden: int, eps: float):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(d_model, eps=eps)
+        self.attn = Attention(d_model, n_heads)
+        self.norm2 = nn.RMSNorm(d_model, eps=eps)
+        self.mlp = SwiGLU(d_model, ffn_hidden)
+
+    def forward(self, x, cos, sin, cache: KVCache | None = None):
+        x = x + self.attn(self.norm1(x), cos, sin, cache)
+        return x + self.mlp(self.norm2(x))
+
+
+def init_weights(module: nn.Module, std: float, n_residual_layers: int) -> None:
+    """GPT-2 init: normal(std) everywhere, output projections scaled by 1/sqrt(2 * layers)."""
+    for name, p in module.named_parameters():
+        if p.dim() < 2:
+            continue  # norms keep their ones
+        if name.endswith(("proj.weight", "down.weight")):
+            nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * n_residual_layers))
+        else:
+            nn.init.normal_(p, mean=0.0, std=std)
