@@ -216,6 +216,7 @@ def _train(cfg: Config, device: torch.device, stop_after: int) -> Path | None:
     model_state = model.checkpoint_state() if hasattr(model, "checkpoint_state") else {}
     if manifest is not None:
         check_resume_compatible(manifest, cfg, model_state, vocab_size)
+    torch.manual_seed(t.seed + 1 + rank)  # noise draws (sigma, z, slots) differ across ranks
 
     optimizer = BlockwiseAdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
                                eps=1e-8, fused=False, foreach=False)
@@ -246,7 +247,7 @@ def _train(cfg: Config, device: torch.device, stop_after: int) -> Path | None:
     t0 = time.perf_counter()
     for step in range(start_step, end_step):
         optimizer.set_active_units(model.step_units(step, t.seed) if hasattr(model, "step_units") else None)
-        loss_sum, metrics = 0.0, {}
+        loss_sum, metrics, lr = 0.0, {}, schedule.get_last_lr()[0]
         for micro in range(t.grad_accum):
             x, y = train_stream.get_batch(t.batch_size, t.seed, step, micro, rank)
             loss = engine(x.to(device), y.to(device), step)
@@ -257,7 +258,7 @@ def _train(cfg: Config, device: torch.device, stop_after: int) -> Path | None:
         done = step + 1
         if logger is not None and (done % t.log_every == 0 or done == end_step):
             elapsed = time.perf_counter() - t0
-            logger.log(done, {"loss": loss_sum, "lr": schedule.get_last_lr()[0],
+            logger.log(done, {"loss": loss_sum, "lr": lr,
                               "tokens": done * tokens_per_step,
                               "tokens_per_s": (done - start_step) * tokens_per_step / max(elapsed, 1e-9),
                               **metrics})

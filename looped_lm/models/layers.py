@@ -72,6 +72,17 @@ class KVCache:
         return 2 * self.k.shape[1] * self.k.shape[3] * self.k.element_size()
 
 
+def causal_attention(q, k, v):
+    """The newest n queries (B, H, n, D) over all keys so far (B, H, past + n, D), causally."""
+    n, total = q.shape[2], k.shape[2]
+    if n == total:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if n == 1:  # the newest token sees every key
+        return F.scaled_dot_product_attention(q, k, v)
+    mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(diagonal=total - n)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 class Attention(nn.Module):
     def __init__(self, d_model: int, n_heads: int):
         super().__init__()
@@ -94,16 +105,9 @@ class Attention(nn.Module):
         """Causal self-attention; with a cache, x holds the newest positions only."""
         q, k, v = self.project(x, cos, sin)
         if cache is None:
-            return self.merge(F.scaled_dot_product_attention(q, k, v, is_causal=True))
-        past = cache.length
+            return self.merge(causal_attention(q, k, v))
         k, v = cache.append(k, v)
-        T_new, T_all = q.shape[2], k.shape[2]
-        if T_new == 1:
-            y = F.scaled_dot_product_attention(q, k, v)
-        else:  # query i sits at absolute position past + i and sees keys <= that
-            mask = torch.ones(T_new, T_all, dtype=torch.bool, device=x.device).tril(diagonal=past)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.merge(y)
+        return self.merge(causal_attention(q, k, v))
 
 
 class SwiGLU(nn.Module):

@@ -1,0 +1,363 @@
+"""The DiffusionBlocks autoregressive LM (method.md §4-6): two streams, B blocks, routed decoding.
+
+    tokens x_0..x_{T-1} -> embedding -> [prelude, shared, clean only] -> clean input of every block
+    block b (L/B two-stream layers, untied) owns the sigma interval b (block 0 = highest sigma):
+      clean stream  causal over x, no sigma conditioning: its K/V never depend on sigma or K
+      noisy stream  slot i holds z_i = y_i + sigma*eps for the target x_{i+1}, at RoPE position i+1;
+                    it attends clean positions <= i and itself (one mask, no (2T)^2 matrix);
+                    adaLN-Zero from c_noise
+    h = c_out * s*normalize(F) + c_skip * z  ->  logits = final_norm(h) @ E^T   (tied head)
+
+Training runs ONE block per step (`training_loss`), with sigma drawn from that block's widened
+interval. Inference runs K Euler steps per token, each routed to the block that owns sigma_k, against
+that block's KV cache of the clean stream (`forward_cached`), so KV bytes per token do not depend on K.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from looped_lm import diffusion as dm
+from looped_lm.config import Config
+from looped_lm.errors import UserError
+from looped_lm.models import register
+from looped_lm.models.layers import KVCache, RotaryEmbedding, TransformerLayer, causal_attention, ffn_width, init_weights
+
+
+def modulate(x, shift, scale):
+    return x * (1 + scale) + shift
+
+
+class NoiseEmbedding(nn.Module):
+    """c_noise (N,) -> conditioning vector (N, d): Fourier features, then an MLP."""
+
+    def __init__(self, d_model: int):
+        super().__init__()
+        half = d_model // 2
+        self.register_buffer("freqs", torch.exp(torch.linspace(0, math.log(1000.0), half)), persistent=False)
+        self.mlp = nn.Sequential(nn.Linear(2 * half, d_model), nn.SiLU(), nn.Linear(d_model, d_model))
+
+    def forward(self, c_noise: torch.Tensor) -> torch.Tensor:
+        angles = c_noise.float()[:, None] * self.freqs[None]
+        return self.mlp(torch.cat([angles.cos(), angles.sin()], dim=-1))
+
+
+class TwoStreamLayer(TransformerLayer):
+    """A transformer layer that runs a sigma-free clean stream and an adaLN-Zero noisy stream.
+
+    The two streams share the attention and MLP weights (Block Diffusion); only the noisy stream is
+    modulated, by shift/scale/gate vectors from the noise embedding (zero-initialised: at init the
+    noisy stream passes through unchanged).
+    """
+
+    def __init__(self, d_model: int, n_heads: int, ffn_hidden: int, eps: float):
+        super().__init__(d_model, n_heads, ffn_hidden, eps)
+        self.ada = nn.Linear(d_model, 6 * d_model)
+
+    def clean(self, x, cos, sin, cache: KVCache | None = None, need_output: bool = True):
+        """Clean tokens x (B, n, C) after what `cache` holds -> (x_out | None, keys, values so far)."""
+        q, k, v = self.attn.project(self.norm1(x), cos, sin)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        if not need_output:  # the block's last layer: only its K/V are read (by the noisy stream)
+            return None, k, v
+        x = x + self.attn.merge(causal_attention(q, k, v))
+        return x + self.mlp(self.norm2(x)), k, v
+
+    def noisy(self, h, cond, cos, sin, k_ctx, v_ctx, mask):
+        """Noisy slots h (B, n, C) attend context keys k_ctx (B, H, Tc, D) under `mask` and themselves."""
+        shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(cond).unsqueeze(1).chunk(6, dim=-1)
+        q, k, v = self.attn.project(modulate(self.norm1(h), shift1, scale1), cos, sin)
+        y = F.scaled_dot_product_attention(q, torch.cat([k_ctx, k], 2), torch.cat([v_ctx, v], 2), attn_mask=mask)
+        h = h + gate1 * self.attn.merge(y)
+        return h + gate2 * self.mlp(modulate(self.norm2(h), shift2, scale2))
+
+
+def noisy_mask(ctx_end: torch.Tensor, n_clean: int) -> torch.Tensor:
+    """Slot s sees clean keys j <= ctx_end[..., s] and its own noisy key only.
+
+    ctx_end: (n,) shared by the batch -> mask (n, n_clean + n); or (B, n) -> (B, 1, n, n_clean + n).
+    """
+    n = ctx_end.shape[-1]
+    clean = torch.arange(n_clean, device=ctx_end.device) <= ctx_end[..., None]
+    own = torch.eye(n, dtype=torch.bool, device=ctx_end.device).expand(*ctx_end.shape[:-1], n, n)
+    mask = torch.cat([clean, own], dim=-1)
+    return mask if ctx_end.dim() == 1 else mask.unsqueeze(1)
+
+
+class DecodeState:
+    """Per-sequence generation state: KV caches of the prelude and of every block's clean stream.
+
+    Blocks run only when a denoising step routes to them, so each block's cache may lag behind the
+    token history; it catches up (all pending tokens in one forward) the next time the block runs.
+    """
+
+    def __init__(self, model: "DiffusionBlocksLM", batch: int, max_len: int):
+        p = model.tok_emb.weight
+        H, D = model.n_heads, p.shape[1] // model.n_heads
+
+        def caches(n):
+            return [KVCache(batch, H, max_len, D, p.device, p.dtype) for _ in range(n)]
+
+        self.prelude = caches(len(model.prelude))
+        self.blocks = [caches(len(block)) for block in model.blocks]
+        self.clean_inputs = torch.zeros(batch, max_len, p.shape[1], device=p.device, dtype=p.dtype)
+        self.length = 0  # tokens in the history
+
+    def nbytes_per_token(self) -> int:
+        every = self.prelude + [c for block in self.blocks for c in block]
+        return sum(c.nbytes_per_token() for c in every)
+
+
+class DiffusionBlocksLM(nn.Module):
+    uses_noise = True  # generation draws z from the request's generator
+
+    def __init__(self, cfg: Config, vocab_size: int, edges: list[float] | None = None):
+        super().__init__()
+        m, d = cfg.model, cfg.diffusion
+        self.cfg, self.vocab_size, self.n_heads = cfg, vocab_size, m.n_heads
+        self.seq_len, self.max_positions = m.seq_len, 4 * m.seq_len
+        self.sched = dm.NoiseSchedule(d.p_mean, d.p_std, d.sigma_min, d.sigma_max, d.sigma_data).validate()
+        self.edges = dm.check_edges(edges) if edges is not None else dm.make_edges(d.partition, d.num_blocks, self.sched)
+        if len(self.edges) != d.num_blocks + 1:
+            raise UserError(f"saved edges have {len(self.edges) - 1} blocks but diffusion.num_blocks is {d.num_blocks}")
+        self.train_ranges = dm.widen(self.edges, d.overlap)  # by block index, block 0 = highest sigma
+        self.target_scale = 1.0 if d.target_scale == "unit" else d.sigma_data * math.sqrt(m.d_model)
+        self.trainable_blocks = list(d.blocks_to_train) or list(range(d.num_blocks))
+
+        ffn = ffn_width(m.d_model, m.ffn_hidden)
+        per_block = m.n_layers // d.num_blocks
+        self.tok_emb = nn.Embedding(vocab_size, m.d_model)
+        self.prelude = nn.ModuleList(TransformerLayer(m.d_model, m.n_heads, ffn, m.norm_eps) for _ in range(m.n_prelude))
+        self.blocks = nn.ModuleList(
+            nn.ModuleList(TwoStreamLayer(m.d_model, m.n_heads, ffn, m.norm_eps) for _ in range(per_block))
+            for _ in range(d.num_blocks))
+        self.noise_emb = NoiseEmbedding(m.d_model)
+        self.norm = nn.RMSNorm(m.d_model, eps=m.norm_eps)
+        self.rope = RotaryEmbedding(m.d_model // m.n_heads, self.max_positions + 1, m.rope_theta)
+        init_weights(self, m.init_std, per_block + m.n_prelude)
+        for block in self.blocks:
+            for layer in block:  # adaLN-Zero
+                nn.init.zeros_(layer.ada.weight)
+                nn.init.zeros_(layer.ada.bias)
+        for b, block in enumerate(self.blocks):
+            if b not in self.trainable_blocks:
+                block.requires_grad_(False)  # frozen before the optimiser exists: no state for it
+
+    # --- what the trainer and checkpoints ask -----------------------------------------------------
+
+    def checkpoint_state(self) -> dict:
+        return {"edges": self.edges, "num_blocks": len(self.blocks)}
+
+    def param_unit(self, name: str) -> str:
+        return f"block{name.split('.')[1]}" if name.startswith("blocks.") else "shared"
+
+    def choose_block(self, step: int, seed: int) -> int:
+        """The block trained at `step`: the same on every rank (it depends on step and seed only)."""
+        if self.cfg.diffusion.block_sampling == "round_robin":
+            return self.trainable_blocks[step % len(self.trainable_blocks)]
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        return self.trainable_blocks[int(torch.randint(len(self.trainable_blocks), (1,), generator=g))]
+
+    def step_units(self, step: int, seed: int) -> set[str]:
+        return {"shared", f"block{self.choose_block(step, seed)}"}
+
+    # --- shared pieces ----------------------------------------------------------------------------
+
+    def targets(self, ids: torch.Tensor) -> torch.Tensor:
+        """y = s * normalize(E[ids]): the clean points of the noisy stream (no gradient into E)."""
+        return self.target_scale * F.normalize(self.tok_emb.weight[ids].detach().float(), dim=-1)
+
+    def target_table(self) -> torch.Tensor:
+        return self.target_scale * F.normalize(self.tok_emb.weight.float(), dim=-1)
+
+    def clean_inputs(self, idx: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
+        """Token ids -> the clean stream every block starts from (embedding + shared prelude)."""
+        start = caches[0].length if caches else 0
+        cos, sin = self.rope(torch.arange(start, start + idx.shape[1], device=idx.device))
+        x = self.tok_emb(idx)
+        for i, layer in enumerate(self.prelude):
+            x = layer(x, cos, sin, caches[i] if caches else None)
+        return x
+
+    def denoise_logits(self, h_noisy, z, sigma):
+        """Block output F (B, n, C) at noise sigma (B,) -> logits (B, n, V) through the EDM skip."""
+        c_skip, c_out, _, _ = (c.to(z.dtype)[:, None, None] for c in dm.edm_scalings(sigma, self.sched.sigma_data))
+        h = c_out * self.target_scale * F.normalize(h_noisy, dim=-1) + c_skip * z
+        return F.linear(self.norm(h.to(self.tok_emb.weight.dtype)), self.tok_emb.weight)
+
+    def noisy_input(self, z, sigma):
+        c_in = dm.edm_scalings(sigma, self.sched.sigma_data)[2].to(z.dtype)[:, None, None]
+        c_noise = dm.edm_scalings(sigma, self.sched.sigma_data)[3]
+        return (c_in * z).to(self.tok_emb.weight.dtype), self.noise_emb(c_noise.to(z.device))
+
+    def run_block(self, b, clean, z, sigma, noisy_pos, mask, clean_pos=None, caches=None):
+        """Both streams through block b -> logits of the noisy slots. With `caches`, `clean` holds only
+        the tokens the block has not cached yet (possibly none)."""
+        h, cond = self.noisy_input(z, sigma)
+        cos_n, sin_n = self.rope(noisy_pos)
+        if clean is not None and clean.shape[1] > 0:
+            start = caches[0].length if caches else 0
+            cos_c, sin_c = self.rope(torch.arange(start, start + clean.shape[1], device=z.device))
+        layers = self.blocks[b]
+        for i, layer in enumerate(layers):
+            cache = caches[i] if caches else None
+            if clean is not None and clean.shape[1] > 0:
+                clean, k, v = layer.clean(clean, cos_c, sin_c, cache, need_output=i + 1 < len(layers))
+            else:
+                k, v = cache.view()
+            h = layer.noisy(h, cond, cos_n, sin_n, k, v, mask)
+        return self.denoise_logits(h, z, sigma)
+
+    # --- training -------------------------------------------------------------------------------
+
+    def training_loss(self, x, y, step: int, seed: int):
+        """One block, one forward pass: CE of the noisy slots' logits against the next tokens."""
+        b = self.choose_block(step, seed)
+        Bsz, T = x.shape
+        lo, hi = self.train_ranges[b]
+        sigma = dm.sample_sigma(Bsz, lo, hi, self.sched, device=x.device)
+        n = max(1, round(self.cfg.diffusion.target_fraction * T))
+        if n == T:
+            slots = torch.arange(T, device=x.device)  # every slot: one mask shared by the batch
+            targets = y
+        else:
+            slots = torch.rand(Bsz, T, device=x.device).argsort(dim=1)[:, :n].sort(dim=1).values
+            targets = y.gather(1, slots)
+        y_emb = self.targets(targets)
+        z = y_emb + sigma[:, None, None] * torch.randn_like(y_emb)
+        logits = self.run_block(b, self.clean_inputs(x), z, sigma, slots + 1, noisy_mask(slots, T))
+        ce = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none").mean(dim=1)  # (B,)
+        loss = (ce * self.loss_weights(sigma, b)).mean()
+        return loss, {"block": b, f"loss_block{b}": float(ce.detach().mean()), "sigma_mean": float(sigma.mean())}
+
+    def loss_weights(self, sigma, b: int):
+        kind = self.cfg.diffusion.loss_weight
+        if kind == "none":
+            return torch.ones_like(sigma)
+        w = dm.edm_weight(sigma, self.sched.sigma_data).to(sigma.dtype) / dm.edm_loss_weight_normaliser(
+            *self.train_ranges[b], self.sched)
+        return w if kind == "edm" else w.mean().expand_as(w)
+
+    @torch.no_grad()
+    def validation_loss(self, x, y, seed: int):
+        """ppl@0's loss: one call of block 0 at sigma_hi from pure noise (one draw)."""
+        g = torch.Generator(device=x.device).manual_seed(seed)
+        nll = self.eval_nll(x, y, k_grid=[], draws=1, generator=g)[0]
+        return nll.mean()
+
+    # --- scoring: ppl@k (method.md §6) ----------------------------------------------------------
+
+    @torch.no_grad()
+    def eval_nll(self, x, y, k_grid=None, draws: int = 4, generator=None) -> dict:
+        """{k: -log mean_n p_k^(n)(y)} (B, T) for k in {0} + k_grid; k = 0 is one call at sigma_hi.
+
+        ppl@k (k >= 1) scores the K = k sampler: k routed calls from pure noise on the K-grid, its
+        token distribution the last call's softmax. The clean stream of each block is computed once.
+        """
+        if k_grid is None:
+            k_grid = [len(self.blocks)]
+        ks = sorted({0, *k_grid})
+        Bsz, T = x.shape
+        slots = torch.arange(T, device=x.device)
+        mask = noisy_mask(slots, T)
+        clean = self.clean_inputs(x)
+        kv = {}  # block -> per-layer (k, v) of the clean stream over the window
+
+        def call(b, z, sigma):
+            if b not in kv:
+                layers, c, per_layer = self.blocks[b], clean, []
+                cos, sin = self.rope(slots)
+                for i, layer in enumerate(layers):
+                    c, k, v = layer.clean(c, cos, sin, need_output=i + 1 < len(layers))
+                    per_layer.append((k, v))
+                kv[b] = per_layer
+            h, cond = self.noisy_input(z, sigma)
+            cos_n, sin_n = self.rope(slots + 1)
+            for layer, (k, v) in zip(self.blocks[b], kv[b]):
+                h = layer.noisy(h, cond, cos_n, sin_n, k, v, mask)
+            return self.denoise_logits(h, z, sigma)
+
+        probs = {k: torch.zeros(Bsz, T, device=x.device, dtype=torch.float64) for k in ks}
+        for _ in range(draws):
+            for k in ks:
+                logits = self.chain(call, max(k, 1), (Bsz, T), x.device, generator, "hard")
+                probs[k] += logits.float().log_softmax(-1).gather(-1, y[..., None])[..., 0].double().exp()
+        return {k: -(p / draws).clamp_min(1e-300).log() for k, p in probs.items()}
+
+    def chain(self, call, K: int, shape, device, generator, bridge: str, z=None):
+        """K routed Euler steps from pure noise; returns the last call's logits. `call(b, z, sigma)`."""
+        sigmas = dm.inference_sigmas(K, self.sched, lo=self.edges[0], hi=self.edges[-1])
+        Bsz, n = shape
+        d = self.tok_emb.weight.shape[1]
+        if z is None:
+            z = sigmas[0] * torch.randn(Bsz, n, d, device=device, generator=generator)
+        table = self.target_table()
+        for k in range(K):
+            sigma = torch.full((Bsz,), sigmas[k], device=device)
+            logits = call(dm.route_sigma(sigmas[k], self.edges), z, sigma)
+            if k + 1 < K:
+                denoised = self.bridge(logits, table, bridge)
+                z = dm.euler_step(z, denoised, sigmas[k], sigmas[k + 1])
+        return logits
+
+    @staticmethod
+    def bridge(logits, table, kind: str):
+        """Logits -> a denoised point in target space: soft = E_p[y], hard = y[argmax]."""
+        if kind == "soft":
+            return logits.float().softmax(-1) @ table
+        return table[logits.argmax(-1)]
+
+    # --- generation with KV caches --------------------------------------------------------------
+
+    def inference_kwargs(self, num_iterations: int | None, bridge: str | None) -> dict:
+        K = num_iterations if num_iterations is not None else (self.cfg.diffusion.num_iterations or len(self.blocks))
+        if isinstance(K, bool) or not isinstance(K, int) or K < 1:
+            raise UserError(f"num_iterations must be an integer >= 1 (got {K})")
+        if K < len(self.blocks):
+            warnings.warn(f"num_iterations={K} < {len(self.blocks)} blocks: some blocks are skipped", stacklevel=2)
+        return {"num_iterations": K, "bridge": bridge or self.cfg.diffusion.bridge}
+
+    def new_cache(self, batch: int, max_len: int) -> DecodeState:
+        return DecodeState(self, batch, max_len)
+
+    def forward_cached(self, idx, state: DecodeState, num_iterations: int | None = None, bridge: str = "hard",
+                       generator=None, z=None):
+        """Append tokens idx (B, n) to the history; return logits (B, 1, V) for the next token."""
+        K = num_iterations or len(self.blocks)
+        start, n = state.length, idx.shape[1]
+        state.clean_inputs[:, start:start + n] = self.clean_inputs(idx, state.prelude)
+        state.length += n
+        pos = torch.tensor([state.length], device=idx.device)
+
+        def call(b, z_, sigma):
+            caches = state.blocks[b]
+            pending = state.clean_inputs[:, caches[0].length:state.length]
+            return self.run_block(b, pending, z_, sigma, pos, None, caches=caches)
+
+        return self.chain(call, K, (idx.shape[0], 1), idx.device, generator, bridge, z)
+
+    @torch.no_grad()
+    def next_logits_uncached(self, idx, num_iterations: int, bridge: str, z):
+        """Reference for tests: the same K-step chain for the token after idx (B, P), no cache."""
+        clean = self.clean_inputs(idx)
+        pos = torch.tensor([idx.shape[1]], device=idx.device)
+
+        def call(b, z_, sigma):
+            return self.run_block(b, clean, z_, sigma, pos, None)
+
+        return self.chain(call, num_iterations, (idx.shape[0], 1), idx.device, None, bridge, z)
+
+
+def _build_db_ar(cfg: Config, vocab_size: int, state: dict | None):
+    if cfg.model.n_coda:
+        raise UserError("model.n_coda is not used by db_ar (blocks end in the tied head); set it to 0")
+    return DiffusionBlocksLM(cfg, vocab_size, (state or {}).get("edges"))
+
+
+register("db_ar", _build_db_ar)
