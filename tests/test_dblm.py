@@ -1,0 +1,210 @@
+"""The DiffusionBlocks AR model: no leak, one-block training, cached decoding equals recompute, ppl@k."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from looped_lm.config import config_from_dict
+from looped_lm.engine.generate import generate
+from looped_lm.engine.sampling import SamplingParams
+from looped_lm.errors import UserError
+from looped_lm.models import build_model
+from looped_lm.models.dblm import noisy_mask
+from looped_lm.optim import BlockwiseAdamW, param_groups
+
+V = 61
+
+
+def make_model(num_blocks=2, n_layers=4, n_prelude=1, seed=0, init_std=0.2, **diffusion):
+    cfg = config_from_dict({
+        "model": {"kind": "db_ar", "n_layers": n_layers, "d_model": 32, "n_heads": 4, "seq_len": 16,
+                  "n_prelude": n_prelude, "init_std": init_std},
+        "diffusion": {"num_blocks": num_blocks, **diffusion},
+    })
+    torch.manual_seed(seed)
+    model = build_model(cfg, V)
+    # adaLN-Zero starts at zero; give it weight so every path is exercised by the equality tests
+    with torch.no_grad():
+        for block in model.blocks:
+            for layer in block:
+                layer.ada.weight.normal_(0, 0.2)
+                layer.ada.bias.normal_(0, 0.2)
+    return model.eval()
+
+
+def slot_logits(model, x, block, sigma=0.5, seed=0):
+    """Training-path logits of every noisy slot of block `block`, fixed z."""
+    B, T = x.shape
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(B, T, 32, generator=g)
+    slots = torch.arange(T)
+    s = torch.full((B,), sigma)
+    return model.run_block(block, model.clean_inputs(x), z, s, slots + 1, noisy_mask(slots, T))
+
+
+@pytest.mark.parametrize("block", [0, 1])
+def test_no_leak_from_current_or_later_tokens(block):
+    model = make_model()
+    x = torch.randint(0, V, (2, 12))
+    base = slot_logits(model, x, block)
+    # slot i predicts x[i+1] from clean x[0..i]: changing x[t] must leave slots < t untouched
+    for t in (3, 7, 11):
+        x2 = x.clone()
+        x2[:, t:] = (x2[:, t:] + 1) % V
+        changed = slot_logits(model, x2, block)
+        assert torch.equal(changed[:, :t], base[:, :t])  # exact zeros, not a tolerance
+        assert (changed[:, t:] - base[:, t:]).abs().max() > 1e-4  # and the context is really read
+
+
+def test_noisy_mask_by_hand():
+    mask = noisy_mask(torch.tensor([0, 2]), 3)
+    expected = torch.tensor([[1, 0, 0, 1, 0],
+                             [1, 1, 1, 0, 1]], dtype=torch.bool)
+    assert torch.equal(mask, expected)
+    per_row = noisy_mask(torch.tensor([[1], [0]]), 2)
+    assert per_row.shape == (2, 1, 1, 3)
+    assert per_row[0, 0].tolist() == [[True, True, True]] and per_row[1, 0].tolist() == [[True, False, True]]
+
+
+def test_target_fraction_slots_see_only_their_context():
+    model = make_model(target_fraction=0.25)
+    x = torch.randint(0, V, (3, 16))
+    y = torch.randint(0, V, (3, 16))
+    loss, metrics = model.training_loss(x, y, step=0, seed=0)
+    assert math.isfinite(loss.item()) and metrics["block"] in (0, 1)
+
+
+def test_one_block_per_step_gets_gradients():
+    model = make_model(num_blocks=2).train()
+    x, y = torch.randint(0, V, (2, 16)), torch.randint(0, V, (2, 16))
+    for step in range(6):
+        model.zero_grad(set_to_none=True)
+        loss, metrics = model.training_loss(x, y, step=step, seed=3)
+        loss.backward()
+        b = model.choose_block(step, 3)
+        assert metrics["block"] == b
+        for name, p in model.named_parameters():
+            unit = model.param_unit(name)
+            if unit == f"block{b}" or unit == "shared":
+                continue
+            assert p.grad is None, f"{name} got a gradient in a step of block {b}"
+        trained = [p.grad for n, p in model.named_parameters() if model.param_unit(n) == f"block{b}"]
+        assert all(g is not None for g in trained)
+    # the choice depends on (step, seed) only: every rank agrees
+    assert [model.choose_block(s, 3) for s in range(20)] == [model.choose_block(s, 3) for s in range(20)]
+    assert len({model.choose_block(s, 3) for s in range(40)}) == 2
+
+
+def test_round_robin_and_blocks_to_train():
+    model = make_model(num_blocks=4, n_layers=4, block_sampling="round_robin", blocks_to_train=[1, 3])
+    assert [model.choose_block(s, 0) for s in range(4)] == [1, 3, 1, 3]
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen and all(n.startswith(("blocks.0.", "blocks.2.")) for n in frozen)
+    units = {g["unit"] for g in param_groups(model, 0.1)}
+    assert units == {"shared", "block1", "block3"}  # frozen blocks hold no optimiser state
+
+
+def test_blockwise_adamw_leaves_idle_blocks_untouched():
+    model = make_model(num_blocks=2).train()
+    opt = BlockwiseAdamW(param_groups(model, 0.1), lr=1e-2)
+    x, y = torch.randint(0, V, (2, 16)), torch.randint(0, V, (2, 16))
+    for step in range(4):
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.set_active_units(model.step_units(step, 0))
+        # zero gradients everywhere (what DeepSpeed's reduction produces for unused parameters)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        loss, _ = model.training_loss(x, y, step=step, seed=0)
+        loss.backward()
+        opt.step()
+        b = model.choose_block(step, 0)
+        for n, p in model.named_parameters():
+            unit = model.param_unit(n)
+            if unit.startswith("block") and unit != f"block{b}":
+                assert torch.equal(p, before[n]), f"{n} moved in a step of block {b}"
+        moved = [n for n, p in model.named_parameters() if model.param_unit(n) == f"block{b}"
+                 and not torch.equal(p, before[n])]
+        assert moved
+
+
+@pytest.mark.parametrize("num_blocks,K", [(2, 1), (2, 2), (2, 6), (4, 4), (4, 2)])
+def test_cached_decoding_equals_recompute(num_blocks, K):
+    model = make_model(num_blocks=num_blocks, n_layers=4)
+    prompt = torch.randint(0, V, (2, 5))
+    n_new = 6
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # K < B warns
+        out, logits = generate(model, prompt, n_new, SamplingParams(0.0), seed=11, return_logits=True,
+                               num_iterations=K, bridge="hard")
+    g = torch.Generator().manual_seed(11)  # the same noise stream: one z per token
+    for i in range(n_new):
+        z = model.edges[-1] * torch.randn(2, 1, 32, generator=g)
+        ref = model.next_logits_uncached(out[:, :5 + i], K, "hard", z)[:, -1]
+        torch.testing.assert_close(logits[:, i], ref, atol=1e-5, rtol=0)
+        assert torch.equal(out[:, 5 + i], ref.argmax(-1))
+
+
+def test_cache_size_does_not_depend_on_k():
+    model = make_model(num_blocks=2, n_layers=4, n_prelude=1)
+    state = model.new_cache(1, 32)
+    # 1 prelude + 4 block layers, keys and values, d_model fp32
+    assert state.nbytes_per_token() == 5 * 2 * 32 * 4
+    for K in (1, 2, 8):
+        tokens = generate(model, torch.tensor([[1, 2, 3]]), 4, SamplingParams(0.0), seed=0, num_iterations=K)
+        assert tokens.shape == (1, 7)
+
+
+def test_soft_bridge_is_the_expected_target():
+    model = make_model()
+    logits = torch.tensor([[[0.0, math.log(3.0)] + [-1e9] * (V - 2)]])
+    table = model.target_table()
+    soft = model.bridge(logits, table, "soft")
+    torch.testing.assert_close(soft[0, 0], 0.25 * table[0] + 0.75 * table[1])
+    assert torch.equal(model.bridge(logits, table, "hard")[0, 0], table[1])
+    assert torch.allclose(table.norm(dim=-1), torch.ones(V))  # unit-norm targets
+
+
+def test_ppl_at_k_averages_probabilities_over_draws():
+    model = make_model()
+    x, y = torch.randint(0, V, (2, 8)), torch.randint(0, V, (2, 8))
+    g = torch.Generator().manual_seed(0)  # two single draws continue one noise stream
+    one = [model.eval_nll(x, y, k_grid=[2], draws=1, generator=g) for _ in range(2)]
+    two = model.eval_nll(x, y, k_grid=[2], draws=2, generator=torch.Generator().manual_seed(0))
+    for k in (0, 2):
+        p = (torch.exp(-one[0][k]) + torch.exp(-one[1][k])) / 2
+        torch.testing.assert_close(two[k], -p.log())
+
+
+def test_edm_loss_weight_is_normalised():
+    model = make_model(loss_weight="edm")
+    from looped_lm import diffusion as dm
+
+    lo, hi = model.train_ranges[1]
+    sigma = dm.sample_sigma(200_000, lo, hi, model.sched, generator=torch.Generator().manual_seed(0))
+    w = model.loss_weights(sigma, 1)
+    assert abs(w.mean().item() - 1.0) < 0.05
+    batch = make_model(loss_weight="batch_mean").loss_weights(sigma[:8], 1)
+    assert torch.allclose(batch, batch[0].expand(8))  # one scalar per batch
+
+
+def test_bad_num_iterations():
+    model = make_model()
+    with pytest.raises(UserError, match="num_iterations must be an integer >= 1"):
+        model.inference_kwargs(0, None)
+    with pytest.raises(UserError, match="num_iterations"):
+        model.inference_kwargs(-3, None)
+    with pytest.warns(UserWarning, match="skipped"):
+        model.inference_kwargs(1, None)
+
+
+def test_edges_saved_and_reused():
+    model = make_model(num_blocks=4, n_layers=4)
+    state = model.checkpoint_state()
+    assert [round(e, 3) for e in state["edges"]] == [0.002, 0.134, 0.301, 0.677, 80.0]
+    custom = [0.01, 0.2, 0.5, 1.5, 20.0]
+    other = build_model(model.cfg, V, {"edges": custom})
+    assert other.edges == custom
+    with pytest.raises(UserError, match="blocks"):
+        build_model(model.cfg, V, {"edges": [0.01, 1.0, 20.0]})
