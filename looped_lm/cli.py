@@ -73,6 +73,9 @@ def add_generate_arguments(p) -> None:
     p.add_argument("--num-iterations", type=int, default=None,
                    help="DiffusionBlocks / looped models: K denoising steps per token (default: the config's)")
     p.add_argument("--bridge", choices=("soft", "hard"), default=None, help="DB models: logits -> embedding rule")
+    p.add_argument("--exit-threshold", type=float, default=None,
+                   help="looped_db: stop a token's iterations once KL(p_k || p_k-1) < this")
+    p.add_argument("--exit-criterion", default=None, help="looped_db: kl:<eps> or argmax-stable:<m>")
     p.add_argument("--device", default="cpu")
 
 
@@ -87,17 +90,29 @@ def run_generate(args) -> int:
     model, cfg, manifest = load_checkpoint(args.checkpoint, args.device)
     tok = get_tokenizer(manifest["tokenizer"])
     ids = tok.encode(args.prompt) or [tok.eot_id]
-    kw = model.inference_kwargs(args.num_iterations, args.bridge) if hasattr(model, "inference_kwargs") else {}
-    if not kw and (args.num_iterations is not None or args.bridge is not None):
-        raise UserError(f"--num-iterations / --bridge apply to DiffusionBlocks and looped models, "
+    from looped_lm.diffusion.adaptive_exit import ExitRule
+
+    exit_rule = ExitRule.from_options(args.exit_threshold, args.exit_criterion)
+    if hasattr(model, "inference_kwargs"):
+        kw = model.inference_kwargs(args.num_iterations, args.bridge, exit_rule)
+    elif args.num_iterations is not None or args.bridge is not None or exit_rule is not None:
+        raise UserError(f"--num-iterations / --bridge / --exit-* apply to DiffusionBlocks and looped models, "
                         f"not to model.kind '{cfg.model.kind}'")
+    else:
+        kw = {}
     params = SamplingParams(args.temperature, args.top_k, args.top_p)
     prompt = torch.tensor([ids], dtype=torch.long, device=args.device)
-    out = generate(model, prompt, args.max_tokens, params, seed=args.seed, eot_id=tok.eot_id, **kw)
+    iterations: list = []
+    out = generate(model, prompt, args.max_tokens, params, seed=args.seed, eot_id=tok.eot_id,
+                   iteration_log=iterations, **kw)
     new = out[0, len(ids):].tolist()
     if tok.eot_id in new:
         new = new[:new.index(tok.eot_id)]
     print(args.prompt + tok.decode(new))
+    if iterations:
+        per_token = [int(it[0]) for it in iterations]
+        print(f"iterations per token: {per_token} (total {sum(per_token)}, mean "
+              f"{sum(per_token) / len(per_token):.2f} of K={kw['num_iterations']})", file=sys.stderr)
     return 0
 
 

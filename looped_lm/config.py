@@ -279,6 +279,9 @@ def validate(cfg: Config) -> None:
     _require(d.sigma_data > 0, f"diffusion.sigma_data must be > 0 (got {d.sigma_data})")
     _require(0 < d.target_fraction <= 1, f"diffusion.target_fraction must be in (0, 1] (got {d.target_fraction})")
     _require(d.num_iterations >= 0, f"diffusion.num_iterations must be >= 1, or 0 for num_blocks (got {d.num_iterations})")
+    if m.kind == "looped_db":
+        _require(d.num_blocks == 1, f"looped_db has one weight-tied core: diffusion.num_blocks must be 1 "
+                                    f"(got {d.num_blocks})")
     n_blocks = d.num_blocks if m.kind == "db_ar" else 1
     for b in d.blocks_to_train:
         _require(0 <= b < n_blocks, f"diffusion.blocks_to_train has {b}, outside 0..{n_blocks - 1}")

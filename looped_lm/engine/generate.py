@@ -14,10 +14,12 @@ from looped_lm.errors import UserError
 
 @torch.no_grad()
 def generate(model, prompt: torch.Tensor, max_new_tokens: int, params: SamplingParams = SamplingParams(0.0),
-             seed: int | None = None, eot_id: int | None = None, return_logits: bool = False, **model_kw):
+             seed: int | None = None, eot_id: int | None = None, return_logits: bool = False,
+             iteration_log: list | None = None, **model_kw):
     """prompt (B, T0) int64 -> (B, T0 + n) tokens; with return_logits also (B, n, V) step logits.
 
-    Stops early when every row has produced `eot_id`. Same seed, same output.
+    Stops early when every row has produced `eot_id`. Same seed, same output. With adaptive exit
+    (`exit_rule=` for looped models), `iteration_log` receives the iterations each row used per token.
     """
     params.validate()
     if prompt.dim() != 2 or prompt.shape[1] == 0:
@@ -33,7 +35,16 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, params: SamplingP
         generator = torch.Generator(device=prompt.device).manual_seed(seed)
         model_kw.setdefault("generator", generator) if _takes_generator(model) else None
     caches = model.new_cache(prompt.shape[0], total)
-    logits = model.forward_cached(prompt, caches, **model_kw)[:, -1]
+
+    def step(tokens):
+        if iteration_log is None or "exit_rule" not in model_kw:
+            return model.forward_cached(tokens, caches, **model_kw)[:, -1]
+        stats = {}
+        logits = model.forward_cached(tokens, caches, stats=stats, **model_kw)[:, -1]
+        iteration_log.append(stats["iterations"])
+        return logits
+
+    logits = step(prompt)
     out, step_logits = [prompt], []
     done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
     for i in range(max_new_tokens):
@@ -45,7 +56,7 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, params: SamplingP
             if bool(done.all()):
                 break
         if i + 1 < max_new_tokens:
-            logits = model.forward_cached(token[:, None], caches, **model_kw)[:, -1]
+            logits = step(token[:, None])
     tokens = torch.cat(out, dim=1)
     return (tokens, torch.stack(step_logits, dim=1)) if return_logits else tokens
 

@@ -1,4 +1,7 @@
-"""The DiffusionBlocks autoregressive LM (method.md §4-6): two streams, B blocks, routed decoding.
+"""DiffusionBlocks language models (method.md §4-6): two streams, B blocks, routed decoding.
+
+`db_ar`: B untied blocks. `looped_db`: one weight-tied core (B = 1) between a prelude and a coda,
+trained on the whole sigma range with ONE forward pass (no BPTT) and run K times at inference.
 
     tokens x_0..x_{T-1} -> embedding -> [prelude, shared, clean only] -> clean input of every block
     block b (L/B two-stream layers, untied) owns the sigma interval b (block 0 = highest sigma):
@@ -105,7 +108,7 @@ class DecodeState:
             return [KVCache(batch, H, max_len, D, p.device, p.dtype) for _ in range(n)]
 
         self.prelude = caches(len(model.prelude))
-        self.blocks = [caches(len(block)) for block in model.blocks]
+        self.blocks = [caches(len(model.layers_of(b))) for b in range(len(model.blocks))]
         self.clean_inputs = torch.zeros(batch, max_len, p.shape[1], device=p.device, dtype=p.dtype)
         self.length = 0  # tokens in the history
 
@@ -123,28 +126,31 @@ class DiffusionBlocksLM(nn.Module):
         self.cfg, self.vocab_size, self.n_heads = cfg, vocab_size, m.n_heads
         self.seq_len, self.max_positions = m.seq_len, 4 * m.seq_len
         self.sched = dm.NoiseSchedule(d.p_mean, d.p_std, d.sigma_min, d.sigma_max, d.sigma_data).validate()
-        self.edges = dm.check_edges(edges) if edges is not None else dm.make_edges(d.partition, d.num_blocks, self.sched)
-        if len(self.edges) != d.num_blocks + 1:
-            raise UserError(f"saved edges have {len(self.edges) - 1} blocks but diffusion.num_blocks is {d.num_blocks}")
+        num_blocks = 1 if m.kind == "looped_db" else d.num_blocks  # looped: one weight-tied core
+        self.edges = dm.check_edges(edges) if edges is not None else dm.make_edges(d.partition, num_blocks, self.sched)
+        if len(self.edges) != num_blocks + 1:
+            raise UserError(f"saved edges have {len(self.edges) - 1} blocks but the model has {num_blocks}")
+        self.max_iterations = m.max_iterations
         self.train_ranges = dm.widen(self.edges, d.overlap)  # by block index, block 0 = highest sigma
         self.target_scale = 1.0 if d.target_scale == "unit" else d.sigma_data * math.sqrt(m.d_model)
-        self.trainable_blocks = list(d.blocks_to_train) or list(range(d.num_blocks))
+        self.trainable_blocks = list(d.blocks_to_train) or list(range(num_blocks))
 
         ffn = ffn_width(m.d_model, m.ffn_hidden)
-        per_block = m.n_layers // d.num_blocks
+        per_block = m.n_layers // num_blocks
         self.tok_emb = nn.Embedding(vocab_size, m.d_model)
         self.prelude = nn.ModuleList(TransformerLayer(m.d_model, m.n_heads, ffn, m.norm_eps) for _ in range(m.n_prelude))
         self.blocks = nn.ModuleList(
             nn.ModuleList(TwoStreamLayer(m.d_model, m.n_heads, ffn, m.norm_eps) for _ in range(per_block))
-            for _ in range(d.num_blocks))
+            for _ in range(num_blocks))
+        # shared coda: more two-stream layers after whichever block ran (looped_db: after the core)
+        self.coda = nn.ModuleList(TwoStreamLayer(m.d_model, m.n_heads, ffn, m.norm_eps) for _ in range(m.n_coda))
         self.noise_emb = NoiseEmbedding(m.d_model)
         self.norm = nn.RMSNorm(m.d_model, eps=m.norm_eps)
         self.rope = RotaryEmbedding(m.d_model // m.n_heads, self.max_positions + 1, m.rope_theta)
-        init_weights(self, m.init_std, per_block + m.n_prelude)
-        for block in self.blocks:
-            for layer in block:  # adaLN-Zero
-                nn.init.zeros_(layer.ada.weight)
-                nn.init.zeros_(layer.ada.bias)
+        init_weights(self, m.init_std, per_block + m.n_prelude + m.n_coda)
+        for layer in [*self.coda, *(layer for block in self.blocks for layer in block)]:  # adaLN-Zero
+            nn.init.zeros_(layer.ada.weight)
+            nn.init.zeros_(layer.ada.bias)
         for b, block in enumerate(self.blocks):
             if b not in self.trainable_blocks:
                 block.requires_grad_(False)  # frozen before the optimiser exists: no state for it
@@ -163,6 +169,10 @@ class DiffusionBlocksLM(nn.Module):
             return self.trainable_blocks[step % len(self.trainable_blocks)]
         g = torch.Generator().manual_seed(seed * 1_000_003 + step)
         return self.trainable_blocks[int(torch.randint(len(self.trainable_blocks), (1,), generator=g))]
+
+    def layers_of(self, b: int) -> list:
+        """The denoiser for block b: its own layers, then the shared coda."""
+        return [*self.blocks[b], *self.coda]
 
     def step_units(self, step: int, seed: int) -> set[str]:
         return {"shared", f"block{self.choose_block(step, seed)}"}
@@ -204,7 +214,7 @@ class DiffusionBlocksLM(nn.Module):
         if clean is not None and clean.shape[1] > 0:
             start = caches[0].length if caches else 0
             cos_c, sin_c = self.rope(torch.arange(start, start + clean.shape[1], device=z.device))
-        layers = self.blocks[b]
+        layers = self.layers_of(b)
         for i, layer in enumerate(layers):
             cache = caches[i] if caches else None
             if clean is not None and clean.shape[1] > 0:
@@ -271,7 +281,7 @@ class DiffusionBlocksLM(nn.Module):
 
         def call(b, z, sigma):
             if b not in kv:
-                layers, c, per_layer = self.blocks[b], clean, []
+                layers, c, per_layer = self.layers_of(b), clean, []
                 cos, sin = self.rope(slots)
                 for i, layer in enumerate(layers):
                     c, k, v = layer.clean(c, cos, sin, need_output=i + 1 < len(layers))
@@ -279,7 +289,7 @@ class DiffusionBlocksLM(nn.Module):
                 kv[b] = per_layer
             h, cond = self.noisy_input(z, sigma)
             cos_n, sin_n = self.rope(slots + 1)
-            for layer, (k, v) in zip(self.blocks[b], kv[b]):
+            for layer, (k, v) in zip(self.layers_of(b), kv[b]):
                 h = layer.noisy(h, cond, cos_n, sin_n, k, v, mask)
             return self.denoise_logits(h, z, sigma)
 
@@ -290,21 +300,37 @@ class DiffusionBlocksLM(nn.Module):
                 probs[k] += logits.float().log_softmax(-1).gather(-1, y[..., None])[..., 0].double().exp()
         return {k: -(p / draws).clamp_min(1e-300).log() for k, p in probs.items()}
 
-    def chain(self, call, K: int, shape, device, generator, bridge: str, z=None):
-        """K routed Euler steps from pure noise; returns the last call's logits. `call(b, z, sigma)`."""
+    def chain(self, call, K: int, shape, device, generator, bridge: str, z=None, exit_rule=None, stats=None):
+        """K routed Euler steps from pure noise; returns the last call's logits. `call(b, z, sigma)`.
+
+        With an `exit_rule`, rows stop early (keeping their last logits); `stats["iterations"]` then
+        receives the calls each row used.
+        """
         sigmas = dm.inference_sigmas(K, self.sched, lo=self.edges[0], hi=self.edges[-1])
         Bsz, n = shape
         d = self.tok_emb.weight.shape[1]
         if z is None:
             z = sigmas[0] * torch.randn(Bsz, n, d, device=device, generator=generator)
         table = self.target_table()
+        tracker = exit_rule.tracker() if exit_rule is not None else None
+        done = torch.zeros(Bsz, dtype=torch.bool, device=device)
+        used = torch.zeros(Bsz, dtype=torch.long, device=device)
+        final = None
         for k in range(K):
             sigma = torch.full((Bsz,), sigmas[k], device=device)
             logits = call(dm.route_sigma(sigmas[k], self.edges), z, sigma)
+            final = logits if final is None else torch.where(done[:, None, None], final, logits)
+            used += (~done).long()
+            if tracker is not None:
+                done |= tracker.update(logits)
+                if bool(done.all()):
+                    break
             if k + 1 < K:
-                denoised = self.bridge(logits, table, bridge)
-                z = dm.euler_step(z, denoised, sigmas[k], sigmas[k + 1])
-        return logits
+                z_next = dm.euler_step(z, self.bridge(logits, table, bridge), sigmas[k], sigmas[k + 1])
+                z = torch.where(done[:, None, None], z, z_next)
+        if stats is not None:
+            stats["iterations"] = used
+        return final
 
     @staticmethod
     def bridge(logits, table, kind: str):
@@ -315,19 +341,24 @@ class DiffusionBlocksLM(nn.Module):
 
     # --- generation with KV caches --------------------------------------------------------------
 
-    def inference_kwargs(self, num_iterations: int | None, bridge: str | None) -> dict:
+    def inference_kwargs(self, num_iterations: int | None, bridge: str | None, exit_rule=None) -> dict:
         K = num_iterations if num_iterations is not None else (self.cfg.diffusion.num_iterations or len(self.blocks))
         if isinstance(K, bool) or not isinstance(K, int) or K < 1:
             raise UserError(f"num_iterations must be an integer >= 1 (got {K})")
+        if K > self.max_iterations:
+            raise UserError(f"num_iterations {K} exceeds model.max_iterations ({self.max_iterations})")
         if K < len(self.blocks):
             warnings.warn(f"num_iterations={K} < {len(self.blocks)} blocks: some blocks are skipped", stacklevel=2)
-        return {"num_iterations": K, "bridge": bridge or self.cfg.diffusion.bridge}
+        kw = {"num_iterations": K, "bridge": bridge or self.cfg.diffusion.bridge}
+        if exit_rule is not None:
+            kw["exit_rule"] = exit_rule
+        return kw
 
     def new_cache(self, batch: int, max_len: int) -> DecodeState:
         return DecodeState(self, batch, max_len)
 
     def forward_cached(self, idx, state: DecodeState, num_iterations: int | None = None, bridge: str = "hard",
-                       generator=None, z=None):
+                       generator=None, z=None, exit_rule=None, stats=None):
         """Append tokens idx (B, n) to the history; return logits (B, 1, V) for the next token."""
         K = num_iterations or len(self.blocks)
         start, n = state.length, idx.shape[1]
@@ -340,7 +371,7 @@ class DiffusionBlocksLM(nn.Module):
             pending = state.clean_inputs[:, caches[0].length:state.length]
             return self.run_block(b, pending, z_, sigma, pos, None, caches=caches)
 
-        return self.chain(call, K, (idx.shape[0], 1), idx.device, generator, bridge, z)
+        return self.chain(call, K, (idx.shape[0], 1), idx.device, generator, bridge, z, exit_rule, stats)
 
     @torch.no_grad()
     def next_logits_uncached(self, idx, num_iterations: int, bridge: str, z):
@@ -354,10 +385,9 @@ class DiffusionBlocksLM(nn.Module):
         return self.chain(call, num_iterations, (idx.shape[0], 1), idx.device, None, bridge, z)
 
 
-def _build_db_ar(cfg: Config, vocab_size: int, state: dict | None):
-    if cfg.model.n_coda:
-        raise UserError("model.n_coda is not used by db_ar (blocks end in the tied head); set it to 0")
+def _build(cfg: Config, vocab_size: int, state: dict | None):
     return DiffusionBlocksLM(cfg, vocab_size, (state or {}).get("edges"))
 
 
-register("db_ar", _build_db_ar)
+register("db_ar", _build)
+register("looped_db", _build)  # one block (the weight-tied core), prelude and coda around it

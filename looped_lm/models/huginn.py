@@ -1,0 +1,182 @@
+"""The recurrent-depth baseline, trained as Huginn is (Geiping et al. 2025): truncated BPTT.
+
+    tokens -> embedding -> prelude (n_prelude layers) -> e
+    s_0 ~ N(0, init_scale^2)                              random initial state
+    s_i = core(adapter(cat[s_{i-1}, e]))  for i = 1..r   weight-tied core (n_layers layers)
+    coda (n_coda layers) -> norm -> tied head
+
+Training draws r per step from a Poisson-log-normal with mean `mean_recurrence` and backpropagates
+through the last `backprop_depth` iterations only (the first r - k run without gradient). Every
+iteration's core layers attend causally over the same iteration's keys, so the KV cache holds one
+entry per (iteration, layer): its size grows with K, unlike the DiffusionBlocks looped model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from looped_lm.config import Config
+from looped_lm.errors import UserError
+from looped_lm.models import register
+from looped_lm.models.layers import KVCache, RotaryEmbedding, TransformerLayer, ffn_width, init_weights
+
+
+def sample_recurrence(mean: int, generator: torch.Generator, sigma: float = 0.5) -> int:
+    """r = 1 + Poisson(exp(tau)), tau ~ N(log(mean - 1) - sigma^2/2, sigma): Huginn's heavy-tailed draw.
+
+    E[exp(tau)] = mean - 1, so E[r] = mean; r >= 1 always.
+    """
+    if mean <= 1:
+        return 1
+    tau = torch.randn((), generator=generator, dtype=torch.float64) * sigma + math.log(mean - 1) - sigma ** 2 / 2
+    return 1 + int(torch.poisson(tau.exp().reshape(1), generator=generator).item())
+
+
+class HuginnLM(nn.Module):
+    def __init__(self, cfg: Config, vocab_size: int):
+        super().__init__()
+        m = cfg.model
+        self.cfg, self.vocab_size, self.n_heads = cfg, vocab_size, m.n_heads
+        self.seq_len, self.max_positions, self.max_iterations = m.seq_len, 4 * m.seq_len, m.max_iterations
+        self.mean_recurrence, self.backprop_depth = m.mean_recurrence, m.backprop_depth
+        self.init_scale = 1.0  # std of the random initial state, as Huginn's default
+        ffn = ffn_width(m.d_model, m.ffn_hidden)
+
+        def stack(n):
+            return nn.ModuleList(TransformerLayer(m.d_model, m.n_heads, ffn, m.norm_eps) for _ in range(n))
+
+        self.tok_emb = nn.Embedding(vocab_size, m.d_model)
+        self.prelude, self.core, self.coda = stack(m.n_prelude), stack(m.n_layers), stack(m.n_coda)
+        self.adapter = nn.Linear(2 * m.d_model, m.d_model, bias=False)
+        self.norm = nn.RMSNorm(m.d_model, eps=m.norm_eps)
+        self.rope = RotaryEmbedding(m.d_model // m.n_heads, self.max_positions, m.rope_theta)
+        init_weights(self, m.init_std, m.n_prelude + m.n_layers * m.mean_recurrence + m.n_coda)
+
+    # --- the network --------------------------------------------------------------------------
+
+    def _stack(self, layers, x, cos, sin, caches=None):
+        for i, layer in enumerate(layers):
+            x = layer(x, cos, sin, caches[i] if caches else None)
+        return x
+
+    def initial_state(self, e: torch.Tensor, generator=None) -> torch.Tensor:
+        return self.init_scale * torch.randn(e.shape, device=e.device, dtype=e.dtype, generator=generator)
+
+    def iterate(self, s, e, cos, sin, caches=None):
+        """One recurrence: s <- core(adapter(cat[s, e]))."""
+        return self._stack(self.core, self.adapter(torch.cat([s, e], dim=-1)), cos, sin, caches)
+
+    def forward(self, idx, num_iterations: int, generator=None, no_grad_iterations: int = 0, s0=None):
+        """idx (B, T) -> logits (B, T, V) after `num_iterations` core passes (the first
+        `no_grad_iterations` of them without gradient: truncated backprop)."""
+        cos, sin = self.rope(torch.arange(idx.shape[1], device=idx.device))
+        e = self._stack(self.prelude, self.tok_emb(idx), cos, sin)
+        s = self.initial_state(e, generator) if s0 is None else s0
+        with torch.no_grad():
+            for _ in range(no_grad_iterations):
+                s = self.iterate(s, e, cos, sin)
+        for _ in range(num_iterations - no_grad_iterations):
+            s = self.iterate(s, e, cos, sin)
+        h = self._stack(self.coda, s, cos, sin)
+        return F.linear(self.norm(h), self.tok_emb.weight)
+
+    # --- training -----------------------------------------------------------------------------
+
+    def training_loss(self, x, y, step: int, seed: int):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step)  # same r on every rank
+        r = sample_recurrence(self.mean_recurrence, g)
+        k = min(r, self.backprop_depth)
+        logits = self(x, r, no_grad_iterations=r - k)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        return loss, {"recurrence": r}
+
+    @torch.no_grad()
+    def validation_loss(self, x, y, seed: int):
+        g = torch.Generator(device=x.device).manual_seed(seed)
+        logits = self(x, self.mean_recurrence, generator=g)
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+    @torch.no_grad()
+    def eval_nll(self, x, y, k_grid=None, draws: int = 1, generator=None) -> dict:
+        """Exact next-token NLL (B, T) for each K in k_grid (default: mean_recurrence).
+
+        The K iterations are shared: the state after K_1 iterations continues to K_2 > K_1.
+        """
+        ks = sorted(set(k_grid or [self.mean_recurrence]))
+        for K in ks:
+            self.check_iterations(K)
+        cos, sin = self.rope(torch.arange(x.shape[1], device=x.device))
+        e = self._stack(self.prelude, self.tok_emb(x), cos, sin)
+        s = self.initial_state(e, generator)
+        out, done = {}, 0
+        for K in ks:
+            for _ in range(K - done):
+                s = self.iterate(s, e, cos, sin)
+            done = K
+            logits = F.linear(self.norm(self._stack(self.coda, s, cos, sin)), self.tok_emb.weight)
+            out[K] = F.cross_entropy(logits.float().transpose(1, 2), y, reduction="none")
+        return out
+
+    # --- generation: a KV cache per (iteration, layer) ------------------------------------------
+
+    def check_iterations(self, K) -> None:
+        if isinstance(K, bool) or not isinstance(K, int) or K < 1:
+            raise UserError(f"num_iterations must be an integer >= 1 (got {K})")
+        if K > self.max_iterations:
+            raise UserError(f"num_iterations {K} exceeds model.max_iterations ({self.max_iterations})")
+
+    def inference_kwargs(self, num_iterations: int | None, bridge: str | None, exit_rule=None) -> dict:
+        if bridge is not None:
+            raise UserError("--bridge applies to DiffusionBlocks models, not to huginn")
+        if exit_rule is not None:
+            raise UserError("adaptive exit is offered for looped_db (its KV cache does not depend on K)")
+        K = num_iterations if num_iterations is not None else (self.cfg.diffusion.num_iterations or self.mean_recurrence)
+        self.check_iterations(K)
+        return {"num_iterations": K}
+
+    def new_cache(self, batch: int, max_len: int, num_iterations: int | None = None) -> dict:
+        """Caches are made lazily per iteration: their count is the K the request runs."""
+        return {"batch": batch, "max_len": max_len, "length": 0, "core": [],
+                "prelude": self._caches(len(self.prelude), batch, max_len),
+                "coda": self._caches(len(self.coda), batch, max_len)}
+
+    def _caches(self, n, batch, max_len):
+        p = self.tok_emb.weight
+        D = p.shape[1] // self.n_heads
+        return [KVCache(batch, self.n_heads, max_len, D, p.device, p.dtype) for _ in range(n)]
+
+    def forward_cached(self, idx, caches: dict, num_iterations: int | None = None, generator=None, s0=None):
+        """New tokens idx (B, n) -> logits (B, n, V). K must stay the same for the whole sequence
+        (every iteration's cache needs every token); `s0` overrides the random initial state."""
+        K = num_iterations or self.mean_recurrence
+        if caches["core"] and len(caches["core"]) != K:
+            raise UserError(f"num_iterations changed from {len(caches['core'])} to {K} within one sequence")
+        while len(caches["core"]) < K:
+            caches["core"].append(self._caches(len(self.core), caches["batch"], caches["max_len"]))
+        start = caches["length"]
+        caches["length"] += idx.shape[1]
+        cos, sin = self.rope(torch.arange(start, start + idx.shape[1], device=idx.device))
+        e = self._stack(self.prelude, self.tok_emb(idx), cos, sin, caches["prelude"])
+        s = self.initial_state(e, generator) if s0 is None else s0
+        for i in range(K):
+            s = self._stack(self.core, self.adapter(torch.cat([s, e], dim=-1)), cos, sin, caches["core"][i])
+        h = self._stack(self.coda, s, cos, sin, caches["coda"])
+        return F.linear(self.norm(h), self.tok_emb.weight)
+
+    uses_noise = True  # the initial state is drawn from the request's generator
+
+    @staticmethod
+    def kv_bytes_per_token(caches: dict) -> int:
+        every = caches["prelude"] + caches["coda"] + [c for it in caches["core"] for c in it]
+        return sum(c.nbytes_per_token() for c in every)
+
+
+def _build_huginn(cfg: Config, vocab_size: int, state: dict | None):
+    return HuginnLM(cfg, vocab_size)
+
+
+register("huginn", _build_huginn)

@@ -1,0 +1,254 @@
+"""`looped_lm {prepare,train,eval,generate}` end to end: help, prepared files, eval numbers recomputed by
+hand, generation determinism, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from looped_lm import cli
+from looped_lm.checkpoint import load_checkpoint
+from looped_lm.data.tokenizer import get_tokenizer
+from looped_lm.engine.generate import generate
+
+
+# ------------------------------------------------------------------------------------------------
+# help
+
+
+def test_console_script_help(clean_env):
+    proc = subprocess.run(["looped_lm", "--help"], env=clean_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for verb in ("prepare", "train", "eval", "generate"):
+        assert verb in proc.stdout
+    assert proc.stderr == ""
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["prepare", "--help"], ["train", "--help"], ["eval", "--help"],
+                                  ["generate", "--help"], ["--version"]])
+def test_help_exits_zero(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: looped_lm") or out.startswith("looped_lm 0.")
+    if argv[0] == "eval":
+        assert "--stride" in out and "--json" in out
+    if argv[0] == "generate":
+        assert "--temperature" in out and "--seed" in out
+
+
+def test_train_help_config_lists_fields(capsys):
+    assert cli.main(["train", "--help-config"]) == 0
+    out = capsys.readouterr().out
+    assert "train:" in out and "  lr (float, default 0.001)" in out and "  zero_stage (int, default 0)" in out
+
+
+def test_unknown_verb_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["fly"])
+    assert exc.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------
+# prepare
+
+
+def test_prepare_writes_bins_and_refuses_to_overwrite(tmp_path, capsys, one_line_error):
+    text = "In the beginning was a small test corpus, written by a test.\nSecond line: ünïcödé.\n"
+    src = tmp_path / "corpus.txt"
+    src.write_text(text, encoding="utf-8")
+    out = tmp_path / "prepared"
+    argv = ["prepare", "--source", str(src), "--out", str(out), "--tokenizer", "byte"]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+    train = np.fromfile(out / "train.bin", dtype=np.uint16)
+    val = np.fromfile(out / "val.bin", dtype=np.uint16)
+    # one document, cut at 95% of its tokens; the end-of-text token (256) closes it, in val
+    raw = list(text.encode("utf-8")) + [256]
+    assert list(train) + list(val) == raw
+    assert len(train) == round((len(raw) - 1) * 0.95)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["tokenizer"] == "byte" and meta["vocab_size"] == 257 and meta["eot_id"] == 256
+    assert meta["splits"]["train"]["tokens"] == len(train) and meta["splits"]["val"]["tokens"] == len(val)
+    assert f"train {len(train):,} tokens" in printed
+
+    (out / "train.bin").write_bytes(b"")  # so that we can see whether a refused run touched anything
+    assert cli.main(argv) == 2
+    one_line_error(capsys.readouterr(), "already prepared", "--overwrite")
+    assert (out / "train.bin").read_bytes() == b""
+    assert cli.main(argv + ["--overwrite"]) == 0
+    assert list(np.fromfile(out / "train.bin", dtype=np.uint16)) == list(train)
+
+
+def test_prepare_bad_source_is_one_line(tmp_path, capsys, one_line_error):
+    assert cli.main(["prepare", "--source", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "o"),
+                     "--tokenizer", "byte"]) == 2
+    one_line_error(capsys.readouterr(), "does not exist")
+    assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# eval
+
+
+def _val_tokens(ckpt: Path, limit: int) -> np.ndarray:
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    return np.fromfile(Path(manifest["data"]["dir"]) / "val.bin", dtype=np.uint16)[:limit].astype(np.int64)
+
+
+def _nll_sum(model, windows: list[tuple[int, int]], tokens: np.ndarray, T: int) -> float:
+    """Sum of -log p over the last `n` targets of each window starting at s: [(s, n), ...]."""
+    x = torch.stack([torch.from_numpy(tokens[s:s + T]) for s, _ in windows])
+    y = torch.stack([torch.from_numpy(tokens[s + 1:s + T + 1]) for s, _ in windows])
+    with torch.no_grad():
+        logits, _ = model(x)
+    nll = F.cross_entropy(logits.transpose(1, 2), y, reduction="none").double()  # (windows, T)
+    return sum(float(row[T - n:].sum()) for row, (_, n) in zip(nll, windows))
+
+
+def test_eval_json_table_and_hand_computed_perplexity(tiny_run, tmp_path, capsys):
+    _, ckpt, _ = tiny_run
+    out_json = tmp_path / "r" / "eval.json"
+    N = 2000
+    assert cli.main(["eval", "--checkpoint", str(ckpt), "--json", str(out_json), "--max-tokens", str(N),
+                     "--batch-size", "32", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    rep = json.loads(out_json.read_text())
+    assert {"ppl", "nll", "tokens", "block_size", "stride", "tokenizer"} <= set(rep)
+    assert abs(rep["ppl"] - math.exp(rep["nll"])) <= 1e-9 * rep["ppl"]
+    T = 16
+    assert (rep["block_size"], rep["stride"], rep["tokenizer"], rep["protocol"]) == (T, T, "byte", "disjoint")
+    n_blocks = (N - 1) // T  # 124 disjoint blocks, each scoring all of its 16 targets
+    assert rep["tokens"] == n_blocks * T == 1984
+    assert f"| exact | {rep['ppl']:.3f} |" in printed and "tokens 1984  block 16  stride 16" in printed
+
+    model, _, _ = load_checkpoint(ckpt)
+    tokens = _val_tokens(ckpt, N)
+    nll = _nll_sum(model, [(i * T, T) for i in range(n_blocks)], tokens, T) / rep["tokens"]
+    assert abs(rep["nll"] - nll) < 1e-5
+    assert abs(rep["ppl"] - math.exp(nll)) < 1e-4 * rep["ppl"]
+    assert 1.0 < rep["ppl"] < 257  # a trained model beats uniform guessing
+
+
+def test_eval_stride_scores_every_target_once(tiny_run, tmp_path, capsys):
+    _, ckpt, _ = tiny_run
+    N, T, S = 2000, 16, 8
+    common = ["eval", "--checkpoint", str(ckpt), "--max-tokens", str(N), "--batch-size", "32", "--no-progress"]
+    assert cli.main(common + ["--json", str(tmp_path / "d.json")]) == 0
+    assert cli.main(common + ["--stride", str(S), "--json", str(tmp_path / "s.json")]) == 0
+    capsys.readouterr()
+    disjoint = json.loads((tmp_path / "d.json").read_text())
+    strided = json.loads((tmp_path / "s.json").read_text())
+    k = (N - 1 - T) // S + 1  # windows at 0, 8, ..., while s + T <= N - 1
+    assert strided["tokens"] == T + (k - 1) * S == 1992
+    assert (strided["stride"], strided["protocol"]) == (S, "strided")
+    assert strided["ppl"] != disjoint["ppl"]
+    model, _, _ = load_checkpoint(ckpt)
+    windows = [(0, T)] + [(i * S, S) for i in range(1, k)]
+    nll = _nll_sum(model, windows, _val_tokens(ckpt, N), T) / strided["tokens"]
+    assert abs(strided["nll"] - nll) < 1e-5
+    assert abs(strided["ppl"] - math.exp(strided["nll"])) <= 1e-9 * strided["ppl"]
+
+
+def test_eval_errors_are_one_line(tiny_run, tmp_path, capsys, one_line_error):
+    _, ckpt, _ = tiny_run
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(b"\x01\x00" * 40 + b"\x07")
+    assert cli.main(["eval", "--checkpoint", str(ckpt), "--data", str(odd), "--no-progress"]) == 2
+    one_line_error(capsys.readouterr(), "odd byte length", "odd.bin")
+    assert cli.main(["eval", "--checkpoint", str(tmp_path / "no_such_ckpt"), "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    one_line_error(captured, "checkpoint directory not found", "no_such_ckpt")
+    assert captured.err.count("\n") == 1 and captured.out == ""
+    assert cli.main(["eval", "--checkpoint", str(ckpt), "--stride", "99", "--no-progress"]) == 2
+    one_line_error(capsys.readouterr(), "--stride")
+    assert cli.main(["eval", "--checkpoint", str(ckpt), "--num-iterations", "2", "--no-progress"]) == 2
+    one_line_error(capsys.readouterr(), "--num-iterations")
+    assert cli.main(["eval", "--checkpoint", str(ckpt), "--block-size", "65", "--no-progress"]) == 2
+    one_line_error(capsys.readouterr(), "--block-size 65", "64 positions")
+
+
+# ------------------------------------------------------------------------------------------------
+# generate
+
+
+def _generate(capsys, ckpt, *extra) -> str:
+    assert cli.main(["generate", "--checkpoint", str(ckpt), "--prompt", "And God said", "--max-tokens", "24",
+                     *extra]) == 0
+    return capsys.readouterr().out
+
+
+def test_generate_is_seeded_and_starts_with_the_prompt(tiny_run, capsys):
+    _, ckpt, _ = tiny_run
+    a = _generate(capsys, ckpt, "--seed", "3", "--temperature", "1.0")
+    b = _generate(capsys, ckpt, "--seed", "3", "--temperature", "1.0")
+    c = _generate(capsys, ckpt, "--seed", "4", "--temperature", "1.0")
+    assert a.startswith("And God said") and a.endswith("\n")
+    assert a == b and a != c
+    assert len(a) > len("And God said\n")
+
+
+def test_generate_temperature_zero_is_the_greedy_continuation(tiny_run, capsys):
+    _, ckpt, _ = tiny_run
+    a = _generate(capsys, ckpt, "--temperature", "0", "--seed", "1")
+    b = _generate(capsys, ckpt, "--temperature", "0", "--seed", "2")
+    assert a == b
+    model, _, _ = load_checkpoint(ckpt)
+    tok = get_tokenizer("byte")
+    ids = tok.encode("And God said")
+    out = generate(model, torch.tensor([ids]), 24, eot_id=tok.eot_id)[0, len(ids):].tolist()
+    if tok.eot_id in out:
+        out = out[:out.index(tok.eot_id)]
+    assert a == "And God said" + tok.decode(out) + "\n"
+
+
+def test_generate_errors_are_one_line(tiny_run, tmp_path, capsys, one_line_error):
+    _, ckpt, _ = tiny_run
+    assert cli.main(["generate", "--checkpoint", str(ckpt), "--prompt", "x", "--temperature", "-1"]) == 2
+    one_line_error(capsys.readouterr(), "temperature")
+    assert cli.main(["generate", "--checkpoint", str(ckpt), "--prompt", "x", "--max-tokens", "100"]) == 2
+    one_line_error(capsys.readouterr(), "64 positions")
+    assert cli.main(["generate", "--checkpoint", str(ckpt), "--prompt", "x", "--num-iterations", "4"]) == 2
+    one_line_error(capsys.readouterr(), "--num-iterations", "gpt")
+    assert cli.main(["generate", "--checkpoint", str(tmp_path / "none"), "--prompt", "x"]) == 2
+    one_line_error(capsys.readouterr(), "checkpoint directory not found")
+
+
+def test_eval_finds_the_run_data_from_another_directory(tmp_path, write_config, monkeypatch, capsys):
+    """With the default relative `data.cache_dir` ("data_cache"), the manifest must still locate val.bin
+    when `looped_lm eval` runs from another working directory (the checkpoint is given by absolute path)."""
+    from looped_lm import train as trainer
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    (tmp_path / "train_here").mkdir()
+    (tmp_path / "eval_here").mkdir()
+    monkeypatch.chdir(tmp_path / "train_here")
+    cfg = write_config(tmp_path / "run.yaml", {
+        "data": {"source": "files", "path": str(corpus), "cache_dir": "data_cache"},
+        "train": {"out_dir": "out"}})
+    assert trainer.main(["--config", str(cfg)]) == 0
+    ckpt = (tmp_path / "train_here" / "out" / "step_0000002").resolve()
+    monkeypatch.chdir(tmp_path / "eval_here")
+    capsys.readouterr()
+    assert cli.main(["eval", "--checkpoint", str(ckpt), "--no-progress"]) == 0, capsys.readouterr().err
+    assert "| exact |" in capsys.readouterr().out
+
+
+def test_eval_zero_batch_size_is_one_line(tiny_run, capsys, one_line_error):
+    """`--batch-size 0` is bad input: one `error:` line naming the flag, not a ValueError traceback from
+    range(0, n, 0) inside eval.perplexity."""
+    _, ckpt, _ = tiny_run
+    assert cli.main(["eval", "--checkpoint", str(ckpt), "--batch-size", "0", "--max-tokens", "500",
+                     "--no-progress"]) == 2
+    one_line_error(capsys.readouterr(), "--batch-size")

@@ -1,0 +1,231 @@
+"""Typed config: defaults, YAML round trips, --set overrides, and one named error per bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from looped_lm import cli
+from looped_lm.config import Config, config_from_dict, describe_fields, load_config
+from looped_lm.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A valid value for every field, each different from its default: a YAML round trip of this dict
+# proves every field is read back, typed, and kept.
+NON_DEFAULT = {
+    "model": {
+        "kind": "db_ar", "n_layers": 6, "d_model": 96, "n_heads": 3, "seq_len": 64, "vocab_size": 300,
+        "ffn_hidden": 200, "rope_theta": 500000.0, "norm_eps": 1.0e-6, "init_std": 0.01, "n_prelude": 2,
+        "n_coda": 2, "mean_recurrence": 16, "backprop_depth": 20, "allow_full_backprop": True,
+        "max_iterations": 32,
+    },
+    "diffusion": {
+        "num_blocks": 3, "partition": "uniform", "overlap": 0.25, "p_mean": -0.5, "p_std": 1.5,
+        "sigma_min": 0.01, "sigma_max": 40.0, "sigma_data": 1.0, "loss_weight": "edm",
+        "target_scale": "sigma_data", "target_fraction": 0.5, "blocks_to_train": [0, 2],
+        "block_sampling": "round_robin", "bridge": "soft", "num_iterations": 6,
+    },
+    "data": {"source": "files", "path": "corpus.txt", "tokenizer": "byte", "val_fraction": 0.1,
+             "cache_dir": "cache"},
+    "train": {
+        "max_steps": 50, "batch_size": 3, "grad_accum": 4, "lr": 0.003, "min_lr": 0.0003, "warmup_steps": 7,
+        "weight_decay": 0.05, "beta1": 0.8, "beta2": 0.99, "grad_clip": 0.5, "seed": 7, "out_dir": "runs/x",
+        "save_every": 10, "keep_last": 3, "eval_every": 5, "eval_batches": 2, "log_every": 2,
+        "resume": "never", "progress": False,
+    },
+    "deepspeed": {"zero_stage": 2, "bf16": True},
+    "eval": {"block_size": 32, "stride": 16, "max_tokens": 1000, "draws": 2},
+}
+
+
+def write(tmp_path: Path, raw, name="run.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(raw if isinstance(raw, str) else yaml.safe_dump(raw, sort_keys=False))
+    return str(path)
+
+
+def test_defaults_load_and_validate():
+    cfg = load_config(None)
+    assert cfg == Config()
+    assert (cfg.model.kind, cfg.model.d_model, cfg.model.n_layers, cfg.model.seq_len) == ("gpt", 128, 4, 256)
+    assert (cfg.train.lr, cfg.train.max_steps, cfg.train.resume) == (1e-3, 1000, "auto")
+    assert (cfg.deepspeed.zero_stage, cfg.data.source, cfg.diffusion.blocks_to_train) == (0, "bible", [])
+    # list defaults are not shared between instances
+    a, b = Config(), Config()
+    a.diffusion.blocks_to_train.append(1)
+    assert b.diffusion.blocks_to_train == []
+
+
+def test_non_default_table_covers_every_field():
+    cfg = Config()
+    for section, values in NON_DEFAULT.items():
+        names = {f.name for f in dataclasses.fields(getattr(cfg, section))}
+        assert set(values) == names, f"NON_DEFAULT.{section} must list every field"
+        for key, value in values.items():
+            assert getattr(getattr(cfg, section), key) != value, f"{section}.{key} equals its default"
+    assert set(NON_DEFAULT) == {f.name for f in dataclasses.fields(Config)}
+
+
+def test_yaml_round_trip_of_every_field(tmp_path):
+    cfg = load_config(write(tmp_path, NON_DEFAULT))
+    assert cfg.to_dict() == NON_DEFAULT
+    assert isinstance(cfg.model.rope_theta, float) and isinstance(cfg.model.n_layers, int)
+    # dump what was loaded, load again: the same config (this is also what a checkpoint manifest does)
+    again = load_config(write(tmp_path, cfg.to_dict(), "again.yaml"))
+    assert again == cfg
+    assert config_from_dict(cfg.to_dict()) == cfg
+    # and the defaults survive the same trip
+    assert load_config(write(tmp_path, Config().to_dict(), "defaults.yaml")) == Config()
+
+
+def test_empty_file_and_empty_section_mean_defaults(tmp_path):
+    assert load_config(write(tmp_path, "")) == Config()
+    assert load_config(write(tmp_path, "model:\ntrain:\n", "sections.yaml")) == Config()
+
+
+def test_set_override_types(tmp_path):
+    path = write(tmp_path, {"train": {"lr": 0.1, "max_steps": 3}})
+    cfg = load_config(path, ["train.max_steps=7", "train.lr=0.25", "train.progress=false", "model.kind=db_ar",
+                             "diffusion.blocks_to_train=[0, 2]", "train.out_dir=runs/a b", "train.min_lr=0"])
+    assert cfg.train.max_steps == 7 and type(cfg.train.max_steps) is int
+    assert cfg.train.lr == 0.25 and type(cfg.train.lr) is float
+    assert cfg.train.progress is False
+    assert cfg.diffusion.blocks_to_train == [0, 2]
+    assert cfg.train.out_dir == "runs/a b"
+    assert cfg.train.min_lr == 0.0 and type(cfg.train.min_lr) is float  # an int where a float is expected
+    # later --set wins over earlier ones and over the file
+    assert load_config(path, ["train.max_steps=4", "train.max_steps=9"]).train.max_steps == 9
+    assert load_config(path).train.max_steps == 3
+
+
+def test_exponent_floats_are_numbers(tmp_path):
+    """`lr: 3e-4` is how everyone writes a learning rate. PyYAML (YAML 1.1) reads a float without a dot
+    as a *string*, so the config rejects it with 'train.lr must be a number, got '3e-4''."""
+    assert load_config(None, ["train.lr=1e-3"]).train.lr == pytest.approx(1e-3)
+    assert load_config(write(tmp_path, "train:\n  lr: 3e-4\n  min_lr: 1E-5\n")).train.lr == pytest.approx(3e-4)
+
+
+# ------------------------------------------------------------------------------------------------
+# bad input: one UserError naming the key, and through the CLI exit 2, one line, nothing built
+
+BAD = {
+    "unknown key": ({"train": {"lrr": 0.1}}, ["train.lrr", "did you mean 'lr'"]),
+    "unknown section": ({"trian": {"lr": 0.1}}, ["'trian'", "did you mean 'train'"]),
+    "string for int": ({"train": {"max_steps": "ten"}}, ["train.max_steps", "integer", "'ten'"]),
+    "bool for int": ({"train": {"batch_size": True}}, ["train.batch_size", "integer", "True"]),
+    "float for int": ({"model": {"d_model": 32.5}}, ["model.d_model", "integer"]),
+    "string for float": ({"train": {"lr": "fast"}}, ["train.lr", "number"]),
+    "string for bool": ({"train": {"progress": "yes please"}}, ["train.progress", "true or false"]),
+    "not a list": ({"model": {"kind": "db_ar"}, "diffusion": {"blocks_to_train": 1}},
+                   ["diffusion.blocks_to_train", "list"]),
+    "bad choice": ({"model": {"kind": "gpt3"}}, ["model.kind", "gpt", "db_ar"]),
+    "negative lr": ({"train": {"lr": -0.001}}, ["train.lr", "> 0"]),
+    "blocks do not divide layers": ({"model": {"kind": "db_ar", "n_layers": 4}, "diffusion": {"num_blocks": 3}},
+                                    ["diffusion.num_blocks", "model.n_layers"]),
+    "overlap above 0.5": ({"diffusion": {"overlap": 0.6}}, ["diffusion.overlap", "[0, 0.5]"]),
+    "overlap below 0": ({"diffusion": {"overlap": -0.1}}, ["diffusion.overlap"]),
+    "sigma_min above sigma_max": ({"diffusion": {"sigma_min": 90.0, "sigma_max": 80.0}},
+                                  ["diffusion.sigma_min", "diffusion.sigma_max"]),
+    "sigma_min equals sigma_max": ({"diffusion": {"sigma_min": 5.0, "sigma_max": 5.0}}, ["diffusion.sigma_min"]),
+    "blocks_to_train out of range": ({"model": {"kind": "db_ar"}, "diffusion": {"blocks_to_train": [0, 4]}},
+                                     ["diffusion.blocks_to_train", "4", "0..3"]),
+    "blocks_to_train negative": ({"model": {"kind": "db_ar"}, "diffusion": {"blocks_to_train": [-1]}},
+                                 ["diffusion.blocks_to_train", "-1"]),
+    "blocks_to_train duplicated": ({"model": {"kind": "db_ar"}, "diffusion": {"blocks_to_train": [1, 1]}},
+                                   ["diffusion.blocks_to_train", "duplicates"]),
+    "zero stage 3": ({"deepspeed": {"zero_stage": 3}}, ["deepspeed.zero_stage", "0, 1 or 2"]),
+    "heads do not divide width": ({"model": {"d_model": 30, "n_heads": 4}}, ["model.d_model", "model.n_heads"]),
+    "files without a path": ({"data": {"source": "files"}}, ["data.path"]),
+    "section not a mapping": ({"train": 5}, ["'train'", "mapping"]),
+    "non-finite float": ({"train": {"lr": float("inf")}}, ["train.lr", "finite"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_values_name_the_key(tmp_path, case):
+    raw, needles = BAD[case]
+    with pytest.raises(UserError) as err:
+        load_config(write(tmp_path, raw))
+    for needle in needles:
+        assert needle in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(UserError, match="config file not found: .*nope.yaml"):
+        load_config(str(tmp_path / "nope.yaml"))
+
+
+def test_yaml_syntax_error_reports_the_line(tmp_path):
+    path = write(tmp_path, "model:\n  d_model: 32\n  n_heads: 2\ntrain:\n  lr: 0.1\n    max_steps: 3\n")
+    with pytest.raises(UserError) as err:
+        load_config(path)
+    assert "not valid YAML" in str(err.value) and "line 6" in str(err.value)
+
+
+def test_top_level_must_be_a_mapping(tmp_path):
+    with pytest.raises(UserError, match="must hold a mapping of sections, got list"):
+        load_config(write(tmp_path, "- a\n- b\n"))
+
+
+@pytest.mark.parametrize("item, needle", [
+    ("train.lr", "--set expects section.key=value"),
+    ("lr=0.1", "--set key must look like section.key"),
+    ("train.opt.lr=0.1", "--set key must look like section.key"),
+    ("train.bogus=1", "unknown config key 'train.bogus'"),
+    ("train.max_steps=abc", "train.max_steps must be an integer"),
+])
+def test_bad_set_overrides(item, needle):
+    with pytest.raises(UserError) as err:
+        load_config(None, [item])
+    assert needle in str(err.value)
+
+
+def _cli_cases():
+    yield from ((name, raw, needles) for name, (raw, needles) in sorted(BAD.items()))
+    yield "yaml syntax", "train:\n  lr: 0.1\n    max_steps: 3\n", ["not valid YAML", "line 3"]
+
+
+@pytest.mark.parametrize("name, raw, needles", list(_cli_cases()), ids=[c[0] for c in _cli_cases()])
+def test_cli_train_rejects_bad_config_before_building_anything(tmp_path, capsys, one_line_error, name, raw, needles):
+    out_dir, cache = tmp_path / "out", tmp_path / "cache"
+    if isinstance(raw, dict):  # point out_dir and cache_dir into tmp_path (unless the case breaks a section)
+        for section, key, value in (("train", "out_dir", out_dir), ("data", "cache_dir", cache)):
+            if isinstance(raw.get(section, {}), dict):
+                raw = {**raw, section: {**raw.get(section, {}), key: str(value)}}
+    path = write(tmp_path, raw)
+    assert cli.main(["train", "--config", path]) == 2
+    captured = capsys.readouterr()
+    one_line_error(captured, *needles)
+    assert captured.err.strip().count("\n") == 0 and captured.out == ""
+    assert not out_dir.exists() and not cache.exists()
+
+
+def test_cli_train_missing_config_and_bad_set(tmp_path, capsys, one_line_error):
+    assert cli.main(["train", "--config", str(tmp_path / "missing.yaml")]) == 2
+    one_line_error(capsys.readouterr(), "config file not found", "missing.yaml")
+    assert cli.main(["train", "--set", "train.lr"]) == 2
+    one_line_error(capsys.readouterr(), "--set expects section.key=value", "'train.lr'")
+    assert cli.main(["train"]) == 2
+    one_line_error(capsys.readouterr(), "--config")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_every_shipped_config_loads():
+    paths = sorted((REPO / "configs").glob("*.yaml")) + sorted((REPO / "configs").glob("*.yml"))
+    assert paths, "configs/ holds no YAML recipe"
+    for path in paths:
+        cfg = load_config(str(path))
+        assert isinstance(cfg, Config), path
+
+
+def test_help_config_lists_every_field():
+    text = describe_fields()
+    for section in NON_DEFAULT:
+        assert f"{section}:" in text
+        for key in NON_DEFAULT[section]:
+            assert f"  {key} (" in text, f"{section}.{key} missing from --help-config"
