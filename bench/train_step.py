@@ -41,6 +41,8 @@ def worker(args) -> dict:
     from looped_lm.optim import BlockwiseAdamW, param_groups
 
     device = torch.device(args.device)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     baseline = _rss_mib()
     torch.manual_seed(0)
     model = GPT(args.layers, args.d_model, args.heads, args.seq, args.vocab).to(device).train()
@@ -95,7 +97,7 @@ def run_size(name, d_model, layers, heads, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--name", name, "--d-model", str(d_model),
            "--layers", str(layers), "--heads", str(heads), "--seq", str(args.seq), "--batch", str(args.batch),
            "--vocab", str(args.vocab), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--max-seconds", str(args.max_seconds), "--device", args.device]
+           "--max-seconds", str(args.max_seconds), "--threads", str(args.threads), "--device", args.device]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
         raise SystemExit(f"error: the {name} worker failed:\n{proc.stderr[-2000:]}")
@@ -132,6 +134,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--vocab", type=int, default=257, help="257 = the byte tokenizer; 50304 for GPT-2 sized heads")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads; 0 = torch's default (all cores). On a shared machine use 1: "
+                        "OpenMP threads competing with other processes can make steps 10x slower")
     p.add_argument("--json", default=None, help="also write the rows here")
     p.add_argument("--timeout", type=int, default=300, help="seconds per size")
     # worker mode (one size, in a fresh process)

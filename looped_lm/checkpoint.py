@@ -122,7 +122,7 @@ def read_manifest(ckpt: str | Path) -> dict:
         manifest = json.loads((ckpt / MANIFEST).read_text())
     except json.JSONDecodeError as e:
         raise UserError(f"{ckpt / MANIFEST} is corrupted: {e}") from None
-    for key in ("config", "step", "weights_sha256"):
+    for key in ("config", "step", "weights_sha256", "vocab_size", "tokenizer"):
         if key not in manifest:
             raise UserError(f"{ckpt / MANIFEST} is incomplete: no '{key}'")
     return manifest

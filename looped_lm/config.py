@@ -226,12 +226,19 @@ def _coerce(key: str, value, typ):
             raise UserError(f"{key} must be an integer, got {value!r}")
         return value
     if typ is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                raise UserError(f"{key} must be a number, got {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise UserError(f"{key} must be a number, got {value!r}")
         if not math.isfinite(value):
             raise UserError(f"{key} must be finite, got {value!r}")
         return float(value)
     if typ is str:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # e.g. --set train.out_dir=2024
         if not isinstance(value, str):
             raise UserError(f"{key} must be a string, got {value!r}")
         return value

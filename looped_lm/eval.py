@@ -62,6 +62,8 @@ def perplexity(model, data_path: str, block_size: int, stride: int = 0, max_toke
 
     if block_size < 1:
         raise UserError(f"--block-size must be >= 1 (got {block_size})")
+    if batch_size < 1:
+        raise UserError(f"--batch-size must be >= 1 (got {batch_size})")
     if block_size > model.max_positions:
         raise UserError(f"--block-size {block_size} exceeds the model's {model.max_positions} positions")
     if stride < 0 or stride > block_size:
@@ -128,6 +130,8 @@ def run(args) -> int:
     model, cfg, manifest = load_checkpoint(args.checkpoint, args.device)
     data = args.data
     if data is None:
+        if "dir" not in manifest.get("data", {}):
+            raise UserError(f"{args.checkpoint} does not record its data directory: pass --data VAL.bin")
         data = str(Path(manifest["data"]["dir"]) / "val.bin")
     block = args.block_size or cfg.eval.block_size or cfg.model.seq_len
     k_grid = parse_k_grid(args.num_iterations)

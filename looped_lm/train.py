@@ -151,9 +151,17 @@ def find_resume(cfg: Config, out_dir: Path) -> Path | None:
     return Path(r)
 
 
-def check_resume_compatible(manifest: dict, cfg: Config, model_state: dict, vocab_size: int) -> None:
-    """Refuse a checkpoint whose model, vocabulary or DiffusionBlocks edges differ from this run's."""
+def check_resume_compatible(manifest: dict, cfg: Config, model_state: dict, vocab_size: int,
+                            world_size: int) -> None:
+    """Refuse a checkpoint whose model, vocabulary, edges or optimiser layout differ from this run's."""
     saved = manifest["config"]
+    saved_stage = saved.get("deepspeed", {}).get("zero_stage", 0)
+    if saved_stage != cfg.deepspeed.zero_stage:
+        raise UserError(f"cannot resume: the checkpoint was written with deepspeed.zero_stage {saved_stage}, "
+                        f"this run uses {cfg.deepspeed.zero_stage} (their optimizer files differ)")
+    if saved_stage > 0 and manifest.get("world_size") != world_size:
+        raise UserError(f"cannot resume: the checkpoint's ZeRO optimizer state is partitioned over "
+                        f"{manifest.get('world_size')} ranks, this run has world size {world_size}")
     for section in ("model", "diffusion"):
         mine = getattr(cfg, section).__dict__
         for key, value in saved.get(section, {}).items():
@@ -215,7 +223,7 @@ def _train(cfg: Config, device: torch.device, stop_after: int) -> Path | None:
     model = build_model(cfg, vocab_size, manifest.get("model_state") if manifest else None)
     model_state = model.checkpoint_state() if hasattr(model, "checkpoint_state") else {}
     if manifest is not None:
-        check_resume_compatible(manifest, cfg, model_state, vocab_size)
+        check_resume_compatible(manifest, cfg, model_state, vocab_size, world)
     torch.manual_seed(t.seed + 1 + rank)  # noise draws (sigma, z, slots) differ across ranks
 
     optimizer = BlockwiseAdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
@@ -320,7 +328,7 @@ def save(engine, model, cfg: Config, out_dir: Path, step: int, vocab_size: int, 
     if rank == 0:
         manifest = {"config": cfg.to_dict(), "model_kind": cfg.model.kind, "vocab_size": vocab_size,
                     "tokenizer": tokenizer, "model_state": model_state,
-                    "data": {"dir": str(data_dir), "position": {"step": step, "tokens_seen": step * tokens_per_step},
+                    "data": {"dir": str(Path(data_dir).resolve()), "position": {"step": step, "tokens_seen": step * tokens_per_step},
                              "sampling": "stateless: batch(seed, step, micro_step, rank)"},
                     "world_size": dist.get_world_size()}
         final = ckpt_io.finalize(out_dir, step, model, manifest, cfg.train.keep_last)

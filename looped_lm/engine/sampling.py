@@ -16,11 +16,11 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
 
     def validate(self) -> "SamplingParams":
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # also refuses NaN
             raise UserError(f"temperature must be >= 0 (got {self.temperature})")
         if self.top_k < 0:
             raise UserError(f"top_k must be >= 0 (got {self.top_k})")
-        if not 0 < self.top_p <= 1:
+        if not 0 < self.top_p <= 1:  # NaN fails too
             raise UserError(f"top_p must be in (0, 1] (got {self.top_p})")
         return self
 
