@@ -148,13 +148,13 @@ def test_rows_exit_at_different_steps():
     stats = {}
     rule = ExitRule(kl_threshold=1e-3)
     logits = model.chain(call, 6, (2, 1), "cpu", None, "hard", exit_rule=rule, stats=stats)
-    assert stats["iterations"].tolist() == [2, 6]
+    assert stats["iterations"].tolist() == [[2], [6]]
     assert torch.equal(logits[0], steady[0]) and logits[1, 0].argmax() == 5
 
     call.count = 0
     stable = ExitRule(argmax_stable=3)
     model.chain(call, 8, (2, 1), "cpu", None, "hard", exit_rule=stable, stats=stats)
-    assert stats["iterations"].tolist() == [4, 8]
+    assert stats["iterations"].tolist() == [[4], [8]]
 
 
 def test_adaptive_exit_through_generate_reports_iterations():

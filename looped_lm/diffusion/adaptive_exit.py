@@ -3,7 +3,7 @@
 Two criteria (method.md §5):
   kl:<eps>             stop when KL(p_k || p_{k-1}) < eps
   argmax-stable:<m>    stop when the argmax has not changed for m consecutive steps
-Rows of a batch exit independently; an exited row keeps the logits of its last step. The clean
+Every (row, slot) exits independently; an exited one keeps the logits of its last step. The clean
 stream's KV cache stays exact because it never depends on the number of iterations.
 """
 
@@ -57,23 +57,21 @@ class ExitRule:
 
 
 class ExitTracker:
-    """Feeds each step's logits (N, ..., V) and answers which rows may stop now."""
+    """Feeds each step's logits (N, n, V) and answers which (row, slot) may stop now: (N, n) bool."""
 
     def __init__(self, rule: ExitRule):
         self.rule, self.prev, self.same = rule, None, None
 
     def update(self, logits: torch.Tensor) -> torch.Tensor:
-        rows = logits.shape[0]
-        done = torch.zeros(rows, dtype=torch.bool, device=logits.device)
+        done = torch.zeros(logits.shape[:-1], dtype=torch.bool, device=logits.device)
         if self.prev is not None:
             if self.rule.kl_threshold is not None:
-                kl = kl_divergence(logits, self.prev).reshape(rows, -1).amax(-1)
-                done |= kl < self.rule.kl_threshold
+                done |= kl_divergence(logits, self.prev) < self.rule.kl_threshold
             if self.rule.argmax_stable:
-                same = (logits.argmax(-1) == self.prev.argmax(-1)).reshape(rows, -1).all(-1)
+                same = logits.argmax(-1) == self.prev.argmax(-1)
                 self.same = torch.where(same, self.same + 1, torch.zeros_like(self.same))
                 done |= self.same >= self.rule.argmax_stable
         else:
-            self.same = torch.zeros(rows, dtype=torch.long, device=logits.device)
+            self.same = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
         self.prev = logits
         return done

@@ -41,7 +41,7 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, params: SamplingP
             return model.forward_cached(tokens, caches, **model_kw)[:, -1]
         stats = {}
         logits = model.forward_cached(tokens, caches, stats=stats, **model_kw)[:, -1]
-        iteration_log.append(stats["iterations"])
+        iteration_log.append(stats["iterations"][:, -1])  # (B,): the next token's slot
         return logits
 
     logits = step(prompt)

@@ -264,11 +264,13 @@ class DiffusionBlocksLM(nn.Module):
     # --- scoring: ppl@k (method.md §6) ----------------------------------------------------------
 
     @torch.no_grad()
-    def eval_nll(self, x, y, k_grid=None, draws: int = 4, generator=None) -> dict:
+    def eval_nll(self, x, y, k_grid=None, draws: int = 4, generator=None, exit_rule=None, stats=None,
+                 bridge: str | None = None) -> dict:
         """{k: -log mean_n p_k^(n)(y)} (B, T) for k in {0} + k_grid; k = 0 is one call at sigma_hi.
 
         ppl@k (k >= 1) scores the K = k sampler: k routed calls from pure noise on the K-grid, its
         token distribution the last call's softmax. The clean stream of each block is computed once.
+        With `exit_rule`, each token stops early; `stats[k]` gets the mean iterations used.
         """
         if k_grid is None:
             k_grid = [len(self.blocks)]
@@ -296,15 +298,20 @@ class DiffusionBlocksLM(nn.Module):
         probs = {k: torch.zeros(Bsz, T, device=x.device, dtype=torch.float64) for k in ks}
         for _ in range(draws):
             for k in ks:
-                logits = self.chain(call, max(k, 1), (Bsz, T), x.device, generator, "hard")
+                chain_stats = {}
+                logits = self.chain(call, max(k, 1), (Bsz, T), x.device, generator, bridge or self.cfg.diffusion.bridge,
+                                    exit_rule=exit_rule,
+                                    stats=chain_stats)
+                if stats is not None:
+                    stats.setdefault(k, []).append(chain_stats["iterations"].float().mean().item())
                 probs[k] += logits.float().log_softmax(-1).gather(-1, y[..., None])[..., 0].double().exp()
         return {k: -(p / draws).clamp_min(1e-300).log() for k, p in probs.items()}
 
     def chain(self, call, K: int, shape, device, generator, bridge: str, z=None, exit_rule=None, stats=None):
         """K routed Euler steps from pure noise; returns the last call's logits. `call(b, z, sigma)`.
 
-        With an `exit_rule`, rows stop early (keeping their last logits); `stats["iterations"]` then
-        receives the calls each row used.
+        With an `exit_rule`, each (row, slot) stops early, keeping its last logits; `stats["iterations"]`
+        receives the calls each one used (Bsz, n).
         """
         sigmas = dm.inference_sigmas(K, self.sched, lo=self.edges[0], hi=self.edges[-1])
         Bsz, n = shape
@@ -313,13 +320,13 @@ class DiffusionBlocksLM(nn.Module):
             z = sigmas[0] * torch.randn(Bsz, n, d, device=device, generator=generator)
         table = self.target_table()
         tracker = exit_rule.tracker() if exit_rule is not None else None
-        done = torch.zeros(Bsz, dtype=torch.bool, device=device)
-        used = torch.zeros(Bsz, dtype=torch.long, device=device)
+        done = torch.zeros(Bsz, n, dtype=torch.bool, device=device)
+        used = torch.zeros(Bsz, n, dtype=torch.long, device=device)
         final = None
         for k in range(K):
             sigma = torch.full((Bsz,), sigmas[k], device=device)
             logits = call(dm.route_sigma(sigmas[k], self.edges), z, sigma)
-            final = logits if final is None else torch.where(done[:, None, None], final, logits)
+            final = logits if final is None else torch.where(done[..., None], final, logits)
             used += (~done).long()
             if tracker is not None:
                 done |= tracker.update(logits)
@@ -327,7 +334,7 @@ class DiffusionBlocksLM(nn.Module):
                     break
             if k + 1 < K:
                 z_next = dm.euler_step(z, self.bridge(logits, table, bridge), sigmas[k], sigmas[k + 1])
-                z = torch.where(done[:, None, None], z, z_next)
+                z = torch.where(done[..., None], z, z_next)
         if stats is not None:
             stats["iterations"] = used
         return final
