@@ -39,7 +39,7 @@ MODEL_KINDS = ("gpt", "db_ar", "looped_db", "huginn")
 @dataclass
 class ModelConfig:
     kind: str = _f("gpt", "gpt (end-to-end), db_ar (DiffusionBlocks AR), looped_db, huginn", choices=MODEL_KINDS)
-    n_layers: int = _f(4, "denoiser / decoder layers (for db_ar: split into diffusion.num_blocks blocks)")
+    n_layers: int = _f(4, "decoder layers (db_ar: split into diffusion.num_blocks blocks; looped: the core)")
     d_model: int = _f(128, "residual width")
     n_heads: int = _f(4, "attention heads (d_model must divide by it)")
     seq_len: int = _f(256, "training context length in tokens")
