@@ -151,8 +151,7 @@ def find_resume(cfg: Config, out_dir: Path) -> Path | None:
     return Path(r)
 
 
-def check_resume_compatible(manifest: dict, cfg: Config, model_state: dict, vocab_size: int,
-                            world_size: int) -> None:
+def check_resume_compatible(manifest: dict, cfg: Config, vocab_size: int, world_size: int) -> None:
     """Refuse a checkpoint whose model, vocabulary, edges or optimiser layout differ from this run's."""
     saved = manifest["config"]
     saved_stage = saved.get("deepspeed", {}).get("zero_stage", 0)
@@ -173,9 +172,6 @@ def check_resume_compatible(manifest: dict, cfg: Config, model_state: dict, voca
     if manifest.get("vocab_size") != vocab_size:
         raise UserError(f"cannot resume: the checkpoint's vocab_size {manifest.get('vocab_size')} "
                         f"differs from this run's {vocab_size}")
-    if manifest.get("model_state", {}) != model_state:
-        raise UserError(f"cannot resume: the checkpoint's model state {manifest.get('model_state')} "
-                        f"differs from this run's {model_state} (edges or block count changed)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,11 +215,14 @@ def _train(cfg: Config, device: torch.device, stop_after: int) -> Path | None:
         manifest = ckpt_io.read_manifest(resume_from)
         ckpt_io.verify_weights(resume_from, manifest)
 
-    torch.manual_seed(t.seed)  # identical init on every rank
-    model = build_model(cfg, vocab_size, manifest.get("model_state") if manifest else None)
-    model_state = model.checkpoint_state() if hasattr(model, "checkpoint_state") else {}
     if manifest is not None:
-        check_resume_compatible(manifest, cfg, model_state, vocab_size, world)
+        check_resume_compatible(manifest, cfg, vocab_size, world)
+    torch.manual_seed(t.seed)  # identical init on every rank
+    model = build_model(cfg, vocab_size)  # edges from the config: a resume must agree with them
+    model_state = model.checkpoint_state() if hasattr(model, "checkpoint_state") else {}
+    if manifest is not None and manifest.get("model_state", {}) != model_state:
+        raise UserError(f"cannot resume: the checkpoint's model state {manifest.get('model_state')} "
+                        f"differs from this run's {model_state} (edges or block count changed)")
     torch.manual_seed(t.seed + 1 + rank)  # noise draws (sigma, z, slots) differ across ranks
 
     optimizer = BlockwiseAdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),

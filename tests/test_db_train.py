@@ -1,0 +1,164 @@
+"""DiffusionBlocks models through the real trainer, checkpoints and CLI verbs."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from looped_lm import cli
+from looped_lm import train as trainer
+
+DB = {"model": {"kind": "db_ar", "n_layers": 2, "d_model": 32, "n_heads": 2, "seq_len": 16},
+      "diffusion": {"num_blocks": 2}}
+
+
+def db_config(write_config, tmp_path, name="run", **sections):
+    raw = {"model": dict(DB["model"]), "diffusion": dict(DB["diffusion"]),
+           "train": {"out_dir": str(tmp_path / name), "max_steps": 6, "batch_size": 4, "log_every": 1,
+                     "lr": 3.0e-3}}
+    for key, value in sections.items():
+        raw.setdefault(key, {}).update(value)
+    return write_config(tmp_path / f"{name}.yaml", raw)
+
+
+@pytest.fixture(scope="module")
+def db_run(tmp_path_factory, write_config):
+    """A 40-step DB-AR run (B = 2): (config, checkpoint dir)."""
+    root = tmp_path_factory.mktemp("db_run")
+    cfg = db_config(write_config, root, train={"max_steps": 40, "batch_size": 8, "save_every": 20,
+                                               "eval_every": 20, "eval_batches": 2, "warmup_steps": 4})
+    assert trainer.main(["--config", str(cfg)]) == 0
+    return cfg, root / "run" / "step_0000040"
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_idle_block_is_bit_identical_across_a_step(tmp_path, write_config, zero_stage):
+    """Under DeepSpeed (ZeRO 0 and 2) a step of block b leaves the other block's weights untouched."""
+    from looped_lm.config import load_config
+    from looped_lm.models import build_model
+
+    steps = 3
+    cfg_path = db_config(write_config, tmp_path, deepspeed={"zero_stage": zero_stage},
+                         train={"max_steps": steps, "save_every": 1, "keep_last": 5})
+    assert trainer.main(["--config", str(cfg_path)]) == 0
+    model = build_model(load_config(str(cfg_path)), 257)
+    out = tmp_path / "run"
+    weights = [load_file(str(out / f"step_{s:07d}" / "model.safetensors")) for s in range(1, steps + 1)]
+    for s in range(1, steps):  # step index s (0-based) moved weights[s-1] -> weights[s]
+        trained = model.choose_block(s, 1337)
+        idle = 1 - trained
+        for name in weights[s]:
+            unit = model.param_unit(name)
+            same = torch.equal(weights[s][name], weights[s - 1][name])
+            if unit == f"block{idle}":
+                assert same, f"{name} (idle block {idle}) moved at step {s}"
+        assert any(not torch.equal(weights[s][n], weights[s - 1][n]) for n in weights[s]
+                   if model.param_unit(n) == f"block{trained}")
+
+
+def test_db_run_logs_loss_per_block_and_saves_edges(db_run):
+    cfg, ckpt = db_run
+    rows = [json.loads(line) for line in (ckpt.parent / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "loss" in r]
+    assert {r["block"] for r in train_rows} == {0, 1}
+    for r in train_rows:
+        assert r[f"loss_block{r['block']}"] == pytest.approx(r["loss"])
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert [round(e, 3) for e in manifest["model_state"]["edges"]] == [0.002, 0.301, 80.0]
+    firsts = [r["loss"] for r in train_rows[:6]]
+    lasts = [r["loss"] for r in train_rows[-6:]]
+    assert sum(lasts) < sum(firsts)  # it learns
+
+
+def test_resume_with_other_blocks_is_refused(db_run, tmp_path, capsys, one_line_error, write_config):
+    cfg, ckpt = db_run
+    assert trainer.main(["--config", str(cfg), "--set", "diffusion.num_blocks=1",
+                         "--set", "train.max_steps=50"]) == 2
+    one_line_error(capsys.readouterr(), "diffusion.num_blocks")
+
+
+def test_eval_reports_ppl_at_k(db_run, tmp_path, capsys):
+    _, ckpt = db_run
+    out = tmp_path / "ppl.json"
+    assert cli.main(["eval", "--checkpoint", str(ckpt), "--num-iterations", "1,2,4", "--draws", "2",
+                     "--max-tokens", "600", "--json", str(out), "--no-progress"]) == 0
+    rep = json.loads(out.read_text())
+    assert set(rep["ppl_at_k"]) == {"0", "1", "2", "4"} and rep["draws"] == 2
+    assert rep["ppl"] == rep["ppl_at_k"]["0"] and rep["nll"] == pytest.approx(math.log(rep["ppl"]))
+    assert all(1 < v < 257 for v in rep["ppl_at_k"].values())  # better than uniform over bytes
+    assert "| 4 |" in capsys.readouterr().out
+
+
+def test_generate_db_is_seeded_and_checks_k(db_run, capsys, one_line_error):
+    _, ckpt = db_run
+    args = ["generate", "--checkpoint", str(ckpt), "--prompt", "And", "--max-tokens", "12", "--seed", "4",
+            "--num-iterations", "4"]
+    assert cli.main(args) == 0
+    first = capsys.readouterr().out
+    assert cli.main(args) == 0
+    assert capsys.readouterr().out == first and first.startswith("And")
+    assert cli.main(args[:-1] + ["0"]) == 2
+    one_line_error(capsys.readouterr(), "num_iterations")
+
+
+def test_gpt_checkpoint_refuses_db_flags(tiny_run, capsys, one_line_error):
+    _, ckpt, _ = tiny_run
+    assert cli.main(["generate", "--checkpoint", str(ckpt), "--prompt", "x", "--num-iterations", "3"]) == 2
+    one_line_error(capsys.readouterr(), "gpt")
+    assert cli.main(["eval", "--checkpoint", str(ckpt), "--num-iterations", "3", "--no-progress"]) == 2
+    one_line_error(capsys.readouterr(), "gpt")
+
+
+@pytest.mark.parametrize("sets,needle", [
+    (["diffusion.num_blocks=3"], "must divide model.n_layers"),
+    (["diffusion.blocks_to_train=[2]"], "blocks_to_train"),
+    (["diffusion.blocks_to_train=[0,0]"], "duplicates"),
+    (["diffusion.overlap=0.7"], "diffusion.overlap"),
+])
+def test_bad_db_configs_write_nothing(tmp_path, write_config, capsys, one_line_error, sets, needle):
+    cfg = db_config(write_config, tmp_path)
+    args = ["train", "--config", str(cfg)]
+    for s in sets:
+        args += ["--set", s]
+    assert cli.main(args) == 2
+    one_line_error(capsys.readouterr(), needle)
+    assert not (tmp_path / "run").exists()
+
+
+def test_blocks_to_train_keeps_no_optimizer_state_for_frozen_blocks(tmp_path, write_config):
+    cfg = db_config(write_config, tmp_path, diffusion={"blocks_to_train": [1]}, train={"max_steps": 2})
+    assert trainer.main(["--config", str(cfg)]) == 0
+    ckpt = tmp_path / "run" / "step_0000002"
+    state = torch.load(ckpt / "optimizer" / "ds" / "mp_rank_00_model_states.pt", weights_only=False)
+    groups = state["optimizer"]["param_groups"]
+    assert {g["unit"] for g in groups} == {"shared", "block1"}
+    n_state = len(state["optimizer"]["state"])
+    from looped_lm.config import load_config
+    from looped_lm.models import build_model
+
+    model = build_model(load_config(str(cfg)), 257)
+    assert n_state == sum(1 for p in model.parameters() if p.requires_grad)
+
+
+def test_looped_db_and_huginn_train_and_eval(tmp_path, write_config, capsys):
+    for kind, extra in (("looped_db", {"diffusion": {"num_blocks": 1}}),
+                        ("huginn", {"model": {"mean_recurrence": 3, "backprop_depth": 2}})):
+        model = {"kind": kind, "n_prelude": 1, "n_layers": 1, "n_coda": 1, "d_model": 32, "n_heads": 2,
+                 "seq_len": 16, **extra.get("model", {})}
+        cfg = write_config(tmp_path / f"{kind}.yaml", {"model": model, "diffusion": extra.get("diffusion", {}),
+                                                       "train": {"out_dir": str(tmp_path / kind), "max_steps": 3}})
+        assert trainer.main(["--config", str(cfg)]) == 0
+        out = tmp_path / f"{kind}.json"
+        assert cli.main(["eval", "--checkpoint", str(tmp_path / kind / "step_0000003"), "--num-iterations", "1,4",
+                         "--draws", "1", "--max-tokens", "200", "--json", str(out), "--no-progress"]) == 0
+        rep = json.loads(out.read_text())
+        if kind == "huginn":
+            assert set(rep["ppl_at_k"]) == {"1", "4"}
+        else:
+            assert set(rep["ppl_at_k"]) == {"0", "1", "4"}
+        assert cli.main(["generate", "--checkpoint", str(tmp_path / kind / "step_0000003"), "--prompt", "A",
+                         "--max-tokens", "5", "--num-iterations", "4"]) == 0
+    capsys.readouterr()
