@@ -29,7 +29,8 @@ from looped_lm import diffusion as dm
 from looped_lm.config import Config
 from looped_lm.errors import UserError
 from looped_lm.models import register
-from looped_lm.models.layers import KVCache, RotaryEmbedding, TransformerLayer, causal_attention, ffn_width, init_weights
+from looped_lm.models.layers import (KVCache, RotaryEmbedding, TransformerLayer, positions_after, cached_attention,
+                                     causal_attention, ffn_width, init_weights)
 
 
 def modulate(x, shift, scale):
@@ -62,14 +63,15 @@ class TwoStreamLayer(TransformerLayer):
         super().__init__(d_model, n_heads, ffn_hidden, eps)
         self.ada = nn.Linear(d_model, 6 * d_model)
 
-    def clean(self, x, cos, sin, cache: KVCache | None = None, need_output: bool = True):
-        """Clean tokens x (B, n, C) after what `cache` holds -> (x_out | None, keys, values so far)."""
+    def clean(self, x, cos, sin, cache: KVCache | None = None, rows=None, need_output: bool = True):
+        """Clean tokens x (R, n, C) after what `cache` holds -> (x_out | None, keys, values so far)."""
         q, k, v = self.attn.project(self.norm1(x), cos, sin)
+        mask = None
         if cache is not None:
-            k, v = cache.append(k, v)
+            k, v, mask = cache.append(k, v, rows)
         if not need_output:  # the block's last layer: only its K/V are read (by the noisy stream)
             return None, k, v
-        x = x + self.attn.merge(causal_attention(q, k, v))
+        x = x + self.attn.merge(cached_attention(q, k, v, mask) if cache is not None else causal_attention(q, k, v))
         return x + self.mlp(self.norm2(x)), k, v
 
     def noisy(self, h, cond, cos, sin, k_ctx, v_ctx, mask):
@@ -94,7 +96,8 @@ def noisy_mask(ctx_end: torch.Tensor, n_clean: int) -> torch.Tensor:
 
 
 class DecodeState:
-    """Per-sequence generation state: KV caches of the prelude and of every block's clean stream.
+    """Generation state of a batch of rows (sequences or serving slots): KV caches of the prelude and
+    of every block's clean stream, and each row's history of clean inputs.
 
     Blocks run only when a denoising step routes to them, so each block's cache may lag behind the
     token history; it catches up (all pending tokens in one forward) the next time the block runs.
@@ -110,7 +113,15 @@ class DecodeState:
         self.prelude = caches(len(model.prelude))
         self.blocks = [caches(len(model.layers_of(b))) for b in range(len(model.blocks))]
         self.clean_inputs = torch.zeros(batch, max_len, p.shape[1], device=p.device, dtype=p.dtype)
-        self.length = 0  # tokens in the history
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=p.device)  # tokens in each row's history
+
+    def rows(self, rows):
+        return torch.arange(self.lengths.shape[0], device=self.lengths.device) if rows is None else rows
+
+    def reset(self, rows) -> None:
+        self.lengths[self.rows(rows)] = 0
+        for cache in self.prelude + [c for block in self.blocks for c in block]:
+            cache.reset(rows)
 
     def nbytes_per_token(self) -> int:
         every = self.prelude + [c for block in self.blocks for c in block]
@@ -186,13 +197,16 @@ class DiffusionBlocksLM(nn.Module):
     def target_table(self) -> torch.Tensor:
         return self.target_scale * F.normalize(self.tok_emb.weight.float(), dim=-1)
 
-    def clean_inputs(self, idx: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
+    def clean_inputs(self, idx: torch.Tensor, caches: list[KVCache] | None = None, rows=None) -> torch.Tensor:
         """Token ids -> the clean stream every block starts from (embedding + shared prelude)."""
-        start = caches[0].length if caches else 0
-        cos, sin = self.rope(torch.arange(start, start + idx.shape[1], device=idx.device))
         x = self.tok_emb(idx)
+        if not self.prelude:
+            return x
+        positions = positions_after(caches[0].lengths, rows, idx.shape[1], idx.device) if caches else \
+            torch.arange(idx.shape[1], device=idx.device)
+        cos, sin = self.rope(positions)
         for i, layer in enumerate(self.prelude):
-            x = layer(x, cos, sin, caches[i] if caches else None)
+            x = layer(x, cos, sin, caches[i] if caches else None, rows)
         return x
 
     def denoise_logits(self, h_noisy, z, sigma):
@@ -206,23 +220,37 @@ class DiffusionBlocksLM(nn.Module):
         c_noise = dm.edm_scalings(sigma, self.sched.sigma_data)[3]
         return (c_in * z).to(self.tok_emb.weight.dtype), self.noise_emb(c_noise.to(z.device))
 
-    def run_block(self, b, clean, z, sigma, noisy_pos, mask, clean_pos=None, caches=None):
+    def run_block(self, b, clean, z, sigma, noisy_pos, mask, caches=None, rows=None):
         """Both streams through block b -> logits of the noisy slots. With `caches`, `clean` holds only
-        the tokens the block has not cached yet (possibly none)."""
+        the tokens the block has not cached yet (possibly none), and each noisy slot sees its row's
+        whole cache and itself."""
         h, cond = self.noisy_input(z, sigma)
         cos_n, sin_n = self.rope(noisy_pos)
-        if clean is not None and clean.shape[1] > 0:
-            start = caches[0].length if caches else 0
-            cos_c, sin_c = self.rope(torch.arange(start, start + clean.shape[1], device=z.device))
+        has_clean = clean is not None and clean.shape[1] > 0
+        if has_clean:
+            positions = positions_after(caches[0].lengths, rows, clean.shape[1], z.device) if caches else \
+                torch.arange(clean.shape[1], device=z.device)
+            cos_c, sin_c = self.rope(positions)
         layers = self.layers_of(b)
         for i, layer in enumerate(layers):
             cache = caches[i] if caches else None
-            if clean is not None and clean.shape[1] > 0:
-                clean, k, v = layer.clean(clean, cos_c, sin_c, cache, need_output=i + 1 < len(layers))
-            else:
-                k, v = cache.view()
+            if has_clean:
+                clean, k, v = layer.clean(clean, cos_c, sin_c, cache, rows, need_output=i + 1 < len(layers))
+            if cache is not None:  # rows may hold different lengths: mask each row's unfilled tail
+                k, v, valid = cache.view(rows)
+                mask = None if valid is None else torch.cat([valid, valid.new_ones(*valid.shape[:-1], 1)], -1)
             h = layer.noisy(h, cond, cos_n, sin_n, k, v, mask)
         return self.denoise_logits(h, z, sigma)
+
+    def catch_up(self, b, state: "DecodeState", row: torch.Tensor) -> None:
+        """Bring block b's clean-stream cache of one row up to that row's history."""
+        caches, r = state.blocks[b], int(row[0])
+        start, end = int(caches[0].lengths[r]), int(state.lengths[r])
+        clean = state.clean_inputs[r:r + 1, start:end]
+        cos, sin = self.rope(torch.arange(start, end, device=clean.device))
+        layers = self.layers_of(b)
+        for i, layer in enumerate(layers):
+            clean, _, _ = layer.clean(clean, cos, sin, caches[i], row, need_output=i + 1 < len(layers))
 
     # --- training -------------------------------------------------------------------------------
 
@@ -276,6 +304,23 @@ class DiffusionBlocksLM(nn.Module):
             k_grid = [len(self.blocks)]
         ks = sorted({0, *k_grid})
         Bsz, T = x.shape
+        call = self.window_call(x)
+        probs = {k: torch.zeros(Bsz, T, device=x.device, dtype=torch.float64) for k in ks}
+        for _ in range(draws):
+            for k in ks:
+                chain_stats = {}
+                logits = self.chain(call, max(k, 1), (Bsz, T), x.device, generator, bridge or self.cfg.diffusion.bridge,
+                                    exit_rule=exit_rule,
+                                    stats=chain_stats)
+                if stats is not None:
+                    stats.setdefault(k, []).append(chain_stats["iterations"].float().mean().item())
+                probs[k] += logits.float().log_softmax(-1).gather(-1, y[..., None])[..., 0].double().exp()
+        return {k: -(p / draws).clamp_min(1e-300).log() for k, p in probs.items()}
+
+    def window_call(self, x):
+        """call(b, z, sigma) scoring every slot of the window x (B, T) in parallel; each block's
+        clean stream is computed once, on its first call, and reused by every step."""
+        T = x.shape[1]
         slots = torch.arange(T, device=x.device)
         mask = noisy_mask(slots, T)
         clean = self.clean_inputs(x)
@@ -295,17 +340,7 @@ class DiffusionBlocksLM(nn.Module):
                 h = layer.noisy(h, cond, cos_n, sin_n, k, v, mask)
             return self.denoise_logits(h, z, sigma)
 
-        probs = {k: torch.zeros(Bsz, T, device=x.device, dtype=torch.float64) for k in ks}
-        for _ in range(draws):
-            for k in ks:
-                chain_stats = {}
-                logits = self.chain(call, max(k, 1), (Bsz, T), x.device, generator, bridge or self.cfg.diffusion.bridge,
-                                    exit_rule=exit_rule,
-                                    stats=chain_stats)
-                if stats is not None:
-                    stats.setdefault(k, []).append(chain_stats["iterations"].float().mean().item())
-                probs[k] += logits.float().log_softmax(-1).gather(-1, y[..., None])[..., 0].double().exp()
-        return {k: -(p / draws).clamp_min(1e-300).log() for k, p in probs.items()}
+        return call
 
     def chain(self, call, K: int, shape, device, generator, bridge: str, z=None, exit_rule=None, stats=None):
         """K routed Euler steps from pure noise; returns the last call's logits. `call(b, z, sigma)`.
@@ -365,20 +400,46 @@ class DiffusionBlocksLM(nn.Module):
         return DecodeState(self, batch, max_len)
 
     def forward_cached(self, idx, state: DecodeState, num_iterations: int | None = None, bridge: str = "hard",
-                       generator=None, z=None, exit_rule=None, stats=None):
-        """Append tokens idx (B, n) to the history; return logits (B, 1, V) for the next token."""
+                       generator=None, z=None, exit_rule=None, stats=None, rows=None):
+        """Append tokens idx (R, n) to the history of `rows` (default all); return logits (R, 1, V)
+        for each row's next token, after K routed denoising steps."""
         K = num_iterations or len(self.blocks)
-        start, n = state.length, idx.shape[1]
-        state.clean_inputs[:, start:start + n] = self.clean_inputs(idx, state.prelude)
-        state.length += n
-        pos = torch.tensor([state.length], device=idx.device)
+        R, n = idx.shape
+        sel = state.rows(rows)
+        start = state.lengths[sel]
+        emb = self.clean_inputs(idx, state.prelude, rows)
+        state.clean_inputs[sel[:, None], start[:, None] + torch.arange(n, device=idx.device)] = emb
+        ends = start + n
+        state.lengths[sel] = ends
+        aligned = bool((ends == ends[0]).all())
+        noisy_pos = ends[:1] if aligned else ends[:, None]  # the next token's position, per row
 
         def call(b, z_, sigma):
             caches = state.blocks[b]
-            pending = state.clean_inputs[:, caches[0].length:state.length]
-            return self.run_block(b, pending, z_, sigma, pos, None, caches=caches)
+            cached = caches[0].lengths[sel]
+            pending = ends - cached
+            if bool((pending == pending[0]).all()):  # common case: append pending tokens in the same forward
+                p = int(pending[0])
+                clean = state.clean_inputs[sel[:, None], cached[:, None] + torch.arange(p, device=idx.device)]
+                return self.run_block(b, clean, z_, sigma, noisy_pos, None, caches, rows)
+            for i in range(R):  # ragged (rows skipped this block for different spans): catch up one by one
+                if int(pending[i]):
+                    self.catch_up(b, state, sel[i:i + 1])
+            return self.run_block(b, None, z_, sigma, noisy_pos, None, caches, rows)
 
-        return self.chain(call, K, (idx.shape[0], 1), idx.device, generator, bridge, z, exit_rule, stats)
+        return self.chain(call, K, (R, 1), idx.device, generator, bridge, z, exit_rule, stats)
+
+    def reset_rows(self, state: DecodeState, rows) -> None:
+        state.reset(rows)
+
+    @torch.no_grad()
+    def prompt_logits(self, idx, num_iterations: int | None = None, bridge: str | None = None, generator=None,
+                      **_):
+        """Logits (B, T, V) at every position of idx (position t predicts t+1), each from its own
+        K-step chain, all positions in parallel: the prompt log-probs of `echo`."""
+        K = num_iterations or len(self.blocks)
+        B, T = idx.shape
+        return self.chain(self.window_call(idx), K, (B, T), idx.device, generator, bridge or self.cfg.diffusion.bridge)
 
     @torch.no_grad()
     def next_logits_uncached(self, idx, num_iterations: int, bridge: str, z):

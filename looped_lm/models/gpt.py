@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from looped_lm.models.layers import KVCache, RotaryEmbedding, TransformerLayer, ffn_width, init_weights
+from looped_lm.models.layers import KVCache, RotaryEmbedding, TransformerLayer, positions_after, ffn_width, init_weights
 
 
 class GPT(nn.Module):
@@ -56,12 +56,19 @@ class GPT(nn.Module):
         head_dim = p.shape[1] // self.n_heads
         return [KVCache(batch, self.n_heads, max_len, head_dim, p.device, p.dtype) for _ in self.layers]
 
-    def forward_cached(self, idx: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
-        """Run new tokens idx (B, n) after what the caches hold; return their logits (B, n, V)."""
-        start = caches[0].length
-        positions = torch.arange(start, start + idx.shape[1], device=idx.device)
-        cos, sin = self.rope(positions)
+    def forward_cached(self, idx: torch.Tensor, caches: list[KVCache], rows=None) -> torch.Tensor:
+        """Run new tokens idx (R, n) after what the caches hold (for `rows`, default all); return
+        their logits (R, n, V)."""
+        cos, sin = self.rope(positions_after(caches[0].lengths, rows, idx.shape[1], idx.device))
         h = self.tok_emb(idx)
         for layer, cache in zip(self.layers, caches):
-            h = layer(h, cos, sin, cache)
+            h = layer(h, cos, sin, cache, rows)
         return self.logits(h)
+
+    def reset_rows(self, caches: list[KVCache], rows) -> None:
+        for cache in caches:
+            cache.reset(rows)
+
+    def prompt_logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, V) at every position of idx, for prompt log-probs (echo)."""
+        return self(idx)[0]

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from looped_lm.config import Config
 from looped_lm.errors import UserError
 from looped_lm.models import register
-from looped_lm.models.layers import KVCache, RotaryEmbedding, TransformerLayer, ffn_width, init_weights
+from looped_lm.models.layers import KVCache, RotaryEmbedding, TransformerLayer, positions_after, ffn_width, init_weights
 
 
 def sample_recurrence(mean: int, generator: torch.Generator, sigma: float = 0.5) -> int:
@@ -58,9 +58,9 @@ class HuginnLM(nn.Module):
 
     # --- the network --------------------------------------------------------------------------
 
-    def _stack(self, layers, x, cos, sin, caches=None):
+    def _stack(self, layers, x, cos, sin, caches=None, rows=None):
         for i, layer in enumerate(layers):
-            x = layer(x, cos, sin, caches[i] if caches else None)
+            x = layer(x, cos, sin, caches[i] if caches else None, rows)
         return x
 
     def initial_state(self, e: torch.Tensor, generator=None) -> torch.Tensor:
@@ -138,40 +138,71 @@ class HuginnLM(nn.Module):
         self.check_iterations(K)
         return {"num_iterations": K}
 
-    def new_cache(self, batch: int, max_len: int, num_iterations: int | None = None) -> dict:
-        """Caches are made lazily per iteration: their count is the K the request runs."""
-        return {"batch": batch, "max_len": max_len, "length": 0, "core": [],
-                "prelude": self._caches(len(self.prelude), batch, max_len),
-                "coda": self._caches(len(self.coda), batch, max_len)}
+    def new_cache(self, batch: int, max_len: int) -> "HuginnCache":
+        return HuginnCache(self, batch, max_len)
 
-    def _caches(self, n, batch, max_len):
-        p = self.tok_emb.weight
-        D = p.shape[1] // self.n_heads
-        return [KVCache(batch, self.n_heads, max_len, D, p.device, p.dtype) for _ in range(n)]
-
-    def forward_cached(self, idx, caches: dict, num_iterations: int | None = None, generator=None, s0=None):
-        """New tokens idx (B, n) -> logits (B, n, V). K must stay the same for the whole sequence
-        (every iteration's cache needs every token); `s0` overrides the random initial state."""
+    def forward_cached(self, idx, caches: "HuginnCache", num_iterations: int | None = None, generator=None,
+                       s0=None, rows=None):
+        """New tokens idx (R, n) of `rows` -> logits (R, n, V). A row's K must stay the same for its
+        whole sequence (every iteration's cache needs every token); `s0` overrides the initial state."""
         K = num_iterations or self.mean_recurrence
-        if caches["core"] and len(caches["core"]) != K:
-            raise UserError(f"num_iterations changed from {len(caches['core'])} to {K} within one sequence")
-        while len(caches["core"]) < K:
-            caches["core"].append(self._caches(len(self.core), caches["batch"], caches["max_len"]))
-        start = caches["length"]
-        caches["length"] += idx.shape[1]
-        cos, sin = self.rope(torch.arange(start, start + idx.shape[1], device=idx.device))
-        e = self._stack(self.prelude, self.tok_emb(idx), cos, sin, caches["prelude"])
+        sel = caches.rows(rows)
+        for i, it in enumerate(caches.iterations(K)):
+            if not torch.equal(it[0].lengths[sel], caches.lengths[sel]):
+                raise UserError(f"num_iterations changed within a sequence (iteration {i + 1} of {K} has "
+                                f"not seen its earlier tokens)")
+        positions = positions_after(caches.lengths, rows, idx.shape[1], idx.device)
+        caches.lengths[sel] += idx.shape[1]
+        cos, sin = self.rope(positions)
+        e = self._stack(self.prelude, self.tok_emb(idx), cos, sin, caches.prelude, rows)
         s = self.initial_state(e, generator) if s0 is None else s0
-        for i in range(K):
-            s = self._stack(self.core, self.adapter(torch.cat([s, e], dim=-1)), cos, sin, caches["core"][i])
-        h = self._stack(self.coda, s, cos, sin, caches["coda"])
+        for it in caches.iterations(K):
+            s = self._stack(self.core, self.adapter(torch.cat([s, e], dim=-1)), cos, sin, it, rows)
+        h = self._stack(self.coda, s, cos, sin, caches.coda, rows)
         return F.linear(self.norm(h), self.tok_emb.weight)
+
+    def reset_rows(self, caches: "HuginnCache", rows) -> None:
+        caches.reset(rows)
+
+    @torch.no_grad()
+    def prompt_logits(self, idx, num_iterations: int | None = None, generator=None, **_):
+        """Logits (B, T, V) at every position of idx after K iterations (for echo log-probs)."""
+        return self(idx, num_iterations or self.mean_recurrence, generator=generator)
 
     uses_noise = True  # the initial state is drawn from the request's generator
 
     @staticmethod
-    def kv_bytes_per_token(caches: dict) -> int:
-        every = caches["prelude"] + caches["coda"] + [c for it in caches["core"] for c in it]
+    def kv_bytes_per_token(caches: "HuginnCache") -> int:
+        return caches.nbytes_per_token()
+
+
+class HuginnCache:
+    """KV caches of the prelude, of every (iteration, core layer) and of the coda, for a batch of
+    rows. Iteration caches are made on first use: their number is the largest K asked so far."""
+
+    def __init__(self, model: HuginnLM, batch: int, max_len: int):
+        p = model.tok_emb.weight
+        self._make = lambda n: [KVCache(batch, model.n_heads, max_len, p.shape[1] // model.n_heads, p.device,
+                                        p.dtype) for _ in range(n)]
+        self.n_core = len(model.core)
+        self.prelude, self.coda, self.core = self._make(len(model.prelude)), self._make(len(model.coda)), []
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=p.device)
+
+    def rows(self, rows):
+        return torch.arange(self.lengths.shape[0], device=self.lengths.device) if rows is None else rows
+
+    def iterations(self, K: int) -> list[list[KVCache]]:
+        while len(self.core) < K:
+            self.core.append(self._make(self.n_core))
+        return self.core[:K]
+
+    def reset(self, rows) -> None:
+        self.lengths[self.rows(rows)] = 0
+        for cache in self.prelude + self.coda + [c for it in self.core for c in it]:
+            cache.reset(rows)
+
+    def nbytes_per_token(self) -> int:
+        every = self.prelude + self.coda + [c for it in self.core for c in it]
         return sum(c.nbytes_per_token() for c in every)
 
 

@@ -48,28 +48,85 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class KVCache:
-    """Preallocated keys and values of one attention layer: (B, H, max_len, D), filled up to `length`."""
+    """Preallocated keys and values of one attention layer: (B, H, max_len, D).
+
+    Each row (one sequence, or one serving slot) has its own length, so rows at different positions
+    decode in one batch. `rows` selects the rows a call touches (None = all of them).
+    """
 
     def __init__(self, batch: int, n_heads: int, max_len: int, head_dim: int, device, dtype):
         self.k = torch.zeros(batch, n_heads, max_len, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
-        self.length = 0
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, H, n, D) after the current length; return all keys and values so far."""
-        n = k.shape[2]
-        if self.length + n > self.k.shape[2]:
-            raise ValueError(f"KV cache full: {self.length} + {n} > {self.k.shape[2]} positions")
-        self.k[:, :, self.length:self.length + n] = k
-        self.v[:, :, self.length:self.length + n] = v
-        self.length += n
-        return self.k[:, :, :self.length], self.v[:, :, :self.length]
+    @property
+    def length(self) -> int:
+        """The common length when every row holds the same number of tokens (single-sequence use)."""
+        return int(self.lengths.max())
 
-    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[:, :, :self.length], self.v[:, :, :self.length]
+    def _rows(self, rows):
+        return torch.arange(self.k.shape[0], device=self.k.device) if rows is None else rows
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | None = None):
+        """Store k, v (R, H, n, D) after each row's length -> (keys, values, mask) for its queries.
+
+        keys, values: (R, H, L, D), L = the longest row now. mask: None when the rows are aligned
+        (plain causal attention over the newest n), else (R, 1, n, L): query i of row r sees the keys
+        j <= start_r + i, and nothing past the row's end.
+        """
+        idx, n = self._rows(rows), k.shape[2]
+        start = self.lengths[idx]
+        if int(start.max()) + n > self.k.shape[2]:
+            raise ValueError(f"KV cache full: {int(start.max())} + {n} > {self.k.shape[2]} positions")
+        self.lengths[idx] = start + n
+        if bool((start == start[0]).all()):
+            s = int(start[0])
+            if rows is None:
+                self.k[:, :, s:s + n], self.v[:, :, s:s + n] = k, v
+                return self.k[:, :, :s + n], self.v[:, :, :s + n], None
+            self.k[idx, :, s:s + n], self.v[idx, :, s:s + n] = k, v
+            return self.k[idx, :, :s + n], self.v[idx, :, :s + n], None
+        pos = start[:, None] + torch.arange(n, device=start.device)  # (R, n)
+        self.k[idx[:, None], :, pos] = k.transpose(1, 2)
+        self.v[idx[:, None], :, pos] = v.transpose(1, 2)
+        L = int(pos.max()) + 1
+        mask = torch.arange(L, device=start.device)[None, None, :] <= pos[:, :, None]
+        return self.k[idx, :, :L], self.v[idx, :, :L], mask[:, None]
+
+    def view(self, rows: torch.Tensor | None = None):
+        """(keys, values, valid) of the selected rows; valid is None when they are aligned, else
+        (R, 1, 1, L) marking each row's filled positions."""
+        idx = self._rows(rows)
+        lengths = self.lengths[idx]
+        L = int(lengths.max())
+        valid = None
+        if not bool((lengths == L).all()):
+            valid = (torch.arange(L, device=lengths.device)[None, :] < lengths[:, None])[:, None, None, :]
+        if rows is None:
+            return self.k[:, :, :L], self.v[:, :, :L], valid
+        return self.k[idx, :, :L], self.v[idx, :, :L], valid
+
+    def reset(self, rows: torch.Tensor | None = None) -> None:
+        """Free rows for new sequences (their stale keys are masked out by the lengths)."""
+        self.lengths[self._rows(rows)] = 0
 
     def nbytes_per_token(self) -> int:
         return 2 * self.k.shape[1] * self.k.shape[3] * self.k.element_size()
+
+
+def positions_after(lengths: torch.Tensor, rows, n: int, device) -> torch.Tensor:
+    """Positions of n new tokens after each row's `lengths`: (n,) when the rows are aligned, else (R, n)."""
+    start = lengths if rows is None else lengths[rows]
+    if bool((start == start[0]).all()):
+        return torch.arange(int(start[0]), int(start[0]) + n, device=device)
+    return start[:, None].to(device) + torch.arange(n, device=device)
+
+
+def cached_attention(q, k, v, mask):
+    """Attention of new queries against a cache's output: causal when aligned, masked otherwise."""
+    if mask is None:
+        return causal_attention(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def causal_attention(q, k, v):
@@ -101,13 +158,12 @@ class Attention(nn.Module):
         B, H, T, D = y.shape
         return self.proj(y.transpose(1, 2).reshape(B, T, H * D))
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None):
-        """Causal self-attention; with a cache, x holds the newest positions only."""
+    def forward(self, x, cos, sin, cache: KVCache | None = None, rows=None):
+        """Causal self-attention; with a cache, x holds each row's newest positions only."""
         q, k, v = self.project(x, cos, sin)
         if cache is None:
             return self.merge(causal_attention(q, k, v))
-        k, v = cache.append(k, v)
-        return self.merge(causal_attention(q, k, v))
+        return self.merge(cached_attention(q, *cache.append(k, v, rows)))
 
 
 class SwiGLU(nn.Module):
@@ -131,8 +187,8 @@ class TransformerLayer(nn.Module):
         self.norm2 = nn.RMSNorm(d_model, eps=eps)
         self.mlp = SwiGLU(d_model, ffn_hidden)
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None):
-        x = x + self.attn(self.norm1(x), cos, sin, cache)
+    def forward(self, x, cos, sin, cache: KVCache | None = None, rows=None):
+        x = x + self.attn(self.norm1(x), cos, sin, cache, rows)
         return x + self.mlp(self.norm2(x))
 
 
