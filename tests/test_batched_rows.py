@@ -33,8 +33,8 @@ def step(model, kind, tokens, caches, rows, noise):
     if kind == "gpt":
         return model.forward_cached(tokens, caches, rows=rows)[:, -1]
     if kind == "huginn":
-        return model.forward_cached(tokens, caches, 3, s0=noise.expand(-1, tokens.shape[1], -1), rows=rows)[:, -1]
-    return model.forward_cached(tokens, caches, num_iterations=3, z=noise, rows=rows)[:, -1]
+        return model.forward_cached(tokens, caches, 3, noise=noise.expand(-1, tokens.shape[1], -1), rows=rows)[:, -1]
+    return model.forward_cached(tokens, caches, num_iterations=3, noise=noise, rows=rows)[:, -1]
 
 
 @pytest.mark.parametrize("kind", ["gpt", "db_ar", "looped_db", "huginn"])

@@ -46,9 +46,9 @@ def test_huginn_cached_equals_recompute(K):
     s0 = torch.randn(2, 10, 32)
     full = model(x, K, s0=s0)
     caches = model.new_cache(2, 16)
-    parts = [model.forward_cached(x[:, :4], caches, K, s0=s0[:, :4])]
+    parts = [model.forward_cached(x[:, :4], caches, K, noise=s0[:, :4])]
     for t in range(4, 10):
-        parts.append(model.forward_cached(x[:, t:t + 1], caches, K, s0=s0[:, t:t + 1]))
+        parts.append(model.forward_cached(x[:, t:t + 1], caches, K, noise=s0[:, t:t + 1]))
     torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-5, rtol=0)
     # one cache entry per (iteration, core layer), plus prelude and coda: grows with K
     assert model.kv_bytes_per_token(caches) == (1 + 1 + 2 * K) * 2 * 32 * 4

@@ -350,9 +350,8 @@ class DiffusionBlocksLM(nn.Module):
         """
         sigmas = dm.inference_sigmas(K, self.sched, lo=self.edges[0], hi=self.edges[-1])
         Bsz, n = shape
-        d = self.tok_emb.weight.shape[1]
         if z is None:
-            z = sigmas[0] * torch.randn(Bsz, n, d, device=device, generator=generator)
+            z = self.initial_noise(Bsz, n, generator, device)
         table = self.target_table()
         tracker = exit_rule.tracker() if exit_rule is not None else None
         done = torch.zeros(Bsz, n, dtype=torch.bool, device=device)
@@ -400,9 +399,10 @@ class DiffusionBlocksLM(nn.Module):
         return DecodeState(self, batch, max_len)
 
     def forward_cached(self, idx, state: DecodeState, num_iterations: int | None = None, bridge: str = "hard",
-                       generator=None, z=None, exit_rule=None, stats=None, rows=None):
+                       generator=None, noise=None, exit_rule=None, stats=None, rows=None):
         """Append tokens idx (R, n) to the history of `rows` (default all); return logits (R, 1, V)
-        for each row's next token, after K routed denoising steps."""
+        for each row's next token, after K routed denoising steps. `noise` (R, 1, d): the starting z
+        (default: drawn from `generator`, see `initial_noise`)."""
         K = num_iterations or len(self.blocks)
         R, n = idx.shape
         sel = state.rows(rows)
@@ -427,7 +427,12 @@ class DiffusionBlocksLM(nn.Module):
                     self.catch_up(b, state, sel[i:i + 1])
             return self.run_block(b, None, z_, sigma, noisy_pos, None, caches, rows)
 
-        return self.chain(call, K, (R, 1), idx.device, generator, bridge, z, exit_rule, stats)
+        return self.chain(call, K, (R, 1), idx.device, generator, bridge, noise, exit_rule, stats)
+
+    def initial_noise(self, batch: int, n: int, generator=None, device=None) -> torch.Tensor:
+        """z ~ N(0, sigma_hi^2 I) of shape (batch, n, d): what a chain starts from, drawn as `chain` does."""
+        d = self.tok_emb.weight.shape[1]
+        return self.edges[-1] * torch.randn(batch, n, d, device=device, generator=generator)
 
     def reset_rows(self, state: DecodeState, rows) -> None:
         state.reset(rows)

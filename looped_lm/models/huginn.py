@@ -142,9 +142,10 @@ class HuginnLM(nn.Module):
         return HuginnCache(self, batch, max_len)
 
     def forward_cached(self, idx, caches: "HuginnCache", num_iterations: int | None = None, generator=None,
-                       s0=None, rows=None):
+                       noise=None, rows=None):
         """New tokens idx (R, n) of `rows` -> logits (R, n, V). A row's K must stay the same for its
-        whole sequence (every iteration's cache needs every token); `s0` overrides the initial state."""
+        whole sequence (every iteration's cache needs every token); `noise` (R, n, d) overrides the
+        random initial state (see `initial_noise`)."""
         K = num_iterations or self.mean_recurrence
         sel = caches.rows(rows)
         for i, it in enumerate(caches.iterations(K)):
@@ -155,11 +156,15 @@ class HuginnLM(nn.Module):
         caches.lengths[sel] += idx.shape[1]
         cos, sin = self.rope(positions)
         e = self._stack(self.prelude, self.tok_emb(idx), cos, sin, caches.prelude, rows)
-        s = self.initial_state(e, generator) if s0 is None else s0
+        s = self.initial_state(e, generator) if noise is None else noise
         for it in caches.iterations(K):
             s = self._stack(self.core, self.adapter(torch.cat([s, e], dim=-1)), cos, sin, it, rows)
         h = self._stack(self.coda, s, cos, sin, caches.coda, rows)
         return F.linear(self.norm(h), self.tok_emb.weight)
+
+    def initial_noise(self, batch: int, n: int, generator=None, device=None) -> torch.Tensor:
+        d = self.tok_emb.weight.shape[1]
+        return self.init_scale * torch.randn(batch, n, d, device=device, generator=generator)
 
     def reset_rows(self, caches: "HuginnCache", rows) -> None:
         caches.reset(rows)
