@@ -1,0 +1,152 @@
+"""Training cost and decode speed on a GPU, measured side by side in one run (bf16 autocast).
+
+    python bench/gpu_bench.py [--json out.json] [--quick]
+
+Rows: end-to-end GPT vs DiffusionBlocks AR (B = 4) at the paper's AR shape (12 x 768, 12 heads, seq 1024,
+vocab 50304), DB with target_fraction 0.25, and Huginn BPTT (r = 32, k = 8) vs looped_db at the paper's
+looped shape (2 + 4 + 2, d 512). Memory is torch.cuda.max_memory_allocated during forward + backward
+minus the memory held before it (weights, gradients, optimiser state excluded): activation memory.
+Step time is forward + backward + AdamW, CUDA-synchronised, mean over timed steps after warm-up; a DB
+"step" trains one block, so the table also gives B DB steps against one end-to-end step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from looped_lm.config import config_from_dict
+from looped_lm.engine.generate import generate
+from looped_lm.engine.sampling import SamplingParams
+from looped_lm.models import build_model
+from looped_lm.optim import BlockwiseAdamW, param_groups
+
+AR = {"n_layers": 12, "d_model": 768, "n_heads": 12, "seq_len": 1024, "vocab_size": 50304}
+LOOPED = {"n_prelude": 2, "n_layers": 4, "n_coda": 2, "d_model": 512, "n_heads": 8, "seq_len": 1024,
+          "vocab_size": 50304}
+
+
+def make(kind, model_extra, diffusion=None):
+    m = {"kind": kind, **model_extra}
+    vocab = m.pop("vocab_size")
+    cfg = config_from_dict({"model": m, "diffusion": diffusion or {}})
+    torch.manual_seed(0)
+    return build_model(cfg, vocab).cuda()
+
+
+def huginn_loss(model, x, y, r=32, k=8):
+    logits = model(x, r, no_grad_iterations=r - k)
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
+def measure_training(model, batch, steps, warmup, loss_fn=None):
+    seq, vocab = model.seq_len, model.vocab_size
+    opt = BlockwiseAdamW(param_groups(model, 0.1), lr=1e-4, fused=False, foreach=True)
+    x = torch.randint(0, vocab, (batch, seq), device="cuda")
+    y = torch.randint(0, vocab, (batch, seq), device="cuda")
+    times, peaks, losses = [], [], []
+    for step in range(warmup + steps):
+        if hasattr(model, "step_units"):
+            opt.set_active_units(model.step_units(step, 0))
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_fn(model, x, y) if loss_fn else model.training_loss(x, y, step=step, seed=0)[0]
+        loss.backward()
+        peak = torch.cuda.max_memory_allocated() - base
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if step >= warmup:
+            times.append(time.perf_counter() - t0)
+            peaks.append(peak)
+            losses.append(loss.item())
+    return {"step_ms": 1000 * sum(times) / len(times), "act_gib": max(peaks) / 2 ** 30,
+            "tokens_per_s": batch * seq / (sum(times) / len(times))}
+
+
+@torch.no_grad()
+def measure_decode(model, batch, new_tokens, **kw):
+    model.eval()
+    prompt = torch.randint(0, model.vocab_size, (batch, 16), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        generate(model, prompt, 8, SamplingParams(0.0), seed=0, **kw)  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        generate(model, prompt, new_tokens, SamplingParams(0.0), seed=0, **kw)
+        torch.cuda.synchronize()
+    model.train()
+    return batch * new_tokens / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", default=None)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=4)
+    args = p.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    rows, out = [], {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "batch": args.batch}
+
+    def run(name, model, **kw):
+        r = measure_training(model, args.batch, args.steps, args.warmup, **kw)
+        out[name] = r
+        rows.append((name, r))
+        del model
+        torch.cuda.empty_cache()
+        return r
+
+    gpt = run("gpt 12x768", make("gpt", AR))
+    db = run("db_ar B=4", make("db_ar", AR, {"num_blocks": 4}))
+    dbf = run("db_ar B=4 f=0.25", make("db_ar", AR, {"num_blocks": 4, "target_fraction": 0.25}))
+    hug = run("huginn r=32 k=8", make("huginn", {**LOOPED, "mean_recurrence": 32, "backprop_depth": 8}),
+              loss_fn=huginn_loss)
+    loop = run("looped_db", make("looped_db", LOOPED, {"num_blocks": 1}))
+    loopf = run("looped_db f=0.25", make("looped_db", LOOPED, {"num_blocks": 1, "target_fraction": 0.25}))
+
+    print("| model | step ms | tokens/s | activation GiB |")
+    print("|---|---:|---:|---:|")
+    for name, r in rows:
+        print(f"| {name} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {r['act_gib']:.2f} |")
+    ratios = {
+        "db_mem_vs_gpt": db["act_gib"] / gpt["act_gib"],
+        "db_f025_mem_vs_gpt": dbf["act_gib"] / gpt["act_gib"],
+        "db_B_steps_time_vs_gpt": 4 * db["step_ms"] / gpt["step_ms"],
+        "db_f025_B_steps_time_vs_gpt": 4 * dbf["step_ms"] / gpt["step_ms"],
+        "huginn_time_vs_looped_db": hug["step_ms"] / loop["step_ms"],
+        "huginn_mem_vs_looped_db": hug["act_gib"] / loop["act_gib"],
+        "huginn_time_vs_looped_db_f025": hug["step_ms"] / loopf["step_ms"],
+        "huginn_mem_vs_looped_db_f025": hug["act_gib"] / loopf["act_gib"],
+    }
+    out["ratios"] = ratios
+    print("\n| ratio | value |\n|---|---:|")
+    for k, v in ratios.items():
+        print(f"| {k} | {v:.2f} |")
+
+    decode = {}
+    for batch in (1, 8):
+        g = make("gpt", AR)
+        decode[f"gpt b{batch}"] = measure_decode(g, batch, 64)
+        del g
+        d = make("db_ar", AR, {"num_blocks": 4})
+        decode[f"db_ar K=4 b{batch}"] = measure_decode(d, batch, 64, num_iterations=4)
+        del d
+        torch.cuda.empty_cache()
+    out["decode_tokens_per_s"] = decode
+    print("\n| decode | tokens/s |\n|---|---:|")
+    for k, v in decode.items():
+        print(f"| {k} | {v:.0f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

