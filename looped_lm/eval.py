@@ -18,9 +18,8 @@ import math
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-
 from looped_lm.errors import UserError
+from looped_lm.models.layers import token_cross_entropy
 
 
 def add_arguments(p) -> None:
@@ -96,7 +95,7 @@ def token_nll(model, x, y, k_grid, draws, generator) -> dict:
     if k_grid is not None:
         raise UserError("this model is end-to-end (gpt): it takes no --num-iterations")
     logits, _ = model(x)
-    return {"exact": F.cross_entropy(logits.float().transpose(1, 2), y, reduction="none")}
+    return {"exact": token_cross_entropy(logits, y)}
 
 
 def report(sums: dict, tokens: int, block_size: int, stride: int, tokenizer: str, data: str,

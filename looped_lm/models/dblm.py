@@ -30,7 +30,7 @@ from looped_lm.config import Config
 from looped_lm.errors import UserError
 from looped_lm.models import register
 from looped_lm.models.layers import (KVCache, RotaryEmbedding, TransformerLayer, positions_after, cached_attention,
-                                     causal_attention, ffn_width, init_weights)
+                                     causal_attention, ffn_width, init_weights, token_cross_entropy)
 
 
 def modulate(x, shift, scale):
@@ -270,7 +270,7 @@ class DiffusionBlocksLM(nn.Module):
         y_emb = self.targets(targets)
         z = y_emb + sigma[:, None, None] * torch.randn_like(y_emb)
         logits = self.run_block(b, self.clean_inputs(x), z, sigma, slots + 1, noisy_mask(slots, T))
-        ce = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none").mean(dim=1)  # (B,)
+        ce = token_cross_entropy(logits, targets).mean(dim=1)  # (B,)
         loss = (ce * self.loss_weights(sigma, b)).mean()
         return loss, {"block": b, f"loss_block{b}": float(ce.detach().mean()), "sigma_mean": float(sigma.mean())}
 

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from looped_lm.config import Config
 from looped_lm.errors import UserError
 from looped_lm.models import register
-from looped_lm.models.layers import KVCache, RotaryEmbedding, TransformerLayer, positions_after, ffn_width, init_weights
+from looped_lm.models.layers import (KVCache, RotaryEmbedding, TransformerLayer, ffn_width, init_weights,
+                                     positions_after, token_cross_entropy)
 
 
 def sample_recurrence(mean: int, generator: torch.Generator, sigma: float = 0.5) -> int:
@@ -118,7 +119,7 @@ class HuginnLM(nn.Module):
                 s = self.iterate(s, e, cos, sin)
             done = K
             logits = F.linear(self.norm(self._stack(self.coda, s, cos, sin)), self.tok_emb.weight)
-            out[K] = F.cross_entropy(logits.float().transpose(1, 2), y, reduction="none")
+            out[K] = token_cross_entropy(logits, y)
         return out
 
     # --- generation: a KV cache per (iteration, layer) ------------------------------------------

@@ -192,6 +192,13 @@ class TransformerLayer(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """CE per token: logits (B, T, V), targets (B, T) -> (B, T), in fp32, on contiguous rows (a
+    (B, V, T) transpose makes the softmax stride across memory and runs several times slower)."""
+    B, T, V = logits.shape
+    return F.cross_entropy(logits.float().reshape(B * T, V), targets.reshape(B * T), reduction="none").view(B, T)
+
+
 def init_weights(module: nn.Module, std: float, n_residual_layers: int) -> None:
     """GPT-2 init: normal(std) everywhere, output projections scaled by 1/sqrt(2 * layers)."""
     for name, p in module.named_parameters():

@@ -1,0 +1,187 @@
+"""`LoopedLMForCausalLM`: a Hugging Face `PreTrainedModel` around the native looped_lm module.
+
+One definition: the wrapper holds the native model (`self.model`, built by `looped_lm.models.build_model`)
+and calls its own cached decoding, so `model.generate(..., do_sample=False)` gives the tokens of
+`looped_lm generate --temperature 0`.
+
+- gpt: `forward` returns logits at every position (and a loss with `labels`); with a cache, at the new
+  positions.
+- db_ar / looped_db: `forward` returns logits (B, 1, V) for the token after the last input position,
+  from the native K-step routed chain. K, the bridge and the noise are per `generate` call
+  (`num_iterations=`, `bridge=`, `seed=`; defaults from the generation config). The starting noise is drawn
+  from a `torch.Generator` seeded with `seed`, one (B, 1, d) draw per forward, as the native engine does.
+
+The cache is `NativeCache`: the native caches (GPT: per-layer KV; DB: clean-stream KV of the prelude
+and of every block, plus the token history) inside a `transformers.Cache`, so HF's loop feeds only the
+new tokens. Single sequences or equal-length batches only: a padded `attention_mask` is refused.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Cache, GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from looped_lm.hf.configuration import LoopedLMConfig
+
+DB_KINDS = ("db_ar", "looped_db")
+
+
+class NativeCache(Cache):
+    """The native model's caches plus a DB call's decoding settings (K, bridge, noise generator)."""
+
+    def __init__(self, model, batch: int, max_len: int, num_iterations: int | None = None,
+                 bridge: str | None = None, generator: torch.Generator | None = None):
+        super().__init__(layers=[])
+        self.state = model.new_cache(batch, max_len)
+        self.num_iterations, self.bridge, self.generator = num_iterations, bridge, generator
+        self.seen = 0  # tokens the native caches hold (every row: equal-length batches only)
+        self.max_len = max_len
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.max_len
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False]
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False]
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False]
+
+
+class LoopedLMForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = LoopedLMConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _supports_cache_class = True
+
+    def __init__(self, config: LoopedLMConfig):
+        super().__init__(config)
+        from looped_lm.config import config_from_dict
+        from looped_lm.models import build_model
+
+        self.native_config = config_from_dict(config.looped_lm_config)
+        self.model = build_model(self.native_config, config.vocab_size, config.model_state or None)
+        self.post_init()
+
+    # --- Hugging Face plumbing ---------------------------------------------------------------------
+
+    def _init_weights(self, module):
+        pass  # the native constructor initialises; from_pretrained then loads every weight
+
+    def get_input_embeddings(self):
+        return self.model.tok_emb
+
+    def get_output_embeddings(self):
+        return None  # the head is F.linear(norm(h), tok_emb.weight): tied by construction, no lm_head
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the cache is a NativeCache, made by `new_native_cache`
+
+    @property
+    def is_db(self) -> bool:
+        return self.config.kind in DB_KINDS
+
+    def decoding_defaults(self, num_iterations=None, bridge=None, seed=None, generation_config=None) -> dict:
+        """K, bridge and seed of one call: the arguments, else the generation config, else the model's."""
+        gc = generation_config or self.generation_config
+        seed = seed if seed is not None else getattr(gc, "seed", None)
+        out = {"seed": 0 if seed is None else int(seed)}
+        if self.is_db:
+            K = num_iterations if num_iterations is not None else getattr(gc, "num_iterations", None)
+            out.update(self.model.inference_kwargs(K, bridge or getattr(gc, "bridge", None)))
+        return out
+
+    def new_native_cache(self, batch: int, max_len: int | None = None, num_iterations=None, bridge=None,
+                         seed=None, generation_config=None) -> NativeCache:
+        d = self.decoding_defaults(num_iterations, bridge, seed, generation_config)
+        device = self.model.tok_emb.weight.device
+        generator = torch.Generator(device=device).manual_seed(d["seed"]) if self.is_db else None
+        return NativeCache(self.model, batch, max_len or self.model.max_positions, d.get("num_iterations"),
+                           d.get("bridge"), generator)
+
+    # --- forward -----------------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                cache: NativeCache | None = None, past_key_values: NativeCache | None = None,
+                use_cache: bool | None = None, labels: torch.LongTensor | None = None,
+                num_iterations: int | None = None, bridge: str | None = None, seed: int | None = None,
+                return_dict: bool | None = None, **kwargs) -> CausalLMOutputWithPast:
+        """input_ids (B, T): the new tokens after what `cache` holds (all of them without a cache).
+
+        Returns logits (B, T, V) for gpt, (B, 1, V) (the next token, K-step chain) for DB models.
+        """
+        if input_ids is None:
+            raise ValueError("LoopedLMForCausalLM needs input_ids (inputs_embeds are not supported)")
+        if kwargs.get("inputs_embeds") is not None:
+            raise ValueError("LoopedLMForCausalLM does not take inputs_embeds")
+        cache = cache if cache is not None else past_key_values
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            raise ValueError("padded batches are not supported: give one sequence or equal-length rows")
+        if cache is not None and not isinstance(cache, NativeCache):
+            raise TypeError(f"expected a NativeCache (from new_native_cache), got {type(cache).__name__}")
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        loss = None
+        if cache is None and not use_cache and not self.is_db:
+            logits, loss = self._gpt_loss(input_ids, labels) if labels is not None else (self.model(input_ids)[0], None)
+            return CausalLMOutputWithPast(loss=loss, logits=logits)
+        if labels is not None:
+            raise ValueError("labels are supported for gpt without a cache only")
+        if cache is None:
+            total = input_ids.shape[1] + (1 if self.is_db else 0)
+            cache = self.new_native_cache(input_ids.shape[0], max(total, self.model.max_positions),
+                                          num_iterations, bridge, seed)
+        if self.is_db:
+            logits = self.model.forward_cached(input_ids, cache.state, num_iterations=cache.num_iterations,
+                                               bridge=cache.bridge, generator=cache.generator)
+        else:
+            logits = self.model.forward_cached(input_ids, cache.state)
+        cache.seen += input_ids.shape[1]
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None)
+
+    def _gpt_loss(self, input_ids, labels):
+        logits, _ = self.model(input_ids)
+        shift = labels[:, 1:]
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), shift.flatten(),
+                                                 ignore_index=-100)
+        return logits, loss
+
+    # --- generation ----------------------------------------------------------------------------------
+
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None,
+                                      attention_mask=None, is_first_iteration=False, **kwargs):
+        if cache is not None:
+            input_ids = input_ids[:, cache.seen:]  # only what the native caches have not seen
+        return {"input_ids": input_ids, "cache": cache, "attention_mask": attention_mask,
+                "use_cache": kwargs.get("use_cache", True)}
+
+    @torch.no_grad()
+    def generate(self, inputs: torch.Tensor | None = None, generation_config=None, num_iterations: int | None = None,
+                 bridge: str | None = None, seed: int | None = None, **kwargs):
+        """`GenerationMixin.generate` with a `NativeCache`. DB models: `num_iterations` (K), `bridge` and
+        `seed` (of the starting noise) override the generation config's."""
+        input_ids = inputs if inputs is not None else kwargs.pop("input_ids")
+        gc = generation_config or self.generation_config
+        if kwargs.get("cache") is None and kwargs.get("past_key_values") is None and kwargs.get("use_cache", True):
+            new = kwargs.get("max_new_tokens") or getattr(gc, "max_new_tokens", None)
+            max_len = input_ids.shape[1] + new if new else (kwargs.get("max_length") or gc.max_length)
+            kwargs["cache"] = self.new_native_cache(input_ids.shape[0], min(max_len, self.model.max_positions),
+                                                    num_iterations, bridge, seed, gc)
+        return super().generate(input_ids, generation_config=generation_config, **kwargs)
