@@ -121,17 +121,20 @@ def run_generate(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from looped_lm import eval as evaluate
+    from looped_lm import export
     from looped_lm.data import prepare
 
     parser = argparse.ArgumentParser(prog="looped_lm", description="DiffusionBlocks language models: "
                                      "prepare data, train, evaluate, generate.")
     parser.add_argument("--version", action="version", version=f"looped_lm {__version__}")
-    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{prepare,train,eval,generate}")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{prepare,train,eval,generate,export}")
     for name, helptext, add, run in (
         ("prepare", "tokenize a corpus into nanoGPT train.bin / val.bin", prepare.add_arguments, prepare.run),
         ("train", "train under DeepSpeed (wraps `deepspeed looped_lm/train.py`)", add_train_arguments, run_train),
         ("eval", "perplexity of a checkpoint (exact, per K, or ppl@k)", evaluate.add_arguments, evaluate.run),
         ("generate", "continue a prompt from a checkpoint", add_generate_arguments, run_generate),
+        ("export", "write a Hugging Face directory (transformers / vLLM) from a checkpoint", export.add_arguments,
+         export.run),
     ):
         p = verbs.add_parser(name, help=helptext, description=helptext)
         add(p)

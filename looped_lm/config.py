@@ -59,8 +59,19 @@ class ModelConfig:
 @dataclass
 class DiffusionConfig:
     num_blocks: int = _f(4, "B: blocks that each own one interval of noise levels")
-    partition: str = _f("equi_probability", "how block edges are placed in sigma",
-                        choices=("equi_probability", "uniform"))
+    partition: str = _f("equi_probability", "block edges: equal noise mass, equal ln-width, or equal shares of "
+                        "the held-out CE drop re-estimated in training (equi_entropy)",
+                        choices=("equi_probability", "uniform", "equi_entropy"))
+    noise: str = _f("lognormal", "training sigma within a block: the log-normal (paper) or adaptive (the "
+                    "learned CDF of CE(sigma), CDCD-style time warping)", choices=("lognormal", "adaptive"))
+    curve_every: int = _f(200, "re-measure held-out CE(sigma) every N steps (equi_entropy, adaptive, loss_share)")
+    curve_until: int = _f(0, "stop re-measuring (freeze edges) after this step; 0 = never")
+    noisy_input: str = _f("noise", "noisy slot input: c_in*z (noise), or c_in*z + E[previous token] (prev_token)",
+                          choices=("noise", "prev_token"))
+    context: str = _f("independent", "block b's clean stream starts from the embeddings (independent, paper) or "
+                      "from blocks < b's clean output, without gradient (stacked)",
+                      choices=("independent", "stacked"))
+    clean_lm_weight: float = _f(0.0, "weight of a next-token CE on each block's clean stream, added to the loss")
     overlap: float = _f(0.1, "gamma: each block trains on its interval widened by this share of its ln-width")
     p_mean: float = _f(-1.2, "mean of ln(sigma) for training noise")
     p_std: float = _f(1.2, "std of ln(sigma) for training noise")
@@ -73,8 +84,9 @@ class DiffusionConfig:
                            choices=("unit", "sigma_data"))
     target_fraction: float = _f(1.0, "share of noisy slots trained per sequence (clean stream stays whole)")
     blocks_to_train: list[int] = _f([], "train only these blocks (others frozen, no optimiser state); [] = all")
-    block_sampling: str = _f("uniform", "which block a step trains: uniform (paper) or round_robin",
-                             choices=("uniform", "round_robin"))
+    block_sampling: str = _f("uniform", "which block a step trains: uniform (paper), round_robin, or loss_share "
+                             "(in proportion to each block's share of the CE drop)",
+                             choices=("uniform", "round_robin", "loss_share"))
     bridge: str = _f("hard", "logits -> denoised embedding at inference: soft (expectation) or hard (argmax)",
                      choices=("soft", "hard"))
     num_iterations: int = _f(0, "default K denoising steps per token at inference; 0 = num_blocks")
@@ -285,6 +297,8 @@ def validate(cfg: Config) -> None:
     _require(d.p_std > 0, f"diffusion.p_std must be > 0 (got {d.p_std})")
     _require(d.sigma_data > 0, f"diffusion.sigma_data must be > 0 (got {d.sigma_data})")
     _require(0 < d.target_fraction <= 1, f"diffusion.target_fraction must be in (0, 1] (got {d.target_fraction})")
+    _require(d.curve_every >= 1 and d.curve_until >= 0, "diffusion.curve_every must be >= 1 and curve_until >= 0")
+    _require(d.clean_lm_weight >= 0, f"diffusion.clean_lm_weight must be >= 0 (got {d.clean_lm_weight})")
     _require(d.num_iterations >= 0, f"diffusion.num_iterations must be >= 1, or 0 for num_blocks (got {d.num_iterations})")
     if m.kind == "looped_db":
         _require(d.num_blocks == 1, f"looped_db has one weight-tied core: diffusion.num_blocks must be 1 "

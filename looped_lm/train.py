@@ -174,6 +174,41 @@ def check_resume_compatible(manifest: dict, cfg: Config, vocab_size: int, world_
                         f"differs from this run's {vocab_size}")
 
 
+def check_resume_model_state(saved: dict, model) -> None:
+    """Fixed partitions must match the config's; measured ones (equi_entropy, a CE curve) are adopted."""
+    mine = model.checkpoint_state() if hasattr(model, "checkpoint_state") else {}
+    if getattr(model, "uses_curve", lambda: False)():
+        if saved.get("num_blocks") != mine.get("num_blocks"):
+            raise UserError(f"cannot resume: the checkpoint has {saved.get('num_blocks')} blocks, this run "
+                            f"{mine.get('num_blocks')}")
+        model.set_edges(saved["edges"])
+        if saved.get("curve") is not None:
+            model.apply_curve(saved["curve"])
+            model.set_edges(saved["edges"])  # the saved edges are the ones training used
+        return
+    if saved != mine:
+        raise UserError(f"cannot resume: the checkpoint's model state {saved} differs from this run's "
+                        f"{mine} (edges or block count changed)")
+
+
+def refresh_curve(model, val_stream, cfg: Config, device, rank: int, step: int) -> dict | None:
+    """Measure held-out CE(sigma) on rank 0 and give every rank the same curve (so every rank
+    keeps the same edges and draws the same blocks)."""
+    import deepspeed.comm as dist
+
+    curve = [None]
+    if rank == 0:
+        was_training = model.training
+        model.eval()
+        x, y = val_stream.get_batch(cfg.train.batch_size, cfg.train.seed, -2, 0, 0)
+        curve[0] = model.measure_curve(x.to(device), y.to(device), seed=cfg.train.seed + step)
+        model.train(was_training)
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(curve, src=0)
+    model.apply_curve(curve[0])
+    return curve[0]
+
+
 # ---------------------------------------------------------------------------------------------
 # the loop
 
@@ -219,10 +254,8 @@ def _train(cfg: Config, device: torch.device, stop_after: int) -> Path | None:
         check_resume_compatible(manifest, cfg, vocab_size, world)
     torch.manual_seed(t.seed)  # identical init on every rank
     model = build_model(cfg, vocab_size)  # edges from the config: a resume must agree with them
-    model_state = model.checkpoint_state() if hasattr(model, "checkpoint_state") else {}
-    if manifest is not None and manifest.get("model_state", {}) != model_state:
-        raise UserError(f"cannot resume: the checkpoint's model state {manifest.get('model_state')} "
-                        f"differs from this run's {model_state} (edges or block count changed)")
+    if manifest is not None:
+        check_resume_model_state(manifest.get("model_state", {}), model)
     torch.manual_seed(t.seed + 1 + rank)  # noise draws (sigma, z, slots) differ across ranks
 
     optimizer = BlockwiseAdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
@@ -272,11 +305,18 @@ def _train(cfg: Config, device: torch.device, stop_after: int) -> Path | None:
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss_sum:.4f}", tok_s=f"{(done - start_step) * tokens_per_step / max(time.perf_counter() - t0, 1e-9):.0f}")
+        d = cfg.diffusion
+        if getattr(model, "uses_curve", lambda: False)() and done % d.curve_every == 0 and \
+                (d.curve_until == 0 or done <= d.curve_until):
+            curve = refresh_curve(model, val_stream, cfg, device, rank, done)
+            if logger is not None:
+                logger.log(done, {"edges": model.edges, "curve_ce": curve["ce"]})
         if t.eval_every and done % t.eval_every == 0:
             val = evaluate_loss(model, val_stream, cfg, device, rank)
             if logger is not None:
                 logger.log(done, {"val_loss": val})
         if (t.save_every and done % t.save_every == 0) or done == end_step:
+            model_state = model.checkpoint_state() if hasattr(model, "checkpoint_state") else {}
             last_ckpt = save(engine, model, cfg, out_dir, done, vocab_size, tokenizer.name, model_state,
                              data_dir, tokens_per_step, rank)
     if bar is not None:

@@ -82,8 +82,19 @@ class LoopedLMForCausalLM(PreTrainedModel, GenerationMixin):
 
     # --- Hugging Face plumbing ---------------------------------------------------------------------
 
+    @torch.no_grad()
     def _init_weights(self, module):
-        pass  # the native constructor initialises; from_pretrained then loads every weight
+        """Every weight comes from the checkpoint; only the non-persistent tables (RoPE cos/sin, the noise
+        embedding's Fourier frequencies), which from_pretrained leaves uninitialised, are recomputed."""
+        from looped_lm.models.layers import RotaryEmbedding
+
+        with torch.device("cpu"):
+            if isinstance(module, RotaryEmbedding):
+                fresh = RotaryEmbedding(2 * module.cos.shape[1], module.cos.shape[0], self.native_config.model.rope_theta)
+                module.cos.copy_(fresh.cos)
+                module.sin.copy_(fresh.sin)
+            elif type(module).__name__ == "NoiseEmbedding":  # looped_lm.models.dblm
+                module.freqs.copy_(type(module)(self.native_config.model.d_model).freqs)
 
     def get_input_embeddings(self):
         return self.model.tok_emb

@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from looped_lm import diffusion as dm
+from looped_lm.diffusion import ce_curve
 from looped_lm.config import Config
 from looped_lm.errors import UserError
 from looped_lm.models import register
@@ -131,18 +132,22 @@ class DecodeState:
 class DiffusionBlocksLM(nn.Module):
     uses_noise = True  # generation draws z from the request's generator
 
-    def __init__(self, cfg: Config, vocab_size: int, edges: list[float] | None = None):
+    def __init__(self, cfg: Config, vocab_size: int, state: dict | None = None):
         super().__init__()
         m, d = cfg.model, cfg.diffusion
         self.cfg, self.vocab_size, self.n_heads = cfg, vocab_size, m.n_heads
         self.seq_len, self.max_positions = m.seq_len, 4 * m.seq_len
         self.sched = dm.NoiseSchedule(d.p_mean, d.p_std, d.sigma_min, d.sigma_max, d.sigma_data).validate()
         num_blocks = 1 if m.kind == "looped_db" else d.num_blocks  # looped: one weight-tied core
-        self.edges = dm.check_edges(edges) if edges is not None else dm.make_edges(d.partition, num_blocks, self.sched)
+        state = state or {}
+        # equi_entropy starts from equal noise mass until a CE(sigma) curve has been measured
+        first = "equi_probability" if d.partition == "equi_entropy" else d.partition
+        edges = state.get("edges")
+        self.set_edges(dm.check_edges(edges) if edges is not None else dm.make_edges(first, num_blocks, self.sched))
         if len(self.edges) != num_blocks + 1:
             raise UserError(f"saved edges have {len(self.edges) - 1} blocks but the model has {num_blocks}")
+        self.curve = state.get("curve")  # {"sigmas": [...], "ce": [...]} once measured
         self.max_iterations = m.max_iterations
-        self.train_ranges = dm.widen(self.edges, d.overlap)  # by block index, block 0 = highest sigma
         self.target_scale = 1.0 if d.target_scale == "unit" else d.sigma_data * math.sqrt(m.d_model)
         self.trainable_blocks = list(d.blocks_to_train) or list(range(num_blocks))
 
@@ -169,17 +174,57 @@ class DiffusionBlocksLM(nn.Module):
     # --- what the trainer and checkpoints ask -----------------------------------------------------
 
     def checkpoint_state(self) -> dict:
-        return {"edges": self.edges, "num_blocks": len(self.blocks)}
+        state = {"edges": self.edges, "num_blocks": len(self.blocks)}
+        if self.curve is not None:
+            state["curve"] = self.curve
+        return state
+
+    def set_edges(self, edges: list[float]) -> None:
+        self.edges = list(edges)
+        self.train_ranges = dm.widen(self.edges, self.cfg.diffusion.overlap)  # by block, block 0 = highest sigma
+
+    # --- the measured CE(sigma) curve: equi_entropy edges, adaptive noise, loss_share sampling -----
+
+    def uses_curve(self) -> bool:
+        d = self.cfg.diffusion
+        return d.partition == "equi_entropy" or d.noise == "adaptive" or d.block_sampling == "loss_share"
+
+    @torch.no_grad()
+    def measure_curve(self, x, y, seed: int, n_sigma: int = 24) -> dict:
+        """Held-out CE at each sigma of a log grid, each from the block that owns it, one draw."""
+        g = torch.Generator(device=x.device).manual_seed(seed)
+        call = self.window_call(x)
+        y_emb = self.targets(y)
+        sigmas, ce = ce_curve.sigma_grid(self.sched, n_sigma), []
+        for s in sigmas:
+            z = y_emb + s * torch.randn(y_emb.shape, device=x.device, generator=g)
+            sigma = torch.full((x.shape[0],), s, device=x.device)
+            logits = call(dm.route_sigma(s, self.edges), z, sigma)
+            ce.append(float(token_cross_entropy(logits, y).mean()))
+        return {"sigmas": sigmas, "ce": ce}
+
+    def apply_curve(self, curve: dict) -> None:
+        """Adopt a measured curve; with partition equi_entropy, move the edges to equal CE shares."""
+        self.curve = curve
+        if self.cfg.diffusion.partition == "equi_entropy":
+            edges = ce_curve.equi_entropy_edges(curve["sigmas"], curve["ce"], len(self.blocks))
+            if edges is not None:
+                self.set_edges(edges)
 
     def param_unit(self, name: str) -> str:
         return f"block{name.split('.')[1]}" if name.startswith("blocks.") else "shared"
 
     def choose_block(self, step: int, seed: int) -> int:
         """The block trained at `step`: the same on every rank (it depends on step and seed only)."""
-        if self.cfg.diffusion.block_sampling == "round_robin":
-            return self.trainable_blocks[step % len(self.trainable_blocks)]
+        sampling, blocks = self.cfg.diffusion.block_sampling, self.trainable_blocks
+        if sampling == "round_robin":
+            return blocks[step % len(blocks)]
         g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-        return self.trainable_blocks[int(torch.randint(len(self.trainable_blocks), (1,), generator=g))]
+        if sampling == "loss_share" and self.curve is not None:
+            shares = ce_curve.block_shares(self.edges, self.curve["sigmas"], self.curve["ce"])
+            weights = torch.tensor([shares[b] for b in blocks], dtype=torch.float64) + 1e-3  # never starve one
+            return blocks[int(torch.multinomial(weights, 1, generator=g))]
+        return blocks[int(torch.randint(len(blocks), (1,), generator=g))]
 
     def layers_of(self, b: int) -> list:
         """The denoiser for block b: its own layers, then the shared coda."""
@@ -215,16 +260,22 @@ class DiffusionBlocksLM(nn.Module):
         h = c_out * self.target_scale * F.normalize(h_noisy, dim=-1) + c_skip * z
         return F.linear(self.norm(h.to(self.tok_emb.weight.dtype)), self.tok_emb.weight)
 
-    def noisy_input(self, z, sigma):
-        c_in = dm.edm_scalings(sigma, self.sched.sigma_data)[2].to(z.dtype)[:, None, None]
-        c_noise = dm.edm_scalings(sigma, self.sched.sigma_data)[3]
-        return (c_in * z).to(self.tok_emb.weight.dtype), self.noise_emb(c_noise.to(z.device))
+    def noisy_input(self, z, sigma, prev=None):
+        """The noisy stream's input c_in*z (+ the previous token's embedding with noisy_input: prev_token,
+        so a slot needs no attention hop to find it) and its conditioning vector from c_noise."""
+        _, _, c_in, c_noise = dm.edm_scalings(sigma, self.sched.sigma_data)
+        h = (c_in.to(z.dtype)[:, None, None] * z).to(self.tok_emb.weight.dtype)
+        if prev is not None and self.cfg.diffusion.noisy_input == "prev_token":
+            h = h + self.tok_emb(prev)
+        return h, self.noise_emb(c_noise.to(z.device))
 
-    def run_block(self, b, clean, z, sigma, noisy_pos, mask, caches=None, rows=None):
-        """Both streams through block b -> logits of the noisy slots. With `caches`, `clean` holds only
-        the tokens the block has not cached yet (possibly none), and each noisy slot sees its row's
-        whole cache and itself."""
-        h, cond = self.noisy_input(z, sigma)
+    def run_block(self, b, clean, z, sigma, noisy_pos, mask, caches=None, rows=None, prev=None,
+                  return_clean: bool = False):
+        """Both streams through block b -> logits of the noisy slots (and the clean stream's output with
+        return_clean). With `caches`, `clean` holds only the tokens the block has not cached yet
+        (possibly none), and each noisy slot sees its row's whole cache and itself. `prev`: the token
+        ids before each slot (for noisy_input: prev_token)."""
+        h, cond = self.noisy_input(z, sigma, prev)
         cos_n, sin_n = self.rope(noisy_pos)
         has_clean = clean is not None and clean.shape[1] > 0
         if has_clean:
@@ -235,12 +286,14 @@ class DiffusionBlocksLM(nn.Module):
         for i, layer in enumerate(layers):
             cache = caches[i] if caches else None
             if has_clean:
-                clean, k, v = layer.clean(clean, cos_c, sin_c, cache, rows, need_output=i + 1 < len(layers))
+                last = i + 1 == len(layers)
+                clean, k, v = layer.clean(clean, cos_c, sin_c, cache, rows, need_output=return_clean or not last)
             if cache is not None:  # rows may hold different lengths: mask each row's unfilled tail
                 k, v, valid = cache.view(rows)
                 mask = None if valid is None else torch.cat([valid, valid.new_ones(*valid.shape[:-1], 1)], -1)
             h = layer.noisy(h, cond, cos_n, sin_n, k, v, mask)
-        return self.denoise_logits(h, z, sigma)
+        logits = self.denoise_logits(h, z, sigma)
+        return (logits, clean) if return_clean else logits
 
     def catch_up(self, b, state: "DecodeState", row: torch.Tensor) -> None:
         """Bring block b's clean-stream cache of one row up to that row's history."""
@@ -259,20 +312,32 @@ class DiffusionBlocksLM(nn.Module):
         b = self.choose_block(step, seed)
         Bsz, T = x.shape
         lo, hi = self.train_ranges[b]
-        sigma = dm.sample_sigma(Bsz, lo, hi, self.sched, device=x.device)
+        if self.cfg.diffusion.noise == "adaptive" and self.curve is not None:
+            sigma = ce_curve.sample_sigma_from_curve(Bsz, lo, hi, self.curve["sigmas"], self.curve["ce"],
+                                                     device=x.device)
+        else:
+            sigma = dm.sample_sigma(Bsz, lo, hi, self.sched, device=x.device)
         n = max(1, round(self.cfg.diffusion.target_fraction * T))
         if n == T:
             slots = torch.arange(T, device=x.device)  # every slot: one mask shared by the batch
-            targets = y
+            targets, prev = y, x
         else:
             slots = torch.rand(Bsz, T, device=x.device).argsort(dim=1)[:, :n].sort(dim=1).values
-            targets = y.gather(1, slots)
+            targets, prev = y.gather(1, slots), x.gather(1, slots)
         y_emb = self.targets(targets)
         z = y_emb + sigma[:, None, None] * torch.randn_like(y_emb)
-        logits = self.run_block(b, self.clean_inputs(x), z, sigma, slots + 1, noisy_mask(slots, T))
+        clean_w = self.cfg.diffusion.clean_lm_weight
+        out = self.run_block(b, self.clean_inputs(x), z, sigma, slots + 1, noisy_mask(slots, T), prev=prev,
+                             return_clean=bool(clean_w))
+        logits, clean = out if clean_w else (out, None)
         ce = token_cross_entropy(logits, targets).mean(dim=1)  # (B,)
         loss = (ce * self.loss_weights(sigma, b)).mean()
-        return loss, {"block": b, f"loss_block{b}": float(ce.detach().mean()), "sigma_mean": float(sigma.mean())}
+        metrics = {"block": b, f"loss_block{b}": float(ce.detach().mean()), "sigma_mean": float(sigma.mean())}
+        if clean_w:  # an ordinary next-token loss on the block's clean stream
+            clean_ce = token_cross_entropy(F.linear(self.norm(clean), self.tok_emb.weight), y).mean()
+            loss = loss + clean_w * clean_ce
+            metrics["clean_lm_loss"] = float(clean_ce.detach())
+        return loss, metrics
 
     def loss_weights(self, sigma, b: int):
         kind = self.cfg.diffusion.loss_weight
@@ -334,7 +399,7 @@ class DiffusionBlocksLM(nn.Module):
                     c, k, v = layer.clean(c, cos, sin, need_output=i + 1 < len(layers))
                     per_layer.append((k, v))
                 kv[b] = per_layer
-            h, cond = self.noisy_input(z, sigma)
+            h, cond = self.noisy_input(z, sigma, x)
             cos_n, sin_n = self.rope(slots + 1)
             for layer, (k, v) in zip(self.layers_of(b), kv[b]):
                 h = layer.noisy(h, cond, cos_n, sin_n, k, v, mask)
@@ -413,6 +478,7 @@ class DiffusionBlocksLM(nn.Module):
         state.lengths[sel] = ends
         aligned = bool((ends == ends[0]).all())
         noisy_pos = ends[:1] if aligned else ends[:, None]  # the next token's position, per row
+        prev = idx[:, -1:]  # the token before each row's next one
 
         def call(b, z_, sigma):
             caches = state.blocks[b]
@@ -421,11 +487,11 @@ class DiffusionBlocksLM(nn.Module):
             if bool((pending == pending[0]).all()):  # common case: append pending tokens in the same forward
                 p = int(pending[0])
                 clean = state.clean_inputs[sel[:, None], cached[:, None] + torch.arange(p, device=idx.device)]
-                return self.run_block(b, clean, z_, sigma, noisy_pos, None, caches, rows)
+                return self.run_block(b, clean, z_, sigma, noisy_pos, None, caches, rows, prev)
             for i in range(R):  # ragged (rows skipped this block for different spans): catch up one by one
                 if int(pending[i]):
                     self.catch_up(b, state, sel[i:i + 1])
-            return self.run_block(b, None, z_, sigma, noisy_pos, None, caches, rows)
+            return self.run_block(b, None, z_, sigma, noisy_pos, None, caches, rows, prev)
 
         return self.chain(call, K, (R, 1), idx.device, generator, bridge, noise, exit_rule, stats)
 
@@ -453,13 +519,13 @@ class DiffusionBlocksLM(nn.Module):
         pos = torch.tensor([idx.shape[1]], device=idx.device)
 
         def call(b, z_, sigma):
-            return self.run_block(b, clean, z_, sigma, pos, None)
+            return self.run_block(b, clean, z_, sigma, pos, None, prev=idx[:, -1:])
 
         return self.chain(call, num_iterations, (idx.shape[0], 1), idx.device, None, bridge, z)
 
 
 def _build(cfg: Config, vocab_size: int, state: dict | None):
-    return DiffusionBlocksLM(cfg, vocab_size, (state or {}).get("edges"))
+    return DiffusionBlocksLM(cfg, vocab_size, state)
 
 
 register("db_ar", _build)

@@ -1,0 +1,150 @@
+"""Continuous batching bookkeeping: which requests wait, which hold a KV slot, and what runs next.
+
+No tensors here: the engine runs the model, the scheduler only decides. Every engine step:
+
+    decode    every row that holds a sampled token not yet fed to the model, grouped by its
+              forward_cached kwargs (rows with the same K run in one call)
+    prefill   the next chunk of each admitted prompt, oldest first, within a token budget
+    admit     waiting requests take free slots (FIFO); scoring requests (echo with max_tokens <= 1:
+              one whole-prompt forward, no KV cache) need no slot and run within the same budget
+
+Decode rows go first so running streams keep a steady pace while long prompts prefill in chunks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+if TYPE_CHECKING:
+    from looped_lm.engine.engine import Request
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's state inside the engine."""
+
+    request: "Request"
+    kwargs: dict  # forward_cached / prompt_logits kwargs of the request's K ({} for gpt)
+    generator: torch.Generator  # the request's own noise and sampling draws
+    sink: Callable  # receives each RequestOutput (called on the engine thread)
+    slot: int | None = None
+    num_prefilled: int = 0  # prompt tokens already in the KV cache
+    output_ids: list[int] = field(default_factory=list)
+    pending: int | None = None  # the last sampled token: the input of the next decode step
+    finish_reason: str | None = None
+
+    def __post_init__(self):
+        self.group = tuple(sorted(self.kwargs.items()))  # rows with equal kwargs share a forward
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def scoring_only(self) -> bool:
+        """Echo with at most one new token: one whole-prompt forward gives everything, no slot."""
+        return self.request.prompt_logprobs is not None and self.request.max_tokens <= 1
+
+    @property
+    def prompt_left(self) -> int:
+        return len(self.request.prompt) - self.num_prefilled
+
+
+@dataclass
+class StepPlan:
+    score: list[Sequence] = field(default_factory=list)
+    prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to run now)
+    decode: list[list[Sequence]] = field(default_factory=list)  # groups of rows with equal kwargs
+
+    def __bool__(self) -> bool:
+        return bool(self.score or self.prefill or self.decode)
+
+
+class Scheduler:
+    def __init__(self, num_slots: int, prefill_chunk: int, prefill_budget: int):
+        if num_slots < 1 or prefill_chunk < 1 or prefill_budget < 1:
+            raise ValueError("num_slots, prefill_chunk and prefill_budget must be >= 1")
+        self.num_slots, self.prefill_chunk, self.prefill_budget = num_slots, prefill_chunk, prefill_budget
+        self.free = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest slot first
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[str, Sequence] = {}  # slot holders, in admission order
+
+    # --- queue changes ---------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, request_id: str) -> Sequence | None:
+        """Take a request out (abort): its slot, if it held one, is free again."""
+        seq = self.running.pop(request_id, None)
+        if seq is not None:
+            self._release(seq)
+            return seq
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                return seq
+        return None
+
+    def finish(self, seq: Sequence) -> None:
+        if self.running.pop(seq.request_id, None) is not None:
+            self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.slot is not None:
+            self.free.append(seq.slot)
+            self.free.sort(reverse=True)
+
+    # --- what runs next -------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        groups: dict[tuple, list[Sequence]] = {}
+        for seq in self.running.values():
+            if seq.pending is not None:
+                groups.setdefault(seq.group, []).append(seq)
+        plan.decode = list(groups.values())
+
+        budget = self.prefill_budget
+        for seq in self.running.values():
+            if budget <= 0:
+                break
+            if seq.prompt_left > 0:
+                n = min(self.prefill_chunk, seq.prompt_left, budget)
+                plan.prefill.append((seq, n))
+                budget -= n
+
+        kept = deque()
+        while self.waiting:
+            seq = self.waiting.popleft()
+            if budget <= 0 and plan:  # the budget is spent (an empty plan always takes one request)
+                kept.append(seq)
+                continue
+            if seq.scoring_only:
+                plan.score.append(seq)
+                budget -= len(seq.request.prompt)
+            elif self.free and not kept:  # FIFO among requests that need a slot
+                seq.slot = self.free.pop()
+                self.running[seq.request_id] = seq
+                n = min(self.prefill_chunk, seq.prompt_left, max(budget, 1))
+                plan.prefill.append((seq, n))
+                budget -= n
+            else:
+                kept.append(seq)
+        self.waiting = kept
+        return plan
