@@ -116,6 +116,21 @@ def run_generate(args) -> int:
     return 0
 
 
+# --- serve: the OpenAI-compatible server (serve/, imported only for this verb) -------------------
+
+
+def add_serve_arguments(p) -> None:
+    from serve.cli import add_arguments  # argparse only: fastapi is imported when the server starts
+
+    add_arguments(p)
+
+
+def run_serve(args) -> int:
+    from serve.cli import run
+
+    return run(args)
+
+
 # --- entry point -------------------------------------------------------------------------------
 
 
@@ -127,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="looped_lm", description="DiffusionBlocks language models: "
                                      "prepare data, train, evaluate, generate.")
     parser.add_argument("--version", action="version", version=f"looped_lm {__version__}")
-    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{prepare,train,eval,generate,export}")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{prepare,train,eval,generate,export,serve}")
     for name, helptext, add, run in (
         ("prepare", "tokenize a corpus into nanoGPT train.bin / val.bin", prepare.add_arguments, prepare.run),
         ("train", "train under DeepSpeed (wraps `deepspeed looped_lm/train.py`)", add_train_arguments, run_train),
@@ -135,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("generate", "continue a prompt from a checkpoint", add_generate_arguments, run_generate),
         ("export", "write a Hugging Face directory (transformers / vLLM) from a checkpoint", export.add_arguments,
          export.run),
+        ("serve", "OpenAI-compatible HTTP server (completions, chat, streaming, K per request)",
+         add_serve_arguments, run_serve),
     ):
         p = verbs.add_parser(name, help=helptext, description=helptext)
         add(p)

@@ -13,8 +13,10 @@ V, D = 47, 32
 
 
 def build(kind):
+    stacked = kind == "db_ar_stacked"
+    kind = "db_ar" if stacked else kind
     model = {"kind": kind, "n_layers": 2, "d_model": D, "n_heads": 4, "seq_len": 16, "init_std": 0.2}
-    diffusion = {"num_blocks": 2 if kind == "db_ar" else 1}
+    diffusion = {"num_blocks": 2 if kind == "db_ar" else 1, "context": "stacked" if stacked else "independent"}
     if kind in ("looped_db", "huginn"):
         model.update(n_prelude=1, n_coda=1, mean_recurrence=3, backprop_depth=2)
     if kind == "db_ar":
@@ -37,7 +39,7 @@ def step(model, kind, tokens, caches, rows, noise):
     return model.forward_cached(tokens, caches, num_iterations=3, noise=noise, rows=rows)[:, -1]
 
 
-@pytest.mark.parametrize("kind", ["gpt", "db_ar", "looped_db", "huginn"])
+@pytest.mark.parametrize("kind", ["gpt", "db_ar", "db_ar_stacked", "looped_db", "huginn"])
 @torch.no_grad()
 def test_interleaved_rows_equal_solo_runs(kind):
     model = build(kind)

@@ -31,10 +31,12 @@ class Sequence:
     kwargs: dict  # forward_cached / prompt_logits kwargs of the request's K ({} for gpt)
     generator: torch.Generator  # the request's own noise and sampling draws
     sink: Callable  # receives each RequestOutput (called on the engine thread)
+    seed: int = 0  # the generator's seed (prompt scoring draws from its own generator with it)
     slot: int | None = None
     num_prefilled: int = 0  # prompt tokens already in the KV cache
     output_ids: list[int] = field(default_factory=list)
     pending: int | None = None  # the last sampled token: the input of the next decode step
+    prompt_logprobs: list | None = None  # computed before the first token, sent with it
     finish_reason: str | None = None
 
     def __post_init__(self):

@@ -190,6 +190,8 @@ class LoopedLMForCausalLM(PreTrainedModel, GenerationMixin):
         `seed` (of the starting noise) override the generation config's."""
         input_ids = inputs if inputs is not None else kwargs.pop("input_ids")
         gc = generation_config or self.generation_config
+        if (kwargs.get("num_beams") or getattr(gc, "num_beams", 1) or 1) > 1:
+            raise ValueError("beam search is not supported: the native caches cannot reorder rows")
         if kwargs.get("cache") is None and kwargs.get("past_key_values") is None and kwargs.get("use_cache", True):
             new = kwargs.get("max_new_tokens") or getattr(gc, "max_new_tokens", None)
             max_len = input_ids.shape[1] + new if new else (kwargs.get("max_length") or gc.max_length)

@@ -114,6 +114,10 @@ class DecodeState:
         self.prelude = caches(len(model.prelude))
         self.blocks = [caches(len(model.layers_of(b))) for b in range(len(model.blocks))]
         self.clean_inputs = torch.zeros(batch, max_len, p.shape[1], device=p.device, dtype=p.dtype)
+        # what each block's clean stream reads: the embeddings, or (context: stacked) block b-1's output
+        self.block_inputs = [self.clean_inputs] + [
+            torch.zeros_like(self.clean_inputs) if model.stacked else self.clean_inputs
+            for _ in range(len(model.blocks) - 1)]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=p.device)  # tokens in each row's history
 
     def rows(self, rows):
@@ -147,6 +151,7 @@ class DiffusionBlocksLM(nn.Module):
         if len(self.edges) != num_blocks + 1:
             raise UserError(f"saved edges have {len(self.edges) - 1} blocks but the model has {num_blocks}")
         self.curve = state.get("curve")  # {"sigmas": [...], "ce": [...]} once measured
+        self.stacked = d.context == "stacked"
         self.max_iterations = m.max_iterations
         self.target_scale = 1.0 if d.target_scale == "unit" else d.sigma_data * math.sqrt(m.d_model)
         self.trainable_blocks = list(d.blocks_to_train) or list(range(num_blocks))
@@ -295,15 +300,34 @@ class DiffusionBlocksLM(nn.Module):
         logits = self.denoise_logits(h, z, sigma)
         return (logits, clean) if return_clean else logits
 
-    def catch_up(self, b, state: "DecodeState", row: torch.Tensor) -> None:
-        """Bring block b's clean-stream cache of one row up to that row's history."""
-        caches, r = state.blocks[b], int(row[0])
-        start, end = int(caches[0].lengths[r]), int(state.lengths[r])
-        clean = state.clean_inputs[r:r + 1, start:end]
-        cos, sin = self.rope(torch.arange(start, end, device=clean.device))
-        layers = self.layers_of(b)
-        for i, layer in enumerate(layers):
-            clean, _, _ = layer.clean(clean, cos, sin, caches[i], row, need_output=i + 1 < len(layers))
+    def catch_up(self, b, state: "DecodeState", sel: torch.Tensor) -> None:
+        """Bring block b's clean-stream cache of the rows `sel` up to their histories, one row at a time
+        (rows may lag by different spans); with context: stacked, also record the block's output."""
+        layers, caches = self.layers_of(b), state.blocks[b]
+        feeds_next = self.stacked and b + 1 < len(self.blocks)
+        for r in sel.tolist():
+            start, end = int(caches[0].lengths[r]), int(state.lengths[r])
+            if start == end:
+                continue
+            clean = state.block_inputs[b][r:r + 1, start:end]
+            cos, sin = self.rope(torch.arange(start, end, device=clean.device))
+            row = torch.tensor([r], device=clean.device)
+            for i, layer in enumerate(layers):
+                clean, _, _ = layer.clean(clean, cos, sin, caches[i], row, need_output=feeds_next or i + 1 < len(layers))
+            if feeds_next:
+                state.block_inputs[b + 1][r, start:end] = clean[0]
+
+    def block_input(self, clean, b: int):
+        """Block b's clean-stream input over a whole window: the embeddings (context: independent), or
+        the clean output of blocks < b computed without gradient (context: stacked)."""
+        if not self.stacked or b == 0:
+            return clean
+        cos, sin = self.rope(torch.arange(clean.shape[1], device=clean.device))
+        with torch.no_grad():
+            for prior in range(b):
+                for layer in self.layers_of(prior):
+                    clean, _, _ = layer.clean(clean, cos, sin)
+        return clean
 
     # --- training -------------------------------------------------------------------------------
 
@@ -327,7 +351,8 @@ class DiffusionBlocksLM(nn.Module):
         y_emb = self.targets(targets)
         z = y_emb + sigma[:, None, None] * torch.randn_like(y_emb)
         clean_w = self.cfg.diffusion.clean_lm_weight
-        out = self.run_block(b, self.clean_inputs(x), z, sigma, slots + 1, noisy_mask(slots, T), prev=prev,
+        clean_in = self.block_input(self.clean_inputs(x), b)
+        out = self.run_block(b, clean_in, z, sigma, slots + 1, noisy_mask(slots, T), prev=prev,
                              return_clean=bool(clean_w))
         logits, clean = out if clean_w else (out, None)
         ce = token_cross_entropy(logits, targets).mean(dim=1)  # (B,)
@@ -388,17 +413,24 @@ class DiffusionBlocksLM(nn.Module):
         T = x.shape[1]
         slots = torch.arange(T, device=x.device)
         mask = noisy_mask(slots, T)
-        clean = self.clean_inputs(x)
+        inputs = {0: self.clean_inputs(x)}  # block -> its clean-stream input (stacked: built in order)
         kv = {}  # block -> per-layer (k, v) of the clean stream over the window
+        cos, sin = self.rope(slots)
+
+        def encode(b):
+            if b not in inputs:
+                encode(b - 1)  # only reached with context: stacked
+            layers, c, per_layer = self.layers_of(b), inputs.get(b, inputs[0]), []
+            for i, layer in enumerate(layers):
+                c, k, v = layer.clean(c, cos, sin, need_output=self.stacked or i + 1 < len(layers))
+                per_layer.append((k, v))
+            kv[b] = per_layer
+            if self.stacked:
+                inputs[b + 1] = c
 
         def call(b, z, sigma):
             if b not in kv:
-                layers, c, per_layer = self.layers_of(b), clean, []
-                cos, sin = self.rope(slots)
-                for i, layer in enumerate(layers):
-                    c, k, v = layer.clean(c, cos, sin, need_output=i + 1 < len(layers))
-                    per_layer.append((k, v))
-                kv[b] = per_layer
+                encode(b)
             h, cond = self.noisy_input(z, sigma, x)
             cos_n, sin_n = self.rope(slots + 1)
             for layer, (k, v) in zip(self.layers_of(b), kv[b]):
@@ -481,17 +513,23 @@ class DiffusionBlocksLM(nn.Module):
         prev = idx[:, -1:]  # the token before each row's next one
 
         def call(b, z_, sigma):
+            if self.stacked:  # blocks < b feed this block's clean stream: bring them up to date first
+                for prior in range(b):
+                    self.catch_up(prior, state, sel)
             caches = state.blocks[b]
             cached = caches[0].lengths[sel]
             pending = ends - cached
-            if bool((pending == pending[0]).all()):  # common case: append pending tokens in the same forward
-                p = int(pending[0])
-                clean = state.clean_inputs[sel[:, None], cached[:, None] + torch.arange(p, device=idx.device)]
+            if not bool((pending == pending[0]).all()):  # ragged: rows skipped this block for different spans
+                self.catch_up(b, state, sel)
+                return self.run_block(b, None, z_, sigma, noisy_pos, None, caches, rows, prev)
+            # common case: the pending tokens join the noisy slot's forward
+            span = cached[:, None] + torch.arange(int(pending[0]), device=idx.device)
+            clean = state.block_inputs[b][sel[:, None], span]
+            if not (self.stacked and b + 1 < len(self.blocks)) or span.shape[1] == 0:
                 return self.run_block(b, clean, z_, sigma, noisy_pos, None, caches, rows, prev)
-            for i in range(R):  # ragged (rows skipped this block for different spans): catch up one by one
-                if int(pending[i]):
-                    self.catch_up(b, state, sel[i:i + 1])
-            return self.run_block(b, None, z_, sigma, noisy_pos, None, caches, rows, prev)
+            logits, out = self.run_block(b, clean, z_, sigma, noisy_pos, None, caches, rows, prev, return_clean=True)
+            state.block_inputs[b + 1][sel[:, None], span] = out
+            return logits
 
         return self.chain(call, K, (R, 1), idx.device, generator, bridge, noise, exit_rule, stats)
 
@@ -519,7 +557,7 @@ class DiffusionBlocksLM(nn.Module):
         pos = torch.tensor([idx.shape[1]], device=idx.device)
 
         def call(b, z_, sigma):
-            return self.run_block(b, clean, z_, sigma, pos, None, prev=idx[:, -1:])
+            return self.run_block(b, self.block_input(clean, b), z_, sigma, pos, None, prev=idx[:, -1:])
 
         return self.chain(call, num_iterations, (idx.shape[0], 1), idx.device, None, bridge, z)
 
