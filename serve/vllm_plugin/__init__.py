@@ -1,0 +1,22 @@
+"""Optional vLLM backend: the `vllm.general_plugins` entry point `looped_lm = serve.vllm_plugin:register`.
+
+vLLM calls `register()` in every process it starts (API server, engine core, workers). It makes the
+exported Hugging Face layout (`looped_lm export`) loadable: model_type "looped_lm" is registered with
+transformers' AutoConfig, and the architecture "LoopedLMForCausalLM" with vLLM's ModelRegistry.
+Only this package imports vllm; `serve/vllm_plugin/model.py` is imported lazily by vLLM.
+
+What runs in vLLM: model.kind gpt, exactly (same weights, RoPE, SwiGLU; vLLM's paged KV cache). The
+DiffusionBlocks kinds (db_ar, looped_db) are refused at load with the reason: see docs/export.md.
+"""
+
+ARCH = "LoopedLMForCausalLM"
+
+
+def register() -> None:
+    from vllm import ModelRegistry
+
+    from looped_lm.hf import register as register_hf
+
+    register_hf()  # AutoConfig knows model_type "looped_lm" (vLLM reads the config through it)
+    if ARCH not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCH, "serve.vllm_plugin.model:LoopedLMForCausalLM")

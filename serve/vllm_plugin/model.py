@@ -1,0 +1,80 @@
+"""The exported looped_lm GPT inside vLLM: the native module's weights and layers, vLLM's paged attention.
+
+One definition: `self.model` is the native `looped_lm.models.gpt.GPT` (built by `build_model` from the
+exported config); its projections, norms, RoPE tables and SwiGLU are called as they are. Only the
+attention core is vLLM's `Attention` (one per layer, one KV slot each), which owns the paged KV cache,
+continuous batching and prefix caching. Tokens are flattened: x is (N, C) for the N scheduled tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn as nn
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.attention import Attention
+
+from looped_lm.config import config_from_dict
+from looped_lm.models import build_model
+from looped_lm.models.layers import apply_rope
+
+DB_REASON = ("model.kind '{kind}' is not served by the vLLM plugin: the noisy slot of a DiffusionBlocks "
+             "model attends to the cached clean keys AND to its own key, which vLLM's paged attention "
+             "cannot express; serve it with `looped_lm serve` (see docs/export.md)")
+
+
+class LoopedLMForCausalLM(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        if config.kind != "gpt":
+            raise ValueError(DB_REASON.format(kind=config.kind))
+        self.config = config
+        self.model = build_model(config_from_dict(config.looped_lm_config), config.vocab_size,
+                                 config.model_state or None)
+        first = self.model.layers[0].attn
+        self.n_heads, self.head_dim = first.n_heads, first.head_dim
+        self.attn = nn.ModuleList(
+            Attention(self.n_heads, self.head_dim, self.head_dim ** -0.5, num_kv_heads=self.n_heads,
+                      cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn.{i}")
+            for i in range(len(self.model.layers)))
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.tok_emb(input_ids)
+
+    def _attention(self, layer, attn: Attention, x: torch.Tensor, cos, sin) -> torch.Tensor:
+        """x (N, C) -> the layer's causal self-attention output (N, C), through vLLM's KV cache."""
+        N, C = x.shape
+        q, k, v = layer.attn.qkv(x).view(N, 3, self.n_heads, self.head_dim).unbind(1)  # (N, H, D) each
+        q = apply_rope(q.transpose(0, 1), cos, sin).transpose(0, 1)  # RoPE on (H, N, D), cos (N, D/2)
+        k = apply_rope(k.transpose(0, 1), cos, sin).transpose(0, 1)
+        y = attn(q.reshape(N, C), k.reshape(N, C), v.reshape(N, C))
+        return layer.attn.proj(y.view(N, C))
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
+                inputs_embeds: torch.Tensor | None = None, **_) -> torch.Tensor:
+        h = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+        cos, sin = self.model.rope(positions)
+        for layer, attn in zip(self.model.layers, self.attn):
+            h = h + self._attention(layer, attn, layer.norm1(h), cos, sin)
+            h = h + layer.mlp(layer.norm2(h))
+        return h  # (N, C), before the final norm
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden_states)  # final norm, then the tied head
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.model.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            key = name.removeprefix("model.")
+            if key not in params:
+                raise ValueError(f"unexpected weight {name} in the exported checkpoint")
+            with torch.no_grad():
+                params[key].copy_(tensor.to(params[key].dtype))
+            loaded.add(f"model.{key}")
+        missing = {f"model.{k}" for k in params} - loaded
+        if missing:
+            raise ValueError(f"weights missing from the exported checkpoint: {sorted(missing)[:3]}")
+        return loaded
