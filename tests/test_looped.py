@@ -117,7 +117,7 @@ def test_looped_db_cached_equals_recompute(K):
 def test_looped_db_kv_cache_is_flat_in_k():
     model = looped_db()
     per_token = model.new_cache(1, 8).nbytes_per_token()
-    assert per_token == (1 + 2 + 1) * 2 * 32 * 4  # prelude + core + coda, keys and values
+    assert per_token == (1 + 2 + 1) * 2 * 32 * 4 + 32 * 4  # prelude + core + coda K/V, and the clean input
     for K in (1, 8, 32):
         assert model.new_cache(1, 8).nbytes_per_token() == per_token
 

@@ -129,8 +129,11 @@ class DecodeState:
             cache.reset(rows)
 
     def nbytes_per_token(self) -> int:
+        """Cache bytes per token of history: every clean-stream K/V plus the stored clean inputs
+        (one d-vector per block input buffer). None of it depends on K."""
         every = self.prelude + [c for block in self.blocks for c in block]
-        return sum(c.nbytes_per_token() for c in every)
+        inputs = {id(buf): buf for buf in self.block_inputs}.values()
+        return sum(c.nbytes_per_token() for c in every) + sum(b.shape[-1] * b.element_size() for b in inputs)
 
 
 class DiffusionBlocksLM(nn.Module):
@@ -449,7 +452,7 @@ class DiffusionBlocksLM(nn.Module):
         Bsz, n = shape
         if z is None:
             z = self.initial_noise(Bsz, n, generator, device)
-        table = self.target_table()
+        table = None  # the soft bridge's normalised target table, built on first use
         tracker = exit_rule.tracker() if exit_rule is not None else None
         done = torch.zeros(Bsz, n, dtype=torch.bool, device=device)
         used = torch.zeros(Bsz, n, dtype=torch.long, device=device)
@@ -464,18 +467,20 @@ class DiffusionBlocksLM(nn.Module):
                 if bool(done.all()):
                     break
             if k + 1 < K:
-                z_next = dm.euler_step(z, self.bridge(logits, table, bridge), sigmas[k], sigmas[k + 1])
+                if bridge == "soft" and table is None:
+                    table = self.target_table()
+                z_next = dm.euler_step(z, self.bridge(logits, bridge, table), sigmas[k], sigmas[k + 1])
                 z = torch.where(done[..., None], z, z_next)
         if stats is not None:
             stats["iterations"] = used
         return final
 
-    @staticmethod
-    def bridge(logits, table, kind: str):
-        """Logits -> a denoised point in target space: soft = E_p[y], hard = y[argmax]."""
+    def bridge(self, logits, kind: str, table=None):
+        """Logits -> a denoised point in target space: soft = E_p[y] over the target table, hard =
+        y[argmax] (normalising only the chosen rows: the full table costs a V x d pass per token)."""
         if kind == "soft":
-            return logits.float().softmax(-1) @ table
-        return table[logits.argmax(-1)]
+            return logits.float().softmax(-1) @ (self.target_table() if table is None else table)
+        return self.targets(logits.argmax(-1))
 
     # --- generation with KV caches --------------------------------------------------------------
 

@@ -1,0 +1,478 @@
+"""The OpenAI-compatible server, through real clients: the `openai` package and raw httpx, against
+servers on loopback serving tiny checkpoints trained here (a byte-level GPT and a B = 2 DB-AR model).
+
+Covered: /v1/models with NAME@K aliases, completions (all prompt shapes, n, seed, stop, stream), chat
+(plain and streamed), K per request (extra_body, alias, default) reported back, echo + logprobs exactly
+as lm-evaluation-harness's `local-completions` reads them and equal to the model's own log-probs, the
+tokenizer endpoints, /health, /metrics, the OpenAPI document, a table of bad input (always a 400
+envelope, never a 500), API keys, client disconnects freeing slots, and the `looped_lm serve` verb.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from operator import itemgetter
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from conftest import DIST_VARS
+from looped_lm.checkpoint import load_checkpoint
+from looped_lm.data.tokenizer import get_tokenizer
+from looped_lm.engine.engine import Engine
+from serve.app import BackgroundServer, build_app
+
+DB_MODEL = {"kind": "db_ar", "n_layers": 2, "d_model": 32, "n_heads": 2, "seq_len": 16}
+
+
+def train_tiny_db(tmp_path_factory, write_config) -> Path:
+    """A 30-step byte-level DB-AR run (B = 2), trained once per session (the load test reuses it)."""
+    from looped_lm import train as trainer
+
+    root = tmp_path_factory.getbasetemp() / "serve_tiny_db"
+    ckpt = root / "out" / "step_0000030"
+    if (ckpt / "manifest.json").is_file():
+        return ckpt
+    cfg = write_config(root / "run.yaml", {
+        "model": DB_MODEL, "diffusion": {"num_blocks": 2},
+        "train": {"out_dir": str(root / "out"), "max_steps": 30, "batch_size": 8, "lr": 3.0e-3, "warmup_steps": 3}})
+    before = {k: os.environ.get(k) for k in DIST_VARS}
+    try:
+        assert trainer.main(["--config", str(cfg)]) == 0
+    finally:
+        for k, v in before.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    return ckpt
+
+
+class Served:
+    """A running server and what the tests compare it with."""
+
+    def __init__(self, ckpt: Path, name: str, api_key: str | None = None, **engine_kw):
+        self.model, self.cfg, manifest = load_checkpoint(ckpt)
+        self.tok = get_tokenizer(manifest["tokenizer"])
+        self.engine = Engine.from_memory_budget(self.model, 0.25, vocab_size=self.tok.vocab_size, **engine_kw)
+        self.name = name
+        self.server = BackgroundServer(build_app(self.engine, self.tok, name, api_key=api_key))
+
+    def __enter__(self):
+        self.server.__enter__()
+        self.url = self.server.url
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        self.http = httpx.Client(base_url=self.url, timeout=60)
+        return self
+
+    def __exit__(self, *exc):
+        self.http.close()
+        self.client.close()
+        self.server.__exit__(*exc)
+
+
+@pytest.fixture(scope="module")
+def gpt(tiny_run):
+    with Served(tiny_run[1], "tiny-gpt") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def db(tmp_path_factory, write_config):
+    with Served(train_tiny_db(tmp_path_factory, write_config), "tiny-db") as s:
+        yield s
+
+
+def wait_idle(engine: Engine, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while engine.num_running or engine.num_waiting:
+        assert time.monotonic() < deadline, "the engine still holds requests"
+        time.sleep(0.01)
+
+
+# --- models, completions, chat ---------------------------------------------------------------------
+
+
+def test_models_list_the_model_and_its_k_aliases(gpt, db):
+    assert [m.id for m in gpt.client.models.list().data] == ["tiny-gpt"]
+    cards = {m.id: m for m in db.client.models.list().data}
+    ks = [1, 2, 4, 8, 16, 32, 64]  # powers of two up to model.max_iterations (64), B = 2 among them
+    assert list(cards) == ["tiny-db"] + [f"tiny-db@{k}" for k in ks]
+    assert cards["tiny-db"].num_iterations == 2  # the default: diffusion.num_iterations = 0 -> B
+    assert cards["tiny-db@8"].num_iterations == 8 and cards["tiny-db@8"].parent == "tiny-db"
+    assert cards["tiny-db"].max_model_len == db.model.max_positions
+
+
+def test_completion_greedy_is_deterministic_and_counts_usage(gpt):
+    kw = dict(model="tiny-gpt", prompt="And God said", max_tokens=12, temperature=0,
+              extra_body={"ignore_eos": True})  # exactly max_tokens tokens
+    a, b = gpt.client.completions.create(**kw), gpt.client.completions.create(**kw)
+    assert a.choices[0].text == b.choices[0].text and len(a.choices[0].text) > 0
+    assert a.choices[0].finish_reason == "length" and a.object == "text_completion" and a.model == "tiny-gpt"
+    assert (a.usage.prompt_tokens, a.usage.completion_tokens, a.usage.total_tokens) == (12, 12, 24)
+    assert a.num_iterations is None  # a GPT has no K
+    ids = gpt.tok.encode("And God said")
+    by_ids = gpt.client.completions.create(**{**kw, "prompt": ids})
+    assert by_ids.choices[0].text == a.choices[0].text
+
+
+def test_every_prompt_shape_and_n_with_seeds(gpt):
+    c = gpt.client.completions
+    texts = ["In the beginning", "Blessed"]
+    ids = [gpt.tok.encode(t) for t in texts]
+    sampled = dict(model="tiny-gpt", max_tokens=8, temperature=1.0, seed=5, n=2, extra_body={"ignore_eos": True})
+    for prompt in (texts, ids):
+        r = c.create(prompt=prompt, **sampled)
+        assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
+        assert r.usage.prompt_tokens == sum(map(len, ids)) and r.usage.completion_tokens == 32
+        again = c.create(prompt=prompt, **sampled)
+        assert [ch.text for ch in again.choices] == [ch.text for ch in r.choices]  # same seed, same text
+    # choice j of n samples with seed + j: it equals a single request with that seed
+    one = c.create(prompt=texts[0], **{**sampled, "n": 1, "seed": 6})
+    assert one.choices[0].text == r.choices[1].text
+    assert r.choices[0].text != r.choices[1].text
+
+
+def test_stream_equals_the_whole_response(gpt, db):
+    for s, extra in ((gpt, {"extra_body": {"ignore_eos": True}}),
+                     (db, {"extra_body": {"num_iterations": 4, "ignore_eos": True}})):
+        kw = dict(model=s.name, prompt="And the LORD", max_tokens=10, temperature=0.8, seed=3, **extra)
+        whole = s.client.completions.create(**kw)
+        chunks = list(s.client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+        assert text == whole.choices[0].text
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+        assert all(ch.num_iterations == whole.num_iterations for ch in chunks)
+    raw = gpt.http.post("/v1/completions", json={"prompt": "And", "max_tokens": 3, "stream": True})
+    events = [line for line in raw.text.split("\n\n") if line]
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+
+
+def test_stop_strings_cut_the_text(gpt):
+    kw = dict(model="tiny-gpt", prompt="And God said", max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    full = gpt.client.completions.create(**kw).choices[0].text
+    stop = full[6:9]
+    expected = full[:full.index(stop)]
+    r = gpt.client.completions.create(stop=[stop, "@@@"], **kw)
+    assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
+    streamed = list(gpt.client.completions.create(stop=stop, stream=True, **kw))
+    assert "".join(ch.choices[0].text for ch in streamed) == expected
+    assert streamed[-1].choices[0].finish_reason == "stop"
+    wait_idle(gpt.engine)  # the stopped request left its slot
+
+
+def test_chat_completion_plain_and_streamed(gpt):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who?"}]
+    kw = dict(model="tiny-gpt", messages=messages, max_tokens=16, temperature=0)
+    r = gpt.client.chat.completions.create(**kw)
+    text = r.choices[0].message.content
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    prompt = "System: Be brief.\nUser: Who?\nAssistant:"
+    assert r.usage.prompt_tokens == len(gpt.tok.encode(prompt))
+    chunks = list(gpt.client.chat.completions.create(stream=True, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+    with_lp = gpt.client.chat.completions.create(logprobs=True, top_logprobs=3, **kw)
+    content = with_lp.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == text and all(len(t.top_logprobs) == 3 for t in content)
+    tok = gpt.http.post("/tokenize", json={"messages": messages}).json()
+    assert tok["tokens"] == gpt.tok.encode(prompt)
+
+
+def test_k_per_request_body_alias_and_default(db):
+    c = db.client.completions
+    base = dict(prompt="And", max_tokens=6, temperature=0, seed=1)
+    assert c.create(model="tiny-db", **base).num_iterations == 2
+    by_body = c.create(model="tiny-db", extra_body={"num_iterations": 8}, **base)
+    by_alias = c.create(model="tiny-db@8", **base)
+    assert by_body.num_iterations == by_alias.num_iterations == 8
+    assert by_body.choices[0].text == by_alias.choices[0].text and by_alias.model == "tiny-db@8"
+    chat = db.client.chat.completions.create(model="tiny-db@4", messages=[{"role": "user", "content": "Hi"}],
+                                             max_tokens=4)
+    assert chat.num_iterations == 4
+    with pytest.raises(openai.BadRequestError, match="num_iterations"):
+        c.create(model="tiny-db", extra_body={"num_iterations": 65}, **base)
+    with pytest.raises(openai.BadRequestError, match="contradicts"):
+        c.create(model="tiny-db@2", extra_body={"num_iterations": 4}, **base)
+
+
+def test_client_errors_map_to_openai_exceptions(gpt, db):
+    c = gpt.client.completions
+    with pytest.raises(openai.NotFoundError) as e:
+        c.create(model="gpt-4", prompt="x", max_tokens=1)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        gpt.client.completions.create(model="tiny-gpt@2", prompt="x", max_tokens=1)  # a GPT has no aliases
+    for bad in (dict(temperature=-1), dict(top_p=0), dict(n=0), dict(max_tokens=10 ** 6), dict(logprobs=99)):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.create(model="tiny-gpt", prompt="x", **{"max_tokens": 1, **bad})
+        assert e.value.body["type"] == "invalid_request_error" and e.value.status_code == 400
+    with pytest.raises(openai.BadRequestError, match="no K"):
+        c.create(model="tiny-gpt", prompt="x", max_tokens=1, extra_body={"num_iterations": 2})
+    with pytest.raises(openai.BadRequestError):
+        db.client.chat.completions.create(model="tiny-db@999", messages=[{"role": "user", "content": "x"}])
+
+
+# --- echo + logprobs: what lm-evaluation-harness reads ----------------------------------------------
+
+
+def lm_eval_parse_logprobs(outputs: dict, ctxlens: list[int]) -> list[tuple[float, bool]]:
+    """lm_eval/models/openai_completions.py, LocalCompletionsAPI.parse_logprobs (the reader we must fit)."""
+    res = []
+    for choice, ctxlen in zip(sorted(outputs["choices"], key=itemgetter("index")), ctxlens):
+        logprobs = sum(choice["logprobs"]["token_logprobs"][ctxlen:-1])
+        tokens_logprobs = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+        top_logprobs = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+        is_greedy = all(tok == max(top.values()) for tok, top in zip(tokens_logprobs, top_logprobs))
+        res.append((logprobs, is_greedy))
+    return res
+
+
+def reference_logprobs(served: Served, ids: list[int], k: int | None, seed: int) -> torch.Tensor:
+    """log_softmax of the model's own logits at every prompt position (DB: the K-step chain's)."""
+    kw = {}
+    if k is not None:
+        kw = {**served.model.inference_kwargs(k, None), "generator": torch.Generator().manual_seed(seed)}
+    with torch.no_grad():
+        if k is None:  # GPT: the plain forward
+            return served.model(torch.tensor([ids]))[0][0].float().log_softmax(-1)
+        return served.model.prompt_logits(torch.tensor([ids]), **kw)[0].float().log_softmax(-1)
+
+
+@pytest.mark.parametrize("which", ["gpt", "db"])
+def test_echo_logprobs_are_what_lm_eval_reads(which, request):
+    s: Served = request.getfixturevalue(which)
+    k = None if which == "gpt" else 2
+    contexts = ["And God said, Let there be", "In the beginning God"]
+    continuations = [" light", " created"]
+    prompts = [s.tok.encode(c) + s.tok.encode(x) for c, x in zip(contexts, continuations)]
+    ctxlens = [len(s.tok.encode(c)) for c in contexts]
+    payload = {"model": s.name, "prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1,
+               "seed": 1234, "echo": True}  # LocalCompletionsAPI._create_payload(generate=False)
+    out = s.http.post("/v1/completions", json=payload)
+    assert out.status_code == 200, out.text
+    out = out.json()
+    for choice, ids, ctxlen in zip(out["choices"], prompts, ctxlens):
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(lp["tokens"]) == len(lp["top_logprobs"]) == len(ids) + 1
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert choice["text"].startswith(s.tok.decode(ids))
+        ref = reference_logprobs(s, ids, k, seed=1234)
+        for t in range(1, len(ids)):
+            assert lp["token_logprobs"][t] == pytest.approx(float(ref[t - 1, ids[t]]), abs=1e-4)
+            top = lp["top_logprobs"][t]
+            assert lp["tokens"][t] in top and top[lp["tokens"][t]] == lp["token_logprobs"][t]
+            assert max(top.values()) == pytest.approx(float(ref[t - 1].max()), abs=1e-4)
+    parsed = lm_eval_parse_logprobs(out, ctxlens)
+    for (ll, greedy), ids, ctxlen in zip(parsed, prompts, ctxlens):
+        ref = reference_logprobs(s, ids, k, seed=1234)
+        targets = torch.tensor(ids[ctxlen:])
+        assert ll == pytest.approx(float(ref[ctxlen - 1:-1].gather(1, targets[:, None]).sum()), abs=1e-3)
+        assert greedy == bool((ref[ctxlen - 1:-1].argmax(-1) == targets).all())
+
+    # max_tokens = 0 (vLLM-style scoring): the prompt only, through the openai client too
+    zero = s.client.completions.create(model=s.name, prompt=prompts[0], max_tokens=0, echo=True, logprobs=1,
+                                       seed=1234)
+    lp0 = zero.choices[0].logprobs
+    assert len(lp0.token_logprobs) == len(prompts[0]) and zero.usage.completion_tokens == 0
+    assert lp0.token_logprobs[1:] == pytest.approx(out["choices"][0]["logprobs"]["token_logprobs"][1:-1], abs=1e-5)
+    assert zero.choices[0].text == s.tok.decode(prompts[0])
+
+
+def test_echo_with_generation_and_token_id_strings(db):
+    r = db.http.post("/v1/completions", json={"model": "tiny-db@4", "prompt": [65, 110, 100], "max_tokens": 5,
+                                              "echo": True, "logprobs": 2, "seed": 9, "temperature": 0,
+                                              "return_tokens_as_token_ids": True, "ignore_eos": True}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert lp["tokens"][:3] == ["token_id:65", "token_id:110", "token_id:100"] and len(lp["tokens"]) == 8
+    assert r["choices"][0]["text"].startswith("And") and lp["text_offset"][:4] == [0, 1, 2, 3]
+    assert all(len(top) in (2, 3) for top in lp["top_logprobs"][1:])
+
+
+# --- tokenizer endpoints, health, metrics, OpenAPI ---------------------------------------------------
+
+
+def test_tokenizer_endpoints_agree_with_the_tokenizer(gpt):
+    info = gpt.http.get("/tokenizer_info").json()
+    assert info["eos_token"] == "<|endoftext|>" and info["eos_token_id"] == gpt.tok.eot_id == 256
+    assert info["model_max_length"] == gpt.engine.max_len and "{% for message in messages %}" in info["chat_template"]
+    r = gpt.http.post("/tokenize", json={"prompt": "Hé<|endoftext|>", "add_special_tokens": False}).json()
+    assert r["tokens"] == [72, 195, 169, 256] and r["count"] == 4  # HF convention: the EOT text is the EOT id
+    eos = gpt.http.post("/tokenize", json={"prompt": info["eos_token"]}).json()["tokens"]
+    assert eos == [gpt.tok.eot_id]  # what lm-eval's remote tokenizer takes as eos_token_id
+    assert gpt.http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "Hé<|endoftext|>"}
+
+
+def test_health_metrics_and_openapi(gpt):
+    assert gpt.http.get("/health").json() == {"status": "ok"}
+    gpt.client.completions.create(model="tiny-gpt", prompt="A", max_tokens=3)
+    metrics = gpt.http.get("/metrics").text
+    for name in ("looped_lm_generation_tokens_total", "looped_lm_num_requests_waiting", "looped_lm_kv_slots",
+                 "looped_lm_time_to_first_token_seconds_count", "looped_lm_e2e_request_latency_seconds_count",
+                 "looped_lm_iterations_total", 'looped_lm_http_requests_total{method="POST",path="/v1/completions"'):
+        assert name in metrics, name
+    doc = gpt.http.get("/openapi.json").json()
+    assert {"/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
+            "/tokenizer_info", "/health", "/metrics"} <= set(doc["paths"])
+    assert "num_iterations" in doc["components"]["schemas"]["CompletionRequest"]["properties"]
+
+
+# --- bad input: always the 400 envelope, never a 500 ----------------------------------------------------
+
+BAD = [  # (path, body: dict -> JSON, bytes -> raw, expected status, param or None)
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"", 400, None),
+    ("/v1/completions", b"[]", 400, None),
+    ("/v1/completions", b'"a string"', 400, None),
+    ("/v1/completions", {}, 400, "prompt"),
+    ("/v1/completions", {"prompt": None}, 400, "prompt"),
+    ("/v1/completions", {"prompt": 3}, 400, "prompt"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [[]]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, "a"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [True, 2]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [-1]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [10 ** 6]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [[1], [2, 10 ** 20]]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1] * 100, "max_tokens": 1}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10 ** 6}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1.5}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 10 ** 4}, 400, "n"),
+    ("/v1/completions", {"prompt": ["a"] * 10, "n": 64}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": -1}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, None),
+    ("/v1/completions", {"prompt": "hi", "stop": 5}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 17}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "seed": "x"}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2 ** 70}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"prompt": "hi", "echo": 1}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "num_iterations": 0}, 400, "num_iterations"),
+    ("/v1/completions", {"prompt": "hi", "num_iterations": 1000}, 400, "num_iterations"),
+    ("/v1/completions", {"prompt": "hi", "num_iterations": "2"}, 400, "num_iterations"),
+    ("/v1/completions", {"prompt": "hi", "model": "tiny-db@999"}, 400, "model"),
+    ("/v1/completions", {"prompt": "hi", "model": "tiny-db@2", "num_iterations": 4}, 400, "num_iterations"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, None),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 5}}, 400, None),
+    ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, None),
+    ("/v1/completions", {"prompt": "hi", "suffix": "end"}, 400, None),
+    ("/v1/completions", {"prompt": "hi", "model": "tiny-db@0"}, 404, "model"),
+    ("/v1/completions", {"prompt": "hi", "model": "tiny-db@two"}, 404, "model"),
+    ("/v1/completions", {"prompt": "hi", "model": "other"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1000}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 200}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, None),
+    ("/tokenize", {}, 400, None),
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, None),
+    ("/detokenize", {"tokens": [10 ** 9]}, 400, "tokens"),
+    ("/detokenize", {"tokens": ["a"]}, 400, "tokens"),
+]
+
+
+def test_bad_input_is_a_400_envelope_and_never_a_500(db):
+    for path, body, status, param in BAD:
+        if isinstance(body, bytes):
+            r = db.http.post(path, content=body, headers={"content-type": "application/json"})
+        else:
+            r = db.http.post(path, json=body)
+        assert r.status_code == status, (path, body, r.text)
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"], r.text
+        assert error["type"] == "invalid_request_error"
+        assert error["param"] == param, (body, error)
+    wrong_type = db.http.post("/v1/completions", content=b'{"prompt": "hi"}', headers={"content-type": "text/plain"})
+    assert wrong_type.status_code == 400
+    assert db.http.get("/v1/nothing").status_code == 404 and db.http.get("/v1/completions").status_code == 405
+    assert db.http.get("/v1/nothing").json()["error"]["code"] == "not_found"
+    assert db.http.get("/health").status_code == 200
+    assert db.client.completions.create(model="tiny-db", prompt="A", max_tokens=2).choices[0].finish_reason
+    assert 'status="500"' not in db.http.get("/metrics").text
+
+
+# --- disconnects ---------------------------------------------------------------------------------------
+
+
+def test_a_client_that_disconnects_frees_its_slot(db):
+    engine = db.engine
+    aborted = engine.stats.finished["abort"]
+    generated = engine.stats.generation_tokens
+    body = {"model": "tiny-db@64", "prompt": "And", "max_tokens": 40, "ignore_eos": True}  # K = 64: slow tokens
+    with db.http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        lines = r.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+    wait_idle(engine)
+    assert engine.stats.finished["abort"] == aborted + 1
+    assert engine.stats.generation_tokens - generated < 40
+
+    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
+        db.http.post("/v1/completions", json=body, timeout=0.5)
+    wait_idle(engine)
+    assert engine.stats.finished["abort"] == aborted + 2
+    assert engine.num_free_slots == engine.stats.num_slots
+
+
+# --- the CLI verb, with an API key ------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_verb_with_an_api_key(tiny_run, clean_env):
+    port = free_port()
+    cmd = [sys.executable, "-m", "looped_lm", "serve", "--checkpoint", str(tiny_run[1]), "--port", str(port),
+           "--api-key", "s3cret", "--max-slots", "4", "--served-model-name", "cli-gpt", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, env=clean_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:  # /health needs no key
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.post(url + "/v1/completions", content=b"{bad").status_code == 401  # the key comes first
+        client = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["cli-gpt"]
+        r = client.completions.create(model="cli-gpt", prompt="And", max_tokens=4, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 4
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert "serving cli-gpt (gpt) at http://127.0.0.1" in out and "Traceback" not in out
