@@ -1,0 +1,78 @@
+"""The two-stream transformer layer of the DiffusionBlocks LMs (method.md §4) and its pieces.
+
+A clean stream (the tokens, causal, no sigma conditioning: its K/V never depend on sigma or on K)
+and a noisy stream (slot i holds the noisy target x_{i+1}; it attends clean positions <= i and
+itself; adaLN-Zero from c_noise) share one set of attention and MLP weights.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from looped_lm.models.layers import KVCache, TransformerLayer, cached_attention, causal_attention
+
+
+def modulate(x, shift, scale):
+    return x * (1 + scale) + shift
+
+
+class NoiseEmbedding(nn.Module):
+    """c_noise (N,) -> conditioning vector (N, d): Fourier features, then an MLP."""
+
+    def __init__(self, d_model: int):
+        super().__init__()
+        half = d_model // 2
+        self.register_buffer("freqs", torch.exp(torch.linspace(0, math.log(1000.0), half)), persistent=False)
+        self.mlp = nn.Sequential(nn.Linear(2 * half, d_model), nn.SiLU(), nn.Linear(d_model, d_model))
+
+    def forward(self, c_noise: torch.Tensor) -> torch.Tensor:
+        angles = c_noise.float()[:, None] * self.freqs[None]
+        return self.mlp(torch.cat([angles.cos(), angles.sin()], dim=-1))
+
+
+class TwoStreamLayer(TransformerLayer):
+    """A transformer layer that runs a sigma-free clean stream and an adaLN-Zero noisy stream.
+
+    The two streams share the attention and MLP weights (Block Diffusion); only the noisy stream is
+    modulated, by shift/scale/gate vectors from the noise embedding (zero-initialised: at init the
+    noisy stream passes through unchanged).
+    """
+
+    def __init__(self, d_model: int, n_heads: int, ffn_hidden: int, eps: float):
+        super().__init__(d_model, n_heads, ffn_hidden, eps)
+        self.ada = nn.Linear(d_model, 6 * d_model)
+
+    def clean(self, x, cos, sin, cache: KVCache | None = None, rows=None, need_output: bool = True):
+        """Clean tokens x (R, n, C) after what `cache` holds -> (x_out | None, keys, values so far)."""
+        q, k, v = self.attn.project(self.norm1(x), cos, sin)
+        mask = None
+        if cache is not None:
+            k, v, mask = cache.append(k, v, rows)
+        if not need_output:  # the block's last layer: only its K/V are read (by the noisy stream)
+            return None, k, v
+        x = x + self.attn.merge(cached_attention(q, k, v, mask) if cache is not None else causal_attention(q, k, v))
+        return x + self.mlp(self.norm2(x)), k, v
+
+    def noisy(self, h, cond, cos, sin, k_ctx, v_ctx, mask):
+        """Noisy slots h (B, n, C) attend context keys k_ctx (B, H, Tc, D) under `mask` and themselves."""
+        shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(cond).unsqueeze(1).chunk(6, dim=-1)
+        q, k, v = self.attn.project(modulate(self.norm1(h), shift1, scale1), cos, sin)
+        y = F.scaled_dot_product_attention(q, torch.cat([k_ctx, k], 2), torch.cat([v_ctx, v], 2), attn_mask=mask)
+        h = h + gate1 * self.attn.merge(y)
+        return h + gate2 * self.mlp(modulate(self.norm2(h), shift2, scale2))
+
+
+def noisy_mask(ctx_end: torch.Tensor, n_clean: int) -> torch.Tensor:
+    """Slot s sees clean keys j <= ctx_end[..., s] and its own noisy key only.
+
+    ctx_end: (n,) shared by the batch -> mask (n, n_clean + n); or (B, n) -> (B, 1, n, n_clean + n).
+    """
+    n = ctx_end.shape[-1]
+    clean = torch.arange(n_clean, device=ctx_end.device) <= ctx_end[..., None]
+    own = torch.eye(n, dtype=torch.bool, device=ctx_end.device).expand(*ctx_end.shape[:-1], n, n)
+    mask = torch.cat([clean, own], dim=-1)
+    return mask if ctx_end.dim() == 1 else mask.unsqueeze(1)
