@@ -72,7 +72,8 @@ def add_generate_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-iterations", type=int, default=None,
                    help="DiffusionBlocks / looped models: K denoising steps per token (default: the config's)")
-    p.add_argument("--bridge", choices=("soft", "hard"), default=None, help="DB models: logits -> embedding rule")
+    p.add_argument("--bridge", choices=("soft", "hard", "sample"), default=None,
+                   help="DB models: logits -> embedding between steps (expectation, argmax, or a sampled token)")
     p.add_argument("--exit-threshold", type=float, default=None,
                    help="looped_db: stop a token's iterations once KL(p_k || p_k-1) < this")
     p.add_argument("--exit-criterion", default=None, help="looped_db: kl:<eps> or argmax-stable:<m>")

@@ -87,8 +87,9 @@ class DiffusionConfig:
     block_sampling: str = _f("uniform", "which block a step trains: uniform (paper), round_robin, or loss_share "
                              "(in proportion to each block's share of the CE drop)",
                              choices=("uniform", "round_robin", "loss_share"))
-    bridge: str = _f("hard", "logits -> denoised embedding at inference: soft (expectation) or hard (argmax)",
-                     choices=("soft", "hard"))
+    bridge: str = _f("hard", "logits -> denoised embedding between steps: soft (expectation), hard (argmax), "
+                     "or sample (a token drawn from the logits)",
+                     choices=("soft", "hard", "sample"))
     num_iterations: int = _f(0, "default K denoising steps per token at inference; 0 = num_blocks")
 
 

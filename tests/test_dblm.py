@@ -239,3 +239,17 @@ def test_stacked_context_trains_only_the_chosen_block():
         before = slot_logits(model, x, 1)
         model.blocks[0][0].mlp.down.weight.add_(0.5)
         assert not torch.allclose(slot_logits(model, x, 1), before)
+
+
+def test_sampled_bridge_draws_targets_in_proportion():
+    model = make_model()
+    logits = torch.full((4000, 1, V), -1e9)
+    logits[..., 0], logits[..., 1] = 0.0, math.log(3.0)
+    table = model.target_table()
+    g = torch.Generator().manual_seed(0)
+    picked = model.bridge(logits, "sample", generator=g)[:, 0]
+    is_one = torch.isclose(picked, table[1].expand_as(picked), atol=1e-6).all(-1)
+    is_zero = torch.isclose(picked, table[0].expand_as(picked), atol=1e-6).all(-1)
+    assert bool((is_one | is_zero).all()) and abs(is_one.float().mean().item() - 0.75) < 0.03
+    again = model.bridge(logits, "sample", generator=torch.Generator().manual_seed(0))[:, 0]
+    assert torch.equal(picked, again)

@@ -25,6 +25,15 @@ V, D = 47, 32
 GREEDY = SamplingParams(0.0)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run faster on one intra-op thread, and a busy machine cannot stall its sync points."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def build(kind: str, seq_len: int = 16):
     model = {"kind": kind, "n_layers": 2, "d_model": D, "n_heads": 4, "seq_len": seq_len, "init_std": 0.2,
              "max_iterations": 8}

@@ -11,8 +11,8 @@ Each request has its own K (`num_iterations`), sampling parameters, seed, stop t
 max_tokens. It draws its noise and its samples from its own torch.Generator, so its tokens do not
 depend on which requests share its batch (rows of one KV pool decode together exactly as alone:
 tests/test_batched_rows.py). Requests join and leave at every step (scheduler.py); prompts are
-prefilled in chunks of `prefill_chunk` tokens between decode steps. Text (tokenizer, stop strings,
-chat template) is the server's business.
+prefilled in chunks of `prefill_chunk` tokens between decode steps, equal chunks of several prompts
+in one forward. Text (tokenizer, stop strings, chat template) is the server's business.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import secrets
 import threading
 import uuid
 import warnings
+import weakref
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, NamedTuple
@@ -99,6 +100,28 @@ class EngineStats:
     decode_calls: int = 0  # forward_cached calls of decode steps (one per K group)
     decoded_rows: int = 0  # rows those calls advanced: decoded_rows / decode_calls = mean batch
     finished: Counter = field(default_factory=Counter)  # by finish reason
+
+
+class _Mailbox:
+    """Outputs bound for one event loop. The engine thread drops them in; one callback per burst (a step's
+    outputs) hands them to their queues, instead of one cross-thread wake-up per output."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.items, self.lock, self.scheduled = loop, [], threading.Lock(), False
+
+    def put(self, queue: asyncio.Queue, out: RequestOutput) -> None:
+        with self.lock:
+            self.items.append((queue, out))
+            if self.scheduled:
+                return
+            self.scheduled = True
+        self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self.lock:
+            items, self.items, self.scheduled = self.items, [], False
+        for queue, out in items:
+            queue.put_nowait(out)
 
 
 # --- sizing the KV pool ------------------------------------------------------------------------
@@ -178,6 +201,7 @@ class Engine:
         self._aborts: deque[str] = deque()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._mailboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> _Mailbox
 
     @classmethod
     def from_memory_budget(cls, model, kv_memory_gb: float, max_slots: int = 64, max_len: int | None = None,
@@ -283,13 +307,11 @@ class Engine:
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Deltas of one request, until it finishes; leaving the loop early aborts it. Outputs that
         pile up while the consumer is busy arrive merged into one delta."""
-        loop = asyncio.get_running_loop()
+        if not self.is_alive:
+            raise RuntimeError("the engine is not running: call start() first")
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-
-        def sink(out: RequestOutput) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, out)
-
-        self.add_request(request, sink)
+        mailbox = self._mailbox(asyncio.get_running_loop())
+        self.add_request(request, lambda out: mailbox.put(queue, out))
         finished = False
         try:
             while not finished:
@@ -301,6 +323,13 @@ class Engine:
         finally:
             if not finished:
                 self.abort(request.request_id)
+
+    def _mailbox(self, loop: asyncio.AbstractEventLoop) -> "_Mailbox":
+        with self._cond:
+            box = self._mailboxes.get(loop)
+            if box is None:
+                box = self._mailboxes[loop] = _Mailbox(loop)
+            return box
 
     def run(self, requests: list[Request]) -> list[RequestOutput]:
         """Run requests to completion on this thread (the background thread must not be running);
@@ -383,8 +412,8 @@ class Engine:
             self._guarded(rows, self._decode, rows)
         for seq in plan.score:
             self._guarded([seq], self._score, seq)
-        for seq, n in plan.prefill:
-            self._guarded([seq], self._prefill, seq, n)
+        for rows, n in self._prefill_groups(plan.prefill):
+            self._guarded(rows, self._prefill, rows, n)
         if plan:
             self.stats.steps += 1
         return self.scheduler.has_work() or bool(self._inbox or self._aborts)
@@ -436,20 +465,30 @@ class Engine:
             seq.pending = None
             self._advance(seq, token, lp)
 
-    def _prefill(self, seq: Sequence, n: int) -> None:
-        prompt = seq.request.prompt
-        if seq.num_prefilled == 0 and seq.request.prompt_logprobs is not None:
-            scoring = torch.Generator(device=self.device).manual_seed(seq.seed % 2 ** 64)
-            seq.prompt_logprobs, _ = self._score_prompt(seq, scoring)
-        start = seq.num_prefilled
-        final = start + n == len(prompt)
-        ids = torch.tensor([prompt[start:start + n]], device=self.device)
-        logits = self._forward(ids, [seq], draw_noise=final or self.per_position)
-        seq.num_prefilled += n
-        self.stats.prompt_tokens += n
+    @staticmethod
+    def _prefill_groups(chunks: list[tuple[Sequence, int]]) -> list[tuple[list[Sequence], int]]:
+        """Prompt chunks that can share a forward: the same length, kwargs (K) and finality (a burst of
+        equal-length prompts prefills in one call)."""
+        groups: dict[tuple, list[Sequence]] = {}
+        for seq, n in chunks:
+            groups.setdefault((n, seq.group, n == seq.prompt_left), []).append(seq)
+        return [(rows, key[0]) for key, rows in groups.items()]
+
+    def _prefill(self, rows: list[Sequence], n: int) -> None:
+        """The next n prompt tokens of each row; after a prompt's last chunk, its first token."""
+        for seq in rows:
+            if seq.num_prefilled == 0 and seq.request.prompt_logprobs is not None:
+                scoring = torch.Generator(device=self.device).manual_seed(seq.seed % 2 ** 64)
+                seq.prompt_logprobs, _ = self._score_prompt(seq, scoring)
+        final = rows[0].prompt_left == n
+        ids = torch.tensor([s.request.prompt[s.num_prefilled:s.num_prefilled + n] for s in rows], device=self.device)
+        logits = self._forward(ids, rows, draw_noise=final or self.per_position)
+        for seq in rows:
+            seq.num_prefilled += n
+        self.stats.prompt_tokens += n * len(rows)
         if final:
-            (token, lp), = self._sample([seq], logits)
-            self._advance(seq, token, lp)
+            for seq, (token, lp) in zip(rows, self._sample(rows, logits)):
+                self._advance(seq, token, lp)
 
     def _score(self, seq: Sequence) -> None:
         """Echo with max_tokens <= 1: one whole-prompt forward gives the prompt log-probs and the next

@@ -353,17 +353,23 @@ class DiffusionBlocksLM(CachedDecoding, nn.Module):
             if k + 1 < K:
                 if bridge == "soft" and table is None:
                     table = self.target_table()
-                z_next = dm.euler_step(z, self.bridge(logits, bridge, table), sigmas[k], sigmas[k + 1])
+                denoised = self.bridge(logits, bridge, table, generator)
+                z_next = dm.euler_step(z, denoised, sigmas[k], sigmas[k + 1])
                 z = torch.where(done[..., None], z, z_next)
         if stats is not None:
             stats["iterations"] = used
         return final
 
-    def bridge(self, logits, kind: str, table=None):
-        """Logits -> a denoised point in target space: soft = E_p[y] over the target table, hard =
-        y[argmax] (normalising only the chosen rows: the full table costs a V x d pass per token)."""
+    def bridge(self, logits, kind: str, table=None, generator=None):
+        """Logits -> a denoised point in target space: soft = E_p[y] over the target table; hard =
+        y[argmax]; sample = y[a token drawn from p] (ancestral, like Block Diffusion's sampler).
+        hard and sample normalise only the chosen rows: the full table costs a V x d pass per token."""
         if kind == "soft":
             return logits.float().softmax(-1) @ (self.target_table() if table is None else table)
+        if kind == "sample":
+            probs = logits.float().softmax(-1)
+            flat = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator)
+            return self.targets(flat.view(probs.shape[:-1]))
         return self.targets(logits.argmax(-1))
 
 def _build(cfg: Config, vocab_size: int, state: dict | None):
