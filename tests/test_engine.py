@@ -34,10 +34,10 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def build(kind: str, seq_len: int = 16):
+def build(kind: str, seq_len: int = 16, bridge: str = "hard"):
     model = {"kind": kind, "n_layers": 2, "d_model": D, "n_heads": 4, "seq_len": seq_len, "init_std": 0.2,
              "max_iterations": 8}
-    diffusion = {"num_blocks": 2 if kind == "db_ar" else 1}
+    diffusion = {"num_blocks": 2 if kind == "db_ar" else 1, "bridge": bridge}
     if kind in ("looped_db", "huginn"):
         model.update(n_prelude=1, n_coda=1, mean_recurrence=3, backprop_depth=2)
     if kind == "db_ar":
@@ -102,8 +102,20 @@ def test_sampled_requests_are_seeded_and_batch_independent(models, kind):
     batched = Engine(model, 6).run(reqs)
     for req, out in zip(reqs, batched):
         assert out.token_ids == solo(model, req)
-    other_seed = Request(reqs[0].prompt, reqs[0].max_tokens, reqs[0].sampling, seed=7, num_iterations=reqs[0].num_iterations)
+    first = reqs[0]
+    other_seed = Request(first.prompt, first.max_tokens, first.sampling, seed=7, num_iterations=first.num_iterations)
     assert solo(model, other_seed) != batched[0].token_ids
+
+
+def test_a_bridge_that_samples_inside_the_chain_stays_batch_independent():
+    """`bridge: sample` draws a token at every denoising step: each row draws from its own generator."""
+    model = build("db_ar", bridge="sample")
+    reqs = requests("db_ar")
+    batched = Engine(model, 6, prefill_chunk=5).run(reqs)
+    for req, out in zip(reqs, batched):
+        assert out.token_ids == solo(model, req)
+    reseeded = Request(reqs[1].prompt, reqs[1].max_tokens, GREEDY, seed=99, num_iterations=reqs[1].num_iterations)
+    assert solo(model, reseeded) != batched[1].token_ids  # greedy sampling, yet the chain's draws differ
 
 
 @pytest.mark.parametrize("kind", ["gpt", "db_ar"])

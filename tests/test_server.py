@@ -10,7 +10,6 @@ envelope, never a 500), API keys, client disconnects freeing slots, and the `loo
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess

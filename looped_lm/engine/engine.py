@@ -124,6 +124,12 @@ class _Mailbox:
             queue.put_nowait(out)
 
 
+def _draws_during_forward(kwargs: dict) -> bool:
+    """Does a forward draw more than its starting noise? DiffusionBlocks' `bridge: sample` draws a token
+    from every denoising step's logits, from the one generator of the call."""
+    return kwargs.get("bridge") == "sample"
+
+
 # --- sizing the KV pool ------------------------------------------------------------------------
 
 
@@ -202,6 +208,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._mailboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> _Mailbox
+        self._scratch = torch.Generator(device=self.device)  # draws of discarded chains (non-final chunks)
 
     @classmethod
     def from_memory_budget(cls, model, kv_memory_gb: float, max_slots: int = 64, max_len: int | None = None,
@@ -227,7 +234,8 @@ class Engine:
     def _default_iterations(self, k: int | None) -> int | None:
         if self.max_iterations is None:
             if k is not None:
-                raise UserError("--default-iterations applies to DiffusionBlocks and looped models; this model has no K")
+                raise UserError("--default-iterations applies to DiffusionBlocks and looped models; "
+                                "this model has no K")
             return None
         if k is None:
             with warnings.catch_warnings():
@@ -444,16 +452,25 @@ class Engine:
 
     def _forward(self, ids: torch.Tensor, seqs: list[Sequence], draw_noise: bool = True) -> torch.Tensor:
         """New tokens ids (R, n) of the rows of `seqs` -> next-token logits (R, V), fp32."""
-        kwargs = dict(seqs[0].kwargs)
+        kwargs, noise = seqs[0].kwargs, None
         if self.uses_noise:
             width = ids.shape[1] if self.per_position else 1
             if draw_noise:
-                kwargs["noise"] = torch.cat([self.model.initial_noise(1, width, s.generator, self.device)
-                                             for s in seqs])
+                noise = torch.cat([self.model.initial_noise(1, width, s.generator, self.device) for s in seqs])
             else:  # a non-final prefill chunk of a next-token-only model: its chain's output is discarded
-                kwargs["noise"] = torch.zeros(len(seqs), width, self.noise_dim, device=self.device)
+                noise = torch.zeros(len(seqs), width, self.noise_dim, device=self.device)
+            if _draws_during_forward(kwargs):  # one generator per call: each row runs with its own
+                return torch.cat([self._call(ids[i:i + 1], [s], noise[i:i + 1],
+                                             s.generator if draw_noise else self._scratch)
+                                  for i, s in enumerate(seqs)])
+        return self._call(ids, seqs, noise, None)
+
+    def _call(self, ids: torch.Tensor, seqs: list[Sequence], noise, generator) -> torch.Tensor:
+        extra = {} if noise is None else {"noise": noise}
+        if generator is not None:
+            extra["generator"] = generator
         rows = torch.tensor([s.slot for s in seqs], device=self.device)
-        logits = self.model.forward_cached(ids, self.pool, rows=rows, **kwargs)
+        logits = self.model.forward_cached(ids, self.pool, rows=rows, **seqs[0].kwargs, **extra)
         return logits[:, -1, :self.vocab_size].float()
 
     def _decode(self, rows: list[Sequence]) -> None:

@@ -1,0 +1,132 @@
+"""The FastAPI app: handlers, routes, error envelope, API key, metrics; and a loopback server in a
+thread for tests and benchmarks.
+
+    app = build_app(engine, tokenizer, "my-model", api_key=None)   # the engine starts with the app
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import socket
+import threading
+import time
+
+from fastapi import FastAPI
+
+from looped_lm import __version__
+from looped_lm.data.tokenizer import Tokenizer
+from looped_lm.engine.engine import Engine
+from serve.api_router import router
+from serve.errors import APIError, install_error_handlers
+from serve.metrics import HTTPMetricsMiddleware, ServerMetrics
+from serve.models import ServedModels
+from serve.serving import OpenAIServing
+
+OPEN_PATHS = frozenset({"/health", "/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+
+DESCRIPTION = """OpenAI-compatible API for looped_lm models (DiffusionBlocks, looped, Huginn, GPT).
+
+K (denoising iterations per token) is chosen per request: `num_iterations` in the body (the openai client
+sends it through `extra_body`), or a model alias `NAME@K` from `/v1/models`, else the server default;
+responses report it in `num_iterations`. With `--api-key`, every route but /health, /metrics and the docs
+needs `Authorization: Bearer KEY`."""
+
+
+class APIKeyMiddleware:
+    """401 unless `Authorization: Bearer <key>` (constant-time compare), before the body is read."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.key = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.key):
+                denied = APIError(401, "Incorrect API key provided", code="invalid_api_key").response()
+                await denied(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str, api_key: str | None = None) -> FastAPI:
+    models = ServedModels(model_name, engine)
+    metrics = ServerMetrics(engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="looped_lm", version=__version__, description=DESCRIPTION, lifespan=lifespan)
+    app.state.serving = OpenAIServing(engine, tokenizer, models, metrics)
+    install_error_handlers(app)
+    app.include_router(router)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(HTTPMetricsMiddleware, metrics=metrics, paths={r.path for r in router.routes} | OPEN_PATHS)
+    _document(app, bearer=bool(api_key))
+    return app
+
+
+def _document(app: FastAPI, bearer: bool) -> None:
+    """The OpenAPI document as the server behaves: invalid input is a 400 envelope (FastAPI would list
+    a 422), and with a key every route needs the bearer scheme."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = generate()
+            for operations in schema["paths"].values():
+                for op in operations.values():
+                    op.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            if bearer:
+                bearer_scheme = {"bearer": {"type": "http", "scheme": "bearer"}}
+                schema.setdefault("components", {})["securitySchemes"] = bearer_scheme
+                schema["security"] = [{"bearer": []}]
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+class BackgroundServer:
+    """uvicorn on 127.0.0.1 (a free port unless given) in a thread: for tests and benchmarks.
+
+        with BackgroundServer(app) as server:
+            OpenAI(base_url=server.url + "/v1", api_key="x")
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        import uvicorn
+
+        self.host, self.port = host, port
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_keep_alive=30))
+        self.thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> "BackgroundServer":
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        self.port = sock.getsockname()[1]
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True,
+                                       name="looped_lm-server")
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        if self.thread is not None:
+            self.thread.join(timeout=30)

@@ -1,0 +1,78 @@
+"""`looped_lm serve --checkpoint DIR`: flags, then load, size the KV pool, and run uvicorn.
+
+Imports nothing heavy at module level: `looped_lm --help` lists this verb without fastapi installed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from looped_lm.errors import UserError
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory (model.safetensors + manifest.json)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("LOOPED_LM_API_KEY"),
+                   help="require `Authorization: Bearer KEY` (default: $LOOPED_LM_API_KEY; unset = no key)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model's name in the API (default: the run directory, e.g. quickstart_db)")
+    p.add_argument("--default-iterations", type=int, default=None,
+                   help="K when a request names none (default: the config's diffusion.num_iterations, or B)")
+    p.add_argument("--max-iterations", type=int, default=None,
+                   help="largest K a request may ask for (default: model.max_iterations)")
+    p.add_argument("--kv-memory-gb", type=float, default=1.0, help="KV cache budget in GiB: sets the slot count")
+    p.add_argument("--max-slots", type=int, default=64, help="at most this many concurrent sequences")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="tokens per sequence, prompt + completion (default: the model's max positions)")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill forward")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+
+
+def default_name(checkpoint: Path) -> str:
+    """out/quickstart_db/step_0001000 -> quickstart_db; any other directory -> its own name."""
+    checkpoint = checkpoint.resolve()
+    return checkpoint.parent.name if checkpoint.name.startswith("step_") else checkpoint.name
+
+
+def run(args) -> int:
+    try:
+        import uvicorn
+
+        from serve.app import build_app
+    except ModuleNotFoundError as e:
+        raise UserError(f"`looped_lm serve` needs the serve extra ({e.name} is missing): "
+                        "pip install -e '.[serve]'") from None
+    from looped_lm.checkpoint import load_checkpoint
+    from looped_lm.data.tokenizer import get_tokenizer
+    from looped_lm.engine.engine import Engine
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UserError(f"--threads must be >= 1 (got {args.threads})")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.port < 0 or args.port > 65535:
+        raise UserError(f"--port must be in 0..65535 (got {args.port})")
+    if args.max_slots < 1 or args.prefill_chunk < 1 or not args.kv_memory_gb > 0:
+        raise UserError("--max-slots and --prefill-chunk must be >= 1 and --kv-memory-gb > 0")
+    model, cfg, manifest = load_checkpoint(args.checkpoint, args.device)
+    tok = get_tokenizer(manifest["tokenizer"])
+    name = args.served_model_name or default_name(Path(args.checkpoint))
+    if "@" in name:
+        raise UserError(f"--served-model-name must not contain '@' (it marks K aliases): {name!r}")
+    engine = Engine.from_memory_budget(model, args.kv_memory_gb, max_slots=args.max_slots, max_len=args.max_model_len,
+                                       max_iterations=args.max_iterations, default_iterations=args.default_iterations,
+                                       prefill_chunk=args.prefill_chunk, vocab_size=tok.vocab_size)
+    app = build_app(engine, tok, name, api_key=args.api_key)
+    k = f", K default {engine.default_iterations} (max {engine.max_iterations})" if engine.max_iterations else ""
+    print(f"serving {name} ({cfg.model.kind}{k}) at http://{args.host}:{args.port}/v1 with "
+          f"{engine.stats.num_slots} slots of {engine.max_len} tokens", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

@@ -1,0 +1,67 @@
+"""The names this server answers to: the model, and one alias NAME@K per offered K.
+
+lm-evaluation-harness's log-likelihood payload cannot carry extra fields, so K travels in the model
+name there. Any NAME@K with K in 1..max is accepted; /v1/models lists the powers of two, the model's
+block count and the server default. Models without K (gpt) have no aliases.
+"""
+
+from __future__ import annotations
+
+import time
+
+from looped_lm.engine.engine import Engine
+from serve.errors import APIError
+from serve.protocol import ModelCard, ModelList
+
+
+class ServedModels:
+    def __init__(self, name: str, engine: Engine):
+        if not name or "@" in name:
+            raise ValueError(f"served model name {name!r} must be non-empty and contain no '@'")
+        self.name, self.engine, self.created = name, engine, int(time.time())
+
+    @property
+    def has_iterations(self) -> bool:
+        return bool(self.engine.iteration_kwargs)
+
+    def offered_iterations(self) -> list[int]:
+        if not self.has_iterations:
+            return []
+        top = self.engine.max_iterations
+        ks = {2 ** i for i in range(top.bit_length()) if 2 ** i <= top} | {top, self.engine.default_iterations}
+        blocks = getattr(self.engine.model, "blocks", None)
+        if blocks is not None and len(blocks) <= top:
+            ks.add(len(blocks))
+        return sorted(ks)
+
+    def resolve(self, requested: str | None, num_iterations: int | None) -> tuple[str, int | None]:
+        """(the name to answer with, the K to run: None = the engine default, or a model without K)."""
+        name = requested or self.name
+        base, at, k_text = name.partition("@")
+        if base != self.name or (at and not (self.has_iterations and k_text.isdigit() and k_text[0] != "0")):
+            raise APIError(404, f"The model `{name}` does not exist (this server has `{self.name}`"
+                                + (f" and aliases `{self.name}@K`" if self.has_iterations else "") + ")",
+                           param="model", code="model_not_found")
+        alias_k = int(k_text) if at else None
+        if alias_k is not None and num_iterations is not None and alias_k != num_iterations:
+            raise APIError.bad_request(f"num_iterations={num_iterations} contradicts the model alias `{name}`",
+                                       "num_iterations")
+        k = num_iterations if num_iterations is not None else alias_k
+        if k is not None and not self.has_iterations:
+            raise APIError.bad_request("num_iterations applies to DiffusionBlocks and looped models; "
+                                       f"`{self.name}` has no K", "num_iterations")
+        if k is not None and k not in self.engine.iteration_kwargs:
+            raise APIError.bad_request(f"num_iterations must be in 1..{self.engine.max_iterations} (got {k})",
+                                       "num_iterations" if num_iterations is not None else "model")
+        return name, k
+
+    def used_iterations(self, k: int | None) -> int | None:
+        """The K a request with `k` runs with (what responses report)."""
+        return k if k is not None else self.engine.default_iterations
+
+    def cards(self) -> ModelList:
+        common = dict(created=self.created, root=self.name, max_model_len=self.engine.max_len)
+        data = [ModelCard(id=self.name, num_iterations=self.engine.default_iterations, **common)]
+        data += [ModelCard(id=f"{self.name}@{k}", parent=self.name, num_iterations=k, **common)
+                 for k in self.offered_iterations()]
+        return ModelList(data=data)

@@ -1,0 +1,327 @@
+"""The OpenAI-compatible wire format: pydantic request and response types (vLLM's `protocol`).
+
+Requests are strict (a string where a number belongs is a 400, not a silent conversion) and ignore
+unknown fields, as OpenAI clients send fields a server may not know. Extensions beyond OpenAI's
+surface are marked; the main one is `num_iterations` (K), on requests and on responses.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, model_validator
+
+MAX_LOGPROBS = 20
+MAX_N = 64
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class RequestModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class ResponseModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+class ErrorInfo(ResponseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(ResponseModel):
+    """OpenAI's error envelope: every non-2xx answer of this server has this body."""
+
+    error: ErrorInfo
+
+
+# --- shared request fields ---------------------------------------------------------------------
+
+Seed = Annotated[int, Field(ge=-(2 ** 63), lt=2 ** 64)]
+Temperature = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+Stop = Union[str, Annotated[list[str], Field(max_length=16)], None]
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool = False
+
+
+class SamplingFields(RequestModel):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = Field(None, description="a name from /v1/models (NAME or NAME@K); default: the served model")
+    temperature: Temperature | None = Field(None, description="0 = greedy; default 1")
+    top_p: TopP | None = Field(None, description="nucleus mass in (0, 1]; default 1 (off)")
+    top_k: Annotated[int, Field(ge=-1)] | None = Field(None, description="extension: keep the k most likely; "
+                                                                        "0 or -1 = off")
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stop: Stop = Field(None, description="up to 16 strings; the text stops before the first one")
+    seed: Seed | None = Field(None, description="choice i samples with seed + i; default: random")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    num_iterations: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="extension: K denoising iterations per token (DiffusionBlocks / looped models); "
+                          "default: the NAME@K alias, else the server default")
+    ignore_eos: bool = Field(False, description="extension: keep generating past the end-of-text token")
+    user: str | None = None
+    # OpenAI fields this server does not implement: accepted at their neutral values only
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0.0:
+                raise ValueError(f"{name} is not supported by this server (only 0)")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported by this server")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None and any(s == "" for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        return self
+
+
+class UsageInfo(ResponseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+# --- /v1/completions ---------------------------------------------------------------------------
+
+
+
+def _check_prompt(value):
+    """One clear message for every malformed prompt, instead of one per member of the union."""
+    def ids(x):
+        return isinstance(x, list) and len(x) > 0 and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if isinstance(value, str) or (isinstance(value, list) and value and (
+            all(isinstance(x, str) for x in value) or ids(value) or all(ids(x) for x in value))):
+        return value
+    raise ValueError("prompt must be a string, a non-empty list of strings, a non-empty list of token ids, "
+                     "or a non-empty list of non-empty token-id lists")
+
+
+Prompt = Annotated[Union[str, list[str], list[StrictInt], list[list[StrictInt]]], BeforeValidator(_check_prompt)]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt = Field(..., description="a string, a list of strings, a token-id list, or a list of token-id lists")
+    max_tokens: Annotated[int, Field(ge=0)] | None = Field(16, description="0 only with echo (score the prompt)")
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+        None, description="log-probs of each token and of the N most likely alternatives")
+    echo: bool = Field(False, description="return the prompt before the completion (with logprobs: its log-probs)")
+    return_tokens_as_token_ids: bool = Field(False, description="extension (vLLM): tokens read 'token_id:N'")
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _unsupported_completion_fields(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported by this server (only best_of == n)")
+        if self.suffix:
+            raise ValueError("suffix is not supported by this server")
+        return self
+
+
+class CompletionLogProbs(ResponseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(ResponseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class CompletionResponse(ResponseModel):
+    id: str = Field(default_factory=lambda: _id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    num_iterations: int | None = Field(None, description="extension: the K that produced this response")
+
+
+class CompletionStreamResponse(CompletionResponse):
+    """One SSE event of a streamed completion (OpenAI reuses the `text_completion` object)."""
+
+
+# --- /v1/chat/completions ----------------------------------------------------------------------
+
+
+class TextPart(RequestModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(RequestModel):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="default: the rest of the context")
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="OpenAI's newer max_tokens")
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @model_validator(mode="after")
+    def _logprob_fields(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+
+class TopLogprob(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(ResponseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class AssistantMessage(ResponseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(ResponseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionResponse(ResponseModel):
+    id: str = Field(default_factory=lambda: _id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+    num_iterations: int | None = Field(None, description="extension: the K that produced this response")
+
+
+class DeltaMessage(ResponseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(ResponseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionStreamResponse(ResponseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+    num_iterations: int | None = None
+
+
+# --- /v1/models ----------------------------------------------------------------------------------
+
+
+class ModelCard(ResponseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "looped_lm"
+    root: str
+    parent: str | None = None
+    max_model_len: int
+    num_iterations: int | None = Field(None, description="extension: the K this name fixes (aliases NAME@K)")
+
+
+class ModelList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# --- tokenizer endpoints (vLLM's extras) -------------------------------------------------------------
+
+
+class TokenizeRequest(RequestModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = Field(True, description="accepted for vLLM compatibility; no token is ever added")
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class TokenizeResponse(ResponseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(RequestModel):
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+class DetokenizeResponse(ResponseModel):
+    prompt: str
+
+
+class TokenizerInfo(ResponseModel):
+    tokenizer_class: str
+    name: str
+    vocab_size: int
+    model_max_length: int
+    eos_token: str
+    eos_token_id: int
+    bos_token: str
+    bos_token_id: int
+    pad_token: str | None = None
+    chat_template: str
+    special_tokens_in_text: bool = Field(True, description="'<|endoftext|>' in input text is the end-of-text "
+                                                            "token (the Hugging Face convention)")
+
+
+class HealthResponse(ResponseModel):
+    status: Literal["ok"] = "ok"

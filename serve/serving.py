@@ -1,0 +1,379 @@
+"""Request handlers (vLLM's `serving`): check a request, turn its text into engine requests, run them,
+and shape the OpenAI response or SSE stream. Routes (api_router.py) only call these.
+
+One engine request per choice: prompt i, sample j of `n` is choice i * n + j, with seed `seed + j`.
+Each choice streams through `run_choice`: incremental detokenization, stop strings, log-probs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+from looped_lm.data.tokenizer import EOT_TEXT, Tokenizer
+from looped_lm.engine.engine import Engine, InvalidRequest, Request
+from looped_lm.engine.sampling import SamplingParams
+from looped_lm.errors import UserError
+from serve import protocol as p
+from serve.errors import APIError
+from serve.metrics import RequestTimer, ServerMetrics
+from serve.models import ServedModels
+from serve.text import CHAT_TEMPLATE, TURN_STOPS, Detokenizer, StopStrings, encode, render_chat
+
+MAX_CHOICES = 256  # prompts x n in one request
+MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM's floor too)
+
+
+@dataclass
+class TokenEntry:
+    """One token of a choice, for log-probs: its text starts at `offset` in the choice's text."""
+
+    token_id: int
+    logprob: float | None
+    top: list[tuple[int, float]] | None
+    offset: int
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    text: str = ""
+    tokens: list[TokenEntry] = field(default_factory=list)  # filled when log-probs were asked for
+    finish_reason: str | None = None
+    generated: int = 0  # engine tokens in this delta (usage counts them)
+
+    def extend(self, later: "ChoiceDelta") -> None:
+        self.text += later.text
+        self.tokens += later.tokens
+        self.generated += later.generated
+        self.finish_reason = later.finish_reason or self.finish_reason
+
+
+@dataclass
+class Choice:
+    """What one choice runs: its engine request and how its text is shaped."""
+
+    index: int
+    request: Request
+    echo: bool
+    logprobs: bool
+    stop: list[str]
+
+
+class OpenAIServing:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, models: ServedModels, metrics: ServerMetrics):
+        self.engine, self.tok, self.models, self.metrics = engine, tokenizer, models, metrics
+
+    # --- /v1/completions -----------------------------------------------------------------------
+
+    async def create_completion(self, req: p.CompletionRequest) -> p.CompletionResponse | AsyncIterator[str]:
+        name, k = self.models.resolve(req.model, req.num_iterations)
+        prompts = self._completion_prompts(req.prompt)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        if max_tokens == 0 and not req.echo:
+            raise APIError.bad_request("max_tokens must be >= 1 (0 only with echo: score the prompt)", "max_tokens")
+        scoring = req.logprobs if req.echo and req.logprobs is not None else (0 if max_tokens == 0 else None)
+        choices = self._choices(req, prompts, k, max_tokens, req.stop or [], echo=req.echo,
+                                logprobs=req.logprobs, prompt_logprobs=scoring)
+        used_k = self.models.used_iterations(k)
+        timer = self.metrics.track("completions", used_k)
+        usage = p.UsageInfo(prompt_tokens=sum(map(len, prompts)))
+        token_str = self._token_str(req.return_tokens_as_token_ids)
+
+        def choice_of(d: ChoiceDelta) -> p.CompletionChoice:
+            logprobs = self._completion_logprobs(d.tokens, token_str) if req.logprobs is not None else None
+            return p.CompletionChoice(index=d.index, text=d.text, logprobs=logprobs, finish_reason=d.finish_reason)
+
+        if req.stream:
+            rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+            def chunk(choices: list, usage_info=None) -> p.CompletionStreamResponse:
+                return p.CompletionStreamResponse(id=rid, created=created, model=name, choices=choices,
+                                                  usage=usage_info, num_iterations=used_k)
+
+            return self._sse(choices, timer, usage, lambda d: chunk([choice_of(d)]),
+                             lambda u: chunk([], u), include_usage=bool(req.stream_options and
+                                                                        req.stream_options.include_usage))
+        results = await self._collect(choices, timer)
+        usage.completion_tokens = sum(r.generated for r in results)
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        return p.CompletionResponse(model=name, choices=[choice_of(r) for r in results], usage=usage,
+                                    num_iterations=used_k)
+
+    def _completion_prompts(self, prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [self._encode(prompt)]
+        if isinstance(prompt[0], str):
+            return [self._encode(text) for text in prompt]
+        if isinstance(prompt[0], int):
+            return [list(prompt)]
+        return [list(ids) for ids in prompt]
+
+    def _encode(self, text: str) -> list[int]:
+        """A text prompt's ids; the empty text starts from the end-of-text token (a document start)."""
+        return encode(self.tok, text) or [self.tok.eot_id]
+
+    def _completion_logprobs(self, tokens: list[TokenEntry], token_str: Callable[[int], str]) -> p.CompletionLogProbs:
+        out = p.CompletionLogProbs()
+        for e in tokens:
+            out.tokens.append(token_str(e.token_id))
+            out.token_logprobs.append(None if e.logprob is None else max(e.logprob, MIN_LOGPROB))
+            out.text_offset.append(e.offset)
+            if e.top is None:
+                out.top_logprobs.append(None)
+                continue
+            top: dict[str, float] = {}
+            for i, lp in [*e.top, (e.token_id, e.logprob)]:  # the actual token is always listed
+                key = token_str(i)
+                top[key] = max(top.get(key, MIN_LOGPROB), max(lp, MIN_LOGPROB))  # equal strings: keep the max
+            out.top_logprobs.append(top)
+        return out
+
+    # --- /v1/chat/completions ------------------------------------------------------------------
+
+    async def create_chat_completion(self, req: p.ChatCompletionRequest
+                                     ) -> p.ChatCompletionResponse | AsyncIterator[str]:
+        name, k = self.models.resolve(req.model, req.num_iterations)
+        text = render_chat([{"role": m.role, "content": m.text()} for m in req.messages])
+        ids = self._encode(text)
+        room = self.engine.max_len - len(ids)
+        if room < 1:
+            raise APIError.bad_request(f"the conversation ({len(ids)} tokens) leaves no room in the context of "
+                                       f"{self.engine.max_len} tokens", "messages")
+        max_tokens = req.max_completion_tokens or req.max_tokens or room
+        top_n = (req.top_logprobs or 0) if req.logprobs else None
+        choices = self._choices(req, [ids], k, max_tokens, [*(req.stop or []), *TURN_STOPS], echo=False,
+                                logprobs=top_n, prompt_logprobs=None)
+        used_k = self.models.used_iterations(k)
+        timer = self.metrics.track("chat", used_k)
+        usage = p.UsageInfo(prompt_tokens=len(ids))
+        token_str = self._token_str(False)
+
+        def logprobs_of(d: ChoiceDelta) -> p.ChatLogprobs | None:
+            return self._chat_logprobs(d.tokens, token_str, top_n) if req.logprobs else None
+
+        if req.stream:
+            rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+            def chunk(choices: list, usage_info=None) -> p.ChatCompletionStreamResponse:
+                return p.ChatCompletionStreamResponse(id=rid, created=created, model=name, choices=choices,
+                                                      usage=usage_info, num_iterations=used_k)
+
+            def delta_chunk(d: ChoiceDelta) -> p.ChatCompletionStreamResponse:
+                delta = p.DeltaMessage(content=d.text) if (d.text or not d.finish_reason) else p.DeltaMessage()
+                return chunk([p.ChatStreamChoice(index=d.index, delta=delta, logprobs=logprobs_of(d),
+                                                 finish_reason=d.finish_reason)])
+
+            first = [chunk([p.ChatStreamChoice(index=c.index, delta=p.DeltaMessage(role="assistant", content=""))])
+                     for c in choices]
+            return self._sse(choices, timer, usage, delta_chunk, lambda u: chunk([], u),
+                             include_usage=bool(req.stream_options and req.stream_options.include_usage), first=first)
+        results = await self._collect(choices, timer)
+        usage.completion_tokens = sum(r.generated for r in results)
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        return p.ChatCompletionResponse(
+            model=name, usage=usage, num_iterations=used_k,
+            choices=[p.ChatChoice(index=r.index, message=p.AssistantMessage(content=r.text), logprobs=logprobs_of(r),
+                                  finish_reason=r.finish_reason) for r in results])
+
+    @staticmethod
+    def _chat_logprobs(tokens: list[TokenEntry], token_str, top_n: int | None) -> p.ChatLogprobs:
+        def entry(token_id: int, lp: float, cls=p.TopLogprob, **extra):
+            s = token_str(token_id)
+            return cls(token=s, logprob=max(lp, MIN_LOGPROB), bytes=list(s.encode("utf-8")), **extra)
+
+        return p.ChatLogprobs(content=[
+            entry(e.token_id, e.logprob, p.ChatTokenLogprob, top_logprobs=[entry(i, lp) for i, lp in (e.top or [])])
+            for e in tokens])
+
+    # --- shared: engine requests, running choices ----------------------------------------------
+
+    def _sampling(self, req: p.SamplingFields) -> SamplingParams:
+        temperature = 1.0 if req.temperature is None else req.temperature
+        top_k = 0 if req.top_k in (None, -1) else req.top_k
+        return SamplingParams(temperature, top_k, 1.0 if req.top_p is None else req.top_p)
+
+    def _choices(self, req: p.SamplingFields, prompts: list[list[int]], k: int | None, max_tokens: int,
+                 stop: list[str], echo: bool, logprobs: int | None, prompt_logprobs: int | None) -> list[Choice]:
+        if len(prompts) * req.n > MAX_CHOICES:
+            raise APIError.bad_request(f"{len(prompts)} prompts x n={req.n} exceeds {MAX_CHOICES} choices per request",
+                                       "n")
+        sampling = self._sampling(req)
+        stop_ids = frozenset() if req.ignore_eos else frozenset({self.tok.eot_id})
+        choices = []
+        for i, ids in enumerate(prompts):
+            for j in range(req.n):
+                request = Request(ids, max_tokens, sampling, None if req.seed is None else req.seed + j, k,
+                                  stop_ids, logprobs, prompt_logprobs)
+                try:
+                    self.engine.check(request)
+                except InvalidRequest as e:
+                    raise APIError.from_invalid(e) from None
+                choices.append(Choice(i * req.n + j, request, echo, logprobs is not None, stop))
+        return choices
+
+    async def run_choice(self, choice: Choice) -> AsyncIterator[ChoiceDelta]:
+        """Deltas of one choice: text (stop strings applied), log-prob entries, finish reason."""
+        detok, stops = Detokenizer(self.tok), StopStrings(choice.stop)
+        length = 0  # characters of this choice's text so far (text offsets)
+        echo = choice.echo
+        async with contextlib.aclosing(self.engine.generate(choice.request)) as outputs:
+            async for out in outputs:
+                if out.finish_reason == "error":
+                    raise APIError(500, f"generation failed: {out.error}", type="server_error")
+                if out.finish_reason == "abort":  # not ours: the engine is shutting down
+                    raise APIError(503, "the server is shutting down", type="server_error")
+                d = ChoiceDelta(choice.index, generated=len(out.token_ids))
+                if echo:
+                    echo = False
+                    scores = out.prompt_logprobs or [None] * len(choice.request.prompt)
+                    for token, s in zip(choice.request.prompt, scores):
+                        piece = detok.add(token)
+                        if choice.logprobs:
+                            d.tokens.append(TokenEntry(token, s and s.logprob, s and s.top, length))
+                        d.text += piece
+                        length += len(piece)
+                scores = out.logprobs or [None] * len(out.token_ids)
+                for token, s in zip(out.token_ids, scores):
+                    if out.finish_reason == "stop" and token in choice.request.stop_token_ids:
+                        continue  # the end-of-text token ends the text; it is not part of it
+                    piece = detok.add(token)
+                    if choice.logprobs:
+                        d.tokens.append(TokenEntry(token, s.logprob, s.top, length))
+                    length += len(piece)
+                    sent, hit = stops.push(piece)
+                    d.text += sent
+                    if hit:
+                        d.finish_reason = "stop"
+                        yield d
+                        return  # leaving the loop aborts the engine request: its slot is free at once
+                if out.finished:
+                    sent, hit = stops.push(detok.flush())
+                    d.text += sent if hit else sent + stops.flush()
+                    d.finish_reason = "stop" if hit or out.finish_reason == "stop" else "length"
+                yield d
+
+    async def _collect(self, choices: list[Choice], timer: RequestTimer) -> list[ChoiceDelta]:
+        async def one(choice: Choice) -> ChoiceDelta:
+            total = ChoiceDelta(choice.index)
+            async for d in self.run_choice(choice):
+                if d.generated:
+                    timer.token()
+                total.extend(d)
+            return total
+
+        tasks = [asyncio.ensure_future(one(c)) for c in choices]
+        try:
+            results = await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()  # after a failure (or a disconnect) the other choices stop too
+        timer.done([r.finish_reason for r in results])
+        return results
+
+    async def _sse(self, choices: list[Choice], timer: RequestTimer, usage: p.UsageInfo,
+                   chunk_of: Callable[[ChoiceDelta], p.ResponseModel], usage_chunk, include_usage: bool,
+                   first: list[p.ResponseModel] = ()) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per choice delta, then usage (if asked for), then [DONE].
+        A failure after the stream began is sent as an error event."""
+        reasons = []
+        try:
+            for c in first:
+                yield _event(c)
+            async for d in _merge([self.run_choice(c) for c in choices]):
+                if d.generated:
+                    timer.token()
+                usage.completion_tokens += d.generated
+                if d.finish_reason:
+                    reasons.append(d.finish_reason)
+                yield _event(chunk_of(d))
+            if include_usage:
+                usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+                yield _event(usage_chunk(usage))
+        except APIError as e:
+            yield _event(e.body())
+        timer.done(reasons)
+        yield "data: [DONE]\n\n"
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None:
+            self.models.resolve(name, None)
+
+    def _token_str(self, as_ids: bool) -> Callable[[int], str]:
+        if as_ids:
+            return lambda i: f"token_id:{i}"
+        return lambda i: self.tok.decode([i])
+
+    # --- tokenizer endpoints -------------------------------------------------------------------
+
+    def tokenize(self, req: p.TokenizeRequest) -> p.TokenizeResponse:
+        self._check_model(req.model)
+        text = req.prompt if req.messages is None else render_chat(
+            [{"role": m.role, "content": m.text()} for m in req.messages], req.add_generation_prompt)
+        ids = encode(self.tok, text)
+        return p.TokenizeResponse(count=len(ids), max_model_len=self.engine.max_len, tokens=ids,
+                                  token_strs=[self.tok.decode([i]) for i in ids] if req.return_token_strs else None)
+
+    def detokenize(self, req: p.DetokenizeRequest) -> p.DetokenizeResponse:
+        self._check_model(req.model)
+        try:
+            return p.DetokenizeResponse(prompt=self.tok.decode(req.tokens))
+        except UserError as e:
+            raise APIError.bad_request(str(e), "tokens") from None
+
+    def tokenizer_info(self) -> p.TokenizerInfo:
+        return p.TokenizerInfo(tokenizer_class=f"looped_lm.{self.tok.name}", name=self.tok.name,
+                               vocab_size=self.tok.vocab_size, model_max_length=self.engine.max_len,
+                               eos_token=EOT_TEXT, eos_token_id=self.tok.eot_id, bos_token=EOT_TEXT,
+                               bos_token_id=self.tok.eot_id, chat_template=CHAT_TEMPLATE)
+
+    def health(self) -> p.HealthResponse:
+        if not self.engine.is_alive:
+            raise APIError(503, "the engine is not running", type="server_error")
+        return p.HealthResponse()
+
+
+def _event(model: p.ResponseModel) -> str:
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+async def _merge(streams: list[AsyncIterator[ChoiceDelta]]) -> AsyncIterator[ChoiceDelta]:
+    """Items of several async iterators as they come. Closing this closes them all (each then aborts its
+    engine request)."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as only:
+            async for item in only:
+                yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream):
+        try:
+            async with contextlib.aclosing(stream) as s:
+                async for item in s:
+                    queue.put_nowait(item)
+        except Exception as e:  # handed to the consumer
+            queue.put_nowait(e)
+        finally:
+            queue.put_nowait(done)
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,107 @@
+"""Text <-> token ids for the server: prompt encoding, the chat template, incremental detokenization
+and stop strings. The engine never sees text.
+
+Prompt text follows the Hugging Face / vLLM convention: the literal "<|endoftext|>" is the end-of-text
+token (as in `Tokenizer.to_hf()`), so /tokenize, completions and lm-evaluation-harness's remote
+tokenizer agree on every id. (`looped_lm generate` and the data pipeline read that string as plain
+text instead, like nanoGPT's `encode_ordinary`.)
+"""
+
+from __future__ import annotations
+
+import functools
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from looped_lm.data.tokenizer import EOT_TEXT, Tokenizer
+
+# A plain chat template: one "Role: content" line per message, then "Assistant:" to continue.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ message['role'] | capitalize }}: {{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+TURN_STOPS = ("\nUser:", "\nSystem:")  # a chat reply ends where the model starts the next turn
+
+
+def encode(tok: Tokenizer, text: str) -> list[int]:
+    """Token ids of `text`; each "<|endoftext|>" in it is the end-of-text token."""
+    ids: list[int] = []
+    for i, part in enumerate(text.split(EOT_TEXT)):
+        if i:
+            ids.append(tok.eot_id)
+        if part:
+            ids += tok.encode(part)
+    return ids
+
+
+@functools.lru_cache(maxsize=1)
+def _chat_template():
+    return ImmutableSandboxedEnvironment(keep_trailing_newline=True).from_string(CHAT_TEMPLATE)
+
+
+def render_chat(messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """[{"role", "content"}, ...] -> the prompt text, through CHAT_TEMPLATE (also served by /tokenizer_info)."""
+    return _chat_template().render(messages=messages, add_generation_prompt=add_generation_prompt)
+
+
+class Detokenizer:
+    """The text of a growing token list, piece by piece. A piece is released once its tokens decode to
+    whole characters: a byte-level token may hold part of a UTF-8 character (as vLLM's incremental
+    detokenizer, with a prefix and a read offset)."""
+
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
+        self.ids: list[int] = []
+        self.prefix = self.read = 0
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self.tok.decode(self.ids[self.prefix:self.read])
+        text = self.tok.decode(self.ids[self.prefix:])
+        if len(text) > len(before) and not text.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return text[len(before):]
+        return ""
+
+    def flush(self) -> str:
+        """What is still held at the end (an incomplete character decodes to U+FFFD)."""
+        before = self.tok.decode(self.ids[self.prefix:self.read])
+        text = self.tok.decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return text[len(before):]
+
+
+class StopStrings:
+    """Cuts generated text before the first stop string. While streaming, a tail that could be the
+    start of a stop string is held back until it is decided."""
+
+    def __init__(self, stops: list[str] | None):
+        self.stops = [s for s in (stops or []) if s]
+        self.longest = max((len(s) for s in self.stops), default=0)
+        self.text, self.sent = "", 0
+
+    def push(self, piece: str) -> tuple[str, bool]:
+        """Add generated text -> (text that may be sent now, whether a stop string was found)."""
+        start = max(0, len(self.text) - self.longest + 1)
+        self.text += piece
+        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.sent = self.text[self.sent:min(hits)], min(hits)
+            return out, True
+        safe = max(self.sent, len(self.text) - self._held())
+        out, self.sent = self.text[self.sent:safe], safe
+        return out, False
+
+    def flush(self) -> str:
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out
+
+    def _held(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        for k in range(min(self.longest - 1, len(self.text) - self.sent), 0, -1):
+            tail = self.text[-k:]
+            if any(s.startswith(tail) for s in self.stops):
+                return k
+        return 0
