@@ -39,9 +39,10 @@ def step(model, kind, tokens, caches, rows, noise):
     return model.forward_cached(tokens, caches, num_iterations=3, noise=noise, rows=rows)[:, -1]
 
 
+@pytest.mark.parametrize("slots", [(0, 1), (2, 0)], ids=["contiguous", "scattered"])
 @pytest.mark.parametrize("kind", ["gpt", "db_ar", "db_ar_stacked", "looped_db", "huginn"])
 @torch.no_grad()
-def test_interleaved_rows_equal_solo_runs(kind):
+def test_interleaved_rows_equal_solo_runs(kind, slots):
     model = build(kind)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, V, (1, 5), generator=g), torch.randint(0, V, (1, 2), generator=g)]
@@ -56,11 +57,11 @@ def test_interleaved_rows_equal_solo_runs(kind):
             outs.append(step(model, kind, follow[r:r + 1, t:t + 1], caches, None, noise[r, t + 1][None]))
         solo.append(torch.cat(outs))
 
-    pool = model.new_cache(3, 16)  # row 2 stays empty; rows 0 and 1 sit at different positions
-    rows = [torch.tensor([0]), torch.tensor([1])]
+    pool = model.new_cache(3, 16)  # one row stays empty; the other two sit at different positions
+    rows = [torch.tensor([slots[0]]), torch.tensor([slots[1]])]
     first = [step(model, kind, prompts[r], pool, rows[r], noise[r, 0][None]) for r in range(2)]
     batched = [torch.stack(first)[:, 0]]
-    both = torch.tensor([0, 1])
+    both = torch.tensor(slots)
     for t in range(4):
         batched.append(step(model, kind, follow[:, t:t + 1], pool, both, noise[:, t + 1]))
     for r in range(2):

@@ -67,6 +67,16 @@ class KVCache:
     def _rows(self, rows):
         return torch.arange(self.k.shape[0], device=self.k.device) if rows is None else rows
 
+    @staticmethod
+    def _contiguous(rows):
+        """rows as a slice when they are consecutive (a view instead of a gathered copy), else None."""
+        if rows is None:
+            return slice(None)
+        first, n = int(rows[0]), rows.shape[0]
+        if int(rows[-1]) - first == n - 1 and (n < 3 or bool((rows.diff() == 1).all())):
+            return slice(first, first + n)
+        return None
+
     def append(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | None = None):
         """Store k, v (R, H, n, D) after each row's length -> (keys, values, mask) for its queries.
 
@@ -80,10 +90,10 @@ class KVCache:
             raise ValueError(f"KV cache full: {int(start.max())} + {n} > {self.k.shape[2]} positions")
         self.lengths[idx] = start + n
         if bool((start == start[0]).all()):
-            s = int(start[0])
-            if rows is None:
-                self.k[:, :, s:s + n], self.v[:, :, s:s + n] = k, v
-                return self.k[:, :, :s + n], self.v[:, :, :s + n], None
+            s, block = int(start[0]), self._contiguous(rows)
+            if block is not None:
+                self.k[block, :, s:s + n], self.v[block, :, s:s + n] = k, v
+                return self.k[block, :, :s + n], self.v[block, :, :s + n], None
             self.k[idx, :, s:s + n], self.v[idx, :, s:s + n] = k, v
             return self.k[idx, :, :s + n], self.v[idx, :, :s + n], None
         pos = start[:, None] + torch.arange(n, device=start.device)  # (R, n)
@@ -91,6 +101,9 @@ class KVCache:
         self.v[idx[:, None], :, pos] = v.transpose(1, 2)
         L = int(pos.max()) + 1
         mask = torch.arange(L, device=start.device)[None, None, :] <= pos[:, :, None]
+        block = self._contiguous(rows)
+        if block is not None:
+            return self.k[block, :, :L], self.v[block, :, :L], mask[:, None]
         return self.k[idx, :, :L], self.v[idx, :, :L], mask[:, None]
 
     def view(self, rows: torch.Tensor | None = None):
@@ -102,8 +115,9 @@ class KVCache:
         valid = None
         if not bool((lengths == L).all()):
             valid = (torch.arange(L, device=lengths.device)[None, :] < lengths[:, None])[:, None, None, :]
-        if rows is None:
-            return self.k[:, :, :L], self.v[:, :, :L], valid
+        block = self._contiguous(rows)
+        if block is not None:
+            return self.k[block, :, :L], self.v[block, :, :L], valid
         return self.k[idx, :, :L], self.v[idx, :, :L], valid
 
     def reset(self, rows: torch.Tensor | None = None) -> None:
