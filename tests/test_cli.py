@@ -137,7 +137,7 @@ def test_eval_json_table_and_hand_computed_perplexity(tiny_run, tmp_path, capsys
     nll = _nll_sum(model, [(i * T, T) for i in range(n_blocks)], tokens, T) / rep["tokens"]
     assert abs(rep["nll"] - nll) < 1e-5
     assert abs(rep["ppl"] - math.exp(nll)) < 1e-4 * rep["ppl"]
-    assert 1.0 < rep["ppl"] < 257  # a trained model beats uniform guessing
+    assert rep["ppl"] < 257 and rep["ppl"] > 1.0  # a trained model beats uniform guessing
 
 
 def test_eval_stride_scores_every_target_once(tiny_run, tmp_path, capsys):
