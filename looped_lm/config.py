@@ -91,6 +91,8 @@ class DiffusionConfig:
                      "or sample (a token drawn from the logits)",
                      choices=("soft", "hard", "sample"))
     num_iterations: int = _f(0, "default K denoising steps per token at inference; 0 = num_blocks")
+    sample_top_quantile: float = _f(0.999, "chains start at this quantile of block 0's training sigma law "
+                                    "instead of sigma_max, where block 0 never trains; 1 = sigma_max (paper)")
 
 
 @dataclass
@@ -300,6 +302,8 @@ def validate(cfg: Config) -> None:
     _require(0 < d.target_fraction <= 1, f"diffusion.target_fraction must be in (0, 1] (got {d.target_fraction})")
     _require(d.curve_every >= 1 and d.curve_until >= 0, "diffusion.curve_every must be >= 1 and curve_until >= 0")
     _require(d.clean_lm_weight >= 0, f"diffusion.clean_lm_weight must be >= 0 (got {d.clean_lm_weight})")
+    _require(0 < d.sample_top_quantile <= 1,
+             f"diffusion.sample_top_quantile must be in (0, 1] (got {d.sample_top_quantile})")
     _require(d.num_iterations >= 0, f"diffusion.num_iterations must be >= 1, or 0 for num_blocks (got {d.num_iterations})")
     if m.kind == "looped_db":
         _require(d.num_blocks == 1, f"looped_db has one weight-tied core: diffusion.num_blocks must be 1 "

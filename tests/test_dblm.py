@@ -141,7 +141,7 @@ def test_cached_decoding_equals_recompute(num_blocks, K):
                                num_iterations=K, bridge="hard")
     g = torch.Generator().manual_seed(11)  # the same noise stream: one z per token
     for i in range(n_new):
-        z = model.edges[-1] * torch.randn(2, 1, 32, generator=g)
+        z = model.initial_noise(2, 1, g)
         ref = model.next_logits_uncached(out[:, :5 + i], K, "hard", z)[:, -1]
         torch.testing.assert_close(logits[:, i], ref, atol=1e-5, rtol=0)
         assert torch.equal(out[:, 5 + i], ref.argmax(-1))

@@ -109,7 +109,7 @@ def test_looped_db_cached_equals_recompute(K):
     out, logits = generate(model, prompt, 5, SamplingParams(0.0), seed=3, return_logits=True, num_iterations=K)
     g = torch.Generator().manual_seed(3)
     for i in range(5):
-        z = 80.0 * torch.randn(2, 1, 32, generator=g)
+        z = model.initial_noise(2, 1, g)
         ref = model.next_logits_uncached(out[:, :4 + i], K, "hard", z)[:, -1]
         torch.testing.assert_close(logits[:, i], ref, atol=1e-5, rtol=0)
 

@@ -114,9 +114,9 @@ class CachedDecoding:
         return self.chain(call, K, (R, 1), idx.device, generator, bridge, noise, exit_rule, stats)
 
     def initial_noise(self, batch: int, n: int, generator=None, device=None) -> torch.Tensor:
-        """z ~ N(0, sigma_hi^2 I) of shape (batch, n, d): what a chain starts from, drawn as `chain` does."""
+        """z ~ N(0, sigma_top^2 I) of shape (batch, n, d): what a chain starts from, drawn as `chain` does."""
         d = self.tok_emb.weight.shape[1]
-        return self.edges[-1] * torch.randn(batch, n, d, device=device, generator=generator)
+        return self.sigma_top() * torch.randn(batch, n, d, device=device, generator=generator)
 
     def reset_rows(self, state: DecodeState, rows) -> None:
         state.reset(rows)

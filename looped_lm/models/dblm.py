@@ -88,6 +88,14 @@ class DiffusionBlocksLM(CachedDecoding, nn.Module):
             state["curve"] = self.curve
         return state
 
+    def sigma_top(self) -> float:
+        """Where chains start: a high quantile of block 0's training sigma law (diffusion.
+        sample_top_quantile), not sigma_max, which the log-normal almost never draws (method.md §8)."""
+        lo, hi = self.train_ranges[0]
+        q_lo, q_hi = dm.cdf_range(lo, hi, self.sched)
+        top = dm.sigma_at_fraction(self.cfg.diffusion.sample_top_quantile, q_lo, q_hi, self.sched)
+        return float(min(max(top, self.edges[-2]), self.edges[-1]))  # stays inside block 0's interval
+
     def set_edges(self, edges: list[float]) -> None:
         self.edges = list(edges)
         self.train_ranges = dm.widen(self.edges, self.cfg.diffusion.overlap)  # by block, block 0 = highest sigma
@@ -333,6 +341,7 @@ class DiffusionBlocksLM(CachedDecoding, nn.Module):
         receives the calls each one used (Bsz, n).
         """
         sigmas = dm.inference_sigmas(K, self.sched, lo=self.edges[0], hi=self.edges[-1])
+        sigmas[0] = self.sigma_top()  # the first call, where block 0 has really been trained
         Bsz, n = shape
         if z is None:
             z = self.initial_noise(Bsz, n, generator, device)
