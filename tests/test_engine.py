@@ -228,7 +228,10 @@ def test_async_api_streams_deltas_and_an_early_exit_frees_the_slot(models):
 
     try:
         assert asyncio.run(main()) >= 1
-        assert engine.num_running == 0 and engine.num_free_slots == 2 and engine.stats.finished["abort"] == 1
+        assert engine.num_running == 0 and engine.num_free_slots == 2  # the slot is free again
+        # aborted when the consumer left, unless the engine thread had already run it to its end
+        finished = engine.stats.finished
+        assert (finished["abort"], finished["length"]) in {(1, 2), (0, 3)}
     finally:
         engine.shutdown()
     assert not engine.is_alive
