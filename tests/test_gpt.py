@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from looped_lm.config import Config, config_from_dict
 from looped_lm.engine.generate import generate
