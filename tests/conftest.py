@@ -129,3 +129,14 @@ def _assert_one_line_error(captured, *needles: str) -> str:
 def one_line_error():
     """one_line_error(capsys.readouterr(), *needles) -> the single `error:` line, checked."""
     return _assert_one_line_error
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run faster on one intra-op thread, and a busy machine cannot stall its sync points."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -6,28 +6,14 @@ This is what continuous batching stands on: a slot's request joins and leaves wh
 import pytest
 import torch
 
-from looped_lm.config import config_from_dict
-from looped_lm.models import build_model
+from tiny_models import D, V, build_tiny
 
-V, D = 47, 32
 
 
 def build(kind):
-    stacked = kind == "db_ar_stacked"
-    kind = "db_ar" if stacked else kind
-    model = {"kind": kind, "n_layers": 2, "d_model": D, "n_heads": 4, "seq_len": 16, "init_std": 0.2}
-    diffusion = {"num_blocks": 2 if kind == "db_ar" else 1, "context": "stacked" if stacked else "independent"}
-    if kind in ("looped_db", "huginn"):
-        model.update(n_prelude=1, n_coda=1, mean_recurrence=3, backprop_depth=2)
-    if kind == "db_ar":
-        model["n_prelude"] = 1
-    torch.manual_seed(0)
-    m = build_model(config_from_dict({"model": model, "diffusion": diffusion}), V)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if "ada" in name:
-                p.normal_(0, 0.2)
-    return m.eval()
+    if kind == "db_ar_stacked":
+        return build_tiny("db_ar", context="stacked")
+    return build_tiny(kind)
 
 
 def step(model, kind, tokens, caches, rows, noise):

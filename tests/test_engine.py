@@ -14,41 +14,20 @@ import warnings
 import pytest
 import torch
 
-from looped_lm.config import config_from_dict
 from looped_lm.engine.engine import Engine, InvalidRequest, Request, kv_bytes_per_token
 from looped_lm.engine.generate import generate
 from looped_lm.engine.sampling import SamplingParams
 from looped_lm.errors import UserError
-from looped_lm.models import build_model
+from tiny_models import D, V, build_tiny
 
-V, D = 47, 32
 GREEDY = SamplingParams(0.0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run faster on one intra-op thread, and a busy machine cannot stall its sync points."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def build(kind: str, seq_len: int = 16, bridge: str = "hard"):
-    model = {"kind": kind, "n_layers": 2, "d_model": D, "n_heads": 4, "seq_len": seq_len, "init_std": 0.2,
-             "max_iterations": 8}
-    diffusion = {"num_blocks": 2 if kind == "db_ar" else 1, "bridge": bridge}
-    if kind in ("looped_db", "huginn"):
-        model.update(n_prelude=1, n_coda=1, mean_recurrence=3, backprop_depth=2)
-    if kind == "db_ar":
-        model["n_prelude"] = 1
-    torch.manual_seed(0)
-    m = build_model(config_from_dict({"model": model, "diffusion": diffusion}), V)
-    with torch.no_grad():  # adaLN-Zero starts at zero: perturb it so the noise level matters
-        for name, p in m.named_parameters():
-            if "ada" in name:
-                p.normal_(0, 0.2)
-    return m.eval()
+    return build_tiny(kind, seq_len, bridge=bridge)
 
 
 @pytest.fixture(scope="module")

@@ -31,13 +31,7 @@ from serve.app import BackgroundServer, build_app
 from serve.text import Detokenizer, StopStrings
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run faster on one intra-op thread, and a busy machine cannot stall its sync points."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 DB_MODEL = {"kind": "db_ar", "n_layers": 2, "d_model": 32, "n_heads": 2, "seq_len": 16}

@@ -11,7 +11,9 @@ import time
 import openai
 import pytest
 
-from test_server import Served, one_thread, train_tiny_db, wait_idle  # noqa: F401 (one_thread: autouse)
+from test_server import Served, train_tiny_db, wait_idle
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 CLIENTS = 64
 PROMPTS = ["And God said", "In the beginning", "Blessed are", "The LORD is", "And it came to pass", "Behold"]
