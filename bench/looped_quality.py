@@ -166,10 +166,10 @@ def db_call_factory(model, x):
     cos_n, sin_n = model.rope(slots + 1)
 
     def call(b, z, sigma):
-        h, cond = model.noisy_input(z, sigma)
+        h, cond, loglik = model.noisy_input(z, sigma)
         for layer, (k, v) in zip(layers, kv):
             h = layer.noisy(h, cond, cos_n, sin_n, k, v, mask)
-        return model.denoise_logits(h, z, sigma)
+        return model.denoise_logits(h, z, sigma, loglik)
 
     return call
 

@@ -66,6 +66,10 @@ class DiffusionConfig:
                     "learned CDF of CE(sigma), CDCD-style time warping)", choices=("lognormal", "adaptive"))
     curve_every: int = _f(200, "re-measure held-out CE(sigma) every N steps (equi_entropy, adaptive, loss_share)")
     curve_until: int = _f(0, "stop re-measuring (freeze edges) after this step; 0 = never")
+    parameterization: str = _f("edm", "how a noisy slot reads z: edm (paper: c_in*z in, c_skip*z skip) or likelihood "
+                               "(z's exact token log-likelihood <z,y_v>/sigma^2 added to the logits, and its "
+                               "posterior-mean embedding as input: the network models only what context adds)",
+                               choices=("edm", "likelihood"))
     noisy_input: str = _f("noise", "noisy slot input: c_in*z (noise), or c_in*z + E[previous token] (prev_token)",
                           choices=("noise", "prev_token"))
     context: str = _f("independent", "block b's clean stream starts from the embeddings (independent, paper) or "

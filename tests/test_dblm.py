@@ -45,9 +45,10 @@ def slot_logits(model, x, block, sigma=0.5, seed=0):
     return model.run_block(block, clean, z, s, slots + 1, noisy_mask(slots, T))
 
 
+@pytest.mark.parametrize("parameterization", ["edm", "likelihood"])
 @pytest.mark.parametrize("block", [0, 1])
-def test_no_leak_from_current_or_later_tokens(block):
-    model = make_model()
+def test_no_leak_from_current_or_later_tokens(block, parameterization):
+    model = make_model(parameterization=parameterization)
     x = torch.randint(0, V, (2, 12))
     base = slot_logits(model, x, block)
     # slot i predicts x[i+1] from clean x[0..i]: changing x[t] must leave slots < t untouched
@@ -130,9 +131,11 @@ def test_blockwise_adamw_leaves_idle_blocks_untouched():
         assert moved
 
 
-@pytest.mark.parametrize("num_blocks,K", [(2, 1), (2, 2), (2, 6), (4, 4), (4, 2)])
-def test_cached_decoding_equals_recompute(num_blocks, K):
-    model = make_model(num_blocks=num_blocks, n_layers=4)
+@pytest.mark.parametrize("num_blocks,K,parameterization", [
+    (2, 1, "edm"), (2, 2, "edm"), (2, 6, "edm"), (4, 4, "edm"), (4, 2, "edm"),
+    (2, 2, "likelihood"), (4, 12, "likelihood")])
+def test_cached_decoding_equals_recompute(num_blocks, K, parameterization):
+    model = make_model(num_blocks=num_blocks, n_layers=4, parameterization=parameterization)
     prompt = torch.randint(0, V, (2, 5))
     n_new = 6
     with warnings.catch_warnings():
@@ -253,3 +256,60 @@ def test_sampled_bridge_draws_targets_in_proportion():
     assert bool((is_one | is_zero).all()) and abs(is_one.float().mean().item() - 0.75) < 0.03
     again = model.bridge(logits, "sample", generator=torch.Generator().manual_seed(0))[:, 0]
     assert torch.equal(picked, again)
+
+
+def test_token_loglik_is_the_gaussian_log_likelihood_by_hand():
+    model = make_model(parameterization="likelihood")
+    table = model.target_table()
+    g = torch.Generator().manual_seed(3)
+    z, sigma = torch.randn(2, 3, 32, generator=g), torch.tensor([0.7, 2.0])
+    loglik = model.token_loglik(z, sigma)
+    # log N(z; y_v, sigma^2 I) = -|z - y_v|^2 / (2 sigma^2) + const: equal up to a per-slot constant
+    gauss = -((z[:, :, None, :] - table) ** 2).sum(-1) / (2 * sigma[:, None, None] ** 2)
+    torch.testing.assert_close(loglik.log_softmax(-1), gauss.log_softmax(-1), atol=1e-5, rtol=0)
+
+
+def test_likelihood_parameterization_reads_the_token_at_low_sigma_whatever_the_weights():
+    # with edm the logits at sigma_min come from a trained read-back; with likelihood they are exact:
+    # an untrained model already recovers the token from z = y + sigma*eps
+    model = make_model(parameterization="likelihood")
+    x, y = torch.randint(0, V, (2, 10)), torch.randint(0, V, (2, 10))
+    slots = torch.arange(10)
+    sigma = torch.full((2,), 0.01)
+    z = model.targets(y) + 0.01 * torch.randn(2, 10, 32)
+    logits = model.run_block(1, model.clean_inputs(x), z, sigma, slots + 1, noisy_mask(slots, 10))
+    assert torch.equal(logits.argmax(-1), y)
+    # at high sigma z says almost nothing: the network's own (context) logits decide
+    loglik = model.token_loglik(model.targets(y) + 50 * torch.randn(2, 10, 32), torch.full((2,), 50.0))
+    assert float(loglik.std(-1).max()) < 0.05
+
+
+def test_likelihood_input_carries_no_raw_noise_at_high_sigma():
+    model = make_model(parameterization="likelihood")
+    sigma = torch.full((3,), 60.0)
+    h, _, _ = model.noisy_input(60.0 * torch.randn(3, 4, 32), sigma)
+    mean_embedding = model.tok_emb.weight.mean(0)
+    # the posterior-mean embedding under an uninformative z is (almost) the table's mean
+    torch.testing.assert_close(h, mean_embedding.expand_as(h), atol=0.02, rtol=0)
+
+
+def test_sampled_bridge_draws_with_the_requests_sampler():
+    model = make_model()
+    logits = torch.full((2000, 1, V), -1e9)
+    logits[..., 0], logits[..., 1], logits[..., 2] = 0.0, math.log(3.0), math.log(2.0)
+    table = model.target_table()
+    g = torch.Generator().manual_seed(0)
+    greedy = model.bridge(logits, "sample", generator=g, sampling=SamplingParams(0.0))
+    torch.testing.assert_close(greedy, model.bridge(logits, "hard"))
+    top2 = model.bridge(logits, "sample", generator=g, sampling=SamplingParams(1.0, top_k=2))[:, 0]
+    is_one = torch.isclose(top2, table[1].expand_as(top2), atol=1e-6).all(-1)
+    is_two = torch.isclose(top2, table[2].expand_as(top2), atol=1e-6).all(-1)
+    assert bool((is_one | is_two).all()) and abs(is_one.float().mean().item() - 0.6) < 0.04  # 3 / (3 + 2)
+
+
+def test_generate_with_sample_bridge_follows_the_temperature():
+    model = make_model(parameterization="likelihood")
+    prompt = torch.randint(0, V, (2, 4))
+    hard = generate(model, prompt, 5, SamplingParams(0.0), seed=3, num_iterations=2, bridge="hard")
+    sampled_greedy = generate(model, prompt, 5, SamplingParams(0.0), seed=3, num_iterations=2, bridge="sample")
+    assert torch.equal(hard, sampled_greedy)  # temperature 0: the bridge takes the argmax too

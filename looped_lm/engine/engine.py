@@ -469,6 +469,8 @@ class Engine:
         extra = {} if noise is None else {"noise": noise}
         if generator is not None:
             extra["generator"] = generator
+        if _draws_during_forward(seqs[0].kwargs):  # one row per call: the bridge draws with its sampler
+            extra["sampling"] = seqs[0].request.sampling
         rows = torch.tensor([s.slot for s in seqs], device=self.device)
         logits = self.model.forward_cached(ids, self.pool, rows=rows, **seqs[0].kwargs, **extra)
         return logits[:, -1, :self.vocab_size].float()

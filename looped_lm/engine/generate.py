@@ -34,6 +34,8 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, params: SamplingP
     if seed is not None:
         generator = torch.Generator(device=prompt.device).manual_seed(seed)
         model_kw.setdefault("generator", generator) if _takes_generator(model) else None
+    if model_kw.get("bridge") == "sample":
+        model_kw.setdefault("sampling", params)  # the sample bridge draws the token with the request's sampler
     caches = model.new_cache(prompt.shape[0], total)
 
     def step(tokens):

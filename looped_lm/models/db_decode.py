@@ -76,10 +76,11 @@ class CachedDecoding:
         return DecodeState(self, batch, max_len)
 
     def forward_cached(self, idx, state: DecodeState, num_iterations: int | None = None, bridge: str = "hard",
-                       generator=None, noise=None, exit_rule=None, stats=None, rows=None):
+                       generator=None, noise=None, exit_rule=None, stats=None, rows=None, sampling=None):
         """Append tokens idx (R, n) to the history of `rows` (default all); return logits (R, 1, V)
         for each row's next token, after K routed denoising steps. `noise` (R, 1, d): the starting z
-        (default: drawn from `generator`, see `initial_noise`)."""
+        (default: drawn from `generator`, see `initial_noise`). `sampling`: the SamplingParams the
+        `sample` bridge draws with."""
         K = num_iterations or len(self.blocks)
         R, n = idx.shape
         sel = state.rows(rows)
@@ -111,7 +112,7 @@ class CachedDecoding:
             state.block_inputs[b + 1][sel[:, None], span] = out
             return logits
 
-        return self.chain(call, K, (R, 1), idx.device, generator, bridge, noise, exit_rule, stats)
+        return self.chain(call, K, (R, 1), idx.device, generator, bridge, noise, exit_rule, stats, sampling)
 
     def initial_noise(self, batch: int, n: int, generator=None, device=None) -> torch.Tensor:
         """z ~ N(0, sigma_top^2 I) of shape (batch, n, d): what a chain starts from, drawn as `chain` does."""

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from looped_lm import diffusion as dm
 from looped_lm.config import Config
 from looped_lm.diffusion import ce_curve
+from looped_lm.engine.sampling import sample
 from looped_lm.errors import UserError
 from looped_lm.models import register
 from looped_lm.models.db_decode import CachedDecoding, DecodeState
@@ -171,20 +172,38 @@ class DiffusionBlocksLM(CachedDecoding, nn.Module):
             x = layer(x, cos, sin, caches[i] if caches else None, rows)
         return x
 
-    def denoise_logits(self, h_noisy, z, sigma):
-        """Block output F (B, n, C) at noise sigma (B,) -> logits (B, n, V) through the EDM skip."""
+    def token_loglik(self, z, sigma):
+        """log p(z | token v) up to a constant, for every v: <z, y_v> / sigma^2 (B, n, V), exact because
+        every target y_v has the same norm. With parameterization: likelihood this is added to the
+        network's logits (Bayes: posterior = context prior x likelihood of z), so the network never has
+        to read the token back from z, and a chain's last steps cannot lose what z already says."""
+        table = self.target_table().detach()  # the noising process's targets, as in `targets`
+        return (z.float() @ table.T) / sigma.float()[:, None, None] ** 2
+
+    def denoise_logits(self, h_noisy, z, sigma, loglik=None):
+        """Block output F (B, n, C) at noise sigma (B,) -> logits (B, n, V): through the EDM skip, or
+        (parameterization: likelihood) the head's logits plus z's token log-likelihood `loglik`."""
+        if loglik is not None:
+            return F.linear(self.norm(h_noisy), self.tok_emb.weight).float() + loglik
         c_skip, c_out, _, _ = (c.to(z.dtype)[:, None, None] for c in dm.edm_scalings(sigma, self.sched.sigma_data))
         h = c_out * self.target_scale * F.normalize(h_noisy, dim=-1) + c_skip * z
         return F.linear(self.norm(h.to(self.tok_emb.weight.dtype)), self.tok_emb.weight)
 
     def noisy_input(self, z, sigma, prev=None):
-        """The noisy stream's input c_in*z (+ the previous token's embedding with noisy_input: prev_token,
-        so a slot needs no attention hop to find it) and its conditioning vector from c_noise."""
+        """The noisy stream's input, its conditioning vector from c_noise, and z's token log-likelihood
+        (None with parameterization: edm). Input: c_in*z (edm), or the embedding expected under z's
+        likelihood (likelihood: no raw noise enters the residual stream); + the previous token's
+        embedding with noisy_input: prev_token, so a slot needs no attention hop to find it."""
         _, _, c_in, c_noise = dm.edm_scalings(sigma, self.sched.sigma_data)
-        h = (c_in.to(z.dtype)[:, None, None] * z).to(self.tok_emb.weight.dtype)
+        loglik = None
+        if self.cfg.diffusion.parameterization == "likelihood":
+            loglik = self.token_loglik(z, sigma)
+            h = loglik.softmax(-1).to(self.tok_emb.weight.dtype) @ self.tok_emb.weight
+        else:
+            h = (c_in.to(z.dtype)[:, None, None] * z).to(self.tok_emb.weight.dtype)
         if prev is not None and self.cfg.diffusion.noisy_input == "prev_token":
             h = h + self.tok_emb(prev)
-        return h, self.noise_emb(c_noise.to(z.device))
+        return h, self.noise_emb(c_noise.to(z.device)), loglik
 
     def run_block(self, b, clean, z, sigma, noisy_pos, mask, caches=None, rows=None, prev=None,
                   return_clean: bool = False):
@@ -192,7 +211,7 @@ class DiffusionBlocksLM(CachedDecoding, nn.Module):
         return_clean). With `caches`, `clean` holds only the tokens the block has not cached yet
         (possibly none), and each noisy slot sees its row's whole cache and itself. `prev`: the token
         ids before each slot (for noisy_input: prev_token)."""
-        h, cond = self.noisy_input(z, sigma, prev)
+        h, cond, loglik = self.noisy_input(z, sigma, prev)
         cos_n, sin_n = self.rope(noisy_pos)
         has_clean = clean is not None and clean.shape[1] > 0
         if has_clean:
@@ -209,7 +228,7 @@ class DiffusionBlocksLM(CachedDecoding, nn.Module):
                 k, v, valid = cache.view(rows)
                 mask = None if valid is None else torch.cat([valid, valid.new_ones(*valid.shape[:-1], 1)], -1)
             h = layer.noisy(h, cond, cos_n, sin_n, k, v, mask)
-        logits = self.denoise_logits(h, z, sigma)
+        logits = self.denoise_logits(h, z, sigma, loglik)
         return (logits, clean) if return_clean else logits
 
     def block_input(self, clean, b: int):
@@ -326,16 +345,18 @@ class DiffusionBlocksLM(CachedDecoding, nn.Module):
         def call(b, z, sigma):
             if b not in kv:
                 encode(b)
-            h, cond = self.noisy_input(z, sigma, x)
+            h, cond, loglik = self.noisy_input(z, sigma, x)
             cos_n, sin_n = self.rope(slots + 1)
             for layer, (k, v) in zip(self.layers_of(b), kv[b]):
                 h = layer.noisy(h, cond, cos_n, sin_n, k, v, mask)
-            return self.denoise_logits(h, z, sigma)
+            return self.denoise_logits(h, z, sigma, loglik)
 
         return call
 
-    def chain(self, call, K: int, shape, device, generator, bridge: str, z=None, exit_rule=None, stats=None):
+    def chain(self, call, K: int, shape, device, generator, bridge: str, z=None, exit_rule=None, stats=None,
+              sampling=None):
         """K routed Euler steps from pure noise; returns the last call's logits. `call(b, z, sigma)`.
+        `sampling`: the request's SamplingParams, which the `sample` bridge draws with (default: T = 1).
 
         With an `exit_rule`, each (row, slot) stops early, keeping its last logits; `stats["iterations"]`
         receives the calls each one used (Bsz, n).
@@ -362,23 +383,28 @@ class DiffusionBlocksLM(CachedDecoding, nn.Module):
             if k + 1 < K:
                 if bridge == "soft" and table is None:
                     table = self.target_table()
-                denoised = self.bridge(logits, bridge, table, generator)
+                denoised = self.bridge(logits, bridge, table, generator, sampling)
                 z_next = dm.euler_step(z, denoised, sigmas[k], sigmas[k + 1])
                 z = torch.where(done[..., None], z, z_next)
         if stats is not None:
             stats["iterations"] = used
         return final
 
-    def bridge(self, logits, kind: str, table=None, generator=None):
+    def bridge(self, logits, kind: str, table=None, generator=None, sampling=None):
         """Logits -> a denoised point in target space: soft = E_p[y] over the target table; hard =
-        y[argmax]; sample = y[a token drawn from p] (ancestral, like Block Diffusion's sampler).
+        y[argmax]; sample = y[a token drawn from p] (ancestral, like Block Diffusion's sampler), drawn
+        with the request's temperature / top-k / top-p when `sampling` is given (the first steps decide
+        the token, so that is where the request's sampler belongs).
         hard and sample normalise only the chosen rows: the full table costs a V x d pass per token."""
         if kind == "soft":
             return logits.float().softmax(-1) @ (self.target_table() if table is None else table)
         if kind == "sample":
-            probs = logits.float().softmax(-1)
-            flat = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator)
-            return self.targets(flat.view(probs.shape[:-1]))
+            flat_logits = logits.float().reshape(-1, logits.shape[-1])
+            if sampling is not None:
+                flat = sample(flat_logits, sampling, generator)
+            else:
+                flat = torch.multinomial(flat_logits.softmax(-1), 1, generator=generator)[:, 0]
+            return self.targets(flat.view(logits.shape[:-1]))
         return self.targets(logits.argmax(-1))
 
 def _build(cfg: Config, vocab_size: int, state: dict | None):
