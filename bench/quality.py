@@ -5,6 +5,7 @@
     python bench/quality.py main --lanes 2  # two runs at a time, one thread each (the default)
     python bench/quality.py report          # tables + plots from the JSON already written
     python bench/quality.py main --smoke    # a few steps of everything: checks the script, not the models
+    python bench/quality.py rescore ablate paper    # recompute a finished run's final scores
 
 Protocol (every run, seeded): the embedded King James Bible, split by document (3 held-out books),
 `TokenStream` batches (the same sequence of batches for every model), plain `BlockwiseAdamW` (idle DB blocks
@@ -62,18 +63,15 @@ N_PROBES = 16
 
 MAIN_SHAPE = {"d_model": 128, "n_heads": 4, "seq_len": SEQ}
 LOOPED = {"n_prelude": 1, "n_layers": 2, "n_coda": 1}  # 4 layers, like the others
+LIK = {"parameterization": "likelihood", "noisy_input": "prev_token", "bridge": "sample"}  # the ablations' best (docs/results.md)
 MAIN = {
-    "tokenizer": "gpt2", "ref": "gpt", "ref_steps": 500,
+    "tokenizer": "gpt2", "ref": "gpt", "ref_steps": 120,  # the 50257-way head: a gpt step ~2-3 s on one core, DB ~2x
     "runs": {
         "gpt": ({"kind": "gpt", "n_layers": 4}, {}),
-        "db_ar_b2": ({"kind": "db_ar", "n_layers": 4}, {"num_blocks": 2}),
-        "db_ar_b4": ({"kind": "db_ar", "n_layers": 4}, {"num_blocks": 4}),
-        "db_ar_b2_lik": ({"kind": "db_ar", "n_layers": 4}, {"num_blocks": 2, "parameterization": "likelihood",
-                                                            "noisy_input": "prev_token"}),
+        "db_ar_b2": ({"kind": "db_ar", "n_layers": 4}, {"num_blocks": 2, **LIK}),
+        "db_ar_b4": ({"kind": "db_ar", "n_layers": 4}, {"num_blocks": 4, **LIK}),
         "huginn": ({"kind": "huginn", **LOOPED, "mean_recurrence": 8, "backprop_depth": 4}, {}),
-        "looped_db": ({"kind": "looped_db", **LOOPED}, {"num_blocks": 1}),
-        "looped_db_lik": ({"kind": "looped_db", **LOOPED}, {"num_blocks": 1, "parameterization": "likelihood",
-                                                            "noisy_input": "prev_token"}),
+        "looped_db": ({"kind": "looped_db", **LOOPED}, {"num_blocks": 1, **LIK}),
     },
 }
 
@@ -406,6 +404,24 @@ def run_one(study: str, name: str, smoke: bool) -> None:
     os.replace(tmp, out_dir / f"{name}.json")
 
 
+def rescore(study_name: str, names: list[str]) -> None:
+    """Recompute the final scores of finished runs from their checkpoints (after a scoring change)."""
+    study = STUDIES[study_name]
+    torch.set_num_threads(1)
+    train, val = data_streams(study["tokenizer"])
+    for name in names:
+        path = RESULTS / study_name / f"{name}.json"
+        result = json.loads(path.read_text())
+        model = build(run_config(study, name), vocab_of(study, train))
+        saved = torch.load(work_dir(study_name, False) / f"{name}.pt", weights_only=False)
+        model.load_state_dict(saved["model"])
+        if saved.get("curve") is not None:
+            model.apply_curve(saved["curve"])
+        result.update(final_scores(model, val, smoke=False))
+        path.write_text(json.dumps(result, indent=1))
+        print(f"rescored {study_name}/{name}")
+
+
 def work_dir(study: str, smoke: bool) -> Path:
     path = ROOT / "bench" / "work" / (study + ("_smoke" if smoke else ""))
     path.mkdir(parents=True, exist_ok=True)
@@ -442,7 +458,7 @@ def run_study(study: str, lanes: int, smoke: bool, only: list[str] | None) -> No
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("study", choices=["main", "ablate", "report", "_one"])
+    p.add_argument("study", choices=["main", "ablate", "report", "rescore", "_one"])
     p.add_argument("rest", nargs="*")
     p.add_argument("--lanes", type=int, default=2, help="runs at a time (one thread each)")
     p.add_argument("--smoke", action="store_true", help="a few steps of everything")
@@ -450,6 +466,8 @@ def main() -> None:
     args = p.parse_args()
     if args.study == "_one":
         run_one(args.rest[0], args.rest[1], args.smoke)
+    elif args.study == "rescore":  # rescore STUDY RUN...
+        rescore(args.rest[0], args.rest[1:])
     elif args.study == "report":
         for study in STUDIES:
             out_dir = RESULTS / study

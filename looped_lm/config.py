@@ -70,6 +70,8 @@ class DiffusionConfig:
                                "(z's exact token log-likelihood <z,y_v>/sigma^2 added to the logits, and its "
                                "posterior-mean embedding as input: the network models only what context adds)",
                                choices=("edm", "likelihood"))
+    noisy_self: bool = _f(True, "a noisy slot attends its own key besides the clean keys (paper); false: clean "
+                          "keys only, plain causal attention (flash), and servable by vLLM's paged attention")
     noisy_input: str = _f("noise", "noisy slot input: c_in*z (noise), or c_in*z + E[previous token] (prev_token)",
                           choices=("noise", "prev_token"))
     context: str = _f("independent", "block b's clean stream starts from the embeddings (independent, paper) or "

@@ -30,6 +30,7 @@ NON_DEFAULT = {
         "block_sampling": "round_robin", "bridge": "soft", "num_iterations": 6, "noise": "adaptive",
         "curve_every": 50, "curve_until": 500, "noisy_input": "prev_token", "context": "stacked",
         "clean_lm_weight": 0.3, "sample_top_quantile": 0.99, "parameterization": "likelihood",
+        "noisy_self": False,
     },
     "data": {"source": "files", "path": "corpus.txt", "tokenizer": "byte", "val_fraction": 0.1,
              "cache_dir": "cache"},

@@ -12,6 +12,7 @@ from looped_lm.engine.sampling import SamplingParams
 from looped_lm.errors import UserError
 from looped_lm.models import build_model
 from looped_lm.models.dblm import noisy_mask
+from looped_lm.models.two_stream import slot_mask
 from looped_lm.optim import BlockwiseAdamW, param_groups
 
 V = 61
@@ -42,13 +43,13 @@ def slot_logits(model, x, block, sigma=0.5, seed=0):
     slots = torch.arange(T)
     s = torch.full((B,), sigma)
     clean = model.block_input(model.clean_inputs(x), block)
-    return model.run_block(block, clean, z, s, slots + 1, noisy_mask(slots, T))
+    return model.run_block(block, clean, z, s, slots + 1, slot_mask(slots, T, model.noisy_self))
 
 
-@pytest.mark.parametrize("parameterization", ["edm", "likelihood"])
+@pytest.mark.parametrize("parameterization,noisy_self", [("edm", True), ("likelihood", True), ("likelihood", False)])
 @pytest.mark.parametrize("block", [0, 1])
-def test_no_leak_from_current_or_later_tokens(block, parameterization):
-    model = make_model(parameterization=parameterization)
+def test_no_leak_from_current_or_later_tokens(block, parameterization, noisy_self):
+    model = make_model(parameterization=parameterization, noisy_self=noisy_self)
     x = torch.randint(0, V, (2, 12))
     base = slot_logits(model, x, block)
     # slot i predicts x[i+1] from clean x[0..i]: changing x[t] must leave slots < t untouched
@@ -133,9 +134,11 @@ def test_blockwise_adamw_leaves_idle_blocks_untouched():
 
 @pytest.mark.parametrize("num_blocks,K,parameterization", [
     (2, 1, "edm"), (2, 2, "edm"), (2, 6, "edm"), (4, 4, "edm"), (4, 2, "edm"),
-    (2, 2, "likelihood"), (4, 12, "likelihood")])
+    (2, 2, "likelihood"), (4, 12, "likelihood"), (2, 3, "no_self")])
 def test_cached_decoding_equals_recompute(num_blocks, K, parameterization):
-    model = make_model(num_blocks=num_blocks, n_layers=4, parameterization=parameterization)
+    kw = {"parameterization": "likelihood", "noisy_self": False} if parameterization == "no_self" else \
+        {"parameterization": parameterization}
+    model = make_model(num_blocks=num_blocks, n_layers=4, **kw)
     prompt = torch.randint(0, V, (2, 5))
     n_new = 6
     with warnings.catch_warnings():
@@ -313,3 +316,42 @@ def test_generate_with_sample_bridge_follows_the_temperature():
     hard = generate(model, prompt, 5, SamplingParams(0.0), seed=3, num_iterations=2, bridge="hard")
     sampled_greedy = generate(model, prompt, 5, SamplingParams(0.0), seed=3, num_iterations=2, bridge="sample")
     assert torch.equal(hard, sampled_greedy)  # temperature 0: the bridge takes the argmax too
+
+
+@torch.no_grad()
+def test_sample_chain_prob_is_the_samplers_marginal():
+    model = make_model(parameterization="likelihood")
+    x = torch.randint(0, V, (2, 6))
+    call = model.window_call(x)
+    z = model.initial_noise(2, 6, torch.Generator().manual_seed(0))
+    y = call(0, z, torch.full((2,), model.sigma_top())).argmax(-1)  # likely tokens: Monte Carlo sees them often
+    model.SAMPLE_CANDIDATES = V  # every first-step token: K = 2 then has nothing left to sample
+    exact = sum(model.sample_chain_prob(call, 2, y, torch.Generator().manual_seed(i)) for i in range(40)) / 40
+    mc = torch.zeros(2, 6, dtype=torch.float64)
+    g = torch.Generator().manual_seed(7)
+    for _ in range(800):  # the plain sampler, drawn many times
+        logits = model.chain(call, 2, (2, 6), "cpu", g, "sample")
+        mc += logits.double().softmax(-1).gather(-1, y[..., None])[..., 0] / 800
+    assert float(exact.min()) > 3 / V  # far from uniform, so agreement means something
+    assert (exact - mc).abs().max() < 0.04
+    # fewer candidates drop mass: a lower bound for the same z
+    model.SAMPLE_CANDIDATES = 2
+    fewer = model.sample_chain_prob(call, 2, y, torch.Generator().manual_seed(0))
+    model.SAMPLE_CANDIDATES = V
+    assert bool((fewer <= model.sample_chain_prob(call, 2, y, torch.Generator().manual_seed(0)) + 1e-12).all())
+
+
+def test_noisy_slots_without_self_key_use_plain_causal_attention():
+    model = make_model(noisy_self=False)
+    x = torch.randint(0, V, (2, 9))
+    causal = slot_logits(model, x, 1)  # every slot: the CAUSAL fast path
+    slots = torch.arange(9)
+    clean = model.block_input(model.clean_inputs(x), 1)
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(2, 9, 32, generator=g)
+    explicit = model.run_block(1, clean, z, torch.full((2,), 0.5), slots + 1, noisy_mask(slots, 9)[:, :9])
+    torch.testing.assert_close(causal, explicit, atol=1e-5, rtol=0)
+    assert slot_mask(slots, 9, False) == "causal" and slot_mask(slots[:4], 9, False).shape == (4, 9)
+    # and it is a different model from the one whose slots also read their own key
+    model.noisy_self = True
+    assert (slot_logits(model, x, 1) - causal).abs().max() > 1e-4

@@ -158,3 +158,24 @@ class CachedDecoding:
                 clean, _, _ = layer.clean(clean, cos, sin, caches[i], row, need_output=feeds_next or i + 1 < len(layers))
             if feeds_next:
                 state.block_inputs[b + 1][r, start:end] = clean[0]
+
+
+NOISE_STRIDE = 1_000_003
+
+
+def positional_noise(seed: int, positions: torch.Tensor, d: int, scale: float) -> torch.Tensor:
+    """(N, d): z for the token after each position, scale * N(0, I) from generator (seed, position).
+    Batch-independent noise: what the vLLM backend draws (its forward sees positions, not requests);
+    pass it as `forward_cached(noise=...)` to reproduce its tokens natively."""
+    rows = [torch.randn(d, generator=torch.Generator().manual_seed(seed * NOISE_STRIDE + int(p)))
+            for p in positions.tolist()]
+    return scale * torch.stack(rows) if rows else torch.zeros(0, d)
+
+
+def positional_gumbel(seed: int, positions: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
+    """(N, V) Gumbel noise for the sample bridge's draw at `step`, from generator (seed, position, step)."""
+    rows = []
+    for p in positions.tolist():
+        g = torch.Generator().manual_seed((seed * NOISE_STRIDE + int(p)) * 131 + step + 1)
+        rows.append(-torch.log(-torch.log(torch.rand(vocab, generator=g).clamp_min(1e-20))))
+    return torch.stack(rows) if rows else torch.zeros(0, vocab)

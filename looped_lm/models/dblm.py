@@ -33,7 +33,7 @@ from looped_lm.models import register
 from looped_lm.models.db_decode import CachedDecoding, DecodeState
 from looped_lm.models.layers import (KVCache, RotaryEmbedding, TransformerLayer, ffn_width, init_weights,
                                      positions_after, token_cross_entropy)
-from looped_lm.models.two_stream import NoiseEmbedding, TwoStreamLayer, noisy_mask
+from looped_lm.models.two_stream import NoiseEmbedding, TwoStreamLayer, noisy_mask, slot_mask
 
 __all__ = ["DiffusionBlocksLM", "DecodeState", "noisy_mask"]
 
@@ -57,6 +57,7 @@ class DiffusionBlocksLM(CachedDecoding, nn.Module):
             raise UserError(f"saved edges have {len(self.edges) - 1} blocks but the model has {num_blocks}")
         self.curve = state.get("curve")  # {"sigmas": [...], "ce": [...]} once measured
         self.stacked = d.context == "stacked"
+        self.noisy_self = d.noisy_self
         self.max_iterations = m.max_iterations
         self.target_scale = 1.0 if d.target_scale == "unit" else d.sigma_data * math.sqrt(m.d_model)
         self.trainable_blocks = list(d.blocks_to_train) or list(range(num_blocks))
@@ -226,8 +227,10 @@ class DiffusionBlocksLM(CachedDecoding, nn.Module):
                 clean, k, v = layer.clean(clean, cos_c, sin_c, cache, rows, need_output=return_clean or not last)
             if cache is not None:  # rows may hold different lengths: mask each row's unfilled tail
                 k, v, valid = cache.view(rows)
-                mask = None if valid is None else torch.cat([valid, valid.new_ones(*valid.shape[:-1], 1)], -1)
-            h = layer.noisy(h, cond, cos_n, sin_n, k, v, mask)
+                mask = valid
+                if valid is not None and self.noisy_self:
+                    mask = torch.cat([valid, valid.new_ones(*valid.shape[:-1], 1)], -1)
+            h = layer.noisy(h, cond, cos_n, sin_n, k, v, mask, self.noisy_self)
         logits = self.denoise_logits(h, z, sigma, loglik)
         return (logits, clean) if return_clean else logits
 
@@ -266,7 +269,7 @@ class DiffusionBlocksLM(CachedDecoding, nn.Module):
         z = y_emb + sigma[:, None, None] * torch.randn_like(y_emb)
         clean_w = self.cfg.diffusion.clean_lm_weight
         clean_in = self.block_input(self.clean_inputs(x), b)
-        out = self.run_block(b, clean_in, z, sigma, slots + 1, noisy_mask(slots, T), prev=prev,
+        out = self.run_block(b, clean_in, z, sigma, slots + 1, slot_mask(slots, T, self.noisy_self), prev=prev,
                              return_clean=bool(clean_w))
         logits, clean = out if clean_w else (out, None)
         ce = token_cross_entropy(logits, targets).mean(dim=1)  # (B,)
@@ -302,31 +305,71 @@ class DiffusionBlocksLM(CachedDecoding, nn.Module):
 
         ppl@k (k >= 1) scores the K = k sampler: k routed calls from pure noise on the K-grid, its
         token distribution the last call's softmax. The clean stream of each block is computed once.
-        With `exit_rule`, each token stops early; `stats[k]` gets the mean iterations used.
+        With `exit_rule`, each token stops early; `stats[k]` gets the mean iterations used. With the
+        `sample` bridge, each draw of ppl@k (k >= 2) is `sample_chain_prob` (its first draw enumerated).
         """
         if k_grid is None:
             k_grid = [len(self.blocks)]
         ks = sorted({0, *k_grid})
         Bsz, T = x.shape
         call = self.window_call(x)
+        bridge = bridge or self.cfg.diffusion.bridge
         probs = {k: torch.zeros(Bsz, T, device=x.device, dtype=torch.float64) for k in ks}
         for _ in range(draws):
             for k in ks:
+                if bridge == "sample" and k >= 2 and exit_rule is None:
+                    probs[k] += self.sample_chain_prob(call, k, y, generator)
+                    continue
                 chain_stats = {}
-                logits = self.chain(call, max(k, 1), (Bsz, T), x.device, generator, bridge or self.cfg.diffusion.bridge,
-                                    exit_rule=exit_rule,
+                logits = self.chain(call, max(k, 1), (Bsz, T), x.device, generator, bridge, exit_rule=exit_rule,
                                     stats=chain_stats)
                 if stats is not None:
                     stats.setdefault(k, []).append(chain_stats["iterations"].float().mean().item())
                 probs[k] += logits.float().log_softmax(-1).gather(-1, y[..., None])[..., 0].double().exp()
         return {k: -(p / draws).clamp_min(1e-300).log() for k, p in probs.items()}
 
+    SAMPLE_CANDIDATES = 8  # first-step tokens enumerated by sample_chain_prob
+
+    def sample_chain_prob(self, call, K: int, y, generator=None) -> torch.Tensor:
+        """p_K(y) (B, T) of the K-step sampler with the `sample` bridge, Rao-Blackwellised over its first
+        draw: sum over v in (top-m tokens of step 0) + {y} of p_0(v) * p_K(y | the bridge drew v), each
+        continuation run once (later draws sampled). Dropping the other v makes it a lower bound on
+        p_K(y): like ppl@k's draws, it never flatters. A plain N-draw average of a sampler that commits
+        to one token needs thousands of draws to see p_0(y) when y is not the mode."""
+        Bsz, T = y.shape
+        sigmas = dm.inference_sigmas(K, self.sched, lo=self.edges[0], hi=self.edges[-1])
+        sigmas[0] = self.sigma_top()
+        z = self.initial_noise(Bsz, T, generator, y.device)
+        first = call(dm.route_sigma(sigmas[0], self.edges), z, torch.full((Bsz,), sigmas[0], device=y.device))
+        p0 = first.float().softmax(-1)
+        m = min(self.SAMPLE_CANDIDATES, p0.shape[-1])
+        top = p0.topk(m, dim=-1).indices
+        candidates = torch.cat([top, y[..., None]], dim=-1)  # (B, T, m + 1)
+        weights = p0.gather(-1, candidates).double()
+        weights[..., -1] *= ~(top == y[..., None]).any(-1)  # y among the top-m: count it once
+        total = torch.zeros(Bsz, T, dtype=torch.float64, device=y.device)
+        for j in range(m + 1):
+            zj = dm.euler_step(z, self.targets(candidates[..., j]), sigmas[0], sigmas[1])
+            logits = self.chain_from(call, sigmas, 1, zj, generator)
+            total += weights[..., j] * logits.float().log_softmax(-1).gather(-1, y[..., None])[..., 0].double().exp()
+        return total
+
+    def chain_from(self, call, sigmas: list[float], start: int, z, generator):
+        """Steps start..K-1 of a sample-bridge chain on the grid `sigmas` from z at sigmas[start]."""
+        Bsz = z.shape[0]
+        K = len(sigmas) - 1
+        for k in range(start, K):
+            logits = call(dm.route_sigma(sigmas[k], self.edges), z, torch.full((Bsz,), sigmas[k], device=z.device))
+            if k + 1 < K:
+                z = dm.euler_step(z, self.bridge(logits, "sample", generator=generator), sigmas[k], sigmas[k + 1])
+        return logits
+
     def window_call(self, x):
         """call(b, z, sigma) scoring every slot of the window x (B, T) in parallel; each block's
         clean stream is computed once, on its first call, and reused by every step."""
         T = x.shape[1]
         slots = torch.arange(T, device=x.device)
-        mask = noisy_mask(slots, T)
+        mask = slot_mask(slots, T, self.noisy_self)
         inputs = {0: self.clean_inputs(x)}  # block -> its clean-stream input (stacked: built in order)
         kv = {}  # block -> per-layer (k, v) of the clean stream over the window
         cos, sin = self.rope(slots)
@@ -348,7 +391,7 @@ class DiffusionBlocksLM(CachedDecoding, nn.Module):
             h, cond, loglik = self.noisy_input(z, sigma, x)
             cos_n, sin_n = self.rope(slots + 1)
             for layer, (k, v) in zip(self.layers_of(b), kv[b]):
-                h = layer.noisy(h, cond, cos_n, sin_n, k, v, mask)
+                h = layer.noisy(h, cond, cos_n, sin_n, k, v, mask, self.noisy_self)
             return self.denoise_logits(h, z, sigma, loglik)
 
         return call

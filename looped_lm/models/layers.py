@@ -167,6 +167,12 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
+    def project_query(self, x: torch.Tensor, cos, sin):
+        """x (B, T, C) -> q (B, H, T, D) with RoPE, from the query rows of qkv only."""
+        B, T, C = x.shape
+        q = F.linear(x, self.qkv.weight[:C], None if self.qkv.bias is None else self.qkv.bias[:C])
+        return apply_rope(q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2), cos, sin)
+
     def merge(self, y: torch.Tensor) -> torch.Tensor:
         """y (B, H, T, D) -> (B, T, C) through the output projection."""
         B, H, T, D = y.shape

@@ -57,13 +57,34 @@ class TwoStreamLayer(TransformerLayer):
         x = x + self.attn.merge(cached_attention(q, k, v, mask) if cache is not None else causal_attention(q, k, v))
         return x + self.mlp(self.norm2(x)), k, v
 
-    def noisy(self, h, cond, cos, sin, k_ctx, v_ctx, mask):
-        """Noisy slots h (B, n, C) attend context keys k_ctx (B, H, Tc, D) under `mask` and themselves."""
+    def noisy(self, h, cond, cos, sin, k_ctx, v_ctx, mask, attend_self: bool = True):
+        """Noisy slots h (B, n, C) attend context keys k_ctx (B, H, Tc, D) under `mask`, and themselves
+        (attend_self; the mask then has Tc + n columns). Without the self key, `mask` covers the context
+        only, or is CAUSAL (slot i sees context <= i): plain causal attention, the flash path."""
         shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(cond).unsqueeze(1).chunk(6, dim=-1)
-        q, k, v = self.attn.project(modulate(self.norm1(h), shift1, scale1), cos, sin)
-        y = F.scaled_dot_product_attention(q, torch.cat([k_ctx, k], 2), torch.cat([v_ctx, v], 2), attn_mask=mask)
+        x = modulate(self.norm1(h), shift1, scale1)
+        if attend_self:
+            q, k, v = self.attn.project(x, cos, sin)
+            y = F.scaled_dot_product_attention(q, torch.cat([k_ctx, k], 2), torch.cat([v_ctx, v], 2), attn_mask=mask)
+        else:
+            q = self.attn.project_query(x, cos, sin)
+            causal = isinstance(mask, str)
+            y = F.scaled_dot_product_attention(q, k_ctx, v_ctx, attn_mask=None if causal else mask, is_causal=causal)
         h = h + gate1 * self.attn.merge(y)
         return h + gate2 * self.mlp(modulate(self.norm2(h), shift2, scale2))
+
+
+CAUSAL = "causal"  # a mask value: noisy slot i sees clean keys 0..i (every slot, no self key)
+
+
+def slot_mask(ctx_end: torch.Tensor, n_clean: int, attend_self: bool):
+    """The noisy stream's mask: `noisy_mask`, or without the self key its clean columns (CAUSAL when
+    every slot of the window is there)."""
+    if attend_self:
+        return noisy_mask(ctx_end, n_clean)
+    if ctx_end.dim() == 1 and ctx_end.shape[0] == n_clean and bool((ctx_end == torch.arange(n_clean, device=ctx_end.device)).all()):
+        return CAUSAL
+    return noisy_mask(ctx_end, n_clean)[..., :n_clean]
 
 
 def noisy_mask(ctx_end: torch.Tensor, n_clean: int) -> torch.Tensor:

@@ -1,9 +1,13 @@
-"""The exported looped_lm GPT inside vLLM: the native module's weights and layers, vLLM's paged attention.
+"""The exported looped_lm models inside vLLM: the native module's weights and layers, vLLM's paged attention.
 
-One definition: `self.model` is the native `looped_lm.models.gpt.GPT` (built by `build_model` from the
-exported config); its projections, norms, RoPE tables and SwiGLU are called as they are. Only the
-attention core is vLLM's `Attention` (one per layer, one KV slot each), which owns the paged KV cache,
-continuous batching and prefix caching. Tokens are flattened: x is (N, C) for the N scheduled tokens.
+One definition: `self.model` is the native module (built by `build_model` from the exported config); its
+projections, norms, RoPE tables and SwiGLU are called as they are. Only the attention core is vLLM's
+`Attention` (one per layer, one KV slot each), which owns the paged KV cache, continuous batching and
+prefix caching. Tokens are flattened: x is (N, C) for the N scheduled tokens.
+  gpt                 here
+  db_ar, looped_db    `db_model.DiffusionBlocksRunner`: K (and the bridge) fixed per server, from the
+                      exported config or `hf_overrides={"num_iterations": K}`; models trained with
+                      `diffusion.noisy_self: false`
 """
 
 from __future__ import annotations
@@ -19,20 +23,28 @@ from looped_lm.config import config_from_dict
 from looped_lm.models import build_model
 from looped_lm.models.layers import apply_rope
 
-DB_REASON = ("model.kind '{kind}' is not served by the vLLM plugin: the noisy slot of a DiffusionBlocks "
-             "model attends to the cached clean keys AND to its own key, which vLLM's paged attention "
-             "cannot express; serve it with `looped_lm serve` (see docs/export.md)")
+UNSUPPORTED = ("model.kind '{kind}' is not served by the vLLM plugin (its cache holds one KV set per "
+               "(iteration, layer)); serve it with `looped_lm serve`")
 
 
 class LoopedLMForCausalLM(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_config
-        if config.kind != "gpt":
-            raise ValueError(DB_REASON.format(kind=config.kind))
+        if config.kind not in ("gpt", "db_ar", "looped_db"):
+            raise ValueError(UNSUPPORTED.format(kind=config.kind))
         self.config = config
         self.model = build_model(config_from_dict(config.looped_lm_config), config.vocab_size,
                                  config.model_state or None)
+        self.db = None
+        if config.kind != "gpt":
+            from serve.vllm_plugin.db_model import DiffusionBlocksRunner
+
+            K = self.model.inference_kwargs(config.num_iterations, config.bridge)
+            self.db = DiffusionBlocksRunner(self.model, K["num_iterations"], K["bridge"],
+                                            int(getattr(config, "decode_seed", 0) or 0),
+                                            vllm_config.cache_config, f"{prefix}.db")
+            return
         first = self.model.layers[0].attn
         self.n_heads, self.head_dim = first.n_heads, first.head_dim
         self.attn = nn.ModuleList(
@@ -54,6 +66,8 @@ class LoopedLMForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None, **_) -> torch.Tensor:
+        if self.db is not None:
+            return self.db(input_ids, positions)
         h = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.model.rope(positions)
         for layer, attn in zip(self.model.layers, self.attn):
@@ -62,6 +76,8 @@ class LoopedLMForCausalLM(nn.Module):
         return h  # (N, C), before the final norm
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.db is not None:
+            return self.db.compute_logits(hidden_states)
         return self.model.logits(hidden_states)  # final norm, then the tied head
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

