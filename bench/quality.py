@@ -84,6 +84,8 @@ ABLATE = {
         "paper": (AB, {"num_blocks": 2}),
         "likelihood": (AB, {"num_blocks": 2, "parameterization": "likelihood"}),
         "likelihood_prev": (AB, {"num_blocks": 2, "parameterization": "likelihood", "noisy_input": "prev_token"}),
+        "likelihood_prev_noself": (AB, {"num_blocks": 2, "parameterization": "likelihood",
+                                        "noisy_input": "prev_token", "noisy_self": False}),
         "prev_token": (AB, {"num_blocks": 2, "noisy_input": "prev_token"}),
         "equi_entropy": (AB, {"num_blocks": 2, "partition": "equi_entropy", "curve_every": 100}),
         "adaptive": (AB, {"num_blocks": 2, "noise": "adaptive", "curve_every": 100}),

@@ -53,6 +53,8 @@ class ModelConfig:
     mean_recurrence: int = _f(32, "huginn: mean of the Poisson-log-normal iteration count r")
     backprop_depth: int = _f(8, "huginn: gradients flow through the last k iterations only")
     allow_full_backprop: bool = _f(False, "huginn: allow backprop_depth > mean_recurrence")
+    loss_chunk: int = _f(0, "training: head + CE in chunks of this many positions, recomputed in backward, so "
+                         "the (tokens, vocab) logits are never stored (0 = off; e.g. 128 with a 50257 vocab)")
     max_iterations: int = _f(64, "looped models: the largest K accepted at inference")
 
 
@@ -97,6 +99,10 @@ class DiffusionConfig:
                      "or sample (a token drawn from the logits)",
                      choices=("soft", "hard", "sample"))
     num_iterations: int = _f(0, "default K denoising steps per token at inference; 0 = num_blocks")
+    last_call: str = _f("edge", "where a K-step chain's last call runs: the last Euler grid point above sigma_min "
+                        "(edge, paper) or sigma_min itself (with parameterization likelihood an exact read-back "
+                        "of the last bridge's token, so K = B samples what block 0 drew)",
+                        choices=("edge", "sigma_min"))
     sample_top_quantile: float = _f(0.999, "chains start at this quantile of block 0's training sigma law "
                                     "instead of sigma_max, where block 0 never trains; 1 = sigma_max (paper)")
 

@@ -20,7 +20,7 @@ NON_DEFAULT = {
     "model": {
         "kind": "db_ar", "n_layers": 6, "d_model": 96, "n_heads": 3, "seq_len": 64, "vocab_size": 300,
         "ffn_hidden": 200, "rope_theta": 500000.0, "norm_eps": 1.0e-6, "init_std": 0.01, "n_prelude": 2,
-        "n_coda": 2, "mean_recurrence": 16, "backprop_depth": 20, "allow_full_backprop": True,
+        "n_coda": 2, "mean_recurrence": 16, "backprop_depth": 20, "allow_full_backprop": True, "loss_chunk": 64,
         "max_iterations": 32,
     },
     "diffusion": {
@@ -29,7 +29,7 @@ NON_DEFAULT = {
         "target_scale": "sigma_data", "target_fraction": 0.5, "blocks_to_train": [0, 2],
         "block_sampling": "round_robin", "bridge": "soft", "num_iterations": 6, "noise": "adaptive",
         "curve_every": 50, "curve_until": 500, "noisy_input": "prev_token", "context": "stacked",
-        "clean_lm_weight": 0.3, "sample_top_quantile": 0.99, "parameterization": "likelihood",
+        "clean_lm_weight": 0.3, "sample_top_quantile": 0.99, "parameterization": "likelihood", "last_call": "sigma_min",
         "noisy_self": False,
     },
     "data": {"source": "files", "path": "corpus.txt", "tokenizer": "byte", "val_fraction": 0.1,

@@ -355,3 +355,26 @@ def test_noisy_slots_without_self_key_use_plain_causal_attention():
     # and it is a different model from the one whose slots also read their own key
     model.noisy_self = True
     assert (slot_logits(model, x, 1) - causal).abs().max() > 1e-4
+
+
+@torch.no_grad()
+def test_last_call_at_sigma_min_makes_the_k_equals_b_sampler_block_0s_distribution():
+    model = make_model(parameterization="likelihood", last_call="sigma_min")
+    sigmas = model.chain_sigmas(2)
+    assert sigmas[0] == model.sigma_top() and sigmas[1] == sigmas[2] == model.edges[0]
+    assert [dm_route(model, s) for s in model.chain_sigmas(4)[:-1]] == [0, 0, 1, 1]
+    x, y = torch.randint(0, V, (2, 7)), torch.randint(0, V, (2, 7))
+    call = model.window_call(x)
+    p2 = model.sample_chain_prob(call, 2, y, torch.Generator().manual_seed(4))
+    p0 = model.chain(call, 1, (2, 7), "cpu", torch.Generator().manual_seed(4), "sample").softmax(-1)
+    torch.testing.assert_close(p2, p0.gather(-1, y[..., None])[..., 0].double(), atol=1e-6, rtol=0)
+    # and the chain's last call reads the bridged token back exactly
+    z = model.initial_noise(2, 7, torch.Generator().manual_seed(1))
+    logits = model.chain(call, 2, (2, 7), "cpu", None, "hard", z=z)
+    first = call(0, z, torch.full((2,), model.sigma_top()))
+    assert torch.equal(logits.argmax(-1), first.argmax(-1))
+
+
+def dm_route(model, sigma):
+    from looped_lm import diffusion as dm
+    return dm.route_sigma(sigma, model.edges)

@@ -11,7 +11,7 @@ def _build_gpt(cfg: Config, vocab_size: int, state: dict | None):
 
     m = cfg.model
     return GPT(m.n_layers, m.d_model, m.n_heads, m.seq_len, vocab_size, m.ffn_hidden, m.rope_theta,
-               m.norm_eps, m.init_std)
+               m.norm_eps, m.init_std, loss_chunk=m.loss_chunk)
 
 
 BUILDERS = {"gpt": _build_gpt}

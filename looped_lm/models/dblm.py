@@ -31,7 +31,7 @@ from looped_lm.engine.sampling import sample
 from looped_lm.errors import UserError
 from looped_lm.models import register
 from looped_lm.models.db_decode import CachedDecoding, DecodeState
-from looped_lm.models.layers import (KVCache, RotaryEmbedding, TransformerLayer, ffn_width, init_weights,
+from looped_lm.models.layers import (KVCache, RotaryEmbedding, TransformerLayer, chunked, ffn_width, init_weights,
                                      positions_after, token_cross_entropy)
 from looped_lm.models.two_stream import NoiseEmbedding, TwoStreamLayer, noisy_mask, slot_mask
 
@@ -58,6 +58,8 @@ class DiffusionBlocksLM(CachedDecoding, nn.Module):
         self.curve = state.get("curve")  # {"sigmas": [...], "ce": [...]} once measured
         self.stacked = d.context == "stacked"
         self.noisy_self = d.noisy_self
+        self.likelihood = d.parameterization == "likelihood"
+        self.loss_chunk = m.loss_chunk  # training: (slots, V) tensors per chunk, recomputed in backward
         self.max_iterations = m.max_iterations
         self.target_scale = 1.0 if d.target_scale == "unit" else d.sigma_data * math.sqrt(m.d_model)
         self.trainable_blocks = list(d.blocks_to_train) or list(range(num_blocks))
@@ -89,6 +91,19 @@ class DiffusionBlocksLM(CachedDecoding, nn.Module):
         if self.curve is not None:
             state["curve"] = self.curve
         return state
+
+    def chain_sigmas(self, K: int) -> list[float]:
+        """The K + 1 grid points of a K-step chain: calls at the first K, sigma_K where it ends. The first
+        is sigma_top; with last_call: sigma_min the K calls span [sigma_top, sigma_min] (the final Euler
+        step is then a no-op)."""
+        lo, hi = self.edges[0], self.edges[-1]
+        if self.cfg.diffusion.last_call == "sigma_min" and K >= 2:
+            sigmas = dm.inference_sigmas(K - 1, self.sched, lo=lo, hi=hi)
+            sigmas.append(sigmas[-1])
+        else:
+            sigmas = dm.inference_sigmas(K, self.sched, lo=lo, hi=hi)
+        sigmas[0] = self.sigma_top()  # the first call, where block 0 has really been trained
+        return sigmas
 
     def sigma_top(self) -> float:
         """Where chains start: a high quantile of block 0's training sigma law (diffusion.
@@ -192,22 +207,31 @@ class DiffusionBlocksLM(CachedDecoding, nn.Module):
 
     def noisy_input(self, z, sigma, prev=None):
         """The noisy stream's input, its conditioning vector from c_noise, and z's token log-likelihood
-        (None with parameterization: edm). Input: c_in*z (edm), or the embedding expected under z's
-        likelihood (likelihood: no raw noise enters the residual stream); + the previous token's
-        embedding with noisy_input: prev_token, so a slot needs no attention hop to find it."""
+        (None with parameterization: edm, or when training with loss_chunk: the head recomputes it).
+        Input: c_in*z (edm), or the embedding expected under z's likelihood (likelihood: no raw noise
+        enters the residual stream); + the previous token's embedding with noisy_input: prev_token, so a
+        slot needs no attention hop to find it."""
         _, _, c_in, c_noise = dm.edm_scalings(sigma, self.sched.sigma_data)
         loglik = None
-        if self.cfg.diffusion.parameterization == "likelihood":
+        if self.likelihood and self.chunking():
+            h = chunked(lambda z_: self.posterior_embedding(self.token_loglik(z_, sigma)), self.loss_chunk, z)
+        elif self.likelihood:
             loglik = self.token_loglik(z, sigma)
-            h = loglik.softmax(-1).to(self.tok_emb.weight.dtype) @ self.tok_emb.weight
+            h = self.posterior_embedding(loglik)
         else:
             h = (c_in.to(z.dtype)[:, None, None] * z).to(self.tok_emb.weight.dtype)
         if prev is not None and self.cfg.diffusion.noisy_input == "prev_token":
             h = h + self.tok_emb(prev)
         return h, self.noise_emb(c_noise.to(z.device)), loglik
 
+    def posterior_embedding(self, loglik):
+        return loglik.softmax(-1).to(self.tok_emb.weight.dtype) @ self.tok_emb.weight
+
+    def chunking(self) -> bool:
+        return bool(self.loss_chunk) and torch.is_grad_enabled()
+
     def run_block(self, b, clean, z, sigma, noisy_pos, mask, caches=None, rows=None, prev=None,
-                  return_clean: bool = False):
+                  return_clean: bool = False, head: bool = True):
         """Both streams through block b -> logits of the noisy slots (and the clean stream's output with
         return_clean). With `caches`, `clean` holds only the tokens the block has not cached yet
         (possibly none), and each noisy slot sees its row's whole cache and itself. `prev`: the token
@@ -231,8 +255,8 @@ class DiffusionBlocksLM(CachedDecoding, nn.Module):
                 if valid is not None and self.noisy_self:
                     mask = torch.cat([valid, valid.new_ones(*valid.shape[:-1], 1)], -1)
             h = layer.noisy(h, cond, cos_n, sin_n, k, v, mask, self.noisy_self)
-        logits = self.denoise_logits(h, z, sigma, loglik)
-        return (logits, clean) if return_clean else logits
+        out = self.denoise_logits(h, z, sigma, loglik) if head else h  # head=False: the slots' states
+        return (out, clean) if return_clean else out
 
     def block_input(self, clean, b: int):
         """Block b's clean-stream input over a whole window: the embeddings (context: independent), or
@@ -270,9 +294,15 @@ class DiffusionBlocksLM(CachedDecoding, nn.Module):
         clean_w = self.cfg.diffusion.clean_lm_weight
         clean_in = self.block_input(self.clean_inputs(x), b)
         out = self.run_block(b, clean_in, z, sigma, slots + 1, slot_mask(slots, T, self.noisy_self), prev=prev,
-                             return_clean=bool(clean_w))
-        logits, clean = out if clean_w else (out, None)
-        ce = token_cross_entropy(logits, targets).mean(dim=1)  # (B,)
+                             return_clean=bool(clean_w), head=not self.chunking())
+        out, clean = out if clean_w else (out, None)
+        if self.chunking():  # out: the slots' states; head + CE chunk by chunk
+            def slot_ce(h_, z_, t_):
+                loglik = self.token_loglik(z_, sigma) if self.likelihood else None
+                return token_cross_entropy(self.denoise_logits(h_, z_, sigma, loglik), t_)
+            ce = chunked(slot_ce, self.loss_chunk, out, z, targets).mean(dim=1)
+        else:
+            ce = token_cross_entropy(out, targets).mean(dim=1)  # (B,)
         loss = (ce * self.loss_weights(sigma, b)).mean()
         metrics = {"block": b, f"loss_block{b}": float(ce.detach().mean()), "sigma_mean": float(sigma.mean())}
         if clean_w:  # an ordinary next-token loss on the block's clean stream
@@ -337,8 +367,7 @@ class DiffusionBlocksLM(CachedDecoding, nn.Module):
         p_K(y): like ppl@k's draws, it never flatters. A plain N-draw average of a sampler that commits
         to one token needs thousands of draws to see p_0(y) when y is not the mode."""
         Bsz, T = y.shape
-        sigmas = dm.inference_sigmas(K, self.sched, lo=self.edges[0], hi=self.edges[-1])
-        sigmas[0] = self.sigma_top()
+        sigmas = self.chain_sigmas(K)
         z = self.initial_noise(Bsz, T, generator, y.device)
         first = call(dm.route_sigma(sigmas[0], self.edges), z, torch.full((Bsz,), sigmas[0], device=y.device))
         p0 = first.float().softmax(-1)
@@ -347,10 +376,16 @@ class DiffusionBlocksLM(CachedDecoding, nn.Module):
         candidates = torch.cat([top, y[..., None]], dim=-1)  # (B, T, m + 1)
         weights = p0.gather(-1, candidates).double()
         weights[..., -1] *= ~(top == y[..., None]).any(-1)  # y among the top-m: count it once
+        # with the last call at sigma_min and the exact likelihood, that call only reads back the last
+        # bridge's token: score the last draw's probability instead (Rao-Blackwellised as well)
+        readback = self.likelihood and self.cfg.diffusion.last_call == "sigma_min"
         total = torch.zeros(Bsz, T, dtype=torch.float64, device=y.device)
         for j in range(m + 1):
+            if readback and K == 2:
+                total += weights[..., j] * (candidates[..., j] == y).double()
+                continue
             zj = dm.euler_step(z, self.targets(candidates[..., j]), sigmas[0], sigmas[1])
-            logits = self.chain_from(call, sigmas, 1, zj, generator)
+            logits = self.chain_from(call, sigmas[:-1] if readback else sigmas, 1, zj, generator)
             total += weights[..., j] * logits.float().log_softmax(-1).gather(-1, y[..., None])[..., 0].double().exp()
         return total
 
@@ -404,8 +439,7 @@ class DiffusionBlocksLM(CachedDecoding, nn.Module):
         With an `exit_rule`, each (row, slot) stops early, keeping its last logits; `stats["iterations"]`
         receives the calls each one used (Bsz, n).
         """
-        sigmas = dm.inference_sigmas(K, self.sched, lo=self.edges[0], hi=self.edges[-1])
-        sigmas[0] = self.sigma_top()  # the first call, where block 0 has really been trained
+        sigmas = self.chain_sigmas(K)
         Bsz, n = shape
         if z is None:
             z = self.initial_noise(Bsz, n, generator, device)

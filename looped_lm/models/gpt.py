@@ -10,14 +10,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from looped_lm.models.layers import KVCache, RotaryEmbedding, TransformerLayer, positions_after, ffn_width, init_weights
+from looped_lm.models.layers import (KVCache, RotaryEmbedding, TransformerLayer, chunked, ffn_width, init_weights,
+                                     positions_after, token_cross_entropy)
 
 
 class GPT(nn.Module):
     def __init__(self, n_layers: int, d_model: int, n_heads: int, seq_len: int, vocab_size: int,
                  ffn_hidden: int = 0, rope_theta: float = 10000.0, norm_eps: float = 1e-5,
-                 init_std: float = 0.02, max_positions: int | None = None):
+                 init_std: float = 0.02, max_positions: int | None = None, loss_chunk: int = 0):
         super().__init__()
+        self.loss_chunk = loss_chunk  # training: head + CE per chunk of positions, recomputed in backward
         self.seq_len, self.vocab_size, self.n_heads = seq_len, vocab_size, n_heads
         self.max_positions = max_positions or 4 * seq_len  # generation may run past the training length
         self.tok_emb = nn.Embedding(vocab_size, d_model)
@@ -31,14 +33,18 @@ class GPT(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(self.norm(h), self.tok_emb.weight)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """idx (B, T) -> logits (B, T, V); with targets, also the mean next-token CE."""
+    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx (B, T) -> the last layer's output (B, T, C), before the final norm."""
         T = idx.shape[1]
         cos, sin = self.rope(torch.arange(T, device=idx.device))
         h = self.tok_emb(idx)
         for layer in self.layers:
             h = layer(h, cos, sin)
-        logits = self.logits(h)
+        return h
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """idx (B, T) -> logits (B, T, V); with targets, also the mean next-token CE."""
+        logits = self.logits(self.hidden(idx))
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
@@ -46,6 +52,9 @@ class GPT(nn.Module):
 
     def training_loss(self, x, y, step: int, seed: int):
         """The trainer's entry point, shared by every model kind: (loss, metrics)."""
+        if self.loss_chunk:  # the (B, T, V) logits never exist whole
+            ce = chunked(lambda h, t: token_cross_entropy(self.logits(h), t), self.loss_chunk, self.hidden(x), y)
+            return ce.mean(), {}
         _, loss = self(x, y)
         return loss, {}
 

@@ -219,6 +219,20 @@ def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Te
     return F.cross_entropy(logits.float().reshape(B * T, V), targets.reshape(B * T), reduction="none").view(B, T)
 
 
+def chunked(fn, chunk: int, *tensors, dim: int = 1) -> torch.Tensor:
+    """fn over slices of `tensors` along `dim`, `chunk` at a time, each under activation checkpointing:
+    only the slices are saved for backward and fn's inside (e.g. a (tokens, V) logits tensor) is
+    recomputed, so it never exists for more than one chunk. chunk <= 0: one plain call."""
+    from torch.utils.checkpoint import checkpoint
+
+    if chunk <= 0 or tensors[0].shape[dim] <= chunk:
+        return fn(*tensors)
+    n = tensors[0].shape[dim]
+    parts = [checkpoint(fn, *(t.narrow(dim, s, min(chunk, n - s)) for t in tensors), use_reentrant=False)
+             for s in range(0, n, chunk)]
+    return torch.cat(parts, dim=dim)
+
+
 def init_weights(module: nn.Module, std: float, n_residual_layers: int) -> None:
     """GPT-2 init: normal(std) everywhere, output projections scaled by 1/sqrt(2 * layers)."""
     for name, p in module.named_parameters():

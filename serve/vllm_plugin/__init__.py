@@ -5,8 +5,10 @@ exported Hugging Face layout (`looped_lm export`) loadable: model_type "looped_l
 transformers' AutoConfig, and the architecture "LoopedLMForCausalLM" with vLLM's ModelRegistry.
 Only this package imports vllm; `serve/vllm_plugin/model.py` is imported lazily by vLLM.
 
-What runs in vLLM: model.kind gpt, exactly (same weights, RoPE, SwiGLU; vLLM's paged KV cache). The
-DiffusionBlocks kinds (db_ar, looped_db) are refused at load with the reason: see docs/export.md.
+What runs in vLLM: model.kind gpt, exactly (same weights, RoPE, SwiGLU; vLLM's paged KV cache), and the
+DiffusionBlocks kinds db_ar / looped_db trained with `diffusion.noisy_self: false`, at a K fixed per server
+(`serve/vllm_plugin/db_model.py`). huginn, and DB models whose slots attend their own key, are refused at
+load with the reason: see docs/export.md.
 """
 
 ARCH = "LoopedLMForCausalLM"

@@ -50,8 +50,7 @@ class DiffusionBlocksRunner(nn.Module):
         self.block_attn = nn.ModuleList(
             nn.ModuleList(attention(f"block{b}.{i}") for i in range(len(model.layers_of(b))))
             for b in range(len(model.blocks)))
-        sigmas = dm.inference_sigmas(num_iterations, model.sched, lo=model.edges[0], hi=model.edges[-1])
-        sigmas[0] = model.sigma_top()
+        sigmas = model.chain_sigmas(num_iterations)
         self.sigmas = sigmas
         self.route = [dm.route_sigma(s, model.edges) for s in sigmas[:-1]]
 

@@ -109,7 +109,7 @@ def test_vllm_db_models_equal_the_native_chain(tmp_path, kind, K):
 
 
 def test_vllm_refuses_a_db_model_whose_slots_attend_themselves(tmp_path):
-    ckpt = make_checkpoint(tmp_path / "run", "db_ar", num_blocks=2)
+    ckpt = make_checkpoint(tmp_path / "run", "db_ar", num_blocks=2, noisy_self=True)
     hf_dir = export(ckpt, tmp_path / "hf")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     proc = subprocess.run([sys.executable, str(HERE / "run_vllm.py"), str(hf_dir), json.dumps(PROMPTS), "2"],
