@@ -68,13 +68,13 @@ class DiffusionConfig:
                     "learned CDF of CE(sigma), CDCD-style time warping)", choices=("lognormal", "adaptive"))
     curve_every: int = _f(200, "re-measure held-out CE(sigma) every N steps (equi_entropy, adaptive, loss_share)")
     curve_until: int = _f(0, "stop re-measuring (freeze edges) after this step; 0 = never")
-    parameterization: str = _f("edm", "how a noisy slot reads z: edm (paper: c_in*z in, c_skip*z skip) or likelihood "
+    parameterization: str = _f("likelihood", "how a noisy slot reads z: edm (paper: c_in*z in, c_skip*z skip) or likelihood "
                                "(z's exact token log-likelihood <z,y_v>/sigma^2 added to the logits, and its "
                                "posterior-mean embedding as input: the network models only what context adds)",
                                choices=("edm", "likelihood"))
-    noisy_self: bool = _f(True, "a noisy slot attends its own key besides the clean keys (paper); false: clean "
+    noisy_self: bool = _f(False, "a noisy slot attends its own key besides the clean keys (paper); false: clean "
                           "keys only, plain causal attention (flash), and servable by vLLM's paged attention")
-    noisy_input: str = _f("noise", "noisy slot input: c_in*z (noise), or c_in*z + E[previous token] (prev_token)",
+    noisy_input: str = _f("prev_token", "noisy slot input: what it reads of z alone (noise), or that + E[previous token] (prev_token)",
                           choices=("noise", "prev_token"))
     context: str = _f("independent", "block b's clean stream starts from the embeddings (independent, paper) or "
                       "from blocks < b's clean output, without gradient (stacked)",
@@ -95,7 +95,7 @@ class DiffusionConfig:
     block_sampling: str = _f("uniform", "which block a step trains: uniform (paper), round_robin, or loss_share "
                              "(in proportion to each block's share of the CE drop)",
                              choices=("uniform", "round_robin", "loss_share"))
-    bridge: str = _f("hard", "logits -> denoised embedding between steps: soft (expectation), hard (argmax), "
+    bridge: str = _f("sample", "logits -> denoised embedding between steps: soft (expectation), hard (argmax), "
                      "or sample (a token drawn from the logits)",
                      choices=("soft", "hard", "sample"))
     num_iterations: int = _f(0, "default K denoising steps per token at inference; 0 = num_blocks")

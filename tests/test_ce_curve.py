@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from tiny_models import PAPER
 
 from looped_lm.config import config_from_dict
 from looped_lm.diffusion import ce_curve
@@ -56,7 +57,7 @@ def test_adaptive_sigma_is_uniform_in_ce():
 def make(**diffusion):
     cfg = config_from_dict({"model": {"kind": "db_ar", "n_layers": 2, "d_model": 32, "n_heads": 4, "seq_len": 16,
                                       "init_std": 0.2},
-                            "diffusion": {"num_blocks": 2, **diffusion}})
+                            "diffusion": {"num_blocks": 2, **PAPER, **diffusion}})
     torch.manual_seed(0)
     model = build_model(cfg, 41)
     with torch.no_grad():

@@ -14,6 +14,7 @@ from looped_lm.models import build_model
 from looped_lm.models.dblm import noisy_mask
 from looped_lm.models.two_stream import slot_mask
 from looped_lm.optim import BlockwiseAdamW, param_groups
+from tiny_models import PAPER
 
 V = 61
 
@@ -22,7 +23,7 @@ def make_model(num_blocks=2, n_layers=4, n_prelude=1, seed=0, init_std=0.2, **di
     cfg = config_from_dict({
         "model": {"kind": "db_ar", "n_layers": n_layers, "d_model": 32, "n_heads": 4, "seq_len": 16,
                   "n_prelude": n_prelude, "init_std": init_std},
-        "diffusion": {"num_blocks": num_blocks, **diffusion},
+        "diffusion": {"num_blocks": num_blocks, **PAPER, **diffusion},
     })
     torch.manual_seed(seed)
     model = build_model(cfg, V)

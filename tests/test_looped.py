@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from tiny_models import PAPER
 
 from looped_lm.config import config_from_dict
 from looped_lm.diffusion.adaptive_exit import ExitRule, kl_divergence
@@ -27,7 +28,7 @@ def huginn(**model):
 def looped_db(**diffusion):
     cfg = config_from_dict({"model": {"kind": "looped_db", "n_prelude": 1, "n_layers": 2, "n_coda": 1, "d_model": 32,
                                       "n_heads": 4, "seq_len": 16, "init_std": 0.2},
-                            "diffusion": {"num_blocks": 1, **diffusion}})
+                            "diffusion": {"num_blocks": 1, **PAPER, **diffusion}})
     torch.manual_seed(0)
     model = build_model(cfg, V)
     with torch.no_grad():  # adaLN-Zero starts at zero: give it weight so equality tests mean something

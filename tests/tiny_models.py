@@ -6,6 +6,9 @@ from looped_lm.config import config_from_dict
 from looped_lm.models import build_model
 
 V, D = 47, 32
+# The paper's layout (method.md §4-5), which the mechanism tests (caches, batching, export) pin so their
+# logits stay O(1); the product's defaults (docs/results.md) have their own tests in test_dblm.py.
+PAPER = {"parameterization": "edm", "noisy_self": True, "noisy_input": "noise", "bridge": "hard"}
 
 
 def build_tiny(kind: str, seq_len: int = 16, **diffusion):
@@ -17,7 +20,7 @@ def build_tiny(kind: str, seq_len: int = 16, **diffusion):
         model.update(n_prelude=1, n_coda=1, mean_recurrence=3, backprop_depth=2)
     if kind == "db_ar":
         model["n_prelude"] = 1
-    diffusion = {"num_blocks": 2 if kind == "db_ar" else 1, **diffusion}
+    diffusion = {"num_blocks": 2 if kind == "db_ar" else 1, **PAPER, **diffusion}
     torch.manual_seed(0)
     m = build_model(config_from_dict({"model": model, "diffusion": diffusion}), V)
     with torch.no_grad():

@@ -22,19 +22,32 @@ import torch
 from transformers import Cache, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from looped_lm.engine.sampling import SamplingParams
 from looped_lm.hf.configuration import LoopedLMConfig
 
 DB_KINDS = ("db_ar", "looped_db")
+
+
+def bridge_sampler(gc, kwargs) -> SamplingParams:
+    """The call's sampler as the `sample` bridge should draw with it: greedy unless do_sample."""
+    def get(name, default):
+        value = kwargs.get(name, getattr(gc, name, None))
+        return default if value is None else value
+
+    if not get("do_sample", False):
+        return SamplingParams(0.0)
+    return SamplingParams(float(get("temperature", 1.0)), int(get("top_k", 0)), float(get("top_p", 1.0)))
 
 
 class NativeCache(Cache):
     """The native model's caches plus a DB call's decoding settings (K, bridge, noise generator)."""
 
     def __init__(self, model, batch: int, max_len: int, num_iterations: int | None = None,
-                 bridge: str | None = None, generator: torch.Generator | None = None):
+                 bridge: str | None = None, generator: torch.Generator | None = None, sampling=None):
         super().__init__(layers=[])
         self.state = model.new_cache(batch, max_len)
         self.num_iterations, self.bridge, self.generator = num_iterations, bridge, generator
+        self.sampling = sampling  # the `sample` bridge draws with the call's sampler (greedy: do_sample False)
         self.seen = 0  # tokens the native caches hold (every row: equal-length batches only)
         self.max_len = max_len
 
@@ -121,12 +134,12 @@ class LoopedLMForCausalLM(PreTrainedModel, GenerationMixin):
         return out
 
     def new_native_cache(self, batch: int, max_len: int | None = None, num_iterations=None, bridge=None,
-                         seed=None, generation_config=None) -> NativeCache:
+                         seed=None, generation_config=None, sampling=None) -> NativeCache:
         d = self.decoding_defaults(num_iterations, bridge, seed, generation_config)
         device = self.model.tok_emb.weight.device
         generator = torch.Generator(device=device).manual_seed(d["seed"]) if self.is_db else None
         return NativeCache(self.model, batch, max_len or self.model.max_positions, d.get("num_iterations"),
-                           d.get("bridge"), generator)
+                           d.get("bridge"), generator, sampling)
 
     # --- forward -----------------------------------------------------------------------------------
 
@@ -161,7 +174,7 @@ class LoopedLMForCausalLM(PreTrainedModel, GenerationMixin):
                                           num_iterations, bridge, seed)
         if self.is_db:
             logits = self.model.forward_cached(input_ids, cache.state, num_iterations=cache.num_iterations,
-                                               bridge=cache.bridge, generator=cache.generator)
+                                               bridge=cache.bridge, generator=cache.generator, sampling=cache.sampling)
         else:
             logits = self.model.forward_cached(input_ids, cache.state)
         cache.seen += input_ids.shape[1]
@@ -196,5 +209,5 @@ class LoopedLMForCausalLM(PreTrainedModel, GenerationMixin):
             new = kwargs.get("max_new_tokens") or getattr(gc, "max_new_tokens", None)
             max_len = input_ids.shape[1] + new if new else (kwargs.get("max_length") or gc.max_length)
             kwargs["cache"] = self.new_native_cache(input_ids.shape[0], min(max_len, self.model.max_positions),
-                                                    num_iterations, bridge, seed, gc)
+                                                    num_iterations, bridge, seed, gc, bridge_sampler(gc, kwargs))
         return super().generate(input_ids, generation_config=generation_config, **kwargs)
