@@ -448,10 +448,13 @@ def test_a_client_that_disconnects_frees_its_slot(db):
     assert engine.stats.finished["abort"] == aborted + 1
     assert engine.stats.generation_tokens - generated < 60
 
+    completed = engine.stats.finished["length"]
     with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
         db.http.post("/v1/completions", json=body, timeout=0.25)
     wait_idle(engine)
-    assert engine.stats.finished["abort"] == aborted + 2
+    # aborted in the engine, or (on a loaded machine) dropped before it reached the engine: never completed
+    assert engine.stats.finished["abort"] in (aborted + 1, aborted + 2)
+    assert engine.stats.finished["length"] == completed
     assert engine.num_free_slots == engine.stats.num_slots
 
 
