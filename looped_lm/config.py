@@ -92,7 +92,7 @@ class DiffusionConfig:
                            choices=("unit", "sigma_data"))
     target_fraction: float = _f(1.0, "share of noisy slots trained per sequence (clean stream stays whole)")
     blocks_to_train: list[int] = _f([], "train only these blocks (others frozen, no optimiser state); [] = all")
-    block_sampling: str = _f("uniform", "which block a step trains: uniform (paper), round_robin, or loss_share "
+    block_sampling: str = _f("loss_share", "which block a step trains: uniform (paper), round_robin, or loss_share "
                              "(in proportion to each block's share of the CE drop)",
                              choices=("uniform", "round_robin", "loss_share"))
     bridge: str = _f("sample", "logits -> denoised embedding between steps: soft (expectation), hard (argmax), "

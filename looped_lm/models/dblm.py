@@ -121,7 +121,8 @@ class DiffusionBlocksLM(CachedDecoding, nn.Module):
 
     def uses_curve(self) -> bool:
         d = self.cfg.diffusion
-        return d.partition == "equi_entropy" or d.noise == "adaptive" or d.block_sampling == "loss_share"
+        sharing = d.block_sampling == "loss_share" and len(self.trainable_blocks) > 1  # one block: nothing to share
+        return d.partition == "equi_entropy" or d.noise == "adaptive" or sharing
 
     @torch.no_grad()
     def measure_curve(self, x, y, seed: int, n_sigma: int = 24) -> dict:
