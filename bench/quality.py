@@ -64,7 +64,8 @@ N_PROBES = 16
 MAIN_SHAPE = {"d_model": 128, "n_heads": 4, "seq_len": SEQ}
 LOOPED = {"n_prelude": 1, "n_layers": 2, "n_coda": 1}  # 4 layers, like the others
 LIK = {"parameterization": "likelihood", "noisy_input": "prev_token", "bridge": "sample", "noisy_self": True,
-       "last_call": "edge"}  # the ablations' best (docs/results.md)
+       "block_sampling": "uniform",
+       "last_call": "edge"}  # the layout when the main study ran (docs/results.md)
 MAIN = {
     "tokenizer": "gpt2", "ref": "gpt", "ref_steps": 120,  # the 50257-way head: a gpt step ~2-3 s on one core, DB ~2x
     "runs": {
