@@ -101,6 +101,7 @@ ABLATE = {
         "target_sigma_data": (AB, {**PAPER, "target_scale": "sigma_data"}),
         "loss_edm": (AB, {**PAPER, "loss_weight": "edm"}),
         "overlap_0": (AB, {**PAPER, "overlap": 0.0}),
+        "overlap_0.05": (AB, {**PAPER, "overlap": 0.05}),
         # the likelihood parameterization (docs/notes.md), built up to the project's defaults
         "likelihood": (AB, {**PAPER, "parameterization": "likelihood"}),
         "likelihood_prev": (AB, {**PAPER, "parameterization": "likelihood", "noisy_input": "prev_token"}),
