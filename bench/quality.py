@@ -128,6 +128,16 @@ def build(cfg, vocab: int):
     return model
 
 
+def load_run(study: dict, name: str, work: Path, vocab: int):
+    """A finished (or interrupted) run's model from its checkpoint in `work`, in eval mode."""
+    model = build(run_config(study, name), vocab)
+    saved = torch.load(work / f"{name}.pt", weights_only=False)
+    model.load_state_dict(saved["model"])
+    if saved.get("curve") is not None:
+        model.apply_curve(saved["curve"])
+    return model.eval()
+
+
 def vocab_of(study: dict, train: TokenStream) -> int:
     return 50257 if study["tokenizer"] == "gpt2" else int(train.tokens.max()) + 1
 
@@ -355,13 +365,7 @@ def generation_scores(study_name: str, work: Path, names: list[str], smoke: bool
     tok = get_tokenizer(study["tokenizer"])
 
     def load(name):
-        cfg = run_config(study, name)
-        model = build(cfg, vocab_of(study, train))
-        saved = torch.load(work / f"{name}.pt", weights_only=False)
-        model.load_state_dict(saved["model"])
-        if saved.get("curve") is not None:
-            model.apply_curve(saved["curve"])
-        return model.eval()
+        return load_run(study, name, work, vocab_of(study, train))
 
     n_samples, prompt_len, new = (8, 8, 8) if smoke else (100, 16, 48)
     x, _ = val_windows(val, n_samples, prompt_len + new)
@@ -428,11 +432,7 @@ def rescore(study_name: str, names: list[str]) -> None:
     for name in names:
         path = RESULTS / study_name / f"{name}.json"
         result = json.loads(path.read_text())
-        model = build(run_config(study, name), vocab_of(study, train))
-        saved = torch.load(work_dir(study_name, False) / f"{name}.pt", weights_only=False)
-        model.load_state_dict(saved["model"])
-        if saved.get("curve") is not None:
-            model.apply_curve(saved["curve"])
+        model = load_run(study, name, work_dir(study_name, False), vocab_of(study, train))
         result.update(final_scores(model, val, smoke=False))
         path.write_text(json.dumps(result, indent=1))
         print(f"rescored {study_name}/{name}")

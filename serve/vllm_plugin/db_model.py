@@ -25,8 +25,8 @@ from vllm.model_executor.layers.attention import Attention
 
 from looped_lm import diffusion as dm
 from looped_lm.models.db_decode import positional_gumbel, positional_noise
-from looped_lm.models.layers import apply_rope
 from looped_lm.models.two_stream import modulate
+from serve.vllm_plugin.attention import paged_attention
 
 class DiffusionBlocksRunner(nn.Module):
     """The vLLM forward of a DiffusionBlocksLM `model` at a fixed K and bridge."""
@@ -56,15 +56,10 @@ class DiffusionBlocksRunner(nn.Module):
 
     def _clean_layer(self, layer, attn, x, cos, sin, need_output: bool = True):
         """One causal layer over the flattened tokens x (N, C), through vLLM's cache -> (x, k, v)."""
-        N, C = x.shape
-        q, k, v = layer.attn.qkv(layer.norm1(x)).view(N, 3, self.n_heads, self.head_dim).unbind(1)
-        q = apply_rope(q.transpose(0, 1), cos, sin).transpose(0, 1).reshape(N, C)
-        k = apply_rope(k.transpose(0, 1), cos, sin).transpose(0, 1).reshape(N, C)
-        v = v.reshape(N, C)
-        y = attn(q, k, v)
+        out, k, v = paged_attention(layer, attn, layer.norm1(x), cos, sin)
         if not need_output:
             return None, k, v
-        x = x + layer.attn.proj(y.view(N, C))
+        x = x + out
         return x + layer.mlp(layer.norm2(x)), k, v
 
     def _noisy_layer(self, layer, attn, h, cond, cos, sin, k, v):
@@ -123,6 +118,5 @@ class DiffusionBlocksRunner(nn.Module):
         if h.shape[0] == 0:
             return packed.new_zeros(0, self.model.vocab_size)
         m = self.model
-        loglik = m.token_loglik(z[None].float(), sigma.float()) if m.cfg.diffusion.parameterization == "likelihood" \
-            else None
+        loglik = m.token_loglik(z[None].float(), sigma.float()) if m.likelihood else None
         return self.model.denoise_logits(h[None], z[None].float(), sigma.float(), loglik)[0].float()

@@ -21,7 +21,7 @@ from vllm.model_executor.layers.attention import Attention
 
 from looped_lm.config import config_from_dict
 from looped_lm.models import build_model
-from looped_lm.models.layers import apply_rope
+from serve.vllm_plugin.attention import paged_attention
 
 UNSUPPORTED = ("model.kind '{kind}' is not served by the vLLM plugin (its cache holds one KV set per "
                "(iteration, layer)); serve it with `looped_lm serve`")
@@ -55,15 +55,6 @@ class LoopedLMForCausalLM(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.tok_emb(input_ids)
 
-    def _attention(self, layer, attn: Attention, x: torch.Tensor, cos, sin) -> torch.Tensor:
-        """x (N, C) -> the layer's causal self-attention output (N, C), through vLLM's KV cache."""
-        N, C = x.shape
-        q, k, v = layer.attn.qkv(x).view(N, 3, self.n_heads, self.head_dim).unbind(1)  # (N, H, D) each
-        q = apply_rope(q.transpose(0, 1), cos, sin).transpose(0, 1)  # RoPE on (H, N, D), cos (N, D/2)
-        k = apply_rope(k.transpose(0, 1), cos, sin).transpose(0, 1)
-        y = attn(q.reshape(N, C), k.reshape(N, C), v.reshape(N, C))
-        return layer.attn.proj(y.view(N, C))
-
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None, **_) -> torch.Tensor:
         if self.db is not None:
@@ -71,7 +62,7 @@ class LoopedLMForCausalLM(nn.Module):
         h = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.model.rope(positions)
         for layer, attn in zip(self.model.layers, self.attn):
-            h = h + self._attention(layer, attn, layer.norm1(h), cos, sin)
+            h = h + paged_attention(layer, attn, layer.norm1(h), cos, sin)[0]
             h = h + layer.mlp(layer.norm2(h))
         return h  # (N, C), before the final norm
 
