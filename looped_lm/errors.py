@@ -1,12 +1,17 @@
 """The one exception type for bad user input.
 
-Anything the user can get wrong (a config key, a file, a flag) raises `UserError` with one line
-that names the problem. The CLI prints it as `error: <message>` and exits with code 2; no
-traceback ever reaches the user for bad input.
+Anything the user can get wrong (a config key, a file, a flag, a request field) raises `UserError` with
+one line that names the problem. The CLI prints it as `error: <message>` and exits with code 2; the
+server answers 400 with `param` naming the request field. No traceback ever reaches the user for bad
+input.
 """
 
 
 class UserError(Exception):
-    """Bad input from the user: printed as one line, exit code 2."""
+    """Bad input from the user: printed as one line, exit code 2 (HTTP 400 with `param`)."""
 
     exit_code = 2
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param

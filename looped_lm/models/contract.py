@@ -1,0 +1,107 @@
+"""The contract between models and everything that calls them (trainer, eval, engine, server, HF, vLLM).
+
+A model kind is a `torch.nn.Module` that subclasses the capabilities it offers; callers ask with
+`isinstance(model, Capability)`, never by probing attribute names.
+
+    Trainable        training_loss / validation_loss / step_units / param_unit / checkpoint_state
+    Scorable         score(x, y, ScoreSettings, generator) -> {label: TokenScores}      (eval, echo log-probs)
+    CachedDecoding   new_cache / forward_cached(idx, cache, rows, RowBatch) -> next-token logits
+    Iterative        iteration_limits() -> IterationLimits: the model has a K (DiffusionBlocks, looped)
+
+Inference settings (K, bridge, exit rule, sampler) are built and validated once per request by
+`looped_lm.settings.resolve_settings(model.iteration_limits(), ...)` and passed down unchanged.
+
+Shapes: B batch, T time, R rows of a decode cache, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from looped_lm.settings import IterationLimits, RowBatch, ScoreSettings
+
+
+class Trainable(ABC):
+    """What the trainer needs. One micro-batch in, (loss, metrics) out; the optimiser lives outside."""
+
+    @abstractmethod
+    def training_loss(self, x: torch.Tensor, y: torch.Tensor, step: int, seed: int) -> tuple[torch.Tensor, dict]:
+        """x, y (B, T) token ids (y = x shifted by one) -> (scalar loss, metrics of floats)."""
+
+    @abstractmethod
+    def validation_loss(self, x: torch.Tensor, y: torch.Tensor, seed: int) -> torch.Tensor:
+        """Held-out loss of one batch (scalar), deterministic for a seed."""
+
+    def step_units(self, step: int, seed: int) -> set[str] | None:
+        """Parameter units (see `param_unit`) that step `step` updates; None = all of them. Must depend
+        on (step, seed) only, so every rank agrees."""
+        return None
+
+    def param_unit(self, name: str) -> str:
+        """The unit a parameter belongs to ("shared", "block0", ...): the optimiser's grouping."""
+        return "shared"
+
+    def checkpoint_state(self) -> dict:
+        """JSON-able model metadata saved in the manifest beside the weights (block edges, ...)."""
+        return {}
+
+
+@dataclass
+class TokenScores:
+    """Per-target scores of one window batch: nll (B, T) = -log p(y_t | x_<=t), and, for estimated
+    probabilities, rel_var (B, T): the variance of the probability estimate divided by its square (the
+    delta-method variance of the nll). None where the probability is exact."""
+
+    nll: torch.Tensor
+    rel_var: torch.Tensor | None = None
+
+
+class Scorable(ABC):
+    """What `looped_lm eval` and prompt log-probs need."""
+
+    @abstractmethod
+    def score(self, x: torch.Tensor, y: torch.Tensor, settings: ScoreSettings,
+              generator: torch.Generator | None = None) -> dict:
+        """{label: TokenScores} for targets y (B, T) after inputs x (B, T). Labels: "exact" (gpt), K
+        (huginn: exact per K), k (DiffusionBlocks: the K = k sampler's ppl@k; 0 = one call at sigma_top)."""
+
+    @abstractmethod
+    def token_logprobs(self, x: torch.Tensor, settings: ScoreSettings, num_iterations: int | None,
+                       generator: torch.Generator | None = None) -> torch.Tensor:
+        """Log-probabilities (B, T, V) of the token after each position of x, as the K = num_iterations
+        sampler gives them (DiffusionBlocks: its marginal, estimated): what echo log-probs report."""
+
+
+class CachedDecoding(ABC):
+    """What `generate`, the engine and the Hugging Face wrapper need: incremental decoding."""
+
+    vocab_size: int
+    max_positions: int
+
+    @abstractmethod
+    def new_cache(self, batch: int, max_len: int):
+        """A decode state for `batch` rows of up to `max_len` tokens each."""
+
+    @abstractmethod
+    def forward_cached(self, idx: torch.Tensor, cache, rows: torch.Tensor | None, batch: RowBatch) -> torch.Tensor:
+        """Append idx (R, n) to the histories of `rows` (None = all rows) -> logits (R, V) of each row's
+        next token, each row run with its own settings and random stream from `batch`."""
+
+    @abstractmethod
+    def reset_rows(self, cache, rows: torch.Tensor) -> None:
+        """Free rows for new sequences."""
+
+    def kv_bytes_per_token(self, cache) -> int:
+        """Cache bytes one token of history occupies in one row."""
+        return cache.nbytes_per_token()
+
+
+class Iterative(ABC):
+    """A model with K iterations per token (DiffusionBlocks denoising steps, or looped recurrences)."""
+
+    @abstractmethod
+    def iteration_limits(self) -> IterationLimits:
+        """Its default and largest K, block count, default bridge: the input of `resolve_settings`."""

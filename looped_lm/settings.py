@@ -1,0 +1,156 @@
+"""Inference settings: ONE object per request, built and validated once, then passed down unchanged.
+
+    limits = model.iteration_limits()            # None for models without K (gpt)
+    settings = resolve_settings(limits, num_iterations=K, bridge=None, sampling=SamplingParams(0.8))
+
+`resolve_settings` is the only place that applies defaults (K: the config's `diffusion.num_iterations`,
+else the block count; bridge: the config's `diffusion.bridge`) and checks K, the bridge and the exit
+rule. The CLI, the engine, the server, the HF wrapper and eval all go through it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from looped_lm.errors import UserError
+from looped_lm.sampling import PLAIN, RandomSource, SamplingParams
+
+BRIDGES = ("soft", "hard", "sample")
+
+
+@dataclass(frozen=True)
+class ExitRule:
+    """Adaptive exit of a token's iterations (looped_db): stop once KL(p_k || p_k-1) < kl_threshold,
+    or once the argmax has held for `argmax_stable` steps (0 = off)."""
+
+    kl_threshold: float | None = None
+    argmax_stable: int = 0
+
+    @staticmethod
+    def parse(threshold: float | None, criterion: str | None) -> "ExitRule | None":
+        """`--exit-threshold eps` and/or `--exit-criterion kl:<eps>|argmax-stable:<m>` -> a rule (None = off)."""
+        if threshold is None and criterion is None:
+            return None
+        stable = 0
+        if criterion is not None:
+            name, _, value = criterion.partition(":")
+            if name == "kl":
+                try:
+                    threshold = float(value)
+                except ValueError:
+                    raise UserError(f"--exit-criterion kl:<eps> needs a number, got '{criterion}'") from None
+            elif name == "argmax-stable":
+                if not value.isdigit() or int(value) < 1:
+                    raise UserError(f"--exit-criterion argmax-stable:<m> needs an integer m >= 1, got '{criterion}'")
+                stable = int(value)
+            else:
+                raise UserError(f"unknown --exit-criterion '{criterion}' (use kl:<eps> or argmax-stable:<m>)")
+        if threshold is not None and not threshold >= 0:
+            raise UserError(f"exit threshold must be >= 0 (got {threshold})")
+        return ExitRule(threshold, stable)
+
+
+@dataclass(frozen=True)
+class IterationLimits:
+    """What a model with K allows, from its config (built by `Iterative.iteration_limits`)."""
+
+    default_iterations: int  # K when a request names none
+    max_iterations: int  # the largest K accepted
+    num_blocks: int  # K < num_blocks skips blocks
+    default_bridge: str | None  # DiffusionBlocks' bridge; None: the model has no bridge (huginn)
+    adaptive_exit: bool  # whether an exit rule may cut a token's iterations (its cache must not depend on K)
+
+
+@dataclass(frozen=True)
+class InferenceSettings:
+    """How one request runs. num_iterations / bridge are None for models without them."""
+
+    sampling: SamplingParams = PLAIN
+    num_iterations: int | None = None
+    bridge: str | None = None
+    exit_rule: ExitRule | None = None
+
+
+def resolve_settings(limits: IterationLimits | None, *, num_iterations: int | None = None,
+                     bridge: str | None = None, exit_rule: ExitRule | None = None,
+                     sampling: SamplingParams = PLAIN, default_iterations: int | None = None,
+                     max_iterations: int | None = None) -> InferenceSettings:
+    """Defaults applied, everything checked (UserError with `param`). `default_iterations` and
+    `max_iterations` are a server's own default K and cap (within the model's limits)."""
+    sampling.validate()
+    if limits is None:
+        for name, value in (("num_iterations", num_iterations), ("bridge", bridge), ("exit_rule", exit_rule)):
+            if value is not None:
+                raise UserError(f"{name} applies to DiffusionBlocks and looped models; this model has no K", name)
+        return InferenceSettings(sampling)
+    top = limits.max_iterations if max_iterations is None else max_iterations
+    K = num_iterations if num_iterations is not None else (default_iterations or limits.default_iterations)
+    if isinstance(K, bool) or not isinstance(K, int) or not 1 <= K <= top:
+        raise UserError(f"num_iterations must be an integer in 1..{top} (got {K!r})", "num_iterations")
+    if limits.default_bridge is None:
+        if bridge is not None:
+            raise UserError("bridge applies to DiffusionBlocks models; this model has none", "bridge")
+    else:
+        bridge = bridge or limits.default_bridge
+        if bridge not in BRIDGES:
+            raise UserError(f"bridge must be one of {', '.join(BRIDGES)} (got {bridge!r})", "bridge")
+    if exit_rule is not None and not limits.adaptive_exit:
+        raise UserError("adaptive exit needs a looped DiffusionBlocks model (its KV cache does not depend on K)",
+                        "exit_rule")
+    return InferenceSettings(sampling, K, bridge, exit_rule)
+
+
+def skipped_blocks_note(limits: IterationLimits | None, settings: InferenceSettings) -> str | None:
+    """One plain line when K < B skips blocks (allowed; the CLI prints it), else None."""
+    if limits is None or settings.num_iterations is None or settings.num_iterations >= limits.num_blocks:
+        return None
+    return (f"note: num_iterations={settings.num_iterations} < {limits.num_blocks} blocks: "
+            f"{limits.num_blocks - settings.num_iterations} block(s) are skipped")
+
+
+@dataclass
+class RowBatch:
+    """What `forward_cached` receives for R rows: each row's settings and random stream. `noise`
+    (R, n, d) replaces the first draw of the starting state (tests, and reproducing the vLLM backend)."""
+
+    settings: list[InferenceSettings]
+    random: RandomSource
+    noise: torch.Tensor | None = None
+
+    @staticmethod
+    def uniform(settings: InferenceSettings, rows: int, random: RandomSource,
+                noise: torch.Tensor | None = None) -> "RowBatch":
+        return RowBatch([settings] * rows, random, noise)
+
+
+@dataclass(frozen=True)
+class ScoreSettings:
+    """How `Scorable.score` estimates. k_grid: the K values scored (None: the model's default, B for
+    DiffusionBlocks, the mean recurrence for huginn). draws: independent estimates averaged per target
+    (their spread gives the standard error). candidates: first-step tokens enumerated by the
+    DiffusionBlocks estimator (plus the target and one draw from the rest). boost: the share of the
+    importance-sampling proposal put on the target at later steps. bridge: None = the config's."""
+
+    k_grid: tuple[int, ...] | None = None
+    draws: int = 4
+    candidates: int = 8
+    boost: float = 0.5
+    bridge: str | None = None
+    exit_rule: ExitRule | None = None
+    stats: dict = field(default_factory=dict, compare=False)  # filled with mean iterations under exit_rule
+
+    def validate(self) -> "ScoreSettings":
+        if isinstance(self.draws, bool) or not isinstance(self.draws, int) or self.draws < 1:
+            raise UserError(f"draws must be an integer >= 1 (got {self.draws!r})", "draws")
+        if self.candidates < 0:
+            raise UserError(f"candidates must be >= 0 (got {self.candidates})", "candidates")
+        if not 0 <= self.boost < 1:
+            raise UserError(f"boost must be in [0, 1) (got {self.boost})", "boost")
+        if self.bridge is not None and self.bridge not in BRIDGES:
+            raise UserError(f"bridge must be one of {', '.join(BRIDGES)} (got {self.bridge!r})", "bridge")
+        for k in self.k_grid or ():
+            if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+                raise UserError(f"the K grid must hold integers >= 0 (got {k!r})", "num_iterations")
+        return self
