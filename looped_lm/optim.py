@@ -39,7 +39,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     Matrices decay; norms, biases and gains (1-D) do not (nanoGPT's rule). Frozen parameters are left
     out, so they hold no optimiser state.
     """
-    unit_of = getattr(model, "param_unit", lambda name: "shared")
+    unit_of = model.param_unit
     groups: dict[tuple[str, bool], list] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:

@@ -8,6 +8,7 @@ greedy, a top_p of 5e-324 keeps the top token).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -43,17 +44,17 @@ PLAIN = SamplingParams(1.0)  # the model's own distribution: what scores and log
 # --- random streams --------------------------------------------------------------------------------
 
 
-class RandomSource:
+class RandomSource(ABC):
     """Uniform and normal draws for the rows of a batch. `rows` index the batch's rows; row r's numbers
     come from its own stream, so they do not depend on the other rows."""
 
+    @abstractmethod
     def uniform(self, rows: torch.Tensor, n: int, device) -> torch.Tensor:
         """(len(rows), n) uniforms in [0, 1)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def normal(self, rows: torch.Tensor, shape: tuple, device) -> torch.Tensor:
         """(len(rows), *shape) standard normals."""
-        raise NotImplementedError
 
 
 class RowGenerators(RandomSource):

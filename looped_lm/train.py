@@ -175,20 +175,8 @@ def check_resume_compatible(manifest: dict, cfg: Config, vocab_size: int, world_
 
 
 def check_resume_model_state(saved: dict, model) -> None:
-    """Fixed partitions must match the config's; measured ones (equi_entropy, a CE curve) are adopted."""
-    mine = model.checkpoint_state() if hasattr(model, "checkpoint_state") else {}
-    if getattr(model, "uses_curve", lambda: False)():
-        if saved.get("num_blocks") != mine.get("num_blocks"):
-            raise UserError(f"cannot resume: the checkpoint has {saved.get('num_blocks')} blocks, this run "
-                            f"{mine.get('num_blocks')}")
-        model.set_edges(saved["edges"])
-        if saved.get("curve") is not None:
-            model.apply_curve(saved["curve"])
-            model.set_edges(saved["edges"])  # the saved edges are the ones training used
-        return
-    if saved != mine:
-        raise UserError(f"cannot resume: the checkpoint's model state {saved} differs from this run's "
-                        f"{mine} (edges or block count changed)")
+    """The model checks the saved state against its own and adopts what was measured in training."""
+    model.restore_state(saved)
 
 
 def refresh_curve(model, val_stream, cfg: Config, device, rank: int, step: int) -> dict | None:
@@ -286,7 +274,7 @@ def _train(cfg: Config, device: torch.device, stop_after: int) -> Path | None:
     step = start_step
     t0 = time.perf_counter()
     for step in range(start_step, end_step):
-        optimizer.set_active_units(model.step_units(step, t.seed) if hasattr(model, "step_units") else None)
+        optimizer.set_active_units(model.step_units(step, t.seed))
         loss_sum, metrics, lr = 0.0, {}, schedule.get_last_lr()[0]
         for micro in range(t.grad_accum):
             x, y = train_stream.get_batch(t.batch_size, t.seed, step, micro, rank)
@@ -306,7 +294,7 @@ def _train(cfg: Config, device: torch.device, stop_after: int) -> Path | None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss_sum:.4f}", tok_s=f"{(done - start_step) * tokens_per_step / max(time.perf_counter() - t0, 1e-9):.0f}")
         d = cfg.diffusion
-        if getattr(model, "uses_curve", lambda: False)() and done % d.curve_every == 0 and \
+        if model.uses_curve() and done % d.curve_every == 0 and \
                 (d.curve_until == 0 or done <= d.curve_until):
             curve = refresh_curve(model, val_stream, cfg, device, rank, done)
             if logger is not None:
@@ -316,7 +304,7 @@ def _train(cfg: Config, device: torch.device, stop_after: int) -> Path | None:
             if logger is not None:
                 logger.log(done, {"val_loss": val})
         if (t.save_every and done % t.save_every == 0) or done == end_step:
-            model_state = model.checkpoint_state() if hasattr(model, "checkpoint_state") else {}
+            model_state = model.checkpoint_state()
             last_ckpt = save(engine, model, cfg, out_dir, done, vocab_size, tokenizer.name, model_state,
                              data_dir, tokens_per_step, rank)
     if bar is not None:
@@ -334,10 +322,7 @@ def evaluate_loss(model, stream, cfg: Config, device, rank: int) -> float:
     losses = []
     for i in range(cfg.train.eval_batches):
         x, y = stream.get_batch(cfg.train.batch_size, cfg.train.seed, -1, i, rank)
-        if hasattr(model, "validation_loss"):
-            losses.append(model.validation_loss(x.to(device), y.to(device), seed=cfg.train.seed + i).item())
-        else:
-            losses.append(model(x.to(device), y.to(device))[1].item())
+        losses.append(model.validation_loss(x.to(device), y.to(device), seed=cfg.train.seed + i).item())
     model.train(was_training)
     import deepspeed.comm as dist
 

@@ -150,7 +150,8 @@ def test_cached_decoding_equals_recompute(num_blocks, K, parameterization):
     for i in range(n_new):
         z = model.initial_noise(2, 1, g)
         ref = model.next_logits_uncached(out[:, :5 + i], K, "hard", z)[:, -1]
-        torch.testing.assert_close(logits[:, i], ref, atol=1e-5, rtol=0)
+        # the likelihood term makes logits O(100) at low sigma: fp32 rounding is relative there
+        torch.testing.assert_close(logits[:, i], ref, atol=1e-5, rtol=1e-6)
         assert torch.equal(out[:, 5 + i], ref.argmax(-1))
 
 

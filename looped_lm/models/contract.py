@@ -48,6 +48,26 @@ class Trainable(ABC):
         """JSON-able model metadata saved in the manifest beside the weights (block edges, ...)."""
         return {}
 
+    def restore_state(self, saved: dict) -> None:
+        """Adopt the `checkpoint_state` of a checkpoint being resumed; raise UserError naming what
+        differs from this model's own (block count, edges)."""
+        from looped_lm.errors import UserError
+
+        if saved != self.checkpoint_state():
+            raise UserError(f"cannot resume: the checkpoint's model state {saved} differs from this run's "
+                            f"{self.checkpoint_state()}")
+
+    def uses_curve(self) -> bool:
+        """Whether the trainer should measure a held-out CE(sigma) curve every `diffusion.curve_every` steps
+        (`measure_curve`) and hand it back on every rank (`apply_curve`)."""
+        return False
+
+    def measure_curve(self, x: torch.Tensor, y: torch.Tensor, seed: int) -> dict:
+        return {}
+
+    def apply_curve(self, curve: dict) -> None:
+        """Models that measure no curve have nothing to adopt."""
+
 
 @dataclass
 class TokenScores:

@@ -30,6 +30,7 @@ from looped_lm.diffusion import ce_curve
 from looped_lm.engine.sampling import sample
 from looped_lm.errors import UserError
 from looped_lm.models import register
+from looped_lm.models.contract import Trainable
 from looped_lm.models.db_decode import CachedDecoding, DecodeState
 from looped_lm.models.layers import (KVCache, RotaryEmbedding, TransformerLayer, chunked, ffn_width, init_weights,
                                      positions_after, token_cross_entropy)
@@ -38,7 +39,7 @@ from looped_lm.models.two_stream import NoiseEmbedding, TwoStreamLayer, noisy_ma
 __all__ = ["DiffusionBlocksLM", "DecodeState", "noisy_mask"]
 
 
-class DiffusionBlocksLM(CachedDecoding, nn.Module):
+class DiffusionBlocksLM(CachedDecoding, nn.Module, Trainable):
     uses_noise = True  # generation draws z from the request's generator
 
     def __init__(self, cfg: Config, vocab_size: int, state: dict | None = None):
@@ -91,6 +92,20 @@ class DiffusionBlocksLM(CachedDecoding, nn.Module):
         if self.curve is not None:
             state["curve"] = self.curve
         return state
+
+    def restore_state(self, saved: dict) -> None:
+        """Fixed partitions must match the config's; measured ones (equi_entropy, a CE curve) are adopted."""
+        mine = self.checkpoint_state()
+        if self.uses_curve():
+            if saved.get("num_blocks") != mine.get("num_blocks"):
+                raise UserError(f"cannot resume: the checkpoint has {saved.get('num_blocks')} blocks, this run "
+                                f"{mine.get('num_blocks')}")
+            self.set_edges(saved["edges"])
+            if saved.get("curve") is not None:
+                self.apply_curve(saved["curve"])
+                self.set_edges(saved["edges"])  # the saved edges are the ones training used
+            return
+        super().restore_state(saved)
 
     def chain_sigmas(self, K: int) -> list[float]:
         """The K + 1 grid points of a K-step chain: calls at the first K, sigma_K where it ends. The first

@@ -10,11 +10,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from looped_lm.models.contract import Trainable
 from looped_lm.models.layers import (KVCache, RotaryEmbedding, TransformerLayer, chunked, ffn_width, init_weights,
                                      positions_after, token_cross_entropy)
 
 
-class GPT(nn.Module):
+class GPT(nn.Module, Trainable):
     def __init__(self, n_layers: int, d_model: int, n_heads: int, seq_len: int, vocab_size: int,
                  ffn_hidden: int = 0, rope_theta: float = 10000.0, norm_eps: float = 1e-5,
                  init_std: float = 0.02, max_positions: int | None = None, loss_chunk: int = 0):
@@ -57,6 +58,10 @@ class GPT(nn.Module):
             return ce.mean(), {}
         _, loss = self(x, y)
         return loss, {}
+
+    @torch.no_grad()
+    def validation_loss(self, x, y, seed: int):
+        return self(x, y)[1]
 
     # --- generation with a KV cache -------------------------------------------------------------
 

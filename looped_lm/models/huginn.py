@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from looped_lm.config import Config
 from looped_lm.errors import UserError
 from looped_lm.models import register
+from looped_lm.models.contract import Trainable
 from looped_lm.models.layers import (KVCache, RotaryEmbedding, TransformerLayer, ffn_width, init_weights,
                                      positions_after, token_cross_entropy)
 
@@ -37,7 +38,7 @@ def sample_recurrence(mean: int, generator: torch.Generator, sigma: float = 0.5)
     return 1 + int(torch.poisson(tau.exp().reshape(1), generator=generator).item())
 
 
-class HuginnLM(nn.Module):
+class HuginnLM(nn.Module, Trainable):
     def __init__(self, cfg: Config, vocab_size: int):
         super().__init__()
         m = cfg.model
