@@ -1,0 +1,325 @@
+"""DiffusionBlocks vs end-to-end for the supporting modules (vit, dit, mdm) on CPU-sized settings.
+
+    python bench/modules.py                      # every module, both variants, seeds 0 1 2 (~1 h on 1 core)
+    python bench/modules.py --modules vit --seeds 0 --jobs 2
+    python bench/modules.py --retable            # reprint the table from bench/results/modules.json
+
+Per module, the same network trained end-to-end (`end_to_end: true`) and as B DiffusionBlocks, at
+EQUAL TRAINING FLOPs: the FLOPs of one training step (forward + backward) are counted with
+torch.utils.flop_counter for each variant (DB: the mean over its B blocks), the end-to-end run gets
+`e2e_steps` steps and the DB run round(e2e_steps * flops_e2e / flops_db) steps. Same optimiser
+(the trainer's BlockwiseAdamW: only the step's block and the shared parts move), same batch size,
+warm-up + cosine schedule over each run's own steps, grad-norm clip 1. One torch thread.
+
+Metrics (mean +- spread over seeds; spread = half the max - min range):
+  vit  top-1 accuracy on the held-out 20% of scikit-learn's digits, K = B (one step per block)
+  dit  Frechet distance between 1,000 samples (100 per class, 50 Euler steps, CFG 2.0) and the digits
+       training images, in the 64-d feature space of a small MLP classifier trained on the same data
+       (NOT FID: no Inception network); the held-out real images' distance is the floor
+  mdm  bits per character (the NELBO, an upper bound) on the Bible's validation split in text8's
+       alphabet, with the share of each t-interval
+Activation memory: the bytes autograd saves for backward in one training step (saved_tensors_hooks,
+deduplicated by storage, parameters excluded): one DB block's step vs the end-to-end network's, beside
+the layer-count floor 1/B.
+
+Writes bench/results/modules.json (every run: curves, metrics, FLOPs, memory) and modules.md (the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+sys.path.insert(0, str(ROOT))
+
+MODULES = {
+    "vit": {"settings": dict(image_size=8, channels=1, num_classes=10, patch=2, n_layers=6, d_model=64,
+                             n_heads=4, num_blocks=3),
+            "batch": 128, "lr": 2e-3, "e2e_steps": 600, "target": "DB within 1.5 points of end-to-end"},
+    "dit": {"settings": dict(image_size=8, channels=1, num_classes=10, patch=2, n_layers=6, d_model=64,
+                             n_heads=4, num_blocks=3),
+            "batch": 128, "lr": 2e-3, "e2e_steps": 600, "target": "DB <= end-to-end"},
+    "mdm": {"settings": dict(seq_len=64, n_layers=6, d_model=96, n_heads=4, num_blocks=3),
+            "batch": 32, "lr": 2e-3, "e2e_steps": 600, "target": "DB <= end-to-end"},
+}
+CURVE_POINTS = 4  # evaluations along each run (at equal shares of its FLOPs)
+DIT_SAMPLES_PER_CLASS, DIT_STEPS, DIT_CFG = 100, 50, 2.0
+MDM_EVAL_WINDOWS, MDM_T_SAMPLES = 128, 8
+
+
+# ------------------------------------------------------------------------------------------------
+# building blocks
+
+
+def build(module: str, end_to_end: bool, overrides: dict | None = None):
+    from looped_lm.models.dit import DiffusionDiT, DiTSettings
+    from looped_lm.models.mdm import MaskedDiffusionLM, MDMSettings
+    from looped_lm.models.vit import DiffusionViT, ViTSettings
+
+    cls, settings = {"vit": (DiffusionViT, ViTSettings), "dit": (DiffusionDiT, DiTSettings),
+                     "mdm": (MaskedDiffusionLM, MDMSettings)}[module]
+    return cls(settings(**{**MODULES[module]["settings"], **(overrides or {}), "end_to_end": end_to_end}))
+
+
+def load_data(module: str):
+    if module == "mdm":
+        from looped_lm.data.text8 import load_bible
+
+        return load_bible()
+    from looped_lm.data.images import load_digits
+
+    return load_digits()
+
+
+def make_batch(module: str, data, batch: int, g):
+    if module == "mdm":
+        return data.batch(batch, MODULES["mdm"]["settings"]["seq_len"], g), None
+    # digits are not augmented: at 8x8 even 1-pixel crops cost the e2e ViT 36 points of accuracy after
+    # 200 steps (0.54 vs 0.90, measured), and flips make other digits
+    return data.batch(batch, g, augmented=False)
+
+
+def step_flops(model, x, y, step: int) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        loss, _ = model.training_loss(x, y, step, seed=0)
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+def activation_bytes(model, x, y, step: int) -> int:
+    """Bytes autograd saves for backward in one training step (parameters and buffers excluded)."""
+    import torch
+
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    own |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in own:
+            seen.setdefault(s.data_ptr(), s.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss, _ = model.training_loss(x, y, step, seed=0)
+    del loss
+    return sum(seen.values())
+
+
+def flops_and_memory(module: str, data) -> dict:
+    """Per-step FLOPs and activation bytes of both variants, on one fixed batch."""
+    import torch
+
+    out = {}
+    for variant in ("e2e", "db"):
+        torch.manual_seed(0)
+        model = build(module, variant == "e2e")
+        x, y = make_batch(module, data, MODULES[module]["batch"], torch.Generator().manual_seed(0))
+        steps = range(model.num_blocks)  # round-robin over blocks: every block once
+        block_of = [model.choose_block(s, 0) for s in range(64)]
+        picks = [block_of.index(b) for b in range(model.num_blocks)]  # a step that trains each block
+        flops = [step_flops(model, x, y, s) for s in picks] if variant == "db" else [step_flops(model, x, y, 0)]
+        acts = [activation_bytes(model, x, y, s) for s in picks] if variant == "db" else [activation_bytes(model, x, y, 0)]
+        out[variant] = {"flops_per_step": sum(flops) / len(flops), "flops_by_block": flops,
+                        "act_bytes": max(acts), "act_bytes_by_block": acts,
+                        "params": sum(p.numel() for p in model.parameters()), "num_blocks": len(list(steps))}
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# evaluation
+
+
+def feature_net(data, seed: int = 0):
+    """A small MLP classifier on the digits (64 -> 128 -> 64 -> 10); its 64-d hidden layer is the
+    feature space of the dit Frechet distance. Returns (features_fn, test accuracy)."""
+    import torch
+    import torch.nn as nn
+
+    torch.manual_seed(seed)
+    body = nn.Sequential(nn.Flatten(), nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU())
+    net = nn.Sequential(body, nn.Linear(64, 10))
+    opt = torch.optim.AdamW(net.parameters(), lr=2e-3, weight_decay=1e-2)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(1500):
+        x, y = data.batch(128, g, augmented=False)
+        loss = nn.functional.cross_entropy(net(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    net.eval()
+    with torch.no_grad():
+        acc = float((net(data.test_x).argmax(-1) == data.test_y).float().mean())
+    return (lambda images: body(images).detach()), acc
+
+
+def evaluate(module: str, model, data, seed: int, final: bool, features=None) -> dict:
+    import torch
+
+    model.eval()
+    g = torch.Generator().manual_seed(1000 + seed)
+    with torch.no_grad():
+        if module == "vit":
+            out = model.accuracy(data.test_x, data.test_y, generator=g)
+        elif module == "dit":
+            out = {"val_loss": float(model.validation_loss(data.test_x, data.test_y, seed=seed))}
+            if final:
+                from looped_lm.models.dit import frechet_distance
+
+                labels = torch.arange(10).repeat_interleave(DIT_SAMPLES_PER_CLASS)
+                t0 = time.process_time()
+                images = model.sample(labels, steps=DIT_STEPS, cfg_scale=DIT_CFG, generator=g)
+                out["sample_cpu_s"] = time.process_time() - t0
+                out["frechet_distance"] = frechet_distance(features(images), features(data.train_x))
+                grid = images.view(10, DIT_SAMPLES_PER_CLASS, *images.shape[1:])[:, :10]  # 10 per class
+                out["grid"] = grid.transpose(0, 1).reshape(100, *images.shape[1:]).round(decimals=3).tolist()
+        else:
+            windows = data.windows(MODULES["mdm"]["settings"]["seq_len"], "val", limit=MDM_EVAL_WINDOWS)
+            out = model.elbo_bpc(windows, samples_per_block=MDM_T_SAMPLES, generator=g)
+            if final:
+                from looped_lm.data.text8 import decode
+
+                ids = model.sample(4, MODULES["mdm"]["settings"]["seq_len"], steps=model.settings.seq_len, generator=g)
+                out["samples"] = [decode(row) for row in ids]
+    model.train()
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# one run
+
+
+def run(module: str, variant: str, seed: int, steps: int) -> dict:
+    import torch
+
+    from looped_lm.optim import BlockwiseAdamW, cosine_with_warmup, param_groups
+
+    torch.set_num_threads(1)
+    spec = MODULES[module]
+    data = load_data(module)
+    features = feature_net(data)[0] if module == "dit" else None
+    torch.manual_seed(seed)
+    model = build(module, variant == "e2e")
+    model.train()
+    opt = BlockwiseAdamW(param_groups(model, 0.05), lr=spec["lr"], betas=(0.9, 0.99))
+    g = torch.Generator().manual_seed(seed)
+    warmup = max(1, steps // 20)
+    checkpoints = {round(steps * (i + 1) / CURVE_POINTS) - 1 for i in range(CURVE_POINTS)}
+    losses, curve, t0, cpu0 = [], [], time.perf_counter(), time.process_time()
+    for step in range(steps):
+        lr = cosine_with_warmup(step, warmup, steps, spec["lr"], spec["lr"] / 10)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        x, y = make_batch(module, data, spec["batch"], g)
+        opt.set_active_units(model.step_units(step, seed))
+        loss, _ = model.training_loss(x, y, step, seed)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+        if step in checkpoints:
+            final = step == steps - 1
+            point = {"step": step + 1, "share_of_flops": (step + 1) / steps,
+                     **evaluate(module, model, data, seed, final, features)}
+            curve.append(point)
+    return {"module": module, "variant": variant, "seed": seed, "steps": steps,
+            "train_cpu_s": time.process_time() - cpu0, "wall_s": time.perf_counter() - t0,
+            "loss_curve": [sum(losses[i:i + 25]) / len(losses[i:i + 25]) for i in range(0, steps, 25)],
+            "curve": curve, "final": curve[-1]}
+
+
+def run_job(args):
+    return run(*args)
+
+
+# ------------------------------------------------------------------------------------------------
+# report
+
+
+METRIC = {"vit": ("accuracy", "top-1 accuracy (%)", 100.0, "higher"),
+          "dit": ("frechet_distance", "Frechet distance, MLP-classifier features (not FID)", 1.0, "lower"),
+          "mdm": ("bpc", "bits per character (NELBO, upper bound)", 1.0, "lower")}
+
+
+def summarise(results: dict) -> str:
+    lines = ["| module | metric | end-to-end | DiffusionBlocks | target | met | act. memory DB/e2e (floor 1/B) | steps e2e / DB |",
+             "|---|---|---:|---:|---|---|---:|---:|"]
+    for module, res in results.get("modules", {}).items():
+        key, label, scale, better = METRIC[module]
+        cells = {}
+        for variant in ("e2e", "db"):
+            vals = [r["final"][key] * scale for r in res.get("runs", []) if r["variant"] == variant]
+            cells[variant] = vals
+        if not cells["e2e"] or not cells["db"]:
+            continue
+
+        def fmt(v):
+            mean, spread = sum(v) / len(v), (max(v) - min(v)) / 2
+            return f"{mean:.2f} ± {spread:.2f} (n={len(v)})"
+
+        e, d = sum(cells["e2e"]) / len(cells["e2e"]), sum(cells["db"]) / len(cells["db"])
+        met = (d >= e - 1.5) if module == "vit" else (d <= e)
+        fm = res["cost"]
+        ratio = fm["db"]["act_bytes"] / fm["e2e"]["act_bytes"]
+        lines.append(f"| {module} | {label} | {fmt(cells['e2e'])} | {fmt(cells['db'])} | {MODULES[module]['target']} | "
+                     f"{'yes' if met else 'no'} | {ratio:.2f} ({1 / fm['db']['num_blocks']:.2f}) | "
+                     f"{res['steps']['e2e']} / {res['steps']['db']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--modules", nargs="+", default=list(MODULES), choices=list(MODULES))
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--jobs", type=int, default=1, help="runs in parallel, one thread each")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply every run's steps (quick checks: 0.1)")
+    ap.add_argument("--out", type=Path, default=RESULTS / "modules.json")
+    ap.add_argument("--retable", action="store_true")
+    args = ap.parse_args()
+    results = json.loads(args.out.read_text()) if args.out.exists() else {"modules": {}}
+    if args.retable:
+        print(summarise(results))
+        return
+    import torch
+
+    torch.set_num_threads(1)
+    jobs = []
+    for module in args.modules:
+        cost = flops_and_memory(module, load_data(module))
+        e2e_steps = max(CURVE_POINTS, round(MODULES[module]["e2e_steps"] * args.scale))
+        db_steps = round(e2e_steps * cost["e2e"]["flops_per_step"] / cost["db"]["flops_per_step"])
+        entry = results["modules"].setdefault(module, {})
+        entry.update(cost=cost, steps={"e2e": e2e_steps, "db": db_steps}, settings=MODULES[module]["settings"],
+                     batch=MODULES[module]["batch"], lr=MODULES[module]["lr"])
+        entry["runs"] = [r for r in entry.get("runs", []) if r["seed"] not in args.seeds]
+        print(f"{module}: flops/step e2e {cost['e2e']['flops_per_step']:.3g} db {cost['db']['flops_per_step']:.3g} "
+              f"-> steps {e2e_steps} / {db_steps}; act bytes {cost['e2e']['act_bytes']} / {cost['db']['act_bytes']}",
+              flush=True)
+        jobs += [(module, v, s, e2e_steps if v == "e2e" else db_steps) for s in args.seeds for v in ("e2e", "db")]
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        for res in pool.map(run_job, jobs):
+            results["modules"][res["module"]]["runs"].append(res)
+            key = METRIC[res["module"]][0]
+            print(f"{res['module']} {res['variant']} seed {res['seed']}: {key} {res['final'][key]:.4f} "
+                  f"({res['train_cpu_s']:.0f} s CPU)", flush=True)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(results, indent=1))
+    table = summarise(results)
+    (args.out.with_suffix(".md")).write_text(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
