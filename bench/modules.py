@@ -49,6 +49,13 @@ MODULES = {
     "mdm": {"settings": dict(seq_len=64, n_layers=6, d_model=96, n_heads=4, num_blocks=3),
             "batch": 32, "lr": 2e-3, "e2e_steps": 600, "target": "DB <= end-to-end"},
 }
+# variants: the end-to-end baseline, the paper's DiffusionBlocks, and (vit) the project's options
+VARIANTS = {
+    "vit": {"e2e": {"end_to_end": True}, "db": {},
+            "db_likelihood": {"parameterization": "likelihood", "loss_weight": "none", "bridge": "hard"}},
+    "dit": {"e2e": {"end_to_end": True}, "db": {}},
+    "mdm": {"e2e": {"end_to_end": True}, "db": {}},
+}
 CURVE_POINTS = 4  # evaluations along each run (at equal shares of its FLOPs)
 DIT_SAMPLES_PER_CLASS, DIT_STEPS, DIT_CFG = 100, 50, 2.0
 MDM_EVAL_WINDOWS, MDM_T_SAMPLES = 128, 8
@@ -58,14 +65,14 @@ MDM_EVAL_WINDOWS, MDM_T_SAMPLES = 128, 8
 # building blocks
 
 
-def build(module: str, end_to_end: bool, overrides: dict | None = None):
+def build(module: str, variant: str):
     from looped_lm.models.dit import DiffusionDiT, DiTSettings
     from looped_lm.models.mdm import MaskedDiffusionLM, MDMSettings
     from looped_lm.models.vit import DiffusionViT, ViTSettings
 
     cls, settings = {"vit": (DiffusionViT, ViTSettings), "dit": (DiffusionDiT, DiTSettings),
                      "mdm": (MaskedDiffusionLM, MDMSettings)}[module]
-    return cls(settings(**{**MODULES[module]["settings"], **(overrides or {}), "end_to_end": end_to_end}))
+    return cls(settings(**{**MODULES[module]["settings"], **VARIANTS[module][variant]}))
 
 
 def load_data(module: str):
@@ -117,23 +124,22 @@ def activation_bytes(model, x, y, step: int) -> int:
     return sum(seen.values())
 
 
-def flops_and_memory(module: str, data) -> dict:
-    """Per-step FLOPs and activation bytes of both variants, on one fixed batch."""
+def flops_and_memory(module: str, variants, data) -> dict:
+    """Per-step FLOPs and activation bytes of each variant, on one fixed batch."""
     import torch
 
     out = {}
-    for variant in ("e2e", "db"):
+    for variant in variants:
         torch.manual_seed(0)
-        model = build(module, variant == "e2e")
+        model = build(module, variant)
         x, y = make_batch(module, data, MODULES[module]["batch"], torch.Generator().manual_seed(0))
-        steps = range(model.num_blocks)  # round-robin over blocks: every block once
         block_of = [model.choose_block(s, 0) for s in range(64)]
         picks = [block_of.index(b) for b in range(model.num_blocks)]  # a step that trains each block
-        flops = [step_flops(model, x, y, s) for s in picks] if variant == "db" else [step_flops(model, x, y, 0)]
-        acts = [activation_bytes(model, x, y, s) for s in picks] if variant == "db" else [activation_bytes(model, x, y, 0)]
+        flops = [step_flops(model, x, y, s) for s in picks]
+        acts = [activation_bytes(model, x, y, s) for s in picks]
         out[variant] = {"flops_per_step": sum(flops) / len(flops), "flops_by_block": flops,
                         "act_bytes": max(acts), "act_bytes_by_block": acts,
-                        "params": sum(p.numel() for p in model.parameters()), "num_blocks": len(list(steps))}
+                        "params": sum(p.numel() for p in model.parameters()), "num_blocks": model.num_blocks}
     return out
 
 
@@ -172,6 +178,13 @@ def evaluate(module: str, model, data, seed: int, final: bool, features=None) ->
     with torch.no_grad():
         if module == "vit":
             out = model.accuracy(data.test_x, data.test_y, generator=g)
+            if final and not model.end_to_end:  # where the chain gains or loses: block 0 alone, and K = 2B
+                out["accuracy_2B"] = model.accuracy(data.test_x, data.test_y, 2 * model.num_blocks, generator=g)["accuracy"]
+                patches, n = model.embed_patches(data.test_x), data.test_x.shape[0]
+                top = model.edges[-1]
+                z = top * torch.randn(n, model.settings.d_model, generator=g)
+                logits = model.block_logits(0, patches, z, torch.full((n,), top))
+                out["block0_accuracy"] = float((logits.argmax(-1) == data.test_y).float().mean())
         elif module == "dit":
             out = {"val_loss": float(model.validation_loss(data.test_x, data.test_y, seed=seed))}
             if final:
@@ -210,7 +223,7 @@ def run(module: str, variant: str, seed: int, steps: int) -> dict:
     data = load_data(module)
     features = feature_net(data)[0] if module == "dit" else None
     torch.manual_seed(seed)
-    model = build(module, variant == "e2e")
+    model = build(module, variant)
     model.train()
     opt = BlockwiseAdamW(param_groups(model, 0.05), lr=spec["lr"], betas=(0.9, 0.99))
     g = torch.Generator().manual_seed(seed)
@@ -253,35 +266,41 @@ METRIC = {"vit": ("accuracy", "top-1 accuracy (%)", 100.0, "higher"),
           "mdm": ("bpc", "bits per character (NELBO, upper bound)", 1.0, "lower")}
 
 
+def mean_spread(values):
+    return sum(values) / len(values), (max(values) - min(values)) / 2
+
+
 def summarise(results: dict) -> str:
-    lines = ["| module | metric | end-to-end | DiffusionBlocks | target | met | act. memory DB/e2e (floor 1/B) | steps e2e / DB |",
-             "|---|---|---:|---:|---|---|---:|---:|"]
+    lines = ["| module | metric | variant | result (mean ± spread, n seeds) | DB − e2e | target | met | training steps "
+             "| activation memory / e2e (floor 1/B) |", "|---|---|---|---:|---:|---|---|---:|---:|"]
     for module, res in results.get("modules", {}).items():
         key, label, scale, better = METRIC[module]
-        cells = {}
-        for variant in ("e2e", "db"):
-            vals = [r["final"][key] * scale for r in res.get("runs", []) if r["variant"] == variant]
-            cells[variant] = vals
-        if not cells["e2e"] or not cells["db"]:
+        finals = {}
+        for r in res.get("runs", []):
+            finals.setdefault(r["variant"], []).append(r["final"][key] * scale)
+        if "e2e" not in finals:
             continue
-
-        def fmt(v):
-            mean, spread = sum(v) / len(v), (max(v) - min(v)) / 2
-            return f"{mean:.2f} ± {spread:.2f} (n={len(v)})"
-
-        e, d = sum(cells["e2e"]) / len(cells["e2e"]), sum(cells["db"]) / len(cells["db"])
-        met = (d >= e - 1.5) if module == "vit" else (d <= e)
-        fm = res["cost"]
-        ratio = fm["db"]["act_bytes"] / fm["e2e"]["act_bytes"]
-        lines.append(f"| {module} | {label} | {fmt(cells['e2e'])} | {fmt(cells['db'])} | {MODULES[module]['target']} | "
-                     f"{'yes' if met else 'no'} | {ratio:.2f} ({1 / fm['db']['num_blocks']:.2f}) | "
-                     f"{res['steps']['e2e']} / {res['steps']['db']} |")
+        e2e_mean, _ = mean_spread(finals["e2e"])
+        for variant in [v for v in VARIANTS[module] if v in finals]:
+            mean, spread = mean_spread(finals[variant])
+            cost = res["cost"][variant]
+            memory = cost["act_bytes"] / res["cost"]["e2e"]["act_bytes"]
+            row = [module, label, variant, f"{mean:.2f} ± {spread:.2f} ({len(finals[variant])})"]
+            if variant == "e2e":
+                row += ["", "", "", str(res["steps"][variant]), "1.00"]
+            else:
+                diff = mean - e2e_mean
+                met = diff >= -1.5 if module == "vit" else diff <= 0
+                row += [f"{diff:+.2f}", MODULES[module]["target"], "yes" if met else "no", str(res["steps"][variant]),
+                        f"{memory:.2f} ({1 / cost['num_blocks']:.2f})"]
+            lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modules", nargs="+", default=list(MODULES), choices=list(MODULES))
+    ap.add_argument("--variants", nargs="+", default=None, help="default: every variant of the module")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--jobs", type=int, default=1, help="runs in parallel, one thread each")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every run's steps (quick checks: 0.1)")
@@ -297,17 +316,19 @@ def main() -> None:
     torch.set_num_threads(1)
     jobs = []
     for module in args.modules:
-        cost = flops_and_memory(module, load_data(module))
+        variants = [v for v in VARIANTS[module] if args.variants is None or v in args.variants]
+        cost = flops_and_memory(module, VARIANTS[module], load_data(module))
         e2e_steps = max(CURVE_POINTS, round(MODULES[module]["e2e_steps"] * args.scale))
-        db_steps = round(e2e_steps * cost["e2e"]["flops_per_step"] / cost["db"]["flops_per_step"])
+        steps = {v: round(e2e_steps * cost["e2e"]["flops_per_step"] / cost[v]["flops_per_step"]) for v in cost}
         entry = results["modules"].setdefault(module, {})
-        entry.update(cost=cost, steps={"e2e": e2e_steps, "db": db_steps}, settings=MODULES[module]["settings"],
+        entry.update(cost=cost, steps=steps, settings=MODULES[module]["settings"], variants=VARIANTS[module],
                      batch=MODULES[module]["batch"], lr=MODULES[module]["lr"])
-        entry["runs"] = [r for r in entry.get("runs", []) if r["seed"] not in args.seeds]
-        print(f"{module}: flops/step e2e {cost['e2e']['flops_per_step']:.3g} db {cost['db']['flops_per_step']:.3g} "
-              f"-> steps {e2e_steps} / {db_steps}; act bytes {cost['e2e']['act_bytes']} / {cost['db']['act_bytes']}",
+        entry["runs"] = [r for r in entry.get("runs", []) if (r["seed"], r["variant"]) not in
+                         {(s, v) for s in args.seeds for v in variants}]
+        print(f"{module}: flops/step " + ", ".join(f"{v} {c['flops_per_step']:.3g}" for v, c in cost.items())
+              + f" -> steps {steps}; activation bytes " + ", ".join(f"{v} {c['act_bytes']}" for v, c in cost.items()),
               flush=True)
-        jobs += [(module, v, s, e2e_steps if v == "e2e" else db_steps) for s in args.seeds for v in ("e2e", "db")]
+        jobs += [(module, v, s, steps[v]) for s in args.seeds for v in variants]
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         for res in pool.map(run_job, jobs):
             results["modules"][res["module"]]["runs"].append(res)
@@ -317,8 +338,44 @@ def main() -> None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(results, indent=1))
     table = summarise(results)
-    (args.out.with_suffix(".md")).write_text(table + "\n")
+    args.out.with_suffix(".md").write_text(table + "\n")
+    write_figures(results, args.out.parent / args.out.stem)
     print(table)
+
+
+def write_figures(results: dict, stem: Path) -> None:
+    """{stem}_curves.png: each run's metric against its share of the training FLOPs; {stem}_dit_VARIANT.png:
+    10 samples per class (one column each) from the seed-0 run of each dit variant."""
+    import torch
+
+    from looped_lm.data.images import write_png_grid
+
+    for r in results["modules"].get("dit", {}).get("runs", []):
+        if r["seed"] == 0 and "grid" in r["final"]:
+            write_png_grid(torch.tensor(r["final"]["grid"]), f"{stem}_dit_{r['variant']}.png", nrow=10, scale=4)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    modules = list(results["modules"])
+    fig, axes = plt.subplots(1, len(modules), figsize=(5 * len(modules), 3.6), squeeze=False)
+    for ax, module in zip(axes[0], modules):
+        key, label, scale, _ = METRIC[module]
+        key = "val_loss" if module == "dit" else key  # dit's curve: the EDM loss; its FD is measured at the end
+        for r in results["modules"][module]["runs"]:
+            colour = {"e2e": "tab:blue", "db": "tab:orange"}.get(r["variant"], "tab:green")
+            ax.plot([p["share_of_flops"] for p in r["curve"]], [p[key] * (scale if key != "val_loss" else 1)
+                                                                for p in r["curve"]],
+                    marker="o", color=colour, alpha=0.7, label=r["variant"] if r["seed"] == 0 else None)
+        ax.set_title(module)
+        ax.set_xlabel("share of the training FLOPs")
+        ax.set_ylabel("validation EDM loss" if module == "dit" else label)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(f"{stem}_curves.png", dpi=110)
 
 
 if __name__ == "__main__":

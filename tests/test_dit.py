@@ -67,7 +67,8 @@ def test_one_block_per_step_only_that_block_and_shared_parts_get_gradients():
 @pytest.mark.parametrize("end_to_end", [False, True])
 def test_loss_decreases_on_a_fixed_batch(end_to_end):
     model = tiny(perturb=False, end_to_end=end_to_end, block_sampling="round_robin")
-    x, y = batch(16)
+    _, y = batch(16)
+    x = torch.linspace(-1, 1, 64).view(1, 1, 8, 8).expand(16, 1, 8, 8)  # one image to learn
     start = float(model.validation_loss(x, y, seed=0))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(40):
@@ -75,7 +76,7 @@ def test_loss_decreases_on_a_fixed_batch(end_to_end):
         opt.zero_grad()
         loss.backward()
         opt.step()
-    assert float(model.validation_loss(x, y, seed=0)) < 0.8 * start
+    assert float(model.validation_loss(x, y, seed=0)) < 0.6 * start
 
 
 def test_label_dropout_uses_the_null_class():

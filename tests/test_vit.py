@@ -57,6 +57,16 @@ def test_classifier_starts_at_zero_and_label_takes_the_cls_slot():
     assert not torch.allclose(a, b)  # the noisy label in the slot reaches the logits
 
 
+def test_likelihood_parameterization_adds_the_exact_label_likelihood():
+    model = tiny(perturb=False, parameterization="likelihood")  # zero head: only the likelihood term is left
+    x, y = batch()
+    patches = model.embed_patches(x)
+    sigma = torch.tensor([0.1, 0.2, 0.5, 1.0, 2.0, 80.0])
+    z = model.label_table[y] + sigma[:, None] * torch.randn(6, 32)
+    expected = (z @ model.label_table.T) / sigma[:, None] ** 2  # log N(z; y_v, sigma^2) + const (|y_v| = 1)
+    assert torch.allclose(model.block_logits(2, patches, z, sigma), expected, atol=1e-5)
+
+
 def test_one_block_per_step_only_that_block_and_shared_parts_get_gradients():
     model = tiny()
     x, y = batch()
@@ -107,18 +117,20 @@ def test_block_choice_is_the_language_models_rule():
 def test_loss_decreases_on_a_fixed_batch(end_to_end):
     """Every block's loss on the same batch, sigma and noise (the global RNG re-seeded) falls."""
     model = tiny(perturb=False, end_to_end=end_to_end, block_sampling="round_robin")
-    x, y = batch(16)
+    _, y = batch(16)
+    patterns = torch.rand(10, 1, 8, 8, generator=torch.Generator().manual_seed(9)) * 2 - 1
+    x = patterns[y]  # one picture per class
 
     def losses():
         out = []
         for step in range(model.num_blocks):  # round-robin: step b trains block b
             torch.manual_seed(123)
-            out.append(float(model.training_loss(x, y, step, seed=0)[0]))
+            out.append(float(model.training_loss(x, y, step, seed=0)[0].detach()))
         return out
 
     start = losses()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for step in range(15 * model.num_blocks):
+    for step in range(45):
         loss, _ = model.training_loss(x, y, step, seed=0)
         opt.zero_grad()
         loss.backward()

@@ -8,9 +8,9 @@ Sources:
   cifar100:PATH          CIFAR-100 likewise (`cifar-100-python.tar.gz`, `cifar-100-python/`)
 
 Images come back as float32 (N, C, H, W) scaled to [-1, 1] with int64 labels. `augment` does the
-standard random crop (padded with black by 1/8 of the width: CIFAR's 4 pixels) and horizontal flip on a batch; digits
-should not be flipped (a mirrored 2 is not a 2), so flip is a switch. `write_png_grid` saves a grid of
-images as a PNG with Pillow (the `vision` extra).
+standard random crop (from a copy padded with black by 1/8 of the width: CIFAR's 4 pixels) and
+horizontal flip on a batch; digits should not be flipped (a mirrored 2 is not a 2), so flip is a
+switch. `write_png_grid` saves a grid of images as a PNG with Pillow (the `vision` extra).
 
 The CIFAR pickles are read with an unpickler that only builds numpy arrays, so a tampered archive
 cannot run code.
@@ -173,7 +173,8 @@ def load_cifar(path, which: int) -> ImageData:
 # --- augmentation and output ------------------------------------------------------------------------
 
 
-def augment(images: torch.Tensor, generator: torch.Generator, pad: int | None = None, flip: bool = True) -> torch.Tensor:
+def augment(images: torch.Tensor, generator: torch.Generator, pad: int | None = None,
+            flip: bool = True) -> torch.Tensor:
     """Random crop of each image from its copy padded with black (-1) by `pad` pixels (default: 1/8 of
     the width, CIFAR's 4 at 32x32), and a random horizontal flip."""
     N, C, H, W = images.shape

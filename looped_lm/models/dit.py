@@ -148,7 +148,8 @@ class DiffusionDiT(nn.Module, Blockwise):
         sigma = dm.sample_sigma(N, *self.train_ranges[b], self.sched, device=x.device)
         labels = self.drop_labels(y, N, x.device)
         loss = self.edm_loss(b, x, sigma, torch.randn_like(x), labels)
-        return loss.mean(), {"block": b, f"loss_block{b}": float(loss.detach().mean()), "sigma_mean": float(sigma.mean())}
+        metrics = {"block": b, f"loss_block{b}": float(loss.detach().mean()), "sigma_mean": float(sigma.mean())}
+        return loss.mean(), metrics
 
     def drop_labels(self, y, N: int, device):
         if self.label_emb is None:

@@ -61,6 +61,7 @@ class ViTSettings:
     block_sampling: str = "uniform"
     loss_weight: str = "edm"  # edm: w(sigma) / E_block[w]; none: plain CE
     bridge: str = "soft"  # inference: D = softmax(logits) @ label_table (soft) or label_table[argmax] (hard)
+    parameterization: str = "edm"  # edm (the paper); likelihood: logits + <z, y_v>/sigma^2 (method.md §9) [ours]
     noise: dm.NoiseSchedule = field(default_factory=dm.NoiseSchedule)
     norm_eps: float = 1e-6
     init_std: float = 0.02
@@ -77,6 +78,7 @@ class ViTSettings:
         check_choice(self.block_sampling, BLOCK_SAMPLING, f"{p}.block_sampling")
         check_choice(self.loss_weight, ("edm", "none"), f"{p}.loss_weight")
         check_choice(self.bridge, ("soft", "hard"), f"{p}.bridge")
+        check_choice(self.parameterization, ("edm", "likelihood"), f"{p}.parameterization")
         self.noise.validate()
         dm.widen([1.0, 2.0], self.overlap)  # checks the overlap's range
         return self
@@ -137,6 +139,10 @@ class DiffusionViT(nn.Module, Blockwise):
         """Block b's denoised label at noise sigma (N,) from z (N, C) -> logits (N, num_classes)."""
         c_skip, c_out, c_in, c_noise = (c.to(z.dtype)[:, None] for c in dm.edm_scalings(sigma, self.sched.sigma_data))
         out = self.run_layers(b, c_in * z, patches, self.noise_emb(c_noise[:, 0]))
+        if self.settings.parameterization == "likelihood":
+            # the exact log-likelihood of z under each label (unit-norm targets): the network only has to
+            # supply the image's prior over labels, and what z already says is never lost
+            return self.head(self.norm(out)) + (z @ self.label_table.T) / sigma[:, None] ** 2
         h = c_out * F.normalize(out, dim=-1) + c_skip * z
         return self.head(self.norm(h))
 
