@@ -65,14 +65,14 @@ MDM_EVAL_WINDOWS, MDM_T_SAMPLES = 128, 8
 # building blocks
 
 
-def build(module: str, variant: str):
+def build(module: str, variant: str, overrides: dict | None = None):
     from looped_lm.models.dit import DiffusionDiT, DiTSettings
     from looped_lm.models.mdm import MaskedDiffusionLM, MDMSettings
     from looped_lm.models.vit import DiffusionViT, ViTSettings
 
     cls, settings = {"vit": (DiffusionViT, ViTSettings), "dit": (DiffusionDiT, DiTSettings),
                      "mdm": (MaskedDiffusionLM, MDMSettings)}[module]
-    return cls(settings(**{**MODULES[module]["settings"], **VARIANTS[module][variant]}))
+    return cls(settings(**{**MODULES[module]["settings"], **VARIANTS[module].get(variant, {}), **(overrides or {})}))
 
 
 def load_data(module: str):
@@ -179,7 +179,8 @@ def evaluate(module: str, model, data, seed: int, final: bool, features=None) ->
         if module == "vit":
             out = model.accuracy(data.test_x, data.test_y, generator=g)
             if final and not model.end_to_end:  # where the chain gains or loses: block 0 alone, and K = 2B
-                out["accuracy_2B"] = model.accuracy(data.test_x, data.test_y, 2 * model.num_blocks, generator=g)["accuracy"]
+                twice = model.accuracy(data.test_x, data.test_y, 2 * model.num_blocks, generator=g)
+                out["accuracy_2B"] = twice["accuracy"]
                 patches, n = model.embed_patches(data.test_x), data.test_x.shape[0]
                 top = model.edges[-1]
                 z = top * torch.randn(n, model.settings.d_model, generator=g)
@@ -213,7 +214,10 @@ def evaluate(module: str, model, data, seed: int, final: bool, features=None) ->
 # one run
 
 
-def run(module: str, variant: str, seed: int, steps: int) -> dict:
+def run(module: str, variant: str, seed: int, steps: int, overrides: dict | None = None,
+        only_block: int | None = None) -> dict:
+    """Train one variant for `steps` steps; `overrides` change its settings, `only_block` trains that block
+    alone (a diagnosis: how well one block learns from all of the updates)."""
     import torch
 
     from looped_lm.optim import BlockwiseAdamW, cosine_with_warmup, param_groups
@@ -223,7 +227,9 @@ def run(module: str, variant: str, seed: int, steps: int) -> dict:
     data = load_data(module)
     features = feature_net(data)[0] if module == "dit" else None
     torch.manual_seed(seed)
-    model = build(module, variant)
+    model = build(module, variant, overrides)
+    if only_block is not None:
+        model.choose_block = lambda step, seed: only_block
     model.train()
     opt = BlockwiseAdamW(param_groups(model, 0.05), lr=spec["lr"], betas=(0.9, 0.99))
     g = torch.Generator().manual_seed(seed)
@@ -257,6 +263,33 @@ def run_job(args):
     return run(*args)
 
 
+def diagnose_vit(out: Path, seed: int = 0) -> None:
+    """Why DiffusionBlocks' ViT trails at this budget: block 0 (2 layers) trained ALONE for the e2e run's
+    600 updates, scored from pure noise at sigma_max (the chain's first call), beside a 2-layer end-to-end
+    classifier with the same updates; and the whole DB chain with the `uniform` partition."""
+    steps = MODULES["vit"]["e2e_steps"]
+    cost = flops_and_memory("vit", ["e2e", "db"], load_data("vit"))
+    db_steps = round(steps * cost["e2e"]["flops_per_step"] / cost["db"]["flops_per_step"])
+    cases = [("e2e_2_layers", "e2e", {"n_layers": 2, "num_blocks": 1}, None),
+             ("block0_paper", "db", {}, 0),
+             ("block0_loss_weight_none", "db", {"loss_weight": "none"}, 0),
+             ("block0_p_mean_0", "db", {"noise": "p_mean_0"}, 0),
+             ("block0_uniform_partition", "db", {"partition": "uniform"}, 0),
+             ("chain_uniform_partition", "db", {"partition": "uniform"}, None)]
+    results = {}
+    for name, variant, overrides, only in cases:
+        if overrides.get("noise") == "p_mean_0":
+            from looped_lm.diffusion import NoiseSchedule
+
+            overrides = {**overrides, "noise": NoiseSchedule(p_mean=0.0)}
+        n = steps if only is not None or variant == "e2e" else db_steps
+        r = run("vit", variant, seed, n, overrides, only)
+        results[name] = {"steps": n, "seed": seed, "accuracy": r["final"]["accuracy"],
+                         "block0_accuracy": r["final"].get("block0_accuracy"), "train_cpu_s": r["train_cpu_s"]}
+        print(name, results[name], flush=True)
+        out.write_text(json.dumps(results, indent=1))
+
+
 # ------------------------------------------------------------------------------------------------
 # report
 
@@ -271,8 +304,8 @@ def mean_spread(values):
 
 
 def summarise(results: dict) -> str:
-    lines = ["| module | metric | variant | result (mean ± spread, n seeds) | DB − e2e | target | met | training steps "
-             "| activation memory / e2e (floor 1/B) |", "|---|---|---|---:|---:|---|---|---:|---:|"]
+    lines = ["| module | metric | variant | result (mean ± spread, n seeds) | DB − e2e | target | met "
+             "| training steps | activation memory / e2e (floor 1/B) |", "|---|---|---|---:|---:|---|---|---:|---:|"]
     for module, res in results.get("modules", {}).items():
         key, label, scale, better = METRIC[module]
         finals = {}
@@ -294,19 +327,52 @@ def summarise(results: dict) -> str:
                 row += [f"{diff:+.2f}", MODULES[module]["target"], "yes" if met else "no", str(res["steps"][variant]),
                         f"{memory:.2f} ({1 / cost['num_blocks']:.2f})"]
             lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + diagnostics(results))
+
+
+def diagnostics(results: dict) -> list[str]:
+    """Where the DiffusionBlocks numbers come from: vit's chain vs its first block, mdm's per-interval BPC,
+    dit's real-data floor."""
+    out, mods = [""], results.get("modules", {})
+    for r_variant in ("db", "db_likelihood"):
+        runs = [r for r in mods.get("vit", {}).get("runs", [])
+                if r["variant"] == r_variant and "block0_accuracy" in r["final"]]
+        if runs:
+            k_b, k_2b, first = (mean_spread([100 * r["final"][k] for r in runs])[0]
+                                for k in ("accuracy", "accuracy_2B", "block0_accuracy"))
+            out.append(f"- vit {r_variant}: accuracy K = B {k_b:.2f}, K = 2B {k_2b:.2f}, block 0 alone from pure "
+                       f"noise {first:.2f} (mean of {len(runs)} seeds)")
+    for variant in ("e2e", "db"):
+        runs = [r for r in mods.get("mdm", {}).get("runs", []) if r["variant"] == variant]
+        if runs:
+            shares = [mean_spread([r["final"]["per_block"][i] for r in runs])[0]
+                      for i in range(len(runs[0]["final"]["per_block"]))]
+            out.append(f"- mdm {variant}: BPC by t-interval (high t first) " + " + ".join(f"{v:.3f}" for v in shares))
+    if "real_test_vs_train_frechet" in mods.get("dit", {}):
+        d = mods["dit"]
+        out.append(f"- dit: held-out real digits vs the training digits: Frechet distance "
+                   f"{d['real_test_vs_train_frechet']:.2f} (the floor; the feature classifier's test accuracy "
+                   f"{100 * d['feature_net_test_accuracy']:.1f}%)")
+    return out if len(out) > 1 else []
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modules", nargs="+", default=list(MODULES), choices=list(MODULES))
     ap.add_argument("--variants", nargs="+", default=None, help="default: every variant of the module")
-    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2], help="none: only re-measure costs and floors")
     ap.add_argument("--jobs", type=int, default=1, help="runs in parallel, one thread each")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every run's steps (quick checks: 0.1)")
     ap.add_argument("--out", type=Path, default=RESULTS / "modules.json")
     ap.add_argument("--retable", action="store_true")
+    ap.add_argument("--diagnose-vit", action="store_true", help="write modules_vit_diagnosis.json and stop")
     args = ap.parse_args()
+    if args.diagnose_vit:
+        import torch
+
+        torch.set_num_threads(1)
+        diagnose_vit(args.out.parent / "modules_vit_diagnosis.json")
+        return
     results = json.loads(args.out.read_text()) if args.out.exists() else {"modules": {}}
     if args.retable:
         print(summarise(results))
@@ -328,6 +394,13 @@ def main() -> None:
         print(f"{module}: flops/step " + ", ".join(f"{v} {c['flops_per_step']:.3g}" for v, c in cost.items())
               + f" -> steps {steps}; activation bytes " + ", ".join(f"{v} {c['act_bytes']}" for v, c in cost.items()),
               flush=True)
+        if module == "dit":  # the distance of real held-out digits: the floor a perfect sampler would reach
+            from looped_lm.models.dit import frechet_distance
+
+            data = load_data(module)
+            features, accuracy = feature_net(data)
+            entry["feature_net_test_accuracy"] = accuracy
+            entry["real_test_vs_train_frechet"] = frechet_distance(features(data.test_x), features(data.train_x))
         jobs += [(module, v, s, steps[v]) for s in args.seeds for v in variants]
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         for res in pool.map(run_job, jobs):
