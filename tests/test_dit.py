@@ -159,3 +159,17 @@ def test_noise_intervals_come_from_the_shared_partition():
     model = tiny(num_blocks=2)
     assert model.edges == pytest.approx(dm.equi_probability_edges(2, dm.NoiseSchedule()))
     assert model.train_ranges == dm.widen(model.edges, 0.05)
+
+
+def test_it_is_a_trainable_with_json_state():
+    import json
+
+    from looped_lm.models.contract import Trainable
+
+    model = tiny()
+    assert isinstance(model, Trainable)
+    state = json.loads(json.dumps(model.checkpoint_state()))
+    assert state["num_blocks"] == model.num_blocks and len(state["edges"]) == model.num_blocks + 1
+    model.restore_state(state)  # its own state is accepted
+    with pytest.raises(UserError, match="cannot resume"):
+        model.restore_state({**state, "num_blocks": 99})

@@ -224,3 +224,17 @@ def test_the_bible_in_text8_alphabet():
     splits = text8.load_bible()
     assert splits.train.max() < 27 and len(splits.train) > 3_000_000
     assert text8.decode(splits.train[:30]).startswith("genesis in the beginning god")
+
+
+def test_it_is_a_trainable_with_json_state():
+    import json
+
+    from looped_lm.models.contract import Trainable
+
+    model = tiny()
+    assert isinstance(model, Trainable)
+    state = json.loads(json.dumps(model.checkpoint_state()))
+    assert state["num_blocks"] == model.num_blocks and len(state["edges"]) == model.num_blocks + 1
+    model.restore_state(state)  # its own state is accepted
+    with pytest.raises(UserError, match="cannot resume"):
+        model.restore_state({**state, "num_blocks": 99})

@@ -204,3 +204,17 @@ def test_bad_input_raises_one_clear_line():
         model.predict(x, 2)
     with pytest.raises(UserError, match=r"shape \(N, 1, 8, 8\)"):
         model.predict(torch.zeros(2, 3, 8, 8))
+
+
+def test_it_is_a_trainable_with_json_state():
+    import json
+
+    from looped_lm.models.contract import Trainable
+
+    model = tiny()
+    assert isinstance(model, Trainable)
+    state = json.loads(json.dumps(model.checkpoint_state()))
+    assert state["num_blocks"] == model.num_blocks and len(state["edges"]) == model.num_blocks + 1
+    model.restore_state(state)  # its own state is accepted
+    with pytest.raises(UserError, match="cannot resume"):
+        model.restore_state({**state, "num_blocks": 99})

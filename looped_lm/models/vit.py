@@ -214,7 +214,7 @@ class DiffusionViT(nn.Module, Blockwise):
                  generator: torch.Generator | None = None) -> dict:
         """Top-1 accuracy over (images, labels), in batches: what `looped_lm eval` prints for vit."""
         check_labels(labels, self.settings.num_classes)
-        K = (self.num_blocks if num_iterations is None else num_iterations)
+        K = self.num_blocks if num_iterations is None else num_iterations
         correct = 0
         for i in range(0, images.shape[0], batch_size):
             logits = self.predict(images[i:i + batch_size], K, generator)
