@@ -170,6 +170,20 @@ def feature_net(data, seed: int = 0):
     return (lambda images: body(images).detach()), acc
 
 
+def grid_to_hex(images) -> dict:
+    """Images in [-1, 1] -> {"shape", "uint8_hex"}: 8-bit pixels, compact in the JSON."""
+    pixels = ((images.clamp(-1, 1) + 1) * 127.5).round().to(dtype=__import__("torch").uint8)
+    return {"shape": list(images.shape), "uint8_hex": pixels.numpy().tobytes().hex()}
+
+
+def grid_from_hex(grid: dict):
+    import numpy as np
+    import torch
+
+    pixels = np.frombuffer(bytes.fromhex(grid["uint8_hex"]), dtype=np.uint8).reshape(grid["shape"])
+    return torch.from_numpy(pixels.astype(np.float32) / 127.5 - 1.0)
+
+
 def evaluate(module: str, model, data, seed: int, final: bool, features=None) -> dict:
     import torch
 
@@ -197,7 +211,7 @@ def evaluate(module: str, model, data, seed: int, final: bool, features=None) ->
                 out["sample_cpu_s"] = time.process_time() - t0
                 out["frechet_distance"] = frechet_distance(features(images), features(data.train_x))
                 grid = images.view(10, DIT_SAMPLES_PER_CLASS, *images.shape[1:])[:, :10]  # 10 per class
-                out["grid"] = grid.transpose(0, 1).reshape(100, *images.shape[1:]).round(decimals=3).tolist()
+                out["grid"] = grid_to_hex(grid.transpose(0, 1).reshape(100, *images.shape[1:]))
         else:
             windows = data.windows(MODULES["mdm"]["settings"]["seq_len"], "val", limit=MDM_EVAL_WINDOWS)
             out = model.elbo_bpc(windows, samples_per_block=MDM_T_SAMPLES, generator=g)
@@ -440,7 +454,7 @@ def write_figures(results: dict, stem: Path) -> None:
 
     for r in results["modules"].get("dit", {}).get("runs", []):
         if r["seed"] == 0 and "grid" in r["final"]:
-            write_png_grid(torch.tensor(r["final"]["grid"]), f"{stem}_dit_{r['variant']}.png", nrow=10, scale=4)
+            write_png_grid(grid_from_hex(r["final"]["grid"]), f"{stem}_dit_{r['variant']}.png", nrow=10, scale=4)
     try:
         import matplotlib
 
