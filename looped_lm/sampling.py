@@ -141,3 +141,26 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], random: RandomSou
         return logits.argmax(-1)
     u = random.uniform(rows, 1, logits.device)[:, 0]
     return draw(filtered_probs(logits, params), u)
+
+
+class PositionalRandom(RandomSource):
+    """Streams keyed by (seed, position) instead of by request: row r (the token after position
+    positions[r]) takes its k-th draw from a generator seeded by (seed, position, k). What a backend that
+    sees positions but not requests (vLLM) can reproduce for any batching."""
+
+    STRIDE = 1_000_003
+
+    def __init__(self, seed: int, positions: torch.Tensor):
+        self.seed, self.positions = seed, [int(p) for p in positions.tolist()]
+        self.calls = [0] * len(self.positions)
+
+    def _generator(self, r: int) -> torch.Generator:
+        key = ((self.seed * self.STRIDE + self.positions[r]) * 131 + self.calls[r]) % (2 ** 63)
+        self.calls[r] += 1
+        return torch.Generator().manual_seed(key)
+
+    def uniform(self, rows, n, device):
+        return torch.stack([torch.rand(n, generator=self._generator(r)) for r in rows.tolist()]).to(device)
+
+    def normal(self, rows, shape, device):
+        return torch.stack([torch.randn(shape, generator=self._generator(r)) for r in rows.tolist()]).to(device)

@@ -34,7 +34,7 @@ def _import_all() -> None:
     """Model modules register themselves on import; import the optional ones lazily here."""
     import importlib
 
-    for name in ("looped_lm.models.dblm", "looped_lm.models.huginn"):
+    for name in ("looped_lm.models.db", "looped_lm.models.huginn"):
         try:
             importlib.import_module(name)
         except ModuleNotFoundError as e:
