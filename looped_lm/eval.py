@@ -27,7 +27,8 @@ from looped_lm.settings import ScoreSettings
 
 def add_arguments(p) -> None:
     p.add_argument("--checkpoint", required=True, help="checkpoint directory (out/step_XXXXXXX)")
-    p.add_argument("--data", default=None, help="token file (nanoGPT val.bin); default: the run's val.bin")
+    p.add_argument("--data", default=None, help="nanoGPT val.bin, or a .txt / .jsonl file (tokenized with the "
+                   "checkpoint's tokenizer); default: the run's val.bin")
     p.add_argument("--block-size", type=int, default=0, help="window length; 0 = the model's seq_len")
     p.add_argument("--stride", type=int, default=0, help="0 = disjoint blocks; S = sliding windows")
     p.add_argument("--max-tokens", type=int, default=0, help="score only the first N tokens; 0 = all")
@@ -75,7 +76,7 @@ def perplexity(model, data_path: str, block_size: int, stride: int = 0, max_toke
     if stride < 0 or stride > block_size:
         raise UserError(f"--stride must be in 1..block_size ({block_size}), or 0 for disjoint blocks (got {stride})")
     settings.validate()
-    stream = TokenStream(data_path, block_size)
+    stream = TokenStream(data_path, block_size, vocab_size=model.vocab_size)
     windows = list(stream.iter_blocks(block_size, stride or None, max_tokens or None))
     sums: dict = {}
     variances: dict = {}
@@ -130,7 +131,48 @@ def format_table(rep: dict) -> str:
     return head + "\n" + "\n".join(rows)
 
 
+def data_tokens(data: str, tokenizer_name: str, workdir: str) -> str:
+    """The token file to score: a nanoGPT .bin whose meta.json (if any) names the checkpoint's tokenizer,
+    or a .txt / .jsonl ("text" per line, one document each) tokenized here with the checkpoint's own
+    tokenizer, the end-of-text token after every document."""
+    path = Path(data)
+    if not path.is_file():
+        raise UserError(f"--data {data} does not exist")
+    if path.suffix in (".txt", ".jsonl"):
+        import numpy as np
+
+        from looped_lm.data.tokenizer import get_tokenizer
+
+        tok = get_tokenizer(tokenizer_name)
+        docs = [path.read_text(encoding="utf-8", errors="replace")] if path.suffix == ".txt" else []
+        if path.suffix == ".jsonl":
+            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    docs.append(json.loads(line)["text"])
+                except (ValueError, KeyError, TypeError):
+                    raise UserError(f"{data} line {n}: expected a JSON object with a \"text\" field") from None
+        ids = [t for doc in docs for t in [*tok.encode(doc), tok.eot_id]]
+        out = Path(workdir) / "tokens.bin"
+        np.asarray(ids, dtype=np.uint16).tofile(out)
+        return str(out)
+    meta_path = path.parent / "meta.json"
+    if meta_path.is_file():
+        try:
+            meta_tok = json.loads(meta_path.read_text()).get("tokenizer")
+        except (ValueError, AttributeError):
+            raise UserError(f"{meta_path} is not a valid meta.json") from None
+        if meta_tok is not None and meta_tok != tokenizer_name:
+            raise UserError(f"--data {data} holds {meta_tok} tokens (its meta.json) but the checkpoint's tokenizer "
+                            f"is {tokenizer_name}: prepare the data with --tokenizer {tokenizer_name}, or pass a "
+                            ".txt / .jsonl file")
+    return data
+
+
 def run(args) -> int:
+    import tempfile
+
     from looped_lm.checkpoint import load_checkpoint
 
     model, cfg, manifest = load_checkpoint(args.checkpoint, args.device)
@@ -143,8 +185,11 @@ def run(args) -> int:
     k_grid = parse_k_grid(args.num_iterations)
     settings = ScoreSettings(k_grid=None if k_grid is None else tuple(k_grid), draws=args.draws,
                              candidates=args.candidates).validate()
-    sums, variances, tokens = perplexity(model, data, block, args.stride, args.max_tokens, args.batch_size,
-                                         settings, args.seed, args.device, progress=not args.no_progress)
+    with tempfile.TemporaryDirectory() as work:
+        tokens_file = data_tokens(data, manifest["tokenizer"], work)
+        sums, variances, tokens = perplexity(model, tokens_file, block, args.stride, args.max_tokens,
+                                             args.batch_size, settings, args.seed, args.device,
+                                             progress=not args.no_progress)
     rep = report(sums, variances, tokens, block, args.stride, manifest["tokenizer"], data, settings, cfg.model.kind)
     print(format_table(rep))
     if args.json:

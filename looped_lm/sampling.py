@@ -132,15 +132,27 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.minimum(ids, last)
 
 
+def draw_rows(logits: torch.Tensor, params: list[SamplingParams], random: RandomSource, rows: torch.Tensor,
+              n: int) -> torch.Tensor:
+    """logits (R, n, V) or (R, V) with n = 1 -> token ids (R, n) / (R,). Greedy rows take their argmax and
+    draw nothing, so a row's stream advances the same whatever rows share its batch."""
+    ids = logits.argmax(-1)
+    drawn = [i for i, p in enumerate(params) if not p.greedy]
+    if drawn:
+        idx = torch.tensor(drawn, device=logits.device)
+        part = logits if len(drawn) == len(params) else logits[idx]
+        u = random.uniform(rows[idx.to(rows.device)], n, logits.device)
+        u = u if logits.dim() == 3 else u[:, 0]
+        ids[idx] = draw(filtered_probs(part, [params[i] for i in drawn]), u)
+    return ids
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], random: RandomSource,
            rows: torch.Tensor | None = None) -> torch.Tensor:
     """logits (R, V) -> token ids (R,), row r drawn with params[r] from its own stream."""
     R = logits.shape[0]
     rows = torch.arange(R) if rows is None else rows
-    if all(p.greedy for p in params):
-        return logits.argmax(-1)
-    u = random.uniform(rows, 1, logits.device)[:, 0]
-    return draw(filtered_probs(logits, params), u)
+    return draw_rows(logits, params, random, rows, 1)
 
 
 class PositionalRandom(RandomSource):

@@ -72,3 +72,20 @@ def _train(model, opt, g, steps):
         opt.zero_grad()
         loss.backward()
         opt.step()
+
+
+@torch.no_grad()
+def uncached_next_logits(model, prefix: torch.Tensor, settings, z: torch.Tensor) -> torch.Tensor:
+    """Reference for cached decoding: the K-step chain of the token after prefix (B, P), recomputed over
+    the whole prefix without a cache, from starting noise z (B, 1, d). Deterministic bridges only."""
+    from looped_lm.diffusion.chain import run_chain
+    from looped_lm.models.db.contexts import WindowContext
+    from looped_lm.sampling import SharedGenerator
+
+    B, P = prefix.shape
+    window = WindowContext(model, prefix)
+    z_all = torch.zeros(B, P, z.shape[-1])
+    z_all[:, -1:] = z
+    result = run_chain(window.denoise, model.grid(), [settings] * B, z_all, SharedGenerator(None), model.targets,
+                       model.target_table)
+    return result.logits[:, -1]

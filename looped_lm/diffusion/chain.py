@@ -22,7 +22,7 @@ from looped_lm.diffusion.adaptive_exit import ExitTracker
 from looped_lm.diffusion.noise import NoiseSchedule, cdf_range, sigma_at_fraction
 from looped_lm.diffusion.partition import route_sigma
 from looped_lm.diffusion.sampler import euler_step, inference_sigmas
-from looped_lm.sampling import RandomSource, SamplingParams, draw, filtered_probs
+from looped_lm.sampling import RandomSource, SamplingParams, draw_rows
 from looped_lm.settings import InferenceSettings
 
 # denoise(block, z (R', n, d), sigma (R',), rows (R',) indices into the chain's rows) -> logits (R', n, V)
@@ -84,9 +84,7 @@ def bridge_points(logits: torch.Tensor, kinds: list[str], sampling: list[Samplin
         elif kind == "soft":
             points = part.float().softmax(-1) @ table()
         else:
-            params = [sampling[i] for i in sel.tolist()]
-            u = random.uniform(rows[sel], part.shape[1], part.device)
-            points = targets(draw(filtered_probs(part, params), u))
+            points = targets(draw_rows(part, [sampling[i] for i in sel.tolist()], random, rows[sel], part.shape[1]))
         if len(sel) == len(kinds):
             return points
         if out is None:

@@ -8,12 +8,13 @@ from __future__ import annotations
 import torch
 
 from looped_lm.errors import UserError
-from looped_lm.sampling import SharedGenerator, sample
+from looped_lm.sampling import GREEDY, SharedGenerator, sample
 from looped_lm.settings import InferenceSettings, RowBatch
 
 
 @torch.no_grad()
-def generate(model, prompt: torch.Tensor, max_new_tokens: int, settings: InferenceSettings, seed: int = 0,
+def generate(model, prompt: torch.Tensor, max_new_tokens: int, settings: InferenceSettings = InferenceSettings(GREEDY),
+             seed: int = 0,
              eot_id: int | None = None, return_logits: bool = False, iteration_log: list | None = None,
              noise: list | None = None):
     """prompt (B, T0) int64 -> (B, T0 + n) tokens; with return_logits also (B, n, V) step logits.
@@ -23,6 +24,7 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, settings: Inferen
     receives the iterations each row used per token (DiffusionBlocks models). `noise[i]` (B, 1, d)
     replaces token i's starting noise (tests).
     """
+    settings.sampling.validate()
     if prompt.dim() != 2 or prompt.shape[1] == 0:
         raise UserError("the prompt must hold at least one token", "prompt")
     if max_new_tokens < 1:

@@ -112,3 +112,9 @@ class GPTCache:
 
     def nbytes_per_token(self) -> int:
         return sum(c.nbytes_per_token() for c in self.layers)
+
+
+def build(cfg, vocab_size: int, state: dict | None = None) -> GPT:
+    m = cfg.model
+    return GPT(m.n_layers, m.d_model, m.n_heads, m.seq_len, vocab_size, m.ffn_hidden, m.rope_theta,
+               m.norm_eps, m.init_std, loss_chunk=m.loss_chunk)

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 
 from looped_lm.config import Config
 from looped_lm.errors import UserError
-from looped_lm.models import register
 from looped_lm.models.contract import CachedDecoding, Iterative, Scorable, TokenScores, Trainable
 from looped_lm.settings import IterationLimits, RowBatch
 from looped_lm.models.layers import (KVCache, RotaryEmbedding, TransformerLayer, ffn_width, init_weights,
@@ -215,8 +214,5 @@ class HuginnCache:
         return sum(c.nbytes_per_token() for c in every)
 
 
-def _build_huginn(cfg: Config, vocab_size: int, state: dict | None):
+def build(cfg: Config, vocab_size: int, state: dict | None = None) -> HuginnLM:
     return HuginnLM(cfg, vocab_size)
-
-
-register("huginn", _build_huginn)
