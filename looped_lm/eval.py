@@ -1,4 +1,4 @@
-"""Perplexity of a checkpoint on a nanoGPT-format token file (method.md §6).
+"""Perplexity of a checkpoint on a nanoGPT-format token file (docs/method.md §6).
 
 Protocol: windows of `block_size` tokens, disjoint by default (the primary number); with `--stride S`
 each window after the first scores only its last S targets, so every target is scored once with at

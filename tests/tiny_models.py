@@ -6,7 +6,7 @@ from looped_lm.config import config_from_dict
 from looped_lm.models import build_model
 
 V, D = 47, 32
-# The paper's layout (method.md §4-5), which the mechanism tests (caches, batching, export) pin so their
+# The paper's layout (docs/method.md §4-5), which the mechanism tests (caches, batching, export) pin so their
 # logits stay O(1); the product's defaults (docs/results.md) have their own tests in test_dblm.py.
 PAPER = {"parameterization": "edm", "noisy_self": True, "noisy_input": "noise", "bridge": "hard",
          "block_sampling": "uniform"}
