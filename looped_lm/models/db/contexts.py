@@ -103,6 +103,26 @@ class CachedContext:
         ends = state.lengths[sel]
         self.noisy_pos = ends[:, None]  # the next token's position, per row
 
+    def _all(self, rows: torch.Tensor) -> bool:
+        return rows.shape[0] == self.sel.shape[0] and bool((rows == torch.arange(len(rows), device=rows.device)).all())
+
+    def _fused(self, b: int, z, sigma):
+        """The common decode step: every row has the same number of pending clean tokens for block b;
+        they and the noisy slots go through the block in one weight pass. None when not applicable."""
+        caches = self.state.blocks[b]
+        start, ends = caches[0].lengths[self.sel], self.state.lengths[self.sel]
+        pending = ends - start
+        n = int(pending[0])
+        if n == 0 or not bool((pending == n).all()):
+            return None
+        span = start[:, None] + torch.arange(n, device=start.device)
+        aligned = bool((start == start[0]).all())
+        clean_pos = span[0] if aligned else span
+        noisy_pos = ends[:1] if aligned else ends[:, None]
+        clean = self.state.history[self.sel[:, None], span]
+        prev = self.state.last[self.sel][:, None]
+        return self.net.fused_pass(b, clean, clean_pos, caches, self.sel, z, sigma, prev, noisy_pos)
+
     def catch_up(self, b: int) -> None:
         """Bring block b's cache of every row in sel up to its history: aligned rows in one forward,
         ragged ones (they skipped this block for different spans) one row at a time."""
@@ -121,6 +141,10 @@ class CachedContext:
             net.clean_kv(b, state.history[rows[:, None], span], positions, caches, rows)
 
     def denoise(self, b: int, z, sigma, rows: torch.Tensor | None = None):
+        if rows is None or self._all(rows):
+            fused = self._fused(b, z, sigma)
+            if fused is not None:
+                return fused
         self.catch_up(b)
         sel = self.sel if rows is None else self.sel[rows]
         caches = self.state.blocks[b]

@@ -153,6 +153,18 @@ class DBNetwork(nn.Module):
             out.append((k, v))
         return out
 
+    def fused_pass(self, b: int, clean, clean_pos, caches, rows, z, sigma, prev, noisy_pos):
+        """Decoding: block b's pending clean tokens (appended to `caches`) and the noisy slots z in one
+        weight pass per layer (`TwoStreamLayer.fused`) -> the slots' logits. Equal to `clean_kv` then
+        `noisy_pass`."""
+        h, cond, loglik = self.noisy_input(z, sigma, prev)
+        clean_rope, noisy_rope = self.rope(clean_pos), self.rope(noisy_pos)
+        layers = self.layers_of(b)
+        for i, (layer, cache) in enumerate(zip(layers, caches)):
+            clean, h = layer.fused(clean, h, cond, clean_rope, noisy_rope, cache, rows, self.noisy_self,
+                                   need_clean_output=i + 1 < len(layers))
+        return self.denoise_logits(h, z, sigma, loglik)
+
     def noisy_pass(self, b: int, z, sigma, prev, noisy_pos, kv: list, mask, head: bool = True):
         """THE noisy step: slots z (R, n, d) at sigma (R,) through block b against its clean K/V
         (one (k, v) per layer) -> logits (R, n, V), or the slots' states with head=False."""
