@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from serve import protocol as p
-from serve.serving import OpenAIServing
+from looped_lm.serve import protocol as p
+from looped_lm.serve.serving import OpenAIServing
 
 router = APIRouter()
 ERRORS = {code: {"model": p.ErrorResponse} for code in (400, 401, 404)}

@@ -17,11 +17,11 @@ from fastapi import FastAPI
 from looped_lm import __version__
 from looped_lm.data.tokenizer import Tokenizer
 from looped_lm.engine.engine import Engine
-from serve.api_router import router
-from serve.errors import APIError, install_error_handlers
-from serve.metrics import HTTPMetricsMiddleware, ServerMetrics
-from serve.models import ServedModels
-from serve.serving import OpenAIServing
+from looped_lm.serve.api_router import router
+from looped_lm.serve.errors import APIError, install_error_handlers
+from looped_lm.serve.metrics import HTTPMetricsMiddleware, ServerMetrics
+from looped_lm.serve.models import ServedModels
+from looped_lm.serve.serving import OpenAIServing
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 

@@ -44,7 +44,7 @@ def run(args) -> int:
     try:
         import uvicorn
 
-        from serve.app import build_app
+        from looped_lm.serve.app import build_app
     except ModuleNotFoundError as e:
         raise UserError(f"`looped_lm serve` needs the serve extra ({e.name} is missing): "
                         "pip install -e '.[serve]'") from None

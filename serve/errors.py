@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from looped_lm.engine.engine import InvalidRequest
-from serve.protocol import ErrorInfo, ErrorResponse
+from looped_lm.serve.protocol import ErrorInfo, ErrorResponse
 
 log = logging.getLogger("looped_lm.serve")
 

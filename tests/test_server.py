@@ -27,8 +27,8 @@ from conftest import DIST_VARS
 from looped_lm.checkpoint import load_checkpoint
 from looped_lm.data.tokenizer import get_tokenizer
 from looped_lm.engine.engine import Engine
-from serve.app import BackgroundServer, build_app
-from serve.text import Detokenizer, StopStrings
+from looped_lm.serve.app import BackgroundServer, build_app
+from looped_lm.serve.text import Detokenizer, StopStrings
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -26,7 +26,7 @@ from vllm.model_executor.layers.attention import Attention
 from looped_lm import diffusion as dm
 from looped_lm.models.db_decode import positional_gumbel, positional_noise
 from looped_lm.models.two_stream import modulate
-from serve.vllm_plugin.attention import paged_attention
+from looped_lm.serve.vllm_plugin.attention import paged_attention
 
 class DiffusionBlocksRunner(nn.Module):
     """The vLLM forward of a DiffusionBlocksLM `model` at a fixed K and bridge."""
