@@ -72,21 +72,26 @@ def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str, api_key: st
 
 def _document(app: FastAPI, bearer: bool) -> None:
     """The OpenAPI document as the server behaves: invalid input is a 400 envelope (FastAPI would list
-    a 422), and with a key every route needs the bearer scheme."""
+    a 422), and with a key the bearer scheme is declared on exactly the routes APIKeyMiddleware guards."""
     generate = app.openapi
 
     def openapi() -> dict:
         if app.openapi_schema is None:
             schema = generate()
-            for operations in schema["paths"].values():
+            for path, operations in schema["paths"].items():
                 for op in operations.values():
                     op.get("responses", {}).pop("422", None)
+                    if bearer and path not in OPEN_PATHS:
+                        op["security"] = [{"bearer": []}]
+                        op.setdefault("responses", {}).setdefault(
+                            "401", {"description": "missing or wrong API key",
+                                    "content": {"application/json": {"schema": {
+                                        "$ref": "#/components/schemas/ErrorResponse"}}}})
             for name in ("HTTPValidationError", "ValidationError"):
                 schema.get("components", {}).get("schemas", {}).pop(name, None)
             if bearer:
-                bearer_scheme = {"bearer": {"type": "http", "scheme": "bearer"}}
-                schema.setdefault("components", {})["securitySchemes"] = bearer_scheme
-                schema["security"] = [{"bearer": []}]
+                schema.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http",
+                                                                                     "scheme": "bearer"}}
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -34,17 +34,23 @@ class APIError(Exception):
 
     @classmethod
     def bad_request(cls, message: str, param: str | None = None) -> "APIError":
+        """A 400 whose message starts with the field it names (as validation errors do)."""
+        if param and not message.startswith(param):
+            message = f"{param}: {message}"
         return cls(400, message, param)
 
     @classmethod
     def from_invalid(cls, e: InvalidRequest) -> "APIError":
-        return cls(400, str(e), e.param)
+        return cls.bad_request(str(e), e.param)
 
     def body(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body().model_dump(), status_code=self.status)
+
+
+BODY_SHAPE = frozenset({"missing", "model_attributes_type", "model_type", "dict_type"})  # no body, or not an object
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -57,11 +63,12 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     msg = first.get("msg", "invalid value")
     if first.get("type") == "json_invalid":
         return f"malformed JSON: {first.get('ctx', {}).get('error', msg)}", None
-    if not loc:  # the body itself: missing, or not an object
-        return "the request body must be a JSON object", None
     msg = msg.removeprefix("Value error, ")
-    param = loc[0] if loc else None
-    return (f"{'.'.join(loc)}: {msg}" if loc else msg), param
+    if not loc:
+        if first.get("type") in BODY_SHAPE:
+            return "the request body must be a JSON object", None
+        return msg, None  # a check on the whole body (each field's own check names its field instead)
+    return f"{'.'.join(loc)}: {msg}", loc[0]
 
 
 def install_error_handlers(app: FastAPI) -> None:

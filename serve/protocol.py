@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 
 MAX_LOGPROBS = 20
 MAX_N = 64
@@ -80,18 +80,28 @@ class SamplingFields(RequestModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
 
-    @model_validator(mode="after")
-    def _unsupported(self):
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0.0:
-                raise ValueError(f"{name} is not supported by this server (only 0)")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if self.stop is not None and any(s == "" for s in self.stop):
+    # Checks are field validators (not model validators) so that a 400 names its field in `param`.
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float) -> float:
+        if value != 0.0:
+            raise ValueError("not supported by this server (only 0)")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value):
+        if value:
+            raise ValueError("not supported by this server")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, value):
+        stops = [value] if isinstance(value, str) else value
+        if stops is not None and "" in stops:
             raise ValueError("stop strings must not be empty")
-        return self
+        return stops
 
 
 class UsageInfo(ResponseModel):
@@ -129,13 +139,19 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
     suffix: str | None = None
 
-    @model_validator(mode="after")
-    def _unsupported_completion_fields(self):
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of is not supported by this server (only best_of == n)")
-        if self.suffix:
-            raise ValueError("suffix is not supported by this server")
-        return self
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value, info: ValidationInfo):
+        if value is not None and value != info.data.get("n", 1):
+            raise ValueError("not supported by this server (only best_of == n)")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value):
+        if value:
+            raise ValueError("not supported by this server")
+        return value
 
 
 class CompletionLogProbs(ResponseModel):
@@ -189,12 +205,40 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="OpenAI's newer max_tokens")
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # OpenAI fields this server does not implement: accepted when absent or neutral only
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    tool_choice: Any = None
+    function_call: Any = None
+    response_format: Any = None
 
-    @model_validator(mode="after")
-    def _logprob_fields(self):
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
-        return self
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, value, info: ValidationInfo):
+        if value and not info.data.get("logprobs", True):  # logprobs itself invalid: its own error
+            raise ValueError("needs logprobs: true")
+        return value
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value):
+        if value:
+            raise ValueError("not supported by this server (no tool calls)")
+        return value
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, value):
+        if value not in (None, "none", "auto"):
+            raise ValueError("not supported by this server (no tool calls; only \"none\" or \"auto\")")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value):
+        if value not in (None, {"type": "text"}):
+            raise ValueError('not supported by this server (only {"type": "text"})')
+        return value
 
 
 class TopLogprob(ResponseModel):
@@ -279,17 +323,19 @@ class ModelList(ResponseModel):
 
 class TokenizeRequest(RequestModel):
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    prompt: str | None = Field(None, description="the text to tokenize (or give messages)")
+    messages: list[ChatMessage] | None = Field(None, validate_default=True,
+                                               description="a conversation, rendered by the chat template")
     add_special_tokens: bool = Field(True, description="accepted for vLLM compatibility; no token is ever added")
     add_generation_prompt: bool = True
     return_token_strs: bool = False
 
-    @model_validator(mode="after")
-    def _one_input(self):
-        if (self.prompt is None) == (self.messages is None):
+    @field_validator("messages")
+    @classmethod
+    def _one_input(cls, value, info: ValidationInfo):
+        if "prompt" in info.data and (info.data["prompt"] is None) == (value is None):
             raise ValueError("give exactly one of prompt or messages")
-        return self
+        return value
 
 
 class TokenizeResponse(ResponseModel):

@@ -4,8 +4,8 @@ servers on loopback serving tiny checkpoints trained here (a byte-level GPT and 
 Covered: /v1/models with NAME@K aliases, completions (all prompt shapes, n, seed, stop, stream), chat
 (plain and streamed), K per request (extra_body, alias, default) reported back, echo + logprobs exactly
 as lm-evaluation-harness's `local-completions` reads them and equal to the model's own log-probs, the
-tokenizer endpoints, /health, /metrics, the OpenAPI document, a table of bad input (always a 400
-envelope, never a 500), API keys, client disconnects freeing slots, and the `looped_lm serve` verb.
+tokenizer endpoints, /health, /metrics, the OpenAPI document, API keys, client disconnects freeing
+slots, and the `looped_lm serve` verb. Bad and extreme input: tests/test_server_input.py.
 """
 
 from __future__ import annotations
@@ -343,95 +343,6 @@ def test_health_metrics_and_openapi(gpt):
     assert "400" in responses and "422" not in responses  # as the server answers
 
 
-# --- bad input: always the 400 envelope, never a 500 ----------------------------------------------------
-
-BAD = [  # (path, body: dict -> JSON, bytes -> raw, expected status, param or None)
-    ("/v1/completions", b"{not json", 400, None),
-    ("/v1/completions", b"", 400, None),
-    ("/v1/completions", b"[]", 400, None),
-    ("/v1/completions", b'"a string"', 400, None),
-    ("/v1/completions", {}, 400, "prompt"),
-    ("/v1/completions", {"prompt": None}, 400, "prompt"),
-    ("/v1/completions", {"prompt": 3}, 400, "prompt"),
-    ("/v1/completions", {"prompt": []}, 400, "prompt"),
-    ("/v1/completions", {"prompt": [[]]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": [1, "a"]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": [True, 2]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": [-1]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": [10 ** 6]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": [[1], [2, 10 ** 20]]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": [1] * 100, "max_tokens": 1}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 10 ** 6}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 1.5}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
-    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
-    ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', 400, "temperature"),
-    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
-    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
-    ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "top_k"),
-    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
-    ("/v1/completions", {"prompt": "hi", "n": 10 ** 4}, 400, "n"),
-    ("/v1/completions", {"prompt": ["a"] * 10, "n": 64}, 400, "n"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": -1}, 400, "logprobs"),
-    ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, None),
-    ("/v1/completions", {"prompt": "hi", "stop": 5}, 400, "stop"),
-    ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 17}, 400, "stop"),
-    ("/v1/completions", {"prompt": "hi", "seed": "x"}, 400, "seed"),
-    ("/v1/completions", {"prompt": "hi", "seed": 2 ** 70}, 400, "seed"),
-    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
-    ("/v1/completions", {"prompt": "hi", "echo": 1}, 400, "echo"),
-    ("/v1/completions", {"prompt": "hi", "num_iterations": 0}, 400, "num_iterations"),
-    ("/v1/completions", {"prompt": "hi", "num_iterations": 1000}, 400, "num_iterations"),
-    ("/v1/completions", {"prompt": "hi", "num_iterations": "2"}, 400, "num_iterations"),
-    ("/v1/completions", {"prompt": "hi", "model": "tiny-db@999"}, 400, "model"),
-    ("/v1/completions", {"prompt": "hi", "model": "tiny-db@2", "num_iterations": 4}, 400, "num_iterations"),
-    ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, None),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 5}}, 400, None),
-    ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, None),
-    ("/v1/completions", {"prompt": "hi", "suffix": "end"}, 400, None),
-    ("/v1/completions", {"prompt": "hi", "model": "tiny-db@0"}, 404, "model"),
-    ("/v1/completions", {"prompt": "hi", "model": "tiny-db@two"}, 404, "model"),
-    ("/v1/completions", {"prompt": "hi", "model": "other"}, 404, "model"),
-    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1000}, 400, "max_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 200}]}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, None),
-    ("/tokenize", {}, 400, None),
-    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, None),
-    ("/detokenize", {"tokens": [10 ** 9]}, 400, "tokens"),
-    ("/detokenize", {"tokens": ["a"]}, 400, "tokens"),
-]
-
-
-def test_bad_input_is_a_400_envelope_and_never_a_500(db):
-    for path, body, status, param in BAD:
-        if isinstance(body, bytes):
-            r = db.http.post(path, content=body, headers={"content-type": "application/json"})
-        else:
-            r = db.http.post(path, json=body)
-        assert r.status_code == status, (path, body, r.text)
-        error = r.json()["error"]
-        assert set(error) == {"message", "type", "param", "code"} and error["message"], r.text
-        assert error["type"] == "invalid_request_error"
-        assert error["param"] == param, (body, error)
-    wrong_type = db.http.post("/v1/completions", content=b'{"prompt": "hi"}', headers={"content-type": "text/plain"})
-    assert wrong_type.status_code == 400
-    assert db.http.get("/v1/nothing").status_code == 404 and db.http.get("/v1/completions").status_code == 405
-    assert db.http.get("/v1/nothing").json()["error"]["code"] == "not_found"
-    assert db.http.get("/health").status_code == 200
-    assert db.client.completions.create(model="tiny-db", prompt="A", max_tokens=2).choices[0].finish_reason
-    assert 'status="500"' not in db.http.get("/metrics").text
-
-
 # --- disconnects ---------------------------------------------------------------------------------------
 
 
@@ -498,3 +409,35 @@ def test_serve_verb_with_an_api_key(tiny_run, clean_env):
         proc.terminate()
         out, _ = proc.communicate(timeout=30)
     assert "serving cli-gpt (gpt) at http://127.0.0.1" in out and "Traceback" not in out
+
+
+def serve_in_process(monkeypatch, *flags: str):
+    """`looped_lm serve FLAGS` up to where uvicorn would start: -> (exit code, the app it would serve)."""
+    import uvicorn
+
+    from looped_lm.cli import main
+
+    started = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: started.update(app=app))
+    return main(["serve", *flags]), started.get("app")
+
+
+def test_the_served_context_is_the_trained_one_unless_a_flag_asks(tiny_run, monkeypatch, capsys):
+    ckpt = str(tiny_run[1])
+    seq_len = load_checkpoint(ckpt)[1].model.seq_len  # 16; the model has 4 x 16 positions
+    code, app = serve_in_process(monkeypatch, "--checkpoint", ckpt)
+    err = capsys.readouterr().err
+    assert code == 0 and app.state.serving.engine.max_len == seq_len
+    assert f"slots of {seq_len} tokens" in err and "warning" not in err
+    code, app = serve_in_process(monkeypatch, "--checkpoint", ckpt, "--max-model-len", str(3 * seq_len))
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert code == 0 and app.state.serving.engine.max_len == 3 * seq_len
+    assert warnings == [f"warning: --max-model-len {3 * seq_len} exceeds the trained context of {seq_len} tokens "
+                        "(model.seq_len); text past it may be poor"]
+    code, app = serve_in_process(monkeypatch, "--checkpoint", ckpt, "--max-model-len", str(seq_len // 2))
+    assert code == 0 and app.state.serving.engine.max_len == seq_len // 2
+    assert "warning" not in capsys.readouterr().err
+    for bad in (0, 4 * seq_len + 1):
+        code, app = serve_in_process(monkeypatch, "--checkpoint", ckpt, "--max-model-len", str(bad))
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and app is None and err.startswith("error: --max-model-len must be in 1..") and "\n" not in err

@@ -26,16 +26,21 @@ class SamplingParams:
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (nucleus) on logits (N, V); filtered entries become -inf."""
-    logits = logits.float() / params.temperature
+    """Temperature, then top-k, then top-p (nucleus) on logits (N, V); filtered entries become -inf.
+    The logits are shifted by their row maximum before the temperature divides them, and the temperature
+    is held inside float32's range, so extreme temperatures give a point mass (tiny) or a flat row
+    (huge), never inf or NaN; the top token always survives top-p."""
+    logits = logits.float()
+    logits = (logits - logits.amax(-1, keepdim=True)) / min(max(params.temperature, 1e-45), 3e38)
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
-        # drop a token once the mass before it already reaches top_p (the top token always stays)
+        # drop a token once the mass before it already reaches top_p
         drop_sorted = probs.cumsum(-1) - probs >= params.top_p
+        drop_sorted[..., 0] = False  # a top_p below float32's smallest number would drop it too
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
