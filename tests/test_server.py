@@ -10,7 +10,9 @@ slots, and the `looped_lm serve` verb. Bad and extreme input: tests/test_server_
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -301,16 +303,46 @@ def test_echo_with_generation_and_token_id_strings(db):
     assert all(len(top) in (2, 3) for top in lp["top_logprobs"][1:])
 
 
-def test_detokenizer_never_splits_a_character_and_stop_strings_hold_back_their_prefixes():
-    tok = get_tokenizer("byte")
-    text = "héllo → wörld"
+@pytest.mark.parametrize("name", ["byte", "gpt2"])
+def test_detokenizer_never_splits_a_character_and_ends_as_decode(name):
+    tok = get_tokenizer(name)
+    text = "héllo → wörld 😀 日本"
+    ids = tok.encode(text)
+    assert len(ids) > len(text.split())  # characters span several tokens
     d = Detokenizer(tok)
-    pieces = [d.add(i) for i in tok.encode(text)] + [d.flush()]
-    assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces)
+    pieces = [d.add(i) for i in ids]
+    assert "".join(pieces) + d.flush() == text and all("\ufffd" not in p for p in pieces)
+    rng = random.Random(0)  # any ids, broken UTF-8 and the end-of-text token included: the text of decode
+    alphabet = [*ids, tok.eot_id, *rng.sample(range(tok.vocab_size), 20)]
+    for _ in range(200):
+        ids = [rng.choice(alphabet) for _ in range(rng.randint(1, 24))]
+        d = Detokenizer(tok)
+        assert "".join(d.add(i) for i in ids) + d.flush() == tok.decode(ids), ids
+
+
+def test_stop_strings_hold_back_their_prefixes():
     s = StopStrings(["STOP", "xyz"])
     assert [s.push(p) for p in ["ab", "cS", "TO", "P tail"]] == [("ab", False), ("c", False), ("", False), ("", True)]
     s = StopStrings(["STOP"])
     assert [s.push(p) for p in ["aS", "Tb"]] == [("a", False), ("STb", False)]
+    s = StopStrings(["é!"])  # a stop string of a multi-byte character, met across pieces
+    assert [s.push(p) for p in ["caf", "é", "!x"]] == [("caf", False), ("", False), ("", True)]
+
+
+def test_streamed_text_equals_the_whole_text_across_split_characters(gpt):
+    """Echo a prompt whose characters span several byte tokens, then sample bytes (the tiny model emits
+    broken UTF-8 too): the streamed pieces join to the whole text, which is the decoded ids."""
+    prompt = gpt.tok.encode("Noé → 😀")
+    for seed in range(4):
+        body = {"prompt": prompt, "echo": True, "max_tokens": 12, "temperature": 1.5, "seed": seed, "ignore_eos": True,
+                "logprobs": 0, "return_tokens_as_token_ids": True}
+        whole = gpt.http.post("/v1/completions", json=body).json()["choices"][0]
+        assert whole["text"].startswith("Noé → 😀")
+        ids = [int(t.removeprefix("token_id:")) for t in whole["logprobs"]["tokens"]]
+        assert ids[:len(prompt)] == prompt and whole["text"] == gpt.tok.decode(ids)
+        raw = gpt.http.post("/v1/completions", json={**body, "stream": True}).text
+        events = [json.loads(e.removeprefix("data: ")) for e in raw.split("\n\n") if e and e != "data: [DONE]"]
+        assert "".join(c["text"] for e in events for c in e["choices"]) == whole["text"]
 
 
 # --- tokenizer endpoints, health, metrics, OpenAPI ---------------------------------------------------
