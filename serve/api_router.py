@@ -13,6 +13,8 @@ from looped_lm.serve.serving import OpenAIServing
 
 router = APIRouter()
 ERRORS = {code: {"model": p.ErrorResponse} for code in (400, 401, 404)}
+# with "stream": true the answer is server-sent events: `data: <chunk JSON>` lines, then `data: [DONE]`
+STREAMED = {**ERRORS, 200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 
 def serving(request: Request) -> OpenAIServing:
@@ -24,12 +26,12 @@ async def list_models(request: Request):
     return serving(request).models.cards()
 
 
-@router.post("/v1/completions", response_model=p.CompletionResponse, responses=ERRORS)
+@router.post("/v1/completions", response_model=p.CompletionResponse, responses=STREAMED)
 async def create_completion(body: p.CompletionRequest, request: Request):
     return await _respond(request, serving(request).create_completion(body))
 
 
-@router.post("/v1/chat/completions", response_model=p.ChatCompletionResponse, responses=ERRORS)
+@router.post("/v1/chat/completions", response_model=p.ChatCompletionResponse, responses=STREAMED)
 async def create_chat_completion(body: p.ChatCompletionRequest, request: Request):
     return await _respond(request, serving(request).create_chat_completion(body))
 

@@ -66,18 +66,46 @@ def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str, api_key: st
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics, paths={r.path for r in router.routes} | OPEN_PATHS)
-    _document(app, bearer=bool(api_key))
+    _document(app, bearer=bool(api_key), limits=_limits(engine, tokenizer))
     return app
 
 
-def _document(app: FastAPI, bearer: bool) -> None:
+def _limits(engine: Engine, tokenizer: Tokenizer) -> dict[str, dict | None]:
+    """This server's bounds on request integers, by field (None: the field does not apply)."""
+    k = {"minimum": 1, "maximum": engine.max_iterations} if engine.max_iterations else None
+    tokens = {"maximum": engine.max_len}
+    return {"num_iterations": k, "max_tokens": tokens, "max_completion_tokens": tokens,
+            "prompt": {"maximum": tokenizer.vocab_size - 1}, "tokens": {"maximum": tokenizer.vocab_size - 1}}
+
+
+def _bound_integers(node, bounds: dict) -> None:
+    """Set `bounds` on every integer schema under `node` (anyOf branches and array items included)."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            node.update(bounds)
+        for value in node.values():
+            _bound_integers(value, bounds)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_integers(value, bounds)
+
+
+def _document(app: FastAPI, bearer: bool, limits: dict[str, dict | None]) -> None:
     """The OpenAPI document as the server behaves: invalid input is a 400 envelope (FastAPI would list
-    a 422), and with a key the bearer scheme is declared on exactly the routes APIKeyMiddleware guards."""
+    a 422); request integers carry this server's bounds (K, context, vocabulary; `limits`); and with a key
+    the bearer scheme is declared on exactly the routes APIKeyMiddleware guards."""
     generate = app.openapi
 
     def openapi() -> dict:
         if app.openapi_schema is None:
             schema = generate()
+            for name, model in schema.get("components", {}).get("schemas", {}).items():
+                props = model.get("properties", {}) if name.endswith("Request") else {}
+                for field, bounds in limits.items():
+                    if field in props and bounds is None:
+                        del props[field]
+                    elif field in props:
+                        _bound_integers(props[field], bounds)
             for path, operations in schema["paths"].items():
                 for op in operations.values():
                     op.get("responses", {}).pop("422", None)

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from looped_lm.engine.engine import InvalidRequest
-from looped_lm.serve.protocol import ErrorInfo, ErrorResponse
+from looped_lm.serve.protocol import ErrorInfo, ErrorResponse, FieldError
 
 log = logging.getLogger("looped_lm.serve")
 
@@ -27,9 +27,9 @@ class APIError(Exception):
     """An error answer: raised by handlers, turned into the envelope by the app."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
         self.type = type or _TYPES.get(status, "invalid_request_error")
 
     @classmethod
@@ -47,7 +47,7 @@ class APIError(Exception):
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body().model_dump(), status_code=self.status)
+        return JSONResponse(self.body().model_dump(), status_code=self.status, headers=self.headers)
 
 
 BODY_SHAPE = frozenset({"missing", "model_attributes_type", "model_type", "dict_type"})  # no body, or not an object
@@ -64,6 +64,9 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return f"malformed JSON: {first.get('ctx', {}).get('error', msg)}", None
     msg = msg.removeprefix("Value error, ")
+    cause = first.get("ctx", {}).get("error")
+    if not loc and isinstance(cause, FieldError):
+        return f"{cause.field}: {cause}", cause.field
     if not loc:
         if first.get("type") in BODY_SHAPE:
             return "the request body must be a JSON object", None
@@ -88,7 +91,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return APIError(exc.status_code, str(exc.detail), code=code).response()
+        return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()  # 405: Allow
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

@@ -11,7 +11,8 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 MAX_LOGPROBS = 20
 MAX_N = 64
@@ -19,6 +20,15 @@ MAX_N = 64
 
 def _id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class FieldError(ValueError):
+    """A check on a whole request that is about one field: the 400 names `field` (errors.py). Checks
+    of one field are field validators, which pydantic locates by itself."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
 
 
 class RequestModel(BaseModel):
@@ -47,7 +57,16 @@ class ErrorResponse(ResponseModel):
 
 # --- shared request fields ---------------------------------------------------------------------
 
-Seed = Annotated[int, Field(ge=-(2 ** 63), lt=2 ** 64)]
+
+def _integral(value):
+    """JSON (and JSON Schema's `integer`) does not tell 5 from 5.0: take 5.0 as 5. "5", true and 5.5 stay
+    refused by the strict int check that follows."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+JSONInt = BeforeValidator(_integral)  # after any Field(...) in Annotated[int, ...], so the schema keeps its bounds
+TokenId = Annotated[int, Field(ge=0), JSONInt]
+Seed = Annotated[int, Field(ge=-(2 ** 63), lt=2 ** 64), JSONInt]
 Temperature = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 Stop = Union[str, Annotated[list[str], Field(max_length=16)], None]
@@ -63,22 +82,23 @@ class SamplingFields(RequestModel):
     model: str | None = Field(None, description="a name from /v1/models (NAME or NAME@K); default: the served model")
     temperature: Temperature | None = Field(None, description="0 = greedy; default 1")
     top_p: TopP | None = Field(None, description="nucleus mass in (0, 1]; default 1 (off)")
-    top_k: Annotated[int, Field(ge=-1)] | None = Field(None, description="extension: keep the k most likely; "
+    top_k: Annotated[int, Field(ge=-1), JSONInt] | None = Field(None, description="extension: keep the k most likely; "
                                                                         "0 or -1 = off")
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N), JSONInt] = 1
     stop: Stop = Field(None, description="up to 16 strings; the text stops before the first one")
     seed: Seed | None = Field(None, description="choice i samples with seed + i; default: random")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    num_iterations: Annotated[int, Field(ge=1)] | None = Field(
+    num_iterations: Annotated[int, Field(ge=1), JSONInt] | None = Field(
         None, description="extension: K denoising iterations per token (DiffusionBlocks / looped models); "
                           "default: the NAME@K alias, else the server default")
     ignore_eos: bool = Field(False, description="extension: keep generating past the end-of-text token")
     user: str | None = None
-    # OpenAI fields this server does not implement: accepted at their neutral values only
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    # OpenAI fields this server does not implement: accepted at their neutral values only, and left out
+    # of the OpenAPI document (which lists what the server does)
+    presence_penalty: SkipJsonSchema[float] = 0.0
+    frequency_penalty: SkipJsonSchema[float] = 0.0
+    logit_bias: SkipJsonSchema[dict[str, float] | None] = None
 
     # Checks are field validators (not model validators) so that a 400 names its field in `param`.
     @field_validator("presence_penalty", "frequency_penalty")
@@ -113,31 +133,43 @@ class UsageInfo(ResponseModel):
 # --- /v1/completions ---------------------------------------------------------------------------
 
 
+def _token_ids(x) -> list[int] | None:
+    """`x` as a non-empty list of token ids (5.0 taken as 5), or None if it is not one."""
+    if not isinstance(x, list) or not x:
+        return None
+    x = [_integral(t) for t in x]
+    return x if all(isinstance(t, int) and not isinstance(t, bool) for t in x) else None
+
 
 def _check_prompt(value):
     """One clear message for every malformed prompt, instead of one per member of the union."""
-    def ids(x):
-        return isinstance(x, list) and len(x) > 0 and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-
-    if isinstance(value, str) or (isinstance(value, list) and value and (
-            all(isinstance(x, str) for x in value) or ids(value) or all(ids(x) for x in value))):
+    if isinstance(value, str) or (isinstance(value, list) and value and all(isinstance(x, str) for x in value)):
         return value
-    raise ValueError("prompt must be a string, a non-empty list of strings, a non-empty list of token ids, "
-                     "or a non-empty list of non-empty token-id lists")
+    ids = _token_ids(value)
+    if ids is None and isinstance(value, list) and value:
+        rows = [_token_ids(x) for x in value]
+        ids = rows if all(r is not None for r in rows) else None
+    if ids is None:
+        raise ValueError("must be a string, a non-empty list of strings, a non-empty list of token ids, "
+                         "or a non-empty list of non-empty token-id lists")
+    negative = [t for t in (ids if isinstance(ids[0], int) else [t for row in ids for t in row]) if t < 0]
+    if negative:
+        raise ValueError(f"token ids are >= 0 (got {negative[0]})")
+    return ids
 
 
-Prompt = Annotated[Union[str, list[str], list[StrictInt], list[list[StrictInt]]], BeforeValidator(_check_prompt)]
+Prompt = Annotated[Union[str, list[str], list[TokenId], list[list[TokenId]]], BeforeValidator(_check_prompt)]
 
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt = Field(..., description="a string, a list of strings, a token-id list, or a list of token-id lists")
-    max_tokens: Annotated[int, Field(ge=0)] | None = Field(16, description="0 only with echo (score the prompt)")
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+    max_tokens: Annotated[int, Field(ge=0), JSONInt] | None = Field(16, description="0 only with echo (score the prompt)")
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), JSONInt] | None = Field(
         None, description="log-probs of each token and of the N most likely alternatives")
     echo: bool = Field(False, description="return the prompt before the completion (with logprobs: its log-probs)")
     return_tokens_as_token_ids: bool = Field(False, description="extension (vLLM): tokens read 'token_id:N'")
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: SkipJsonSchema[int | None] = None  # not implemented: neutral values only (best_of == n)
+    suffix: SkipJsonSchema[str | None] = None
 
     @field_validator("best_of")
     @classmethod
@@ -201,16 +233,16 @@ class ChatMessage(RequestModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="default: the rest of the context")
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="OpenAI's newer max_tokens")
+    max_tokens: Annotated[int, Field(ge=1), JSONInt] | None = Field(None, description="default: the rest of the context")
+    max_completion_tokens: Annotated[int, Field(ge=1), JSONInt] | None = Field(None, description="OpenAI's newer max_tokens")
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    # OpenAI fields this server does not implement: accepted when absent or neutral only
-    tools: list[Any] | None = None
-    functions: list[Any] | None = None
-    tool_choice: Any = None
-    function_call: Any = None
-    response_format: Any = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), JSONInt] | None = None
+    # OpenAI fields this server does not implement: accepted when absent or neutral only, undocumented
+    tools: SkipJsonSchema[list[Any] | None] = None
+    functions: SkipJsonSchema[list[Any] | None] = None
+    tool_choice: SkipJsonSchema[Any] = None
+    function_call: SkipJsonSchema[Any] = None
+    response_format: SkipJsonSchema[Any] = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -322,20 +354,29 @@ class ModelList(ResponseModel):
 
 
 class TokenizeRequest(RequestModel):
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
+
     model: str | None = None
-    prompt: str | None = Field(None, description="the text to tokenize (or give messages)")
-    messages: list[ChatMessage] | None = Field(None, validate_default=True,
-                                               description="a conversation, rendered by the chat template")
+    prompt: str | SkipJsonSchema[None] = Field(None, description="the text to tokenize (or give messages)")
+    messages: list[ChatMessage] | SkipJsonSchema[None] = Field(
+        None, description="a conversation, rendered by the chat template (or give prompt)")
     add_special_tokens: bool = Field(True, description="accepted for vLLM compatibility; no token is ever added")
     add_generation_prompt: bool = True
     return_token_strs: bool = False
 
-    @field_validator("messages")
+    @field_validator("prompt", "messages", mode="before")
     @classmethod
-    def _one_input(cls, value, info: ValidationInfo):
-        if "prompt" in info.data and (info.data["prompt"] is None) == (value is None):
-            raise ValueError("give exactly one of prompt or messages")
+    def _absent_not_null(cls, value):
+        if value is None:  # only given values reach this: a missing field keeps its default silently
+            raise ValueError("leave the field out instead of null")
         return value
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise FieldError("messages" if self.prompt is not None else "prompt",
+                             "give exactly one of prompt or messages")
+        return self
 
 
 class TokenizeResponse(ResponseModel):
@@ -347,7 +388,7 @@ class TokenizeResponse(ResponseModel):
 
 class DetokenizeRequest(RequestModel):
     model: str | None = None
-    tokens: list[StrictInt]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(ResponseModel):

@@ -370,7 +370,7 @@ def test_health_metrics_and_openapi(gpt):
     doc = gpt.http.get("/openapi.json").json()
     assert {"/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
             "/tokenizer_info", "/health", "/metrics"} <= set(doc["paths"])
-    assert "num_iterations" in doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert {"prompt", "stream", "top_k", "ignore_eos"} <= set(doc["components"]["schemas"]["CompletionRequest"]["properties"])
     responses = doc["paths"]["/v1/completions"]["post"]["responses"]
     assert "400" in responses and "422" not in responses  # as the server answers
 

@@ -189,11 +189,17 @@ BAD = [  # (path, body: dict -> JSON, bytes -> raw, expected status, param or No
     ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, 400, "tool_choice"),
     ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, 400, "functions"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
-    ("/tokenize", {}, 400, "messages"),
+    ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", {"prompt": None, "messages": [{"role": "user", "content": "b"}]}, 400, "prompt"),
     ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, "messages"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
     ("/detokenize", {"tokens": [10 ** 9]}, 400, "tokens"),
     ("/detokenize", {"tokens": ["a"]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [1.5]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("/v1/completions", {"prompt": [1.5]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "n": 2.5}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": "2"}, 400, "n"),
 ]
 
 
@@ -216,6 +222,17 @@ def test_bad_input_is_a_400_envelope_naming_its_field_and_never_a_500(db):
     assert 'status="500"' not in db.http.get("/metrics").text
 
 
+def test_integers_written_as_integral_floats_are_integers(db):
+    """JSON Schema's `integer` includes 5.0; so does the server (5.5, "5" and true stay refused)."""
+    body = {"prompt": [65.0, 110.0], "max_tokens": 3.0, "n": 2.0, "seed": 7.0, "temperature": 0, "ignore_eos": True}
+    as_floats = post(db, "/v1/completions", body).json()
+    as_ints = post(db, "/v1/completions", {k: int(v) if isinstance(v, float) else [int(t) for t in v]
+                                           if isinstance(v, list) else v for k, v in body.items()}).json()
+    assert [c["text"] for c in as_floats["choices"]] == [c["text"] for c in as_ints["choices"]]
+    assert len(as_floats["choices"]) == 2 and as_floats["usage"]["completion_tokens"] == 6
+    assert post(db, "/detokenize", {"tokens": [65.0, 110]}).json() == {"prompt": "An"}
+
+
 def test_neutral_values_of_unsupported_fields_are_accepted(db):
     neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "tool_choice": "none",
                "tools": [], "response_format": {"type": "text"}, "stop": "\n\n", "max_tokens": 2}
@@ -224,7 +241,29 @@ def test_neutral_values_of_unsupported_fields_are_accepted(db):
                 ).status_code == 200
 
 
-# --- the OpenAPI document's auth matches what is enforced --------------------------------------------------
+# --- the OpenAPI document: this server's bounds, its streams, its auth ------------------------------------
+
+
+def test_openapi_states_this_servers_bounds_and_streams(gpt, db):
+    for s, k in ((gpt, None), (db, db.engine.max_iterations)):
+        doc = s.http.get("/openapi.json").json()
+        schemas = doc["components"]["schemas"]
+        completion = schemas["CompletionRequest"]["properties"]
+        assert ("num_iterations" in completion) == (k is not None)  # a GPT has no K
+        if k is not None:
+            assert completion["num_iterations"]["anyOf"][0]["maximum"] == k
+        assert completion["max_tokens"]["anyOf"][0]["maximum"] == s.engine.max_len
+        assert schemas["DetokenizeRequest"]["properties"]["tokens"]["items"] == {
+            "type": "integer", "minimum": 0, "maximum": s.tok.vocab_size - 1}
+        assert not {"presence_penalty", "logit_bias", "best_of", "suffix"} & set(completion)  # refused, undocumented
+        assert schemas["TokenizeRequest"]["oneOf"] == [{"required": ["prompt"]}, {"required": ["messages"]}]
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            ok = doc["paths"][path]["post"]["responses"]["200"]["content"]
+            assert set(ok) == {"application/json", "text/event-stream"}
+        assert "num_iterations" in schemas["CompletionResponse"]["properties"]  # responses keep reporting K
+    wrong = db.http.request("TRACE", "/v1/completions")
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST" and wrong.json()["error"]["code"]
+
 
 
 def test_openapi_declares_bearer_auth_only_where_it_is_enforced(tiny_run):
