@@ -29,7 +29,7 @@ RESULTS = ROOT / "bench" / "results"
 MODELS = {  # tests/tiny_models.py's shapes, over the byte vocabulary
     "gpt": {"model": {"kind": "gpt", "n_layers": 2, "d_model": 32, "n_heads": 4, "seq_len": 64}},
     "db_ar": {"model": {"kind": "db_ar", "n_layers": 2, "d_model": 32, "n_heads": 4, "seq_len": 64, "n_prelude": 1,
-                        "max_iterations": 8}, "diffusion": {"num_blocks": 2}},
+                        "max_iterations": 4}, "diffusion": {"num_blocks": 2}},
 }
 
 
@@ -76,10 +76,11 @@ def fuzz(kind: str, examples: int, seed: int, st: str) -> dict:
     failures = {code: int(n) for code, n in re.findall(r"❌ (ST\d+) [^:\n]*: (\d+)", out)}
     names = dict(re.findall(r"❌ (ST\d+) ([^:\n]*):", out))
     cases = re.search(r"(\d+) generated", out)
+    found = out[out.find("FAILURES"):out.find("SUMMARY")] if "FAILURES" in out else ""
     return {"model": kind, "seconds": round(seconds, 1), "cases": int(cases[1]) if cases else None,
             "failures": {f"{code} {names[code]}": n for code, n in failures.items()},
             "server_5xx": server_errors(metrics), "schemathesis_exit": proc.returncode,
-            "report": summary, "log_tail": out[-4000:]}
+            "report": summary, "failure_details": found[:30000]}
 
 
 def main() -> int:

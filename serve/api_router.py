@@ -13,8 +13,10 @@ from looped_lm.serve.serving import OpenAIServing
 
 router = APIRouter()
 ERRORS = {code: {"model": p.ErrorResponse} for code in (400, 401, 404)}
-# with "stream": true the answer is server-sent events: `data: <chunk JSON>` lines, then `data: [DONE]`
-STREAMED = {**ERRORS, 200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+# With "stream": true the answer is server-sent events (the schema describes one event, as OpenAPI 3.1
+# reads it): `data: <a chunk's JSON>` events, then `data: [DONE]`.
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
+STREAMED = {**ERRORS, 200: {"content": {"text/event-stream": {"schema": SSE_EVENT}}}}
 
 
 def serving(request: Request) -> OpenAIServing:

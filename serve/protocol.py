@@ -232,6 +232,10 @@ class ChatMessage(RequestModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    model_config = ConfigDict(json_schema_extra={  # what _top_needs_logprobs checks, for the OpenAPI document
+        "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer", "minimum": 1}}},
+        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}})
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1), JSONInt] | None = Field(None, description="default: the rest of the context")
     max_completion_tokens: Annotated[int, Field(ge=1), JSONInt] | None = Field(None, description="OpenAI's newer max_tokens")
@@ -243,6 +247,14 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: SkipJsonSchema[Any] = None
     function_call: SkipJsonSchema[Any] = None
     response_format: SkipJsonSchema[Any] = None
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_max(cls, value, info: ValidationInfo):
+        given = info.data.get("max_tokens")
+        if value is not None and given is not None and value != given:
+            raise ValueError(f"differs from max_tokens ({value} != {given}): give one of them")
+        return value
 
     @field_validator("top_logprobs")
     @classmethod

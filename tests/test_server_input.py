@@ -180,6 +180,7 @@ BAD = [  # (path, body: dict -> JSON, bytes -> raw, expected status, param or No
     ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 1000}, 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 200}]}, 400, "messages"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 1000, "max_completion_tokens": 2}, 400, "max_completion_tokens"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {**CHAT, "logprobs": False, "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {**CHAT, "stop": ""}, 400, "stop"),
