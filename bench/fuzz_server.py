@@ -68,7 +68,7 @@ def fuzz(kind: str, examples: int, seed: int, st: str) -> dict:
                "--seed", str(seed), "--workers", "1", "--continue-on-failure", "--no-color",
                "--report", "json", "--report-json-path", str(report)]
         start = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)  # its example cache stays out of the repo
         seconds = time.perf_counter() - start
         metrics = httpx.get(f"{server.url}/metrics").text
         summary = json.loads(report.read_text()) if report.is_file() else None
