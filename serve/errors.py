@@ -8,6 +8,7 @@ same envelope, logged; bad input never reaches that branch (tests/test_server.py
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,7 +36,7 @@ class APIError(Exception):
     @classmethod
     def bad_request(cls, message: str, param: str | None = None) -> "APIError":
         """A 400 whose message starts with the field it names (as validation errors do)."""
-        if param and not message.startswith(param):
+        if param and not re.match(rf"{re.escape(param)}\b", message):
             message = f"{param}: {message}"
         return cls(400, message, param)
 
