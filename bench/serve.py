@@ -37,11 +37,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if sys.path and Path(sys.path[0] or ".").resolve() == ROOT / "bench":
-    sys.path[0] = str(ROOT)  # this file is bench/serve.py: `import serve` must find the package, not this script
+import httpx
 
-import httpx  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 PROMPT, MAX_TOKENS = 32, 64
 CONCURRENCY = [1, 4, 16, 64]
@@ -82,7 +80,7 @@ def serve_worker(spec: dict) -> None:
 
     from looped_lm.data.tokenizer import get_tokenizer
     from looped_lm.engine.engine import Engine
-    from serve.app import build_app
+    from looped_lm.serve.app import build_app
 
     torch.set_num_threads(spec["threads"])
     if spec.get("checkpoint"):

@@ -119,13 +119,13 @@ def run_generate(args) -> int:
 
 
 def add_serve_arguments(p) -> None:
-    from serve.cli import add_arguments  # argparse only: fastapi is imported when the server starts
+    from looped_lm.serve.cli import add_arguments  # argparse only: fastapi is imported when the server starts
 
     add_arguments(p)
 
 
 def run_serve(args) -> int:
-    from serve.cli import run
+    from looped_lm.serve.cli import run
 
     return run(args)
 

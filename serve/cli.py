@@ -27,7 +27,8 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-memory-gb", type=float, default=1.0, help="KV cache budget in GiB: sets the slot count")
     p.add_argument("--max-slots", type=int, default=64, help="at most this many concurrent sequences")
     p.add_argument("--max-model-len", type=int, default=None,
-                   help="tokens per sequence, prompt + completion (default: the model's max positions)")
+                   help="tokens per sequence, prompt + completion (default: the trained context, model.seq_len; "
+                        "longer, up to the model's positions, with a warning)")
     p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill forward")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
@@ -40,11 +41,26 @@ def default_name(checkpoint: Path) -> str:
     return checkpoint.parent.name if checkpoint.name.startswith("step_") else checkpoint.name
 
 
+def served_context(trained: int, positions: int, max_model_len: int | None) -> int:
+    """Tokens per sequence: the trained context unless --max-model-len says otherwise (at most the
+    model's `positions`). Positions past the trained context were never trained on: serving them takes
+    the flag, and prints a warning line."""
+    if max_model_len is None:
+        return min(trained, positions)
+    if not 1 <= max_model_len <= positions:
+        raise UserError(f"--max-model-len must be in 1..{positions} (the model's positions; trained on "
+                        f"{trained}); got {max_model_len}")
+    if max_model_len > trained:
+        print(f"warning: --max-model-len {max_model_len} exceeds the trained context of {trained} tokens "
+              "(model.seq_len); text past it may be poor", file=sys.stderr)
+    return max_model_len
+
+
 def run(args) -> int:
     try:
         import uvicorn
 
-        from serve.app import build_app
+        from looped_lm.serve.app import build_app
     except ModuleNotFoundError as e:
         raise UserError(f"`looped_lm serve` needs the serve extra ({e.name} is missing): "
                         "pip install -e '.[serve]'") from None
@@ -67,7 +83,8 @@ def run(args) -> int:
     name = args.served_model_name or default_name(Path(args.checkpoint))
     if "@" in name:
         raise UserError(f"--served-model-name must not contain '@' (it marks K aliases): {name!r}")
-    engine = Engine.from_memory_budget(model, args.kv_memory_gb, max_slots=args.max_slots, max_len=args.max_model_len,
+    max_len = served_context(cfg.model.seq_len, model.max_positions, args.max_model_len)
+    engine = Engine.from_memory_budget(model, args.kv_memory_gb, max_slots=args.max_slots, max_len=max_len,
                                        max_iterations=args.max_iterations, default_iterations=args.default_iterations,
                                        prefill_chunk=args.prefill_chunk, vocab_size=tok.vocab_size)
     app = build_app(engine, tok, name, api_key=args.api_key)

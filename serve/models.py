@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 
 from looped_lm.engine.engine import Engine
-from serve.errors import APIError
-from serve.protocol import ModelCard, ModelList
+from looped_lm.serve.errors import APIError
+from looped_lm.serve.protocol import ModelCard, ModelList
 
 
 class ServedModels:

@@ -19,11 +19,11 @@ from looped_lm.engine.engine import Engine, InvalidRequest, Request
 from looped_lm.sampling import SamplingParams
 from looped_lm.settings import InferenceSettings
 from looped_lm.errors import UserError
-from serve import protocol as p
-from serve.errors import APIError
-from serve.metrics import RequestTimer, ServerMetrics
-from serve.models import ServedModels
-from serve.text import CHAT_TEMPLATE, TURN_STOPS, Detokenizer, StopStrings, encode, render_chat
+from looped_lm.serve import protocol as p
+from looped_lm.serve.errors import APIError
+from looped_lm.serve.metrics import RequestTimer, ServerMetrics
+from looped_lm.serve.models import ServedModels
+from looped_lm.serve.text import CHAT_TEMPLATE, TURN_STOPS, Detokenizer, StopStrings, encode, render_chat
 
 MAX_CHOICES = 256  # prompts x n in one request
 MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM's floor too)

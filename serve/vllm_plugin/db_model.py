@@ -28,7 +28,7 @@ from vllm.model_executor.layers.attention import Attention
 from looped_lm.diffusion.chain import run_chain
 from looped_lm.models.two_stream import modulate
 from looped_lm.sampling import PositionalRandom
-from serve.vllm_plugin.attention import paged_attention
+from looped_lm.serve.vllm_plugin.attention import paged_attention
 from looped_lm.settings import InferenceSettings
 
 

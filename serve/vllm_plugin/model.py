@@ -23,7 +23,7 @@ from looped_lm.config import config_from_dict
 from looped_lm.models import build_model
 from looped_lm.sampling import PLAIN
 from looped_lm.settings import resolve_settings
-from serve.vllm_plugin.attention import paged_attention
+from looped_lm.serve.vllm_plugin.attention import paged_attention
 
 UNSUPPORTED = ("model.kind '{kind}' is not served by the vLLM plugin (its cache holds one KV set per "
                "(iteration, layer)); serve it with `looped_lm serve`")
@@ -40,7 +40,7 @@ class LoopedLMForCausalLM(nn.Module):
                                  config.model_state or None)
         self.db = None
         if config.kind != "gpt":
-            from serve.vllm_plugin.db_model import DiffusionBlocksRunner
+            from looped_lm.serve.vllm_plugin.db_model import DiffusionBlocksRunner
 
             settings = resolve_settings(self.model.iteration_limits(), num_iterations=config.num_iterations,
                                         bridge=config.bridge, sampling=PLAIN)
