@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from looped_lm import __version__
+from looped_lm.checkpoint import add_verify_argument
 from looped_lm.errors import UserError
 
 
@@ -20,27 +21,35 @@ from looped_lm.errors import UserError
 
 
 def add_train_arguments(p) -> None:
-    p.add_argument("--config", help="YAML run config")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="config override")
+    from looped_lm import train as trainer
+
+    trainer.add_arguments(p)
     p.add_argument("--nproc", type=int, default=0,
                    help="processes on this node (GPUs; on CPU, gloo ranks); 0 = all GPUs, or 1 on CPU")
-    p.add_argument("--stop-after", type=int, default=0, help="save and exit after N steps of this launch")
-    p.add_argument("--help-config", action="store_true", help="list every config field and exit")
 
 
 def run_train(args) -> int:
-    import torch
-
+    from looped_lm import checkpoint as ckpt_io
     from looped_lm import train as trainer
-    from looped_lm.config import describe_fields, load_config
+    from looped_lm.config import describe_fields
 
     if args.help_config:
         print(describe_fields())
         return 0
-    if args.config is None and not args.set:
-        raise UserError("give --config FILE (and/or --set section.key=value overrides)")
-    load_config(args.config, args.set)  # fail here, before the launcher starts any process
+    cfg = trainer.config_from_args(args)
+    if args.nproc < 0:
+        raise UserError(f"--nproc must be >= 0 (got {args.nproc})")
+    if args.no_verify:
+        print(ckpt_io.no_verify_note(), file=sys.stderr)
+    # config, data, out_dir and the checkpoint to resume: checked here, before the launcher starts
+    plan = trainer.preflight(cfg, verify=not args.no_verify)
+    import torch
+
     nproc = args.nproc or (torch.cuda.device_count() or 1)
+    if plan.manifest is not None:
+        plan.notes += trainer.check_resume(plan.manifest, cfg, plan.vocab_size, nproc, Path(plan.resume))
+    for note in plan.notes:
+        print(f"note: {note}", flush=True)
     launcher = shutil.which("deepspeed")
     if launcher is None:
         raise UserError("the `deepspeed` launcher is not on PATH; pip install deepspeed")
@@ -52,18 +61,23 @@ def run_train(args) -> int:
         cmd += ["--set", item]
     if args.stop_after:
         cmd += ["--stop-after", str(args.stop_after)]
+    if args.no_verify:
+        cmd += ["--no-verify"]
     env = dict(os.environ)
+    env[trainer.PREFLIGHT_DONE] = "1"
     if not torch.cuda.is_available():
         env.setdefault("DS_ACCELERATOR", "cpu")
     proc = subprocess.run(cmd, env=env)
-    return 2 if proc.returncode == 2 else proc.returncode
+    return proc.returncode
 
 
 # --- generate ----------------------------------------------------------------------------------
 
 
 def add_generate_arguments(p) -> None:
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    p.add_argument("--checkpoint", required=True,
+                   help="checkpoint directory, or a run directory (its newest complete checkpoint)")
+    add_verify_argument(p)
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--max-tokens", type=int, default=100)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -83,12 +97,15 @@ def add_generate_arguments(p) -> None:
 def run_generate(args) -> int:
     import torch
 
-    from looped_lm.checkpoint import load_checkpoint
+    from looped_lm.checkpoint import load_checkpoint, no_verify_note, resolve_checkpoint
     from looped_lm.data.tokenizer import get_tokenizer
     from looped_lm.engine.generate import generate
     from looped_lm.engine.sampling import SamplingParams
 
-    model, cfg, manifest = load_checkpoint(args.checkpoint, args.device)
+    if args.no_verify:
+        print(no_verify_note(), file=sys.stderr)
+    model, cfg, manifest = load_checkpoint(resolve_checkpoint(args.checkpoint), args.device,
+                                           verify=not args.no_verify)
     tok = get_tokenizer(manifest["tokenizer"])
     ids = tok.encode(args.prompt) or [tok.eot_id]
     from looped_lm.diffusion.adaptive_exit import ExitRule

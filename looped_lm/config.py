@@ -138,6 +138,9 @@ class TrainConfig:
     eval_batches: int = _f(8, "validation micro-batches per evaluation")
     log_every: int = _f(10, "metrics.jsonl / TensorBoard every N steps")
     resume: str = _f("auto", "auto (latest complete checkpoint in out_dir), never, or a checkpoint dir")
+    resume_changes: str = _f("refuse", "a resume that changes the seed, global batch, grad_accum, data or "
+                             "tokenizer: refuse (list the differences) or allow (log them and go on)",
+                             choices=("refuse", "allow"))
     progress: bool = _f(True, "show a tqdm progress bar on rank 0")
 
 
@@ -184,7 +187,13 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
         if not p.is_file():
             raise UserError(f"config file not found: {path}")
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            text = p.read_text()
+            _refuse_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader), path)
+            raw = yaml.safe_load(text) or {}
+        except OSError as e:
+            raise UserError(f"cannot read config file {path}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise UserError(f"config file {path} is not UTF-8 text (bad byte at offset {e.start})") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -194,6 +203,24 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     for item in overrides:
         _apply_override(raw, item)
     return config_from_dict(raw)
+
+
+def _refuse_duplicate_keys(node, path: str, where: str = "") -> None:
+    """YAML lets a repeated key silently take the last value; a config must not."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict = {}
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            line = key_node.start_mark.line + 1
+            if key is not None and key in seen:
+                raise UserError(f"config file {path}: key '{where}{key}' appears twice (lines {seen[key]} and "
+                                f"{line}); keep one")
+            if key is not None:
+                seen[key] = line
+            _refuse_duplicate_keys(value_node, path, f"{where}{key}." if key is not None else where)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _refuse_duplicate_keys(item, path, where)
 
 
 def config_from_dict(raw: dict) -> Config:
