@@ -23,6 +23,8 @@ import shutil
 import socket
 import sys
 import time
+import traceback
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +48,18 @@ def add_arguments(p) -> None:
                    help="save and exit after N steps of this launch (preemptible jobs); 0 = run to max_steps")
     p.add_argument("--help-config", action="store_true", help="list every config field and exit")
     ckpt_io.add_verify_argument(p)
+    p.add_argument("--verbose", action="store_true",
+                   help="also show the DeepSpeed launcher's own log, library deprecation warnings and tracebacks")
+
+
+def forward_args(args) -> list[str]:
+    """The trainer's own flags of a parsed `looped_lm train`, as the argv the launcher hands each rank."""
+    argv = ["--config", args.config] if args.config else []
+    for item in args.set:
+        argv += ["--set", item]
+    if args.stop_after:
+        argv += ["--stop-after", str(args.stop_after)]
+    return argv + ["--no-verify"] * args.no_verify + ["--verbose"] * args.verbose
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -426,7 +440,7 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
     logger = MetricsLogger(out_dir, rank, start_step) if rank == 0 else None
     tokens_per_step = t.batch_size * t.grad_accum * world * cfg.model.seq_len
     end_step = t.max_steps if stop_after <= 0 else min(t.max_steps, start_step + stop_after)
-    bar = _progress(cfg, start_step, rank)
+    report = Report(cfg, start_step, tokens_per_step) if rank == 0 else None
     last_ckpt = Path(plan.resume) if plan.resume else None
     t0 = time.perf_counter()
     try:
@@ -447,9 +461,8 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
                 logger.log(done, {"loss": loss_sum, "lr": lr, "tokens": tokens,
                                   "tokens_per_s": (done - start_step) * tokens_per_step / max(elapsed, 1e-9),
                                   **metrics})
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss_sum:.4f}", tok_s=f"{(done - start_step) * tokens_per_step / max(time.perf_counter() - t0, 1e-9):.0f}")
+            if report is not None:
+                report.step(loss_sum, metrics)
             d = cfg.diffusion
             if model.uses_curve() and done % d.curve_every == 0 and \
                     (d.curve_until == 0 or done <= d.curve_until):
@@ -460,14 +473,88 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
                 val = evaluate_loss(model, val_stream, cfg, device, rank)
                 if logger is not None:
                     logger.log(done, {"val_loss": val})
+                    report.validation(done, val)
             if (t.save_every and done % t.save_every == 0) or done == end_step:
                 last_ckpt = save(engine, model, cfg, plan, out_dir, done, tokens, rank)
+                if report is not None:
+                    report.line(f"step {done}: saved {last_ckpt}")
+        if report is not None:
+            report.summary(end_step, last_ckpt)
     finally:
-        if bar is not None:
-            bar.close()
+        if report is not None:
+            report.close()
         if logger is not None:
             logger.close()
     return last_ckpt
+
+
+class SmoothedLoss:
+    """Moving averages of the training loss, one per block: DiffusionBlocks steps alternate blocks whose
+    losses differ by an order of magnitude, so one average (or the last value) jumps between them.
+    Debiased like Adam's moments, so the first steps read right."""
+
+    def __init__(self, beta: float = 0.9):
+        self.beta, self.sums, self.counts = beta, {}, {}
+
+    def update(self, loss: float, metrics: dict) -> None:
+        key = f"b{metrics['block']}" if "block" in metrics else ""
+        self.sums[key] = self.beta * self.sums.get(key, 0.0) + (1 - self.beta) * loss
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def values(self) -> dict[str, float]:
+        return {k: self.sums[k] / (1 - self.beta ** self.counts[k]) for k in sorted(self.sums)}
+
+    def __str__(self) -> str:
+        return " ".join(f"{k} {v:.4f}".strip() for k, v in self.values().items())
+
+
+class Report:
+    """What rank 0 prints: a progress bar with the smoothed loss per block, and plain lines for
+    validation, saves and the end of the run (nanoGPT's `step N: train loss X, val loss Y`)."""
+
+    def __init__(self, cfg: Config, start_step: int, tokens_per_step: int):
+        self.cfg, self.start, self.tokens_per_step = cfg, start_step, tokens_per_step
+        self.loss, self.val, self.done = SmoothedLoss(), None, start_step
+        self.t0 = time.perf_counter()
+        self.bar = None
+        if cfg.train.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=cfg.train.max_steps, initial=start_step, desc="train", dynamic_ncols=True)
+
+    def tokens_per_s(self) -> float:
+        return (self.done - self.start) * self.tokens_per_step / max(time.perf_counter() - self.t0, 1e-9)
+
+    def step(self, loss: float, metrics: dict) -> None:
+        self.loss.update(loss, metrics)
+        self.done += 1
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {self.loss}, {self.tokens_per_s():,.0f} tok/s", refresh=False)
+            self.bar.update(1)
+
+    def line(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stdout)
+        else:
+            print(text, flush=True)
+
+    def validation(self, step: int, val: float) -> None:
+        self.val = (step, val)
+        self.line(f"step {step}: train loss {self.loss}, val loss {val:.4f}")
+
+    def summary(self, end_step: int, last_ckpt: Path | None) -> None:
+        seconds = time.perf_counter() - self.t0
+        minutes, secs = divmod(int(round(seconds)), 60)
+        val = f", val loss {self.val[1]:.4f} (step {self.val[0]})" if self.val else ""
+        stopped = "" if end_step >= self.cfg.train.max_steps else \
+            f" (stopped at {end_step} of {self.cfg.train.max_steps}: the same command resumes)"
+        self.line(f"done: steps {self.start}-{end_step} in {minutes}m{secs:02d}s, "
+                  f"{self.tokens_per_s():,.0f} tokens/s; train loss {self.loss}{val}; checkpoint {last_ckpt}"
+                  f"{stopped}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def evaluate_loss(model, stream, cfg: Config, device, rank: int) -> float:
@@ -559,20 +646,17 @@ class MetricsLogger:
             self.tb.close()
 
 
-def _progress(cfg: Config, start_step: int, rank: int):
-    if rank != 0 or not cfg.train.progress:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=cfg.train.max_steps, initial=start_step, desc="train", dynamic_ncols=True)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.help_config:
         print(describe_fields())
         return 0
     first_rank = os.environ.get("RANK", "0") == "0"
+    from looped_lm.console import plain_warnings
+
+    plain_warnings(args.verbose)
+    if not first_rank:
+        warnings.simplefilter("ignore")  # every rank runs the same code: rank 0 says it once
     try:
         cfg = config_from_args(args)
         if args.no_verify and first_rank and not os.environ.get(PREFLIGHT_DONE):
@@ -580,16 +664,24 @@ def main(argv=None) -> int:
         train(cfg, stop_after=args.stop_after, verify=not args.no_verify)
     except UserError as e:
         if not getattr(e, "quiet", False):
+            _traceback(args.verbose)
             print(f"error: {e}", file=sys.stderr)
         return 2
     except RunFailure as e:
+        _traceback(args.verbose)
         print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # mid-run I/O (metrics, logs) outside a save
+        _traceback(args.verbose)
         where = f" on {e.filename}" if e.filename else ""
         print(f"error: I/O failure{where}: {e.strerror or e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _traceback(verbose: bool) -> None:
+    if verbose:
+        traceback.print_exc()
 
 
 if __name__ == "__main__":
