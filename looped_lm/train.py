@@ -1,7 +1,7 @@
-"""The trainer: `deepspeed looped_lm/train.py --config X.yaml [--set section.key=value ...]`.
-
-Also runs as one process without the launcher (`python -m looped_lm.train --config X.yaml`).
-Every model kind trains through the same loop (models/contract.py `Trainable`):
+"""The trainer: `looped_lm train --config X.yaml`, which runs `deepspeed --module looped_lm.train ...`;
+`deepspeed looped_lm/train.py --config X.yaml [--set section.key=value ...]` works too, and so does one
+process without the launcher (`python -m looped_lm.train --config X.yaml`).
+Every model kind trains through the same step (training.train_step, on models/contract.py `Trainable`):
     training_loss(x, y, step, seed) -> (loss, metrics)    one micro-batch
     step_units(step, seed) -> set of unit names | None    which parameter units this step updates
     validation_loss(x, y, seed) -> loss                   held-out loss (DB models: at sigma_hi)
@@ -328,20 +328,22 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
     }
 
 
-def _training_module(model, seed: int):
-    """What DeepSpeed wraps: forward returns the loss of one micro-batch, metrics kept aside."""
-    import torch
+class DeepSpeedRunner:
+    """train_step's runner under DeepSpeed: the engine scales for accumulation, clips, reduces across
+    ranks and steps the optimiser at the accumulation boundary."""
 
-    class TrainingModule(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model, self.seed, self.last_metrics = model, seed, {}
+    def __init__(self, engine):
+        self.engine = engine
 
-        def forward(self, x, y, step: int):
-            loss, self.last_metrics = self.model.training_loss(x, y, step=step, seed=self.seed)
-            return loss
+    def loss(self, x, y, step: int):
+        loss = self.engine(x, y, step)
+        return loss, self.engine.module.last_metrics
 
-    return TrainingModule()
+    def backward(self, loss) -> None:
+        self.engine.backward(loss)
+
+    def micro_step(self) -> None:
+        self.engine.step()
 
 
 def refresh_curve(model, val_stream, cfg: Config, device, rank: int, step: int) -> dict | None:
@@ -387,6 +389,7 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
     from looped_lm.data.bin_dataset import TokenStream
     from looped_lm.models import build_model
     from looped_lm.optim import BlockwiseAdamW, cosine_with_warmup, param_groups
+    from looped_lm.training import TrainingModule, train_step
 
     rank, world = dist.get_rank(), dist.get_world_size()
     t = cfg.train
@@ -419,10 +422,10 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
                                eps=1e-8, fused=False, foreach=False)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: cosine_with_warmup(s, t.warmup_steps, t.max_steps, t.lr, t.min_lr) / t.lr)
-    engine, _, _, _ = deepspeed.initialize(model=_training_module(model, t.seed), optimizer=optimizer,
+    engine, _, _, _ = deepspeed.initialize(model=TrainingModule(model, t.seed), optimizer=optimizer,
                                            lr_scheduler=schedule, config=deepspeed_config(cfg, world),
                                            dist_init_required=False)
-    # ZeRO wraps our optimiser; keep the handle on ours to choose the active units each step
+    runner = DeepSpeedRunner(engine)  # ZeRO wraps our optimiser: train_step keeps the handle on ours
 
     start_step, tokens_seen = 0, 0
     if manifest is not None:
@@ -445,15 +448,11 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
     t0 = time.perf_counter()
     try:
         for step in range(start_step, end_step):
-            optimizer.set_active_units(model.step_units(step, t.seed))
-            loss_sum, metrics, lr = 0.0, {}, schedule.get_last_lr()[0]
-            for micro in range(t.grad_accum):
-                x, y = train_stream.get_batch(t.batch_size, t.seed, step, micro, rank)
-                loss = engine(x.to(device), y.to(device), step)
-                engine.backward(loss)
-                engine.step()
-                loss_sum += loss.item() / t.grad_accum
-                metrics = engine.module.last_metrics
+            lr = schedule.get_last_lr()[0]  # this step's (engine.step advances the schedule)
+            batches = (train_stream.get_batch(t.batch_size, t.seed, step, micro, rank) for micro in range(t.grad_accum))
+            result = train_step(model, optimizer, runner, ((x.to(device), y.to(device)) for x, y in batches),
+                                step, t.seed)
+            loss_sum, metrics = result.loss, result.metrics
             done = step + 1
             tokens = tokens_seen + (done - start_step) * tokens_per_step
             if logger is not None and (done % t.log_every == 0 or done == end_step):
