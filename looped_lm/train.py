@@ -32,7 +32,8 @@ from looped_lm import checkpoint as ckpt_io
 from looped_lm.config import Config, describe_fields, load_config
 from looped_lm.errors import UserError
 
-PREFLIGHT_DONE = "LOOPED_LM_PREFLIGHT_DONE"  # set by `looped_lm train`: its process printed the notes
+PREFLIGHT_DONE = "LOOPED_LM_PREFLIGHT_DONE"
+RESUMING_WITH = "resuming with changes (train.resume_changes: allow)"  # set by `looped_lm train`: its process printed the notes
 
 
 class RunFailure(Exception):
@@ -92,6 +93,7 @@ class Plan:
     resume: str | None = None
     manifest: dict | None = None
     notes: list[str] = field(default_factory=list)
+    changes: list[str] = field(default_factory=list)  # what a resume allowed to change
 
 
 def data_source_string(cfg: Config) -> str:
@@ -134,7 +136,10 @@ def preflight(cfg: Config, verify: bool = True, world_size: int | None = None) -
     try:  # cheap checks first (the manifest against this config), the files' hashes after the data
         if resume is not None:
             plan.resume, plan.manifest = str(resume), ckpt_io.read_manifest(resume, verify)
-            plan.notes += check_resume(plan.manifest, cfg, vocab_size, world_size, resume)
+            notes = check_resume(plan.manifest, cfg, vocab_size, world_size, resume)
+            plan.notes += notes
+            plan.changes = [c for n in notes if n.startswith(RESUMING_WITH)
+                            for c in n.removeprefix(f"{RESUMING_WITH}: ").split("; ")]
         plan.data_dir = str(prepare_data(cfg, vocab_size))
         if resume is not None:
             ckpt_io.verify_checkpoint(resume, verify, ranks=world_size)
@@ -218,7 +223,7 @@ def check_resume(manifest: dict, cfg: Config, vocab_size: int, world_size: int |
     if changes and t.resume_changes != "allow":
         raise UserError(f"cannot resume from {path}: this run changes {'; '.join(changes)}; set "
                         "train.resume_changes: allow to go on with them, or train.resume: never to start over")
-    notes = [f"resuming with changes (train.resume_changes: allow): {'; '.join(changes)}"] if changes else []
+    notes = [f"{RESUMING_WITH}: {'; '.join(changes)}"] if changes else []
     if world_size is not None and world_size != saved_world:
         notes.append(f"world size {saved_world} -> {world_size}: the optimizer state is whole (ZeRO 0), "
                      "ranks without a saved RNG state start theirs from the seed")
@@ -412,6 +417,8 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
     model = build_model(cfg, plan.vocab_size)  # edges from the config: a resume must agree with them
     if manifest is not None:
         try:
+            with torch.device("meta"):  # the saved state must build this model (edges per block...): free
+                build_model(cfg, plan.vocab_size, manifest.get("model_state", {}))
             model.restore_state(manifest.get("model_state", {}))
         except (UserError, ValueError, TypeError) as e:  # edges or curve that do not fit this model
             msg = str(e) if str(e).startswith("cannot resume") else f"cannot resume from {plan.resume}: {e}"
@@ -441,6 +448,8 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
             print(f"resumed from {resume_from} at step {start_step}", flush=True)
 
     logger = MetricsLogger(out_dir, rank, start_step) if rank == 0 else None
+    if logger is not None and plan.changes:
+        logger.log(start_step, {"resume_changes": plan.changes})
     tokens_per_step = t.batch_size * t.grad_accum * world * cfg.model.seq_len
     end_step = t.max_steps if stop_after <= 0 else min(t.max_steps, start_step + stop_after)
     report = Report(cfg, start_step, tokens_per_step) if rank == 0 else None

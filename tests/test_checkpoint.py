@@ -310,6 +310,7 @@ def test_resume_refuses_edited_manifests(db_ckpt, tmp_path, write_config, capsys
         (lambda m: m.update(step=1), True, "says step 1"),
         (lambda m: m["model_state"].update(edges=[0.002, 1.5, 80.0]), False, "modified after it was written"),
         (lambda m: m["files"].pop("rng/rank0.pt"), True, "does not list rng/rank0.pt"),
+        (lambda m: m["model_state"].update(edges=m["model_state"]["edges"][:-1]), True, "edges have 1 blocks"),
     ):
         shutil.rmtree(tmp_path / "out", ignore_errors=True)
         ckpt = _copy_run(db_ckpt, tmp_path)

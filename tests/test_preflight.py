@@ -65,6 +65,7 @@ def test_allowed_changes_are_logged_and_tokens_stay_right(base_run, tmp_path, wr
     assert "note: resuming with changes (train.resume_changes: allow): global batch 4 -> 8" in printed
     saved = 2 * 4 * 16  # two steps of 4 sequences of 16 tokens, then one of 8
     assert metrics(out, "tokens") == [(3, saved + 8 * 16)]
+    assert metrics(out, "resume_changes") == [(2, ["global batch 4 -> 8 sequences (batch_size x grad_accum x world size)"])]
     manifest = json.loads((out / "step_0000003" / "manifest.json").read_text())
     assert manifest["data"]["position"]["tokens_seen"] == saved + 8 * 16
 

@@ -331,3 +331,20 @@ def test_smoothed_loss_is_per_block_and_debiased():
     g.update(2.0, {})
     g.update(1.0, {})
     assert g.values() == {"": pytest.approx((0.5 * 2.0 * 0.5 + 0.5 * 1.0) / 0.75)} and str(g) == "1.3333"
+
+
+def test_zero0_resume_on_more_ranks_continues_the_optimizer(tmp_path, write_config, clean_env):
+    """ZeRO 0 keeps the optimizer state whole: a 1-rank checkpoint resumes on 2 ranks (the changed global
+    batch allowed), and the optimizer continues from its saved moments (AdamW's step count goes on)."""
+    out = tmp_path / "out"
+    cfg = write_config(tmp_path / "run.yaml", {"train": {"out_dir": str(out), "resume_changes": "allow"}})
+    assert trainer.main(["--config", str(cfg)]) == 0
+    proc = subprocess.run([str(Path(sys.executable).parent / "looped_lm"), "train", "--nproc", "2", "--config",
+                           str(cfg), "--set", "train.max_steps=4"],
+                          cwd=tmp_path, env=clean_env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "note: world size 1 -> 2" in proc.stdout and "global batch 4 -> 8" in proc.stdout
+    state = torch.load(out / "step_0000004" / "optimizer" / "ds" / "mp_rank_00_model_states.pt",
+                       weights_only=False, map_location="cpu")["optimizer"]["state"]
+    assert {int(s["step"]) for s in state.values()} == {4}
+    assert json.loads((out / "step_0000004" / "manifest.json").read_text())["world_size"] == 2
