@@ -30,7 +30,7 @@ def add_train_arguments(p) -> None:
 
 def run_train(args) -> int:
     from looped_lm import checkpoint as ckpt_io
-    from looped_lm import launch
+    from looped_lm import launch, preflight
     from looped_lm import train as trainer
     from looped_lm.config import describe_fields
 
@@ -43,14 +43,17 @@ def run_train(args) -> int:
     if args.no_verify:
         print(ckpt_io.no_verify_note(), file=sys.stderr)
     # config, data, out_dir and the checkpoint to resume: checked here, before the launcher starts
-    plan = trainer.preflight(cfg, verify=not args.no_verify)
+    plan = preflight.preflight(cfg, verify=not args.no_verify)
     import torch
 
     nproc = args.nproc or (torch.cuda.device_count() or 1)
     if plan.manifest is not None:
-        plan.notes += trainer.check_resume(plan.manifest, cfg, plan.vocab_size, nproc, Path(plan.resume))
+        plan.notes += preflight.check_resume(plan.manifest, cfg, plan.vocab_size, nproc, Path(plan.resume))
     for note in plan.notes:
         print(f"note: {note}", flush=True)
+    if preflight.nothing_to_train(plan, cfg):
+        print(preflight.nothing_to_train(plan, cfg))
+        return 0
     cmd = launch.command(nproc, trainer._free_port(), trainer.forward_args(args), args.verbose)
     env = {**os.environ, trainer.PREFLIGHT_DONE: "1", "PYTHONUNBUFFERED": "1"}
     if not torch.cuda.is_available():

@@ -59,12 +59,25 @@ class _Section(BaseModel):
 
 
 MODEL_KINDS = ("gpt", "db_ar", "looped_db", "huginn")
-
-
+# the choices of each choice field
+ModelKind = Literal["gpt", "db_ar", "looped_db", "huginn"]
+Partition = Literal["equi_probability", "uniform", "equi_entropy"]
+Noise = Literal["lognormal", "adaptive"]
+Parameterization = Literal["edm", "likelihood"]
+NoisyInput = Literal["noise", "prev_token"]
+Context = Literal["independent", "stacked"]
+LossWeight = Literal["none", "edm", "batch_mean"]
+TargetScale = Literal["unit", "sigma_data"]
+BlockSampling = Literal["uniform", "round_robin", "loss_share"]
+Bridge = Literal["soft", "hard", "sample"]
+LastCall = Literal["edge", "sigma_min"]
+Source = Literal["bible", "shakespeare", "files", "hf", "bin"]
+Tokenizer = Literal["gpt2", "byte"]
+ResumeChanges = Literal["refuse", "allow"]
 
 
 class ModelConfig(_Section):
-    kind: Literal["gpt", "db_ar", "looped_db", "huginn"] = _f("gpt", "gpt (end-to-end), db_ar (DiffusionBlocks AR), looped_db, huginn")
+    kind: ModelKind = _f("gpt", "gpt (end-to-end), db_ar (DiffusionBlocks AR), looped_db, huginn")
     n_layers: int = _f(4, "decoder layers (db_ar: split into diffusion.num_blocks blocks; looped: the core)")
     d_model: int = _f(128, "residual width")
     n_heads: int = _f(4, "attention heads (d_model must divide by it)")
@@ -86,19 +99,19 @@ class ModelConfig(_Section):
 
 class DiffusionConfig(_Section):
     num_blocks: int = _f(4, "B: blocks that each own one interval of noise levels")
-    partition: Literal["equi_probability", "uniform", "equi_entropy"] = _f("equi_probability", "block edges: equal noise mass, equal ln-width, or equal shares of "
+    partition: Partition = _f("equi_probability", "block edges: equal noise mass, equal ln-width, or equal shares of "
                         "the held-out CE drop re-estimated in training (equi_entropy)")
-    noise: Literal["lognormal", "adaptive"] = _f("lognormal", "training sigma within a block: the log-normal (paper) or adaptive (the "
+    noise: Noise = _f("lognormal", "training sigma within a block: the log-normal (paper) or adaptive (the "
                     "learned CDF of CE(sigma), CDCD-style time warping)")
     curve_every: int = _f(200, "re-measure held-out CE(sigma) every N steps (equi_entropy, adaptive, loss_share)")
     curve_until: int = _f(0, "stop re-measuring (freeze edges) after this step; 0 = never")
-    parameterization: Literal["edm", "likelihood"] = _f("likelihood", "how a noisy slot reads z: edm (paper: c_in*z in, c_skip*z skip) or likelihood "
+    parameterization: Parameterization = _f("likelihood", "how a noisy slot reads z: edm (paper: c_in*z in, c_skip*z skip) or likelihood "
                                "(z's exact token log-likelihood <z,y_v>/sigma^2 added to the logits, and its "
                                "posterior-mean embedding as input: the network models only what context adds)")
     noisy_self: bool = _f(False, "a noisy slot attends its own key besides the clean keys (paper); false: clean "
                           "keys only, plain causal attention (flash), and servable by vLLM's paged attention")
-    noisy_input: Literal["noise", "prev_token"] = _f("prev_token", "noisy slot input: what it reads of z alone (noise), or that + E[previous token] (prev_token)")
-    context: Literal["independent", "stacked"] = _f("independent", "block b's clean stream starts from the embeddings (independent, paper) or "
+    noisy_input: NoisyInput = _f("prev_token", "noisy slot input: what it reads of z alone (noise), or that + E[previous token] (prev_token)")
+    context: Context = _f("independent", "block b's clean stream starts from the embeddings (independent, paper) or "
                       "from blocks < b's clean output, without gradient (stacked)")
     clean_lm_weight: Float = _f(0.0, "weight of a next-token CE on each block's clean stream, added to the loss")
     overlap: Float = _f(0.1, "gamma: each block trains on its interval widened by this share of its ln-width")
@@ -107,16 +120,16 @@ class DiffusionConfig(_Section):
     sigma_min: Float = _f(0.002, "lowest noise level")
     sigma_max: Float = _f(80.0, "highest noise level")
     sigma_data: Float = _f(0.5, "EDM sigma_data")
-    loss_weight: Literal["none", "edm", "batch_mean"] = _f("none", "CE weight per sample: none, edm (normalised w(sigma)) or batch_mean")
-    target_scale: Literal["unit", "sigma_data"] = _f("unit", "noisy targets are unit-norm embeddings (unit) or per-dim RMS sigma_data")
+    loss_weight: LossWeight = _f("none", "CE weight per sample: none, edm (normalised w(sigma)) or batch_mean")
+    target_scale: TargetScale = _f("unit", "noisy targets are unit-norm embeddings (unit) or per-dim RMS sigma_data")
     target_fraction: Float = _f(1.0, "share of noisy slots trained per sequence (clean stream stays whole)")
     blocks_to_train: list[int] = _f([], "train only these blocks (others frozen, no optimiser state); [] = all")
-    block_sampling: Literal["uniform", "round_robin", "loss_share"] = _f("loss_share", "which block a step trains: uniform (paper), round_robin, or loss_share "
+    block_sampling: BlockSampling = _f("loss_share", "which block a step trains: uniform (paper), round_robin, or loss_share "
                              "(in proportion to each block's share of the CE drop)")
-    bridge: Literal["soft", "hard", "sample"] = _f("sample", "logits -> denoised embedding between steps: soft (expectation), hard (argmax), "
+    bridge: Bridge = _f("sample", "logits -> denoised embedding between steps: soft (expectation), hard (argmax), "
                      "or sample (a token drawn from the logits)")
     num_iterations: int = _f(0, "default K denoising steps per token at inference; 0 = num_blocks")
-    last_call: Literal["edge", "sigma_min"] = _f("edge", "where a K-step chain's last call runs: the last Euler grid point above sigma_min "
+    last_call: LastCall = _f("edge", "where a K-step chain's last call runs: the last Euler grid point above sigma_min "
                         "(edge, paper) or sigma_min itself (with parameterization likelihood an exact read-back "
                         "of the last bridge's token, so K = B samples what block 0 drew)")
     sample_top_quantile: Float = _f(0.999, "chains start at this quantile of block 0's training sigma law "
@@ -124,9 +137,9 @@ class DiffusionConfig(_Section):
 
 
 class DataConfig(_Section):
-    source: Literal["bible", "shakespeare", "files", "hf", "bin"] = _f("bible", "bible / shakespeare (embedded corpora), files, hf, or bin")
+    source: Source = _f("bible", "bible / shakespeare (embedded corpora), files, hf, or bin")
     path: Str = _f("", "files: .txt/.jsonl/.parquet path; hf: dataset name; bin: dir with train.bin/val.bin")
-    tokenizer: Literal["gpt2", "byte"] = _f("gpt2", "gpt2 (byte-level BPE, 50257) or byte (257, for tiny tests)")
+    tokenizer: Tokenizer = _f("gpt2", "gpt2 (byte-level BPE, 50257) or byte (257, for tiny tests)")
     val_fraction: Float = _f(0.05, "share of documents held out for validation")
     cache_dir: Str = _f("data_cache", "where tokenized corpora are cached as train.bin / val.bin")
 
@@ -150,7 +163,7 @@ class TrainConfig(_Section):
     eval_batches: int = _f(8, "validation micro-batches per evaluation")
     log_every: int = _f(10, "metrics.jsonl / TensorBoard every N steps")
     resume: Str = _f("auto", "auto (latest complete checkpoint in out_dir), never, or a checkpoint dir")
-    resume_changes: Literal["refuse", "allow"] = _f("refuse", "a resume that changes the seed, global batch, grad_accum, data or "
+    resume_changes: ResumeChanges = _f("refuse", "a resume that changes the seed, global batch, grad_accum, data or "
                              "tokenizer: refuse (list the differences) or allow (log them and go on)")
     progress: bool = _f(True, "show a tqdm progress bar on rank 0")
 

@@ -451,3 +451,19 @@ def test_finalize_is_atomic_and_prunes(tmp_path):
     ckpt_io.finalize(tmp_path, 1, model, {"config": cfg.to_dict(), "vocab_size": 257, "tokenizer": "byte",
                                           "world_size": 1}, keep_last=1)
     assert [p.name for p in ckpt_io.list_checkpoints(tmp_path)] == ["step_0000001", "step_0000002", "step_0000003"]
+
+
+def test_serve_takes_a_run_directory_and_no_verify(two_step_run, tmp_path, monkeypatch, capsys):
+    """`looped_lm serve --checkpoint RUN_DIR` serves the newest complete checkpoint (uvicorn stubbed)."""
+    uvicorn = pytest.importorskip("uvicorn")
+    served = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(kw))
+    run = tmp_path / "run"
+    shutil.copytree(two_step_run[1] / "step_0000002", run / "step_0000002")
+    _flip(run / "step_0000002" / "model.safetensors")
+    assert cli.main(["serve", "--checkpoint", str(run), "--max-slots", "2"]) == 2
+    assert "does not match the sha256" in capsys.readouterr().err and not served
+    assert cli.main(["serve", "--checkpoint", str(run), "--max-slots", "2", "--no-verify"]) == 0
+    err = capsys.readouterr().err
+    assert f"checkpoint: {run / 'step_0000002'}" in err and "--no-verify" in err and "serving run " in err
+    assert served and served[0]["port"] == 8000
