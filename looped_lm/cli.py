@@ -92,7 +92,9 @@ def run_generate(args) -> int:
     from looped_lm.checkpoint import load_checkpoint, no_verify_note, resolve_checkpoint
     from looped_lm.data.tokenizer import get_tokenizer
     from looped_lm.engine.generate import generate
-    from looped_lm.engine.sampling import SamplingParams
+    from looped_lm.models.contract import Iterative
+    from looped_lm.sampling import SamplingParams
+    from looped_lm.settings import ExitRule, resolve_settings, skipped_blocks_note
 
     if args.no_verify:
         print(no_verify_note(), file=sys.stderr)
@@ -100,21 +102,17 @@ def run_generate(args) -> int:
                                            verify=not args.no_verify)
     tok = get_tokenizer(manifest["tokenizer"])
     ids = tok.encode(args.prompt) or [tok.eot_id]
-    from looped_lm.diffusion.adaptive_exit import ExitRule
-
-    exit_rule = ExitRule.from_options(args.exit_threshold, args.exit_criterion)
-    if hasattr(model, "inference_kwargs"):
-        kw = model.inference_kwargs(args.num_iterations, args.bridge, exit_rule)
-    elif args.num_iterations is not None or args.bridge is not None or exit_rule is not None:
-        raise UserError(f"--num-iterations / --bridge / --exit-* apply to DiffusionBlocks and looped models, "
-                        f"not to model.kind '{cfg.model.kind}'")
-    else:
-        kw = {}
-    params = SamplingParams(args.temperature, args.top_k, args.top_p)
+    limits = model.iteration_limits() if isinstance(model, Iterative) else None
+    settings = resolve_settings(limits, num_iterations=args.num_iterations, bridge=args.bridge,
+                                exit_rule=ExitRule.parse(args.exit_threshold, args.exit_criterion),
+                                sampling=SamplingParams(args.temperature, args.top_k, args.top_p))
+    note = skipped_blocks_note(limits, settings)
+    if note:
+        print(note, file=sys.stderr)
     prompt = torch.tensor([ids], dtype=torch.long, device=args.device)
     iterations: list = []
-    out = generate(model, prompt, args.max_tokens, params, seed=args.seed, eot_id=tok.eot_id,
-                   iteration_log=iterations, **kw)
+    out = generate(model, prompt, args.max_tokens, settings, seed=args.seed, eot_id=tok.eot_id,
+                   iteration_log=iterations if settings.exit_rule is not None else None)
     new = out[0, len(ids):].tolist()
     if tok.eot_id in new:
         new = new[:new.index(tok.eot_id)]
@@ -122,7 +120,7 @@ def run_generate(args) -> int:
     if iterations:
         per_token = [int(it[0]) for it in iterations]
         print(f"iterations per token: {per_token} (total {sum(per_token)}, mean "
-              f"{sum(per_token) / len(per_token):.2f} of K={kw['num_iterations']})", file=sys.stderr)
+              f"{sum(per_token) / len(per_token):.2f} of K={settings.num_iterations})", file=sys.stderr)
     return 0
 
 

@@ -220,7 +220,7 @@ def test_generate_errors_are_one_line(tiny_run, tmp_path, capsys, one_line_error
     assert cli.main(["generate", "--checkpoint", str(ckpt), "--prompt", "x", "--max-tokens", "100"]) == 2
     one_line_error(capsys.readouterr(), "64 positions")
     assert cli.main(["generate", "--checkpoint", str(ckpt), "--prompt", "x", "--num-iterations", "4"]) == 2
-    one_line_error(capsys.readouterr(), "--num-iterations", "gpt")
+    one_line_error(capsys.readouterr(), "num_iterations", "no K")
     assert cli.main(["generate", "--checkpoint", str(tmp_path / "none"), "--prompt", "x"]) == 2
     one_line_error(capsys.readouterr(), "checkpoint directory not found")
 

@@ -13,6 +13,14 @@ from looped_lm import cli
 from looped_lm.checkpoint import load_checkpoint
 from looped_lm.data.tokenizer import get_tokenizer
 from looped_lm.engine.generate import generate
+from looped_lm.models.contract import Iterative
+from looped_lm.sampling import GREEDY
+from looped_lm.settings import resolve_settings
+
+
+def greedy_settings(model, K=None):
+    limits = model.iteration_limits() if isinstance(model, Iterative) else None
+    return resolve_settings(limits, num_iterations=K, sampling=GREEDY)
 
 KINDS = {
     "gpt": {"model": {"kind": "gpt"}},
@@ -42,8 +50,7 @@ def exported(tmp_path_factory, write_config):
 
 def native_greedy(ckpt, ids, n):
     model, _, manifest = load_checkpoint(ckpt)
-    kw = model.inference_kwargs(None, None) if hasattr(model, "inference_kwargs") else {}
-    return generate(model, ids, n, seed=0, eot_id=None, return_logits=True, **kw)  # the CLI's default seed 0
+    return generate(model, ids, n, greedy_settings(model), seed=0, return_logits=True)  # the CLI's default seed 0
 
 
 def test_export_writes_the_hugging_face_layout(exported):
@@ -96,7 +103,7 @@ def test_db_generation_follows_k_and_seed_of_the_call(exported):
     native, _, _ = load_checkpoint(ckpt)
     ids = torch.tensor([get_tokenizer("byte").encode(PROMPT)])
     for K, seed in ((4, 0), (2, 7)):
-        ref = generate(native, ids, N, seed=seed, **native.inference_kwargs(K, None))
+        ref = generate(native, ids, N, greedy_settings(native, K), seed=seed)
         got = model.generate(ids, max_new_tokens=N, do_sample=False, num_iterations=K, seed=seed)
         assert got.tolist() == ref.tolist()
 

@@ -241,14 +241,14 @@ def lm_eval_parse_logprobs(outputs: dict, ctxlens: list[int]) -> list[tuple[floa
 
 
 def reference_logprobs(served: Served, ids: list[int], k: int | None, seed: int) -> torch.Tensor:
-    """log_softmax of the model's own logits at every prompt position (DB: the K-step chain's)."""
-    kw = {}
-    if k is not None:
-        kw = {**served.model.inference_kwargs(k, None), "generator": torch.Generator().manual_seed(seed)}
+    """The model's `token_logprobs` at every prompt position (gpt: log_softmax of its logits; DB: the K-step
+    sampler's estimated marginal), drawn from the engine's scoring stream of a request with `seed`."""
+    from looped_lm.settings import ScoreSettings
+
+    scoring = torch.Generator().manual_seed((seed * 7919 + 1) % 2 ** 64)
+    x, y = torch.tensor([ids]), torch.tensor([ids[1:] + [0]])
     with torch.no_grad():
-        if k is None:  # GPT: the plain forward
-            return served.model(torch.tensor([ids]))[0][0].float().log_softmax(-1)
-        return served.model.prompt_logits(torch.tensor([ids]), **kw)[0].float().log_softmax(-1)
+        return served.model.token_logprobs(x, y, ScoreSettings(), k, scoring)[0].float()
 
 
 @pytest.mark.parametrize("which", ["gpt", "db"])

@@ -1,4 +1,4 @@
-"""The two-stream transformer layer of the DiffusionBlocks LMs (method.md §4) and its pieces.
+"""The two-stream transformer layer of the DiffusionBlocks LMs (docs/method.md §4) and its pieces.
 
 A clean stream (the tokens, causal, no sigma conditioning: its K/V never depend on sigma or on K)
 and a noisy stream (slot i holds the noisy target x_{i+1}; it attends clean positions <= i and
