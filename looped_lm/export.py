@@ -16,7 +16,6 @@ from pathlib import Path
 
 from looped_lm.checkpoint import NO_VERIFY_HELP
 from looped_lm.errors import UserError
-from looped_lm.settings import resolve_settings
 
 DB_KINDS = ("db_ar", "looped_db")
 
@@ -56,6 +55,8 @@ def hf_config_dict(model, cfg, manifest: dict, num_iterations: int | None = None
               "hidden_size": m.d_model, "num_attention_heads": m.n_heads, "num_hidden_layers": m.n_layers,
               "max_position_embeddings": model.max_positions}
     if kind in DB_KINDS:
+        from looped_lm.settings import resolve_settings  # imports torch: not at `looped_lm export --help`
+
         settings = resolve_settings(model.iteration_limits(), num_iterations=num_iterations)
         fields.update(num_iterations=settings.num_iterations, bridge=settings.bridge)
     elif num_iterations is not None:
