@@ -14,14 +14,16 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from looped_lm.checkpoint import NO_VERIFY_HELP
 from looped_lm.errors import UserError
-from looped_lm.settings import resolve_settings
 
 DB_KINDS = ("db_ar", "looped_db")
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory (holds manifest.json)")
+    p.add_argument("--checkpoint", required=True,
+                   help="checkpoint directory, or a run directory (its newest complete checkpoint)")
+    p.add_argument("--no-verify", action="store_true", help=NO_VERIFY_HELP)
     p.add_argument("--out", required=True, help="the Hugging Face directory to write")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out directory")
     p.add_argument("--num-iterations", type=int, default=None,
@@ -29,8 +31,16 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    out = export(args.checkpoint, args.out, overwrite=args.overwrite, num_iterations=args.num_iterations)
-    print(f"exported {args.checkpoint} -> {out}")
+    import sys
+
+    from looped_lm.checkpoint import no_verify_note, resolve_checkpoint
+
+    if args.no_verify:
+        print(no_verify_note(), file=sys.stderr)
+    checkpoint = resolve_checkpoint(args.checkpoint)
+    out = export(checkpoint, args.out, overwrite=args.overwrite, num_iterations=args.num_iterations,
+                 verify=not args.no_verify)
+    print(f"exported {checkpoint} -> {out}")
     return 0
 
 
@@ -45,6 +55,8 @@ def hf_config_dict(model, cfg, manifest: dict, num_iterations: int | None = None
               "hidden_size": m.d_model, "num_attention_heads": m.n_heads, "num_hidden_layers": m.n_layers,
               "max_position_embeddings": model.max_positions}
     if kind in DB_KINDS:
+        from looped_lm.settings import resolve_settings  # imports torch: not at `looped_lm export --help`
+
         settings = resolve_settings(model.iteration_limits(), num_iterations=num_iterations)
         fields.update(num_iterations=settings.num_iterations, bridge=settings.bridge)
     elif num_iterations is not None:
@@ -52,11 +64,13 @@ def hf_config_dict(model, cfg, manifest: dict, num_iterations: int | None = None
     return fields
 
 
-def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, num_iterations: int | None = None) -> Path:
-    from safetensors.torch import save_file
+def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, num_iterations: int | None = None,
+           verify: bool = True) -> Path:
+    import torch
+    from safetensors.torch import save_model
     from transformers import GenerationConfig
 
-    from looped_lm.checkpoint import load_checkpoint, state_dict_for_save
+    from looped_lm.checkpoint import load_checkpoint
     from looped_lm.data.tokenizer import get_tokenizer
     from looped_lm.hf import register
     from looped_lm.hf.configuration import LoopedLMConfig
@@ -66,7 +80,7 @@ def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, num
         raise UserError(f"--out {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise UserError(f"--out {out} is not empty; pass --overwrite to replace it")
-    model, cfg, manifest = load_checkpoint(checkpoint)
+    model, cfg, manifest = load_checkpoint(checkpoint, verify=verify)
     register()
     tok = get_tokenizer(manifest["tokenizer"])
     config = LoopedLMConfig(**hf_config_dict(model, cfg, manifest, num_iterations),
@@ -80,8 +94,9 @@ def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, num
     tmp.mkdir(parents=True)
     config.save_pretrained(tmp)
     GenerationConfig(**gen).save_pretrained(tmp)
-    weights = {f"model.{k}": v for k, v in state_dict_for_save(model).items()}
-    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    holder = torch.nn.Module()  # the HF wrapper keeps the native model as `.model`: names "model.*"
+    holder.model = model
+    save_model(holder, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     tok.to_hf(model_max_length=model.max_positions).save_pretrained(tmp)
     if out.exists():
         shutil.rmtree(out)

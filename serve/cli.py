@@ -9,11 +9,14 @@ import os
 import sys
 from pathlib import Path
 
+from looped_lm.checkpoint import NO_VERIFY_HELP
 from looped_lm.errors import UserError
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory (model.safetensors + manifest.json)")
+    p.add_argument("--checkpoint", required=True,
+                   help="checkpoint directory, or a run directory (its newest complete checkpoint)")
+    p.add_argument("--no-verify", action="store_true", help=NO_VERIFY_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("LOOPED_LM_API_KEY"),
@@ -64,7 +67,7 @@ def run(args) -> int:
     except ModuleNotFoundError as e:
         raise UserError(f"`looped_lm serve` needs the serve extra ({e.name} is missing): "
                         "pip install -e '.[serve]'") from None
-    from looped_lm.checkpoint import load_checkpoint
+    from looped_lm.checkpoint import load_checkpoint, no_verify_note, resolve_checkpoint
     from looped_lm.data.tokenizer import get_tokenizer
     from looped_lm.engine.engine import Engine
 
@@ -78,9 +81,12 @@ def run(args) -> int:
         raise UserError(f"--port must be in 0..65535 (got {args.port})")
     if args.max_slots < 1 or args.prefill_chunk < 1 or not args.kv_memory_gb > 0:
         raise UserError("--max-slots and --prefill-chunk must be >= 1 and --kv-memory-gb > 0")
-    model, cfg, manifest = load_checkpoint(args.checkpoint, args.device)
+    if args.no_verify:
+        print(no_verify_note(), file=sys.stderr)
+    checkpoint = resolve_checkpoint(args.checkpoint)
+    model, cfg, manifest = load_checkpoint(checkpoint, args.device, verify=not args.no_verify)
     tok = get_tokenizer(manifest["tokenizer"])
-    name = args.served_model_name or default_name(Path(args.checkpoint))
+    name = args.served_model_name or default_name(checkpoint)
     if "@" in name:
         raise UserError(f"--served-model-name must not contain '@' (it marks K aliases): {name!r}")
     max_len = served_context(cfg.model.seq_len, model.max_positions, args.max_model_len)

@@ -10,13 +10,14 @@ ROOT = Path(__file__).resolve().parents[1]
 # Layers, bottom to top: a module may import its own layer or lower ones, never a higher one, and the
 # import graph (function-level imports included) has no circle. Prefixes are matched longest first.
 LAYERS = [
-    ("looped_lm.errors",),
+    ("looped_lm.errors", "looped_lm.console"),
     ("looped_lm.config", "looped_lm.sampling"),
     ("looped_lm.settings",),
     ("looped_lm.diffusion",),
     ("looped_lm.models", "looped_lm.data"),
     ("looped_lm.checkpoint", "looped_lm.engine", "looped_lm.optim", "looped_lm.training"),
-    ("looped_lm.eval", "looped_lm.export", "looped_lm.hf", "looped_lm.train"),
+    ("looped_lm.eval", "looped_lm.export", "looped_lm.hf", "looped_lm.train", "looped_lm.preflight",
+     "looped_lm.launch"),
     ("looped_lm.serve", "serve"),
     ("looped_lm.cli", "looped_lm.__main__"),  # entry points route to everything
 ]
