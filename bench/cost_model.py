@@ -203,21 +203,20 @@ def db_train(s: Shape, lay: DBLayout, block: int = 0, attention: str = "visible"
     _noise_embedding(led, s, Bsz, grad=True)
     for _ in range(depth):
         _noisy_layer(led, s, Bsz, n, keys, lay.noisy_self, grad=True)
-    chunked = 0 < lay.loss_chunk < n
+    runs = 2 if 0 < lay.loss_chunk < n else 1  # checkpointed chunks rerun their forward in backward
     if lay.parameterization == "likelihood":
-        _likelihood_train(led, lay, M, d, V, chunked)
+        _likelihood_train(led, lay, M, d, V, runs)
     else:
-        led.linear("head", M, d, V, True, True, runs=2 if chunked else 1)
+        led.linear("head", M, d, V, True, True, runs=runs)
     if lay.clean_lm:
         led.linear("head", Bsz * T, d, V, True, True)
     return led
 
 
-def _likelihood_train(led, lay: DBLayout, M, d, V, chunked):
+def _likelihood_train(led, lay: DBLayout, M, d, V, runs):
     # the noisy stream's input: loglik (no gradient: z and the table are detached), posterior (gradient
     # into E only). Chunked: recomputed in backward up to the posterior matmul, whose input (the
     # softmax) is the last thing saved, so that matmul itself is not rerun.
-    runs = 2 if chunked else 1
     if lay.posterior == "full":
         led.linear("loglik", M, d, V, runs=runs)
         led.linear("posterior", M, V, d, False, True)
@@ -229,10 +228,10 @@ def _likelihood_train(led, lay: DBLayout, M, d, V, chunked):
         led.linear("posterior", M, lay.topk, d)
     else:
         raise ValueError(f"posterior: {lay.posterior}")
-    # the head: logits + loglik. Unchunked, the input's loglik is reused; chunked, `slot_ce` computes it
-    # again (and again in its recompute)
-    if not lay.fold_likelihood and chunked:
-        led.linear("loglik", M, d, V, runs=2)
+    # the head: logits + loglik. Without loss_chunk the input's loglik is reused; with it (even when the
+    # slots fit in one chunk) `slot_ce` computes it again, and again in its recompute
+    if not lay.fold_likelihood and lay.loss_chunk > 0:
+        led.linear("loglik", M, d, V, runs=runs)
     led.linear("head", M, d, V, True, True, runs=runs)
 
 

@@ -95,6 +95,7 @@ DB_LAYOUTS = [
     cm.DBLayout(blocks=2, parameterization="edm", loss_chunk=8),
     cm.DBLayout(blocks=2, target_fraction=0.25),
     cm.DBLayout(blocks=2, target_fraction=0.5, noisy_self=True, loss_chunk=4),
+    cm.DBLayout(blocks=2, target_fraction=0.25, loss_chunk=8),  # 6 slots: one chunk, no recompute
     cm.DBLayout(blocks=2, clean_lm=True),
     cm.DBLayout(blocks=2, stacked=True),
 ]
