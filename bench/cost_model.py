@@ -60,6 +60,8 @@ def ffn_width(d: int, ffn: int = 0) -> int:
 
 @dataclass(frozen=True)
 class Shape:
+    """Model and batch shape. `heads` does not change a count: attention costs H x D = d per key."""
+
     d: int
     layers: int  # gpt: all of them; db_ar: split into blocks; looped_db / huginn: the core
     heads: int
