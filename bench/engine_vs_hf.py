@@ -11,7 +11,7 @@ as transformers' stock `LlamaForCausalLM` (its default DynamicCache and SDPA att
 measured --repeats times, interleaved (who goes first alternates), the fastest kept (all repeats are
 saved). tok/s by CPU time (process_time, one thread) is the primary number, wall-clock beside it.
 Beside them: the same decode's weight matmuls alone (`matmul_only`: every layer's linears and the head
-on (batch, d) rows, nothing else), a ceiling no implementation passes, and the matmul FLOPs per token
+on (batch, d) rows, nothing else), a ceiling for any loop built on torch's linear (vLLM's oneDNN kernels pass it), and the matmul FLOPs per token
 (bench/cost_model.py), which are equal for both sides (the ratio's analytic floor is 1). The greedy tokens of
 both sides are compared (a mismatch fails the bench). Shapes: the quickstart GPT (4 x 128, byte vocab)
 and a GPT-2-vocabulary one (6 x 256, V 50257).
@@ -85,7 +85,7 @@ def hf_run(model, ids: torch.Tensor) -> tuple[float, list]:
 @torch.no_grad()
 def matmul_only(model, batch: int) -> dict:
     """tok/s of the weight matmuls of a decode step alone (every layer's qkv, proj, gate_up, down, and the
-    head, on (batch, d) rows; no attention, norms or sampling): a ceiling for any implementation."""
+    head, on (batch, d) rows; no attention, norms or sampling): a ceiling for any loop built on F.linear."""
     weights = [w for layer in model.layers for w in (layer.attn.qkv.weight, layer.attn.proj.weight,
                                                      layer.mlp.gate_up.weight, layer.mlp.down.weight)]
     weights.append(model.tok_emb.weight)
