@@ -65,7 +65,7 @@ def test_vllm_greedy_tokens_and_logprobs_equal_the_native_engine(tmp_path):
     from looped_lm.checkpoint import load_checkpoint
 
     ckpt = make_checkpoint(tmp_path / "run")
-    hf_dir = export(ckpt, tmp_path / "hf")
+    hf_dir = export(ckpt, tmp_path / "hf", format="looped_lm")  # the plugin path (gpt defaults to stock Llama)
     got = run_vllm(hf_dir)
     model, _, _ = load_checkpoint(ckpt)
     for i, prompt in enumerate(PROMPTS):
