@@ -85,7 +85,6 @@ class DBLayout:
     noisy_self: bool = False
     loss_chunk: int = 0
     clean_lm: bool = False  # diffusion.clean_lm_weight > 0
-    stacked: bool = False  # diffusion.context: stacked
     # PROJECTION: with unit-norm targets tied to the head, scale*<norm h, y_v> + <z, y_v>/sigma^2 is one
     # matmul <scale*norm h + z/sigma^2, y_v>: the head's separate loglik product disappears
     fold_likelihood: bool = False
@@ -186,15 +185,10 @@ def db_train(s: Shape, lay: DBLayout, block: int = 0, attention: str = "visible"
     n = max(1, round(lay.target_fraction * T))
     M = Bsz * n
     causal = _causal_keys(T, attention)
-    # context: stacked, block b > 0: blocks < b are recomputed without gradient to feed block b's clean
-    # stream, so nothing before block b gets a gradient (the prelude runs forward only)
-    detached = lay.stacked and block > 0
     for _ in range(s.prelude):
-        _layer(led, s, Bsz, T, causal, grad=not detached)
+        _layer(led, s, Bsz, T, causal, grad=True)
     per_block = s.layers // lay.blocks
     depth = per_block + s.coda  # layers_of(b)
-    for _ in range(block * depth if lay.stacked else 0):
-        _layer(led, s, Bsz, T, causal, grad=False)
     for i in range(depth):
         _layer(led, s, Bsz, T, causal, grad=True, qkv_only=(i + 1 == depth and not lay.clean_lm))
     # noisy slot keys: clean positions <= its own (+ its own key with noisy_self)
@@ -267,12 +261,13 @@ def gpt_decode(s: Shape, context: int, rows: int = 1) -> Ledger:
 
 
 def db_decode(s: Shape, lay: DBLayout, K: int, context: int, rows: int = 1, bridge: str = "hard",
-              blocks_visited: int | None = None, fused: bool = False) -> Ledger:
+              blocks_visited: int | None = None, fused: bool = True) -> Ledger:
     """One token of K routed Euler steps (DiffusionBlocksLM.forward_cached with one new token). Each
-    visited block first runs the pending clean token (its last layer: K/V only), then every call runs
-    the noisy slot and the head. blocks_visited: distinct blocks the K-step grid routes to (default
-    min(K, blocks); the test reads it from the model's grid). fused (PROJECTION, weight traffic only):
-    the clean token and the noisy slot share one weight pass per block."""
+    visited block runs the pending clean token (its last layer: K/V only) and every call runs the noisy
+    slot and the head. blocks_visited: distinct blocks the K-step grid routes to (default min(K, blocks);
+    the test reads it from the model's grid). fused (the code's decode path, `TwoStreamLayer.fused`): a
+    block's first call runs the clean token and the slot in one weight pass; the slot's k and v come out
+    of the shared qkv product and are dropped without noisy_self. fused=False counts the two-pass decode."""
     led = Ledger()
     d, V = s.d, s.vocab
     visited = min(K, lay.blocks) if blocks_visited is None else blocks_visited
@@ -295,6 +290,9 @@ def db_decode(s: Shape, lay: DBLayout, K: int, context: int, rows: int = 1, brid
         for _ in range(K - 1):
             led.linear("bridge", rows, V, d)
     if fused:  # the first call of each visited block reads the matrices both streams use once
+        if not lay.noisy_self:
+            for _ in range(visited * depth):
+                led.linear("attn_proj", rows, d, 2 * d)  # the slot's k, v from the shared qkv product
         led.weight_params -= visited * _shared_weights(s, depth, lay.noisy_self)
     return led
 
@@ -337,7 +335,7 @@ def train_ratio(s: Shape, lay: DBLayout, gpt_chunk: int | None = None, attention
 
 
 def decode_ratio(s: Shape, lay: DBLayout, K: int, context: int, rows: int, bridge: str = "hard",
-                 fused: bool = False, bytes_per_param: int = 4) -> dict:
+                 fused: bool = True, bytes_per_param: int = 4) -> dict:
     """DB / gpt tokens per second at the floor: gpt cost / DB cost, by FLOPs and by bytes read (weights
     once per call + each row's KV)."""
     gpt, db = gpt_decode(s, context, rows), db_decode(s, lay, K, context, rows, bridge, fused=fused)
@@ -399,7 +397,7 @@ def markdown(tables: dict) -> str:
                    f"{r['db_vocab_share']:.0%} / {r['gpt_vocab_share']:.0%} |")
     out += ["", f"Decode, one token per row after {tables['context']} cached tokens, DB at K = B = 4, hard bridge: "
             "DB / gpt tokens per second at the floor (gpt cost / DB cost). 'weights' = parameters + KV read "
-            "per step (the memory-bound floor at small batch); 'fused' (PROJECTION) = the clean token and "
+            "per step (the memory-bound floor at small batch); 'fused' (the code now; unfused = the earlier two-pass decode) = the clean token and "
             "the noisy slot share one weight pass per block:", "",
             "| shape | DB layout | batch | DB/gpt by FLOPs | DB/gpt by weight+KV bytes | same, fused | "
             "MFLOP/token gpt / DB | vocab share of DB FLOPs |",

@@ -15,12 +15,14 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from looped_lm import diffusion as dm
 from looped_lm.config import config_from_dict
 from looped_lm.models import build_model
+from looped_lm.models.contract import Iterative
 from looped_lm.models.huginn import sample_recurrence
 from looped_lm.models.layers import ffn_width
 from looped_lm.models.two_stream import noisy_mask
+from looped_lm.sampling import PLAIN, SharedGenerator
+from looped_lm.settings import RowBatch, resolve_settings
 
 TOL = 1e-3  # relative; the counts agree exactly today, TOL only absorbs float rounding of large sums
 _spec = importlib.util.spec_from_file_location("cost_model", Path(__file__).parents[1] / "bench" / "cost_model.py")
@@ -46,8 +48,7 @@ def build(kind, s, lay=None, **model_extra):
         model["loss_chunk"] = lay.loss_chunk
         diffusion = {"num_blocks": lay.blocks, "target_fraction": lay.target_fraction,
                      "parameterization": lay.parameterization, "noisy_self": lay.noisy_self,
-                     "block_sampling": "round_robin", "clean_lm_weight": 0.5 if lay.clean_lm else 0.0,
-                     "context": "stacked" if lay.stacked else "independent"}
+                     "block_sampling": "round_robin", "clean_lm_weight": 0.5 if lay.clean_lm else 0.0}
     torch.manual_seed(0)
     return build_model(config_from_dict({"model": model, "diffusion": diffusion}), s.vocab)
 
@@ -61,14 +62,17 @@ def step_flops(model, s, step):
     return c.get_total_flops()
 
 
-def decode_flops(model, s, context, rows, **kw):
+def decode_flops(model, s, context, rows, num_iterations=None, bridge=None):
     """FLOPs of forward_cached for one new token per row after `context` cached prompt tokens."""
     ids = torch.randint(0, s.vocab, (rows, context + 1), generator=torch.Generator().manual_seed(2))
     cache = model.new_cache(rows, context + 8)
+    limits = model.iteration_limits() if isinstance(model, Iterative) else None
+    settings = resolve_settings(limits, num_iterations=num_iterations, bridge=bridge, sampling=PLAIN)
+    batch = RowBatch.uniform(settings, rows, SharedGenerator(torch.Generator().manual_seed(3)))
     with torch.no_grad():
-        model.forward_cached(ids[:, :context], cache, **kw)
+        model.forward_cached(ids[:, :context], cache, None, batch)
         with counting() as c:
-            model.forward_cached(ids[:, context:], cache, **kw)
+            model.forward_cached(ids[:, context:], cache, None, batch)
     return c.get_total_flops()
 
 
@@ -97,7 +101,6 @@ DB_LAYOUTS = [
     cm.DBLayout(blocks=2, target_fraction=0.5, noisy_self=True, loss_chunk=4),
     cm.DBLayout(blocks=2, target_fraction=0.25, loss_chunk=8),  # 6 slots: one chunk, no recompute
     cm.DBLayout(blocks=2, clean_lm=True),
-    cm.DBLayout(blocks=2, stacked=True),
 ]
 
 
@@ -131,7 +134,7 @@ def test_gpt_decode_token(rows):
 
 
 def blocks_visited(model, K):
-    return len({dm.route_sigma(sig, model.edges) for sig in model.chain_sigmas(K)[:K]})
+    return len(set(model.grid().blocks(K)))
 
 
 @pytest.mark.parametrize("lay,K,bridge", [
