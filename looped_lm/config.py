@@ -61,11 +61,11 @@ class _Section(BaseModel):
 MODEL_KINDS = ("gpt", "db_ar", "looped_db", "huginn")
 # the choices of each choice field
 ModelKind = Literal["gpt", "db_ar", "looped_db", "huginn"]
-Partition = Literal["equi_probability", "uniform", "equi_entropy"]
-Noise = Literal["lognormal", "adaptive"]
+Partition = Literal["equi_probability", "uniform"]
 Parameterization = Literal["edm", "likelihood"]
 NoisyInput = Literal["noise", "prev_token"]
-Context = Literal["independent", "stacked"]
+PosteriorInput = Literal["full", "detached", "topk"]
+Head = Literal["tied", "cosine"]
 LossWeight = Literal["none", "edm", "batch_mean"]
 TargetScale = Literal["unit", "sigma_data"]
 BlockSampling = Literal["uniform", "round_robin", "loss_share"]
@@ -99,20 +99,23 @@ class ModelConfig(_Section):
 
 class DiffusionConfig(_Section):
     num_blocks: int = _f(4, "B: blocks that each own one interval of noise levels")
-    partition: Partition = _f("equi_probability", "block edges: equal noise mass, equal ln-width, or equal shares of "
-                        "the held-out CE drop re-estimated in training (equi_entropy)")
-    noise: Noise = _f("lognormal", "training sigma within a block: the log-normal (paper) or adaptive (the "
-                    "learned CDF of CE(sigma), CDCD-style time warping)")
-    curve_every: int = _f(200, "re-measure held-out CE(sigma) every N steps (equi_entropy, adaptive, loss_share)")
-    curve_until: int = _f(0, "stop re-measuring (freeze edges) after this step; 0 = never")
+    partition: Partition = _f("equi_probability", "block edges: equal noise mass (equi_probability) or equal ln-width")
+    curve_every: int = _f(200, "block_sampling loss_share: re-measure held-out CE(sigma) every N steps")
+    curve_until: int = _f(0, "stop re-measuring (freeze the block shares) after this step; 0 = never")
     parameterization: Parameterization = _f("likelihood", "how a noisy slot reads z: edm (paper: c_in*z in, c_skip*z skip) or likelihood "
                                "(z's exact token log-likelihood <z,y_v>/sigma^2 added to the logits, and its "
                                "posterior-mean embedding as input: the network models only what context adds)")
     noisy_self: bool = _f(False, "a noisy slot attends its own key besides the clean keys (paper); false: clean "
                           "keys only, plain causal attention (flash), and servable by vLLM's paged attention")
     noisy_input: NoisyInput = _f("prev_token", "noisy slot input: what it reads of z alone (noise), or that + E[previous token] (prev_token)")
-    context: Context = _f("independent", "block b's clean stream starts from the embeddings (independent, paper) or "
-                      "from blocks < b's clean output, without gradient (stacked)")
+    posterior_input: PosteriorInput = _f("full", "likelihood: the slot's input embedding softmax(<z,y>/sigma^2) @ E "
+                                         "with a gradient into E (full), without one (detached: one V-sized "
+                                         "product less in backward), or from its top posterior_topk tokens "
+                                         "plus the rest's mass on the other rows' mean (topk, also forward-only)")
+    posterior_topk: int = _f(64, "posterior_input topk: tokens whose embeddings enter exactly")
+    head: Head = _f("tied", "output head: tied (RMSNorm then the embedding table) or cosine (a learned scale times "
+                    "the cosine to the unit-norm targets; with the likelihood layout its log-likelihood term is "
+                    "folded into the same product)")
     clean_lm_weight: Float = _f(0.0, "weight of a next-token CE on each block's clean stream, added to the loss")
     overlap: Float = _f(0.1, "gamma: each block trains on its interval widened by this share of its ln-width")
     p_mean: Float = _f(-1.2, "mean of ln(sigma) for training noise")
@@ -256,11 +259,19 @@ def config_from_dict(raw: dict) -> Config:
     return cfg
 
 
+REMOVED = {  # options the quality study measured worse everywhere (docs/results.md)
+    "diffusion.context": "context: stacked lost every measurement",
+    "diffusion.noise": "noise: adaptive lost every measurement",
+}
+
+
 def _message(err: dict) -> str:
     """pydantic's first error as one line naming the key (`train.lr must be a number, got 'fast'`)."""
     loc, kind, value = err["loc"], err["type"], err.get("input")
     key = ".".join(str(p) for p in loc[:2]) + "".join(f"[{p}]" for p in loc[2:])
     if kind == "extra_forbidden":
+        if key in REMOVED:
+            return f"{key} was removed: {REMOVED[key]}; delete it from the config"
         if len(loc) == 1:
             return f"unknown config section '{loc[0]}'{_suggest(str(loc[0]), SECTIONS)}"
         return f"unknown config key '{key}'{_suggest(str(loc[1]), SECTIONS[loc[0]].model_fields)}"
@@ -338,6 +349,7 @@ def validate(cfg: Config) -> None:
     _require(0 < d.target_fraction <= 1, f"diffusion.target_fraction must be in (0, 1] (got {d.target_fraction})")
     _require(d.curve_every >= 1 and d.curve_until >= 0, "diffusion.curve_every must be >= 1 and curve_until >= 0")
     _require(d.clean_lm_weight >= 0, f"diffusion.clean_lm_weight must be >= 0 (got {d.clean_lm_weight})")
+    _require(d.posterior_topk >= 1, f"diffusion.posterior_topk must be >= 1 (got {d.posterior_topk})")
     _require(0 < d.sample_top_quantile <= 1,
              f"diffusion.sample_top_quantile must be in (0, 1] (got {d.sample_top_quantile})")
     _require(d.num_iterations >= 0, f"diffusion.num_iterations must be >= 1, or 0 for num_blocks (got {d.num_iterations})")

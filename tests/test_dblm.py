@@ -225,12 +225,6 @@ def test_edges_saved_and_reused():
         build_model(model.cfg, V, {"edges": [0.01, 1.0, 20.0]})
 
 
-def test_removed_options_are_refused_with_the_reason():
-    for key, value in (("context", "stacked"), ("noise", "adaptive"), ("partition", "equi_entropy")):
-        with pytest.raises(UserError, match=f"diffusion.{key}: {value} was removed"):
-            make_model(**{key: value})
-
-
 def test_sampled_bridge_draws_targets_in_proportion():
     model = make_model()
     logits = torch.full((4000, 1, V), -1e9)
@@ -337,3 +331,63 @@ def test_last_call_at_sigma_min_makes_the_k_equals_b_sampler_block_0s_distributi
     first = uncached_next_logits(model, x, resolve_settings(model.iteration_limits(), num_iterations=1,
                                                              sampling=GREEDY), z)
     assert torch.equal(chain.argmax(-1), first.argmax(-1))
+
+
+def test_removed_config_options_say_why():
+    from looped_lm.errors import UserError as E
+
+    for key in ("context", "noise"):
+        with pytest.raises(E, match=f"diffusion.{key} was removed"):
+            config_from_dict({"model": {"kind": "db_ar"}, "diffusion": {key: "x"}})
+    with pytest.raises(E, match="partition must be one of equi_probability, uniform"):
+        config_from_dict({"model": {"kind": "db_ar"}, "diffusion": {"partition": "equi_entropy"}})
+
+
+@torch.no_grad()
+def test_posterior_input_topk_error_is_within_its_bound():
+    exact = make_model(parameterization="likelihood")
+    topk = make_model(parameterization="likelihood", posterior_input="topk", posterior_topk=5)
+    topk.load_state_dict(exact.state_dict())
+    table = exact.tok_emb.weight
+    for sigma_value in (0.05, 0.5, 5.0):
+        sigma = torch.full((2,), sigma_value)
+        z = exact.targets(torch.randint(0, V, (2, 6))) + sigma_value * torch.randn(2, 6, 32)
+        loglik = exact.token_loglik(z, sigma)
+        a, b = exact.posterior_embedding(loglik), topk.posterior_embedding(loglik)
+        p = loglik.softmax(-1)
+        rest = 1 - p.topk(5, dim=-1).values.sum(-1)
+        bound = rest * (table - table.mean(0)).norm(dim=-1).max() * 2
+        assert bool(((a - b).norm(dim=-1) <= bound + 1e-5).all())
+    # sharp likelihood (low sigma): top-k is exact; flat (high sigma): the rest's mean carries the mass
+    sigma = torch.full((2,), 0.01)
+    z = exact.targets(torch.randint(0, V, (2, 6)))
+    torch.testing.assert_close(topk.posterior_embedding(exact.token_loglik(z, sigma)),
+                               exact.posterior_embedding(exact.token_loglik(z, sigma)), atol=1e-5, rtol=0)
+
+
+def test_detached_posterior_input_sends_no_gradient_into_the_table_through_the_input():
+    x, y = torch.randint(0, V, (2, 16)), torch.randint(0, V, (2, 16))
+    grads = {}
+    for mode in ("full", "detached"):
+        model = make_model(parameterization="likelihood", posterior_input=mode, noisy_input="noise").train()
+        torch.manual_seed(3)
+        loss, _ = model.training_loss(x, y, step=0, seed=0)
+        loss.backward()
+        grads[mode] = model.tok_emb.weight.grad.clone()
+    assert not torch.allclose(grads["full"], grads["detached"])  # the input path carried a gradient
+
+
+def test_cosine_head_folds_the_likelihood_into_one_product_with_the_heads_gradient_only():
+    model = make_model(parameterization="likelihood", head="cosine")
+    g = torch.Generator().manual_seed(0)
+    h, z = torch.randn(2, 5, 32, generator=g), torch.randn(2, 5, 32, generator=g)
+    sigma = torch.tensor([0.3, 2.0])
+    table = model.unit_table()
+    u = model.cosine_state(h)
+    separate = u @ table.T + (z / sigma[:, None, None] ** 2) @ table.detach().T
+    folded = model.denoise_logits(h, z, sigma)
+    torch.testing.assert_close(folded, separate, atol=1e-4, rtol=1e-5)
+    w = torch.randn(folded.shape, generator=g)
+    ga = torch.autograd.grad((folded * w).sum(), model.tok_emb.weight, retain_graph=True)[0]
+    gb = torch.autograd.grad((separate * w).sum(), model.tok_emb.weight)[0]
+    torch.testing.assert_close(ga, gb, atol=1e-4, rtol=1e-4)

@@ -176,7 +176,7 @@ def llama_exported(tmp_path_factory):
     torch.manual_seed(0)
     cfg = config_from_dict({"model": LLAMA_SHAPE, "data": {"tokenizer": "byte"}})
     write_rank_files(tmp_dir_for(root / "run", 1), 0)
-    manifest = {"config": cfg.to_dict(), "vocab_size": 257, "tokenizer": "byte", "model_state": {}}
+    manifest = {"config": cfg.to_dict(), "vocab_size": 257, "tokenizer": "byte", "model_state": {}, "world_size": 1}
     ckpt = finalize(root / "run", 1, build_model(cfg, 257), manifest, keep_last=1)
     assert cli.main(["export", "--checkpoint", str(ckpt), "--out", str(root / "hf")]) == 0
     return ckpt, root / "hf"

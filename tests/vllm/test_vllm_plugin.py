@@ -47,7 +47,8 @@ def make_checkpoint(root: Path, kind: str = "gpt", **diffusion) -> Path:
     tmp = tmp_dir_for(root, 1)
     write_rank_files(tmp, 0)
     state = model.checkpoint_state()
-    manifest = {"config": cfg.to_dict(), "vocab_size": vocab, "tokenizer": "byte", "model_state": state}
+    manifest = {"config": cfg.to_dict(), "vocab_size": vocab, "tokenizer": "byte", "model_state": state,
+                "world_size": 1}
     return finalize(root, 1, model, manifest, keep_last=1)
 
 

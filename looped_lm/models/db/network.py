@@ -27,18 +27,28 @@ from looped_lm.errors import UserError
 from looped_lm.models.layers import RotaryEmbedding, TransformerLayer, chunked, ffn_width, init_weights, positions_after
 from looped_lm.models.two_stream import NoiseEmbedding, TwoStreamLayer
 
-REMOVED = {  # options the quality study measured worse, removed from the product (docs/results.md)
-    ("context", "stacked"), ("noise", "adaptive"), ("partition", "equi_entropy")}
+
+
+class FoldedHead(torch.autograd.Function):
+    """logits = (u + l) @ table^T in ONE product, with the gradient of the head alone: u is the head's
+    scaled unit state, l = z / sigma^2 the noise's log-likelihood direction, whose product with the
+    targets is the exact (fixed) likelihood term, so no gradient reaches the table through it."""
+
+    @staticmethod
+    def forward(ctx, u, l, table):
+        ctx.save_for_backward(u, table)
+        return (u + l) @ table.T
+
+    @staticmethod
+    def backward(ctx, grad):
+        u, table = ctx.saved_tensors
+        return grad @ table, None, grad.flatten(0, -2).T @ u.flatten(0, -2)
 
 
 class DBNetwork(nn.Module):
     def __init__(self, cfg: Config, vocab_size: int, edges: list[float] | None = None):
         super().__init__()
         m, d = cfg.model, cfg.diffusion
-        for key, value in REMOVED:
-            if getattr(d, key) == value:
-                raise UserError(f"diffusion.{key}: {value} was removed (it lost every measurement, "
-                                "docs/results.md); use the default")
         self.cfg, self.vocab_size, self.n_heads = cfg, vocab_size, m.n_heads
         self.seq_len, self.max_positions = m.seq_len, 4 * m.seq_len
         self.sched = dm.NoiseSchedule(d.p_mean, d.p_std, d.sigma_min, d.sigma_max, d.sigma_data).validate()
@@ -49,6 +59,8 @@ class DBNetwork(nn.Module):
         self.noisy_self = d.noisy_self
         self.likelihood = d.parameterization == "likelihood"
         self.prev_token = d.noisy_input == "prev_token"
+        self.posterior_input, self.posterior_topk = d.posterior_input, d.posterior_topk
+        self.cosine_head = d.head == "cosine"
         self.loss_chunk = m.loss_chunk  # training: (slots, V) tensors per chunk, recomputed in backward
         self.target_scale = 1.0 if d.target_scale == "unit" else d.sigma_data * math.sqrt(m.d_model)
 
@@ -64,6 +76,8 @@ class DBNetwork(nn.Module):
         self.noise_emb = NoiseEmbedding(m.d_model)
         self.norm = nn.RMSNorm(m.d_model, eps=m.norm_eps)
         self.rope = RotaryEmbedding(m.d_model // m.n_heads, self.max_positions + 1, m.rope_theta)
+        if self.cosine_head:  # logits = exp(log_scale) * cos(norm(h), y_v); starts at sqrt(d), a unit-variance logit
+            self.log_scale = nn.Parameter(torch.tensor(0.5 * math.log(m.d_model)))
         init_weights(self, m.init_std, per_block + m.n_prelude + m.n_coda)
         for layer in [*self.coda, *(layer for block in self.blocks for layer in block)]:  # adaLN-Zero
             nn.init.zeros_(layer.ada.weight)
@@ -93,7 +107,19 @@ class DBNetwork(nn.Module):
         return (z.float() @ self.target_table().T) / sigma.float()[:, None, None] ** 2
 
     def posterior_embedding(self, loglik):
-        return loglik.softmax(-1).to(self.tok_emb.weight.dtype) @ self.tok_emb.weight
+        """The embedding expected under z's likelihood: softmax(loglik) @ E, exactly (posterior_input full /
+        detached), or its top-k tokens exactly plus the rest's mass on the mean of the other rows (topk).
+        The top-k error is at most rest_mass * max_v |E_v - mean of the rest| (tests/test_dblm.py)."""
+        table = self.tok_emb.weight if self.posterior_input == "full" else self.tok_emb.weight.detach()
+        p = loglik.softmax(-1).to(table.dtype)
+        if self.posterior_input != "topk" or self.posterior_topk >= p.shape[-1]:
+            return p @ table
+        k = self.posterior_topk
+        top_p, top_i = p.topk(k, dim=-1)
+        rest = (1 - top_p.sum(-1, keepdim=True)).clamp_min(0)
+        total = table.sum(0)
+        rest_mean = (total - table[top_i].sum(-2)) / (table.shape[0] - k)  # mean of the rows not listed
+        return (top_p.unsqueeze(-1) * table[top_i]).sum(-2) + rest * rest_mean
 
     # --- the noisy step ---------------------------------------------------------------------------
 
@@ -103,7 +129,10 @@ class DBNetwork(nn.Module):
         enters the residual stream); + E[previous token] with noisy_input: prev_token."""
         _, _, c_in, c_noise = dm.edm_scalings(sigma, self.sched.sigma_data)
         loglik = None
-        if self.likelihood and self.chunking():  # the head recomputes the likelihood per chunk
+        if self.likelihood and self.posterior_input != "full":  # forward-only: no gradient into the table
+            with torch.no_grad():
+                h = self.posterior_embedding(self.token_loglik(z, sigma))
+        elif self.likelihood and self.chunking():  # the head recomputes the likelihood per chunk
             h = chunked(lambda z_: self.posterior_embedding(self.token_loglik(z_, sigma)), self.loss_chunk, z)
         elif self.likelihood:
             loglik = self.token_loglik(z, sigma)
@@ -116,12 +145,25 @@ class DBNetwork(nn.Module):
 
     def denoise_logits(self, h_noisy, z, sigma, loglik=None):
         """Block output F (B, n, C) at noise sigma (B,) -> logits (B, n, V)."""
+        if self.likelihood and self.cosine_head:  # <scale*u + z/sigma^2, y_v>: one product
+            return FoldedHead.apply(self.cosine_state(h_noisy), z.float() / sigma.float()[:, None, None] ** 2,
+                                    self.unit_table())
         if self.likelihood:
             loglik = self.token_loglik(z, sigma) if loglik is None else loglik
             return F.linear(self.norm(h_noisy), self.tok_emb.weight).float() + loglik
         c_skip, c_out, _, _ = (c.to(z.dtype)[:, None, None] for c in dm.edm_scalings(sigma, self.sched.sigma_data))
         h = c_out * self.target_scale * F.normalize(h_noisy, dim=-1) + c_skip * z
+        if self.cosine_head:
+            return self.cosine_state(h) @ self.unit_table().T
         return F.linear(self.norm(h.to(self.tok_emb.weight.dtype)), self.tok_emb.weight)
+
+    def cosine_state(self, h):
+        """The cosine head's side: exp(log_scale) * normalize(norm(h))."""
+        return self.log_scale.exp() * F.normalize(self.norm(h).float(), dim=-1)
+
+    def unit_table(self):
+        """The targets with their gradient: what the cosine head compares against (= target_table)."""
+        return self.target_scale * F.normalize(self.tok_emb.weight.float(), dim=-1)
 
     def chunking(self) -> bool:
         return bool(self.loss_chunk) and torch.is_grad_enabled()
