@@ -34,7 +34,7 @@ import torch
 
 from looped_lm.config import config_from_dict
 from looped_lm.engine.generate import generate
-from looped_lm.engine.sampling import SamplingParams
+from looped_lm.sampling import SamplingParams
 from looped_lm.models import build_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -91,8 +91,10 @@ def serve_worker(spec: dict) -> None:
     else:
         model, tok_name = build_untrained(spec["kind"])
     tok = get_tokenizer(tok_name)
-    engine = Engine.from_memory_budget(model, 1.0, max_slots=64, vocab_size=tok.vocab_size, max_iterations=16
-                                       if hasattr(model, "inference_kwargs") else None)
+    from looped_lm.models.contract import Iterative
+
+    engine = Engine.from_memory_budget(model, 1.0, max_slots=64, vocab_size=tok.vocab_size,
+                                       max_iterations=16 if isinstance(model, Iterative) else None)
     uvicorn.run(build_app(engine, tok, "bench"), host="127.0.0.1", port=spec["port"], log_level="warning")
 
 
@@ -179,7 +181,7 @@ def engine_only(kind: str, clients: int, rounds: int, threads: int) -> float:
     import torch
 
     from looped_lm.engine.engine import Engine, Request
-    from looped_lm.engine.sampling import SamplingParams
+    from looped_lm.sampling import SamplingParams
 
     torch.set_num_threads(threads)
     model, _ = build_untrained(kind)
