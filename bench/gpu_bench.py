@@ -6,8 +6,9 @@ Rows: end-to-end GPT vs DiffusionBlocks AR (B = 4) at the paper's AR shape (12 x
 vocab 50304), DB with target_fraction 0.25, and Huginn BPTT (r = 32, k = 8) vs looped_db at the paper's
 looped shape (2 + 4 + 2, d 512). Memory is torch.cuda.max_memory_allocated during forward + backward
 minus the memory held before it (weights, gradients, optimiser state excluded): activation memory.
-Step time is forward + backward + AdamW, CUDA-synchronised, mean over timed steps after warm-up; a DB
-"step" trains one block, so the table also gives B DB steps against one end-to-end step.
+Step time is the trainer's `train_step` (looped_lm/training.py: forward + backward + AdamW, no clipping),
+CUDA-synchronised, mean over timed steps after warm-up; a DB "step" trains one block, so the table also
+gives B DB steps against one end-to-end step.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ import torch.nn.functional as F
 
 from looped_lm.config import config_from_dict
 from looped_lm.engine.generate import generate
-from looped_lm.engine.sampling import SamplingParams
+from looped_lm.sampling import SamplingParams
 from looped_lm.models import build_model
 from looped_lm.optim import BlockwiseAdamW, param_groups
+from looped_lm.training import TorchRunner, train_step
 
 AR = {"n_layers": 12, "d_model": 768, "n_heads": 12, "seq_len": 1024, "vocab_size": 50304}
 LOOPED = {"n_prelude": 2, "n_layers": 4, "n_coda": 2, "d_model": 512, "n_heads": 8, "seq_len": 1024,
@@ -38,48 +40,58 @@ def make(kind, model_extra, diffusion=None):
     return build_model(cfg, vocab).cuda()
 
 
-def huginn_loss(model, x, y, r=32, k=8):
-    logits = model(x, r, no_grad_iterations=r - k)
-    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+def huginn_loss(model, r=32, k=8):
+    """Huginn at a fixed recurrence (r iterations, gradients through the last k): comparable step times."""
+    def loss(x, y, step, seed):
+        logits = model(x, r, no_grad_iterations=r - k)
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten()), {}
+    return loss
+
+
+class MeasuredRunner(TorchRunner):
+    """Records the memory that forward + backward added, before the optimiser step allocates anything."""
+
+    def optimizer_step(self) -> None:
+        self.peak = torch.cuda.max_memory_allocated() - self.base
+        super().optimizer_step()
 
 
 def measure_training(model, batch, steps, warmup, loss_fn=None):
     seq, vocab = model.seq_len, model.vocab_size
     opt = BlockwiseAdamW(param_groups(model, 0.1), lr=1e-4, fused=False, foreach=True)
-    x = torch.randint(0, vocab, (batch, seq), device="cuda")
-    y = torch.randint(0, vocab, (batch, seq), device="cuda")
+    runner = MeasuredRunner(model, opt, grad_clip=0.0, loss_fn=loss_fn, amp_dtype=torch.bfloat16)
+    x = torch.randint(0, vocab, (batch, seq), device=next(model.parameters()).device)
+    y = torch.randint(0, vocab, (batch, seq), device=x.device)
     times, peaks, losses = [], [], []
     for step in range(warmup + steps):
-        if hasattr(model, "step_units"):
-            opt.set_active_units(model.step_units(step, 0))
         torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
+        runner.base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = loss_fn(model, x, y) if loss_fn else model.training_loss(x, y, step=step, seed=0)[0]
-        loss.backward()
-        peak = torch.cuda.max_memory_allocated() - base
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        result = train_step(model, opt, runner, [(x, y)], step, 0)
         torch.cuda.synchronize()
         if step >= warmup:
             times.append(time.perf_counter() - t0)
-            peaks.append(peak)
-            losses.append(loss.item())
+            peaks.append(runner.peak)
+            losses.append(result.loss)
     return {"step_ms": 1000 * sum(times) / len(times), "act_gib": max(peaks) / 2 ** 30,
             "tokens_per_s": batch * seq / (sum(times) / len(times))}
 
 
 @torch.no_grad()
-def measure_decode(model, batch, new_tokens, **kw):
+def measure_decode(model, batch, new_tokens, num_iterations=None):
+    from looped_lm.models.contract import Iterative
+    from looped_lm.settings import resolve_settings
+
     model.eval()
+    limits = model.iteration_limits() if isinstance(model, Iterative) else None
+    settings = resolve_settings(limits, num_iterations=num_iterations, sampling=SamplingParams(0.0))
     prompt = torch.randint(0, model.vocab_size, (batch, 16), device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        generate(model, prompt, 8, SamplingParams(0.0), seed=0, **kw)  # warm-up
+        generate(model, prompt, 8, settings, seed=0)  # warm-up
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        generate(model, prompt, new_tokens, SamplingParams(0.0), seed=0, **kw)
+        generate(model, prompt, new_tokens, settings, seed=0)
         torch.cuda.synchronize()
     model.train()
     return batch * new_tokens / (time.perf_counter() - t0)
@@ -106,8 +118,9 @@ def main() -> None:
     gpt = run("gpt 12x768", make("gpt", AR))
     db = run("db_ar B=4", make("db_ar", AR, {"num_blocks": 4}))
     dbf = run("db_ar B=4 f=0.25", make("db_ar", AR, {"num_blocks": 4, "target_fraction": 0.25}))
-    hug = run("huginn r=32 k=8", make("huginn", {**LOOPED, "mean_recurrence": 32, "backprop_depth": 8}),
-              loss_fn=huginn_loss)
+    huginn = make("huginn", {**LOOPED, "mean_recurrence": 32, "backprop_depth": 8})
+    hug = run("huginn r=32 k=8", huginn, loss_fn=huginn_loss(huginn))
+    del huginn
     loop = run("looped_db", make("looped_db", LOOPED, {"num_blocks": 1}))
     loopf = run("looped_db f=0.25", make("looped_db", LOOPED, {"num_blocks": 1, "target_fraction": 0.25}))
 

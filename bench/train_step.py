@@ -2,9 +2,10 @@
 
     python bench/train_step.py [--steps N] [--warmup W] [--json out.json] [--vocab V] [--device cpu]
 
-One step = forward + backward + global-norm clip + the trainer's optimiser (BlockwiseAdamW over the
-trainer's parameter groups), on a fixed random batch of `batch x seq` tokens, fp32. Plain PyTorch: the
-DeepSpeed engine's own overhead is not included. Warm-up steps are excluded from the timing.
+One step = the trainer's `train_step` (looped_lm/training.py): forward + backward + global-norm clip +
+the trainer's optimiser (BlockwiseAdamW over the trainer's parameter groups), on a fixed random batch of
+`batch x seq` tokens, fp32. Plain PyTorch (`TorchRunner`): the DeepSpeed engine's own overhead is not
+included. Warm-up steps are excluded from the timing.
 
 Memory: each size runs in a fresh subprocess; peak memory is the process's max resident set size
 (`resource.getrusage(RUSAGE_SELF).ru_maxrss`), reported both as the absolute peak and as the growth over
@@ -39,6 +40,7 @@ def worker(args) -> dict:
 
     from looped_lm.models.gpt import GPT
     from looped_lm.optim import BlockwiseAdamW, param_groups
+    from looped_lm.training import TorchRunner, train_step
 
     device = torch.device(args.device)
     if args.threads > 0:
@@ -49,17 +51,15 @@ def worker(args) -> dict:
     params = sum(p.numel() for p in model.parameters())
     opt = BlockwiseAdamW(param_groups(model, 0.1), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, fused=False,
                          foreach=False)
+    runner = TorchRunner(model, opt, grad_clip=1.0)
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g).to(device)
     x, y = data[:, :-1], data[:, 1:]
+    steps_done = [0]
 
     def step():
-        _, loss = model(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        return loss
+        steps_done[0] += 1
+        return train_step(model, opt, runner, [(x, y)], steps_done[0], 0).loss
 
     for _ in range(args.warmup):
         step()
@@ -74,7 +74,6 @@ def worker(args) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
-    losses = [float(v) for v in losses]
     steps = len(losses)
     tokens = steps * args.batch * args.seq
     row = {

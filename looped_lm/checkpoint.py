@@ -1,14 +1,20 @@
 """Checkpoints: `model.safetensors` + `optimizer/` (DeepSpeed's files) + `rng/` + `manifest.json`.
 
-Layout of one checkpoint, `out_dir/step_000500/`:
+Layout of one checkpoint, `out_dir/step_0000500/`:
     model.safetensors   full model weights (what eval, generate, serve and export read)
     optimizer/          DeepSpeed engine state (optimizer moments, LR schedule), for resume only
     rng/rank{r}.pt      torch / numpy / python RNG states of each rank
-    manifest.json       config, tokenizer, step, data position, model metadata (edges...), sha256 of
-                        model.safetensors, code version; written LAST
+    manifest.json       config, tokenizer, step, data position, model metadata (edges...), and the
+                        integrity record: every other file with its size and sha256, then the sha256
+                        of the manifest's own content (`manifest_sha256`); written LAST
 
-Every rank writes into `out_dir/.tmp-step_000500/`, then rank 0 renames it. A directory without a
-manifest, or whose weights do not match the manifest's hash, is never loaded.
+Every rank writes into `out_dir/.tmp-step_0000500/`, then rank 0 writes the manifest and renames the
+directory. A step directory without a manifest is not a checkpoint. Reading verifies: resume checks
+every file, inference the files it loads (`verify=False` checks presence and sizes only). Anything
+missing, edited or corrupted is refused with one line naming the file.
+
+torch and safetensors are imported inside the functions that need them: the CLI reads manifests
+before deciding to start anything heavy.
 """
 
 from __future__ import annotations
@@ -17,13 +23,10 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
+import sys
 from pathlib import Path
-
-import numpy as np
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 from looped_lm import __version__
 from looped_lm.config import Config, config_from_dict
@@ -31,11 +34,20 @@ from looped_lm.errors import UserError
 
 MANIFEST = "manifest.json"
 WEIGHTS = "model.safetensors"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: a hash of the weights only (read for inference; resumed only without verification)
+NO_VERIFY_HELP = ("skip the sha256 of the checkpoint's files and of its manifest (slow on big checkpoints); "
+                  "presence, sizes, step and shapes are still checked")
+_STEP_DIR = re.compile(r"step_(\d+)")
 
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:07d}"
+
+
+def step_of(path: Path) -> int | None:
+    """The step a directory name stands for (`step_0000500` -> 500), else None."""
+    m = _STEP_DIR.fullmatch(path.name)
+    return int(m.group(1)) if m else None
 
 
 def sha256_file(path: Path) -> str:
@@ -46,23 +58,35 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def state_dict_for_save(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Contiguous CPU copies; tied weights are stored once (safetensors refuses shared storage)."""
-    out, seen = {}, {}
-    for name, t in model.state_dict().items():
-        key = (t.data_ptr(), t.shape, t.stride())
-        if key in seen:
-            continue
-        seen[key] = name
-        out[name] = t.detach().to("cpu").contiguous()
-    return out
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of the manifest's content without its own hash (canonical JSON: sorted keys)."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def add_verify_argument(p) -> None:
+    p.add_argument("--no-verify", action="store_true", help=NO_VERIFY_HELP)
+
+
+def no_verify_note() -> str:
+    return f"note: --no-verify: {NO_VERIFY_HELP}"
+
+
+# ---------------------------------------------------------------------------------------------
+# writing (the trainer calls these; see train.save)
 
 
 def rng_state() -> dict:
+    import numpy as np
+    import torch
+
     return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
 
 
 def set_rng_state(state: dict) -> None:
+    import numpy as np
+    import torch
+
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
@@ -74,35 +98,89 @@ def tmp_dir_for(out_dir: Path, step: int) -> Path:
 
 def write_rank_files(tmp: Path, rank: int) -> None:
     """Per-rank part of a save (all ranks, before the barrier)."""
+    import torch
+
     (tmp / "rng").mkdir(parents=True, exist_ok=True)
     torch.save(rng_state(), tmp / "rng" / f"rank{rank}.pt")
 
 
-def finalize(out_dir: Path, step: int, model: torch.nn.Module, manifest: dict, keep_last: int) -> Path:
-    """Rank 0, after every rank has written its part: weights, manifest, atomic rename, pruning."""
-    tmp = tmp_dir_for(out_dir, step)
-    save_file(state_dict_for_save(model), str(tmp / WEIGHTS), metadata={"format": "looped_lm"})
-    manifest = {**manifest, "step": step, "format_version": FORMAT_VERSION, "looped_lm_version": __version__,
-                "weights_sha256": sha256_file(tmp / WEIGHTS)}
-    with open(tmp / MANIFEST, "w") as f:
+def save_weights(model, path: Path) -> None:
+    """safetensors' own save: tied tensors are stored once (load_weights restores the aliases)."""
+    import copy
+
+    from safetensors.torch import save_model
+
+    tensors = list(model.state_dict().values())
+    if any(t.untyped_storage().nbytes() != t.numel() * t.element_size() for t in tensors):
+        # ZeRO 1/2 turn parameters into views of one flat buffer, which safetensors cannot tell from a
+        # partial tie: save a copy whose tensors own their storage (deepcopy keeps tied ones tied)
+        model = copy.deepcopy(model)
+        for t in [*model.parameters(), *model.buffers()]:
+            t.data = t.data.clone()
+    save_model(model, str(path), metadata={"format": "looped_lm"})
+
+
+def file_records(root: Path) -> dict:
+    """{relative path: {"size", "sha256"}} of every file under root except the manifest."""
+    return {rel: {"size": (root / rel).stat().st_size, "sha256": sha256_file(root / rel)}
+            for rel in sorted(_names_on_disk(root))}
+
+
+def write_manifest(ckpt: Path, manifest: dict) -> dict:
+    """Complete `manifest` with the integrity record of `ckpt`'s files and its own hash; write it."""
+    manifest = {**manifest, "format_version": FORMAT_VERSION, "looped_lm_version": __version__,
+                "files": file_records(ckpt)}
+    manifest["manifest_sha256"] = manifest_digest(manifest)
+    with open(ckpt / MANIFEST, "w") as f:
         json.dump(manifest, f, indent=2)
         f.flush()
         os.fsync(f.fileno())
+    return manifest
+
+
+def finalize(out_dir: Path, step: int, model, manifest: dict, keep_last: int) -> Path:
+    """Rank 0, after every rank has written its part: weights, manifest, atomic rename, pruning."""
+    tmp = tmp_dir_for(out_dir, step)
+    save_weights(model, tmp / WEIGHTS)
+    write_manifest(tmp, {**manifest, "step": step})
     final = out_dir / step_dir_name(step)
-    if final.exists():  # an older save of the same step (e.g. after a resume): replace it
-        shutil.rmtree(final)
+    old = out_dir / f".old-{final.name}"
+    if final.exists():  # an older save of the same step (e.g. a run started over): replace it
+        remove_checkpoint(old)
+        os.replace(final, old)
     os.replace(tmp, final)
-    for old in list_checkpoints(out_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    remove_checkpoint(old)
+    # keep_last counts this run's line of checkpoints: steps beyond this one (an earlier run in the same
+    # out_dir, started over with resume: never) are not this save's to prune
+    for stale in [p for p in list_checkpoints(out_dir) if step_of(p) <= step][:-keep_last]:
+        remove_checkpoint(stale)
     return final
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Manifest first: an interrupted removal leaves an incomplete directory, never a checkpoint
+    that claims files it no longer has."""
+    if not path.exists():
+        return
+    (path / MANIFEST).unlink(missing_ok=True)
+    shutil.rmtree(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# finding
+
+
+def step_dirs(out_dir: Path) -> list[Path]:
+    """Every `step_N` directory in out_dir, complete or not, by step."""
+    if not out_dir.is_dir():
+        return []
+    found = [p for p in out_dir.iterdir() if p.is_dir() and step_of(p) is not None]
+    return sorted(found, key=step_of)
 
 
 def list_checkpoints(out_dir: Path) -> list[Path]:
     """Complete checkpoints (a manifest is present), oldest first."""
-    if not out_dir.is_dir():
-        return []
-    found = [p for p in out_dir.glob("step_*") if p.is_dir() and (p / MANIFEST).is_file()]
-    return sorted(found, key=lambda p: p.name)
+    return [p for p in step_dirs(out_dir) if (p / MANIFEST).is_file()]
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
@@ -110,60 +188,185 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def read_manifest(ckpt: str | Path) -> dict:
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory as given, or for a run directory (train.out_dir) its newest complete
+    checkpoint, announced on stderr."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"checkpoint directory not found: {path}")
+    if not path.is_dir():
+        raise UserError(f"checkpoint path is not a directory: {path}")
+    if (path / MANIFEST).exists() or step_of(path) is not None or not step_dirs(path):
+        return path  # a checkpoint (read_manifest says what is wrong with it, if anything)
+    complete = list_checkpoints(path)
+    newest = step_dirs(path)[-1]
+    if not complete:
+        raise UserError(f"{path} holds no complete checkpoint ({newest.name} has no {MANIFEST})")
+    skipped = f"; {newest.name} has no {MANIFEST} and was skipped" if newest != complete[-1] else ""
+    print(f"checkpoint: {complete[-1]} (the newest complete one in {path}{skipped})", file=sys.stderr)
+    return complete[-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# reading and verifying
+
+
+def _fail(path: Path, what: str) -> UserError:
+    return UserError(f"{path}: {what}")
+
+
+def read_manifest(ckpt: str | Path, verify: bool = True) -> dict:
+    """The checked manifest of `ckpt`: its own hash (if verify), field types, and its step against the
+    directory name. The files it lists are checked by `verify_files`."""
     ckpt = Path(ckpt)
     if not ckpt.exists():
         raise UserError(f"checkpoint directory not found: {ckpt}")
     if not ckpt.is_dir():
         raise UserError(f"checkpoint path is not a directory: {ckpt}")
-    if not (ckpt / MANIFEST).is_file():
+    path = ckpt / MANIFEST
+    if not path.is_file():
         raise UserError(f"{ckpt} is not a complete checkpoint: {MANIFEST} is missing")
     try:
-        manifest = json.loads((ckpt / MANIFEST).read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{ckpt / MANIFEST} is corrupted: {e}") from None
-    for key in ("config", "step", "weights_sha256", "vocab_size", "tokenizer"):
+        manifest = json.loads(path.read_text())
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _fail(path, f"corrupted ({e})") from None
+    if not isinstance(manifest, dict):
+        raise _fail(path, "corrupted (not a JSON object)")
+    version = manifest.get("format_version")
+    if version not in (1, FORMAT_VERSION):
+        raise _fail(path, f"format_version {version!r} is not one this looped_lm ({__version__}) reads (1, 2)")
+    if version >= 2 and verify and manifest.get("manifest_sha256") != manifest_digest(manifest):
+        raise _fail(path, "modified after it was written (its content does not match its manifest_sha256); "
+                          "refusing it (--no-verify skips this check)")
+    fields = {"config": dict, "step": int, "vocab_size": int, "tokenizer": str}
+    fields.update({"files": dict, "world_size": int} if version >= 2 else {"weights_sha256": str})
+    for key, typ in fields.items():
         if key not in manifest:
-            raise UserError(f"{ckpt / MANIFEST} is incomplete: no '{key}'")
+            raise _fail(path, f"incomplete: no '{key}'")
+        value = manifest[key]
+        if not isinstance(value, typ) or isinstance(value, bool) or (typ is int and value < 0):
+            raise _fail(path, f"'{key}' must be {'a non-negative integer' if typ is int else typ.__name__}, "
+                              f"got {value!r}")
+    if not isinstance(manifest.get("model_state", {}), dict):
+        raise _fail(path, f"'model_state' must be an object, got {manifest['model_state']!r}")
+    named = step_of(ckpt)
+    if named is not None and named != manifest["step"]:
+        raise _fail(path, f"says step {manifest['step']}, but the directory is {ckpt.name}")
+    if version >= 2:
+        _check_file_records(path, manifest["files"])
     return manifest
 
 
-def verify_weights(ckpt: Path, manifest: dict) -> None:
-    weights = ckpt / WEIGHTS
-    if not weights.is_file():
-        raise UserError(f"{ckpt} is incomplete: {WEIGHTS} is missing")
-    if sha256_file(weights) != manifest["weights_sha256"]:
-        raise UserError(f"{weights} does not match the hash in its manifest: the checkpoint is truncated "
-                        "or corrupted; refusing to load it")
+def _check_file_records(path: Path, files: dict) -> None:
+    for rel, rec in files.items():
+        parts = Path(rel).parts
+        if Path(rel).is_absolute() or ".." in parts or not parts:
+            raise _fail(path, f"lists a path outside the checkpoint: {rel!r}")
+        ok = isinstance(rec, dict) and isinstance(rec.get("size"), int) and not isinstance(rec.get("size"), bool) \
+            and isinstance(rec.get("sha256"), str) and re.fullmatch(r"[0-9a-f]{64}", rec["sha256"])
+        if not ok:
+            raise _fail(path, f"the record of {rel} must be {{\"size\": bytes, \"sha256\": hex}}, got {rec!r}")
+    if WEIGHTS not in files:
+        raise _fail(path, f"does not list {WEIGHTS}")
 
 
-def load_checkpoint(ckpt: str | Path, device: str | torch.device = "cpu"):
+def verify_files(ckpt: Path, manifest: dict, names=None, verify: bool = True) -> None:
+    """The listed files `names` (None = all) exist with the recorded size and, if verify, sha256."""
+    ckpt = Path(ckpt)
+    if manifest["format_version"] == 1:  # weights hash only
+        names = [WEIGHTS] if names is None else names
+        files = {WEIGHTS: {"sha256": manifest["weights_sha256"]}}
+    else:
+        files = manifest["files"]
+    for rel in files if names is None else names:
+        if rel not in files:
+            raise _fail(ckpt / MANIFEST, f"does not list {rel}")
+        rec, p = files[rel], ckpt / rel
+        if not p.is_file():
+            raise UserError(f"{p} is missing (its manifest lists it): the checkpoint is incomplete")
+        size = p.stat().st_size
+        if "size" in rec and size != rec["size"]:
+            raise UserError(f"{p} has {size} bytes but its manifest records {rec['size']}: the file is "
+                            "truncated or was replaced")
+        if verify and sha256_file(p) != rec["sha256"]:
+            raise UserError(f"{p} does not match the sha256 in its manifest: the file is corrupted")
+
+
+def verify_checkpoint(ckpt: str | Path, verify: bool = True, ranks: int | None = None) -> dict:
+    """Everything a resume reads: the manifest, every listed file, no unlisted file, and the RNG state
+    of each of `ranks` (default: the manifest's world size). Returns the manifest."""
+    ckpt = Path(ckpt)
+    manifest = read_manifest(ckpt, verify)
+    if manifest["format_version"] == 1:
+        if verify:
+            raise _fail(ckpt / MANIFEST, "format_version 1 records the weights only, not the optimizer and RNG "
+                                         "files a resume reads; pass --no-verify to resume from it anyway")
+        verify_files(ckpt, manifest, None, verify)
+        return manifest
+    files = manifest["files"]
+    for r in range(manifest["world_size"] if ranks is None else min(ranks, manifest["world_size"])):
+        if f"rng/rank{r}.pt" not in files:
+            raise _fail(ckpt / MANIFEST, f"does not list rng/rank{r}.pt (the RNG state of rank {r})")
+    if not any(rel.startswith("optimizer/") for rel in files):
+        raise _fail(ckpt / MANIFEST, "lists no optimizer/ files (the DeepSpeed state a resume loads)")
+    verify_files(ckpt, manifest, None, verify)
+    extra = sorted(set(_names_on_disk(ckpt)) - set(files))
+    if extra:
+        raise UserError(f"{ckpt / extra[0]} is not in its checkpoint's manifest (added after the save?)")
+    return manifest
+
+
+def _names_on_disk(root: Path) -> list[str]:
+    return [rel for rel in (p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+            if rel != MANIFEST]
+
+
+def config_of(manifest: dict, ckpt: Path | None = None) -> Config:
+    try:
+        return config_from_dict(manifest["config"])
+    except UserError as e:
+        where = f"{Path(ckpt) / MANIFEST}: " if ckpt is not None else ""
+        raise UserError(f"{where}its config is invalid: {e}") from None
+
+
+def check_weights_fit(path: Path, model) -> None:
+    """Names and shapes in the safetensors header against the model the manifest builds."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"cannot read {path}: {e}") from None
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    for name, shape in sorted(shapes.items()):
+        if name not in want:
+            raise UserError(f"{path} holds {name}, which the model in its manifest does not have")
+        if want[name] != shape:
+            raise UserError(f"{path} holds {name} of shape {list(shape)}, but the model in its manifest has "
+                            f"{list(want[name])}")
+
+
+def load_checkpoint(ckpt: str | Path, device="cpu", verify: bool = True):
     """Verified (model, config, manifest) from a checkpoint directory, in eval mode."""
+    from safetensors.torch import load_model
+
     from looped_lm.models import build_model
 
     ckpt = Path(ckpt)
-    manifest = read_manifest(ckpt)
-    verify_weights(ckpt, manifest)
-    cfg = config_from_dict(manifest["config"])
-    model = build_model(cfg, manifest["vocab_size"], manifest.get("model_state"))
+    manifest = read_manifest(ckpt, verify)
+    verify_files(ckpt, manifest, [WEIGHTS], verify)
+    cfg = config_of(manifest, ckpt)
     try:
-        state = load_file(str(ckpt / WEIGHTS), device=str(device))
-    except SafetensorError as e:
-        raise UserError(f"cannot read {ckpt / WEIGHTS}: {e}") from None
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not _is_tied_alias(model, k)]
-    if missing or unexpected:
-        raise UserError(f"{ckpt / WEIGHTS} does not fit the model in its manifest "
-                        f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        model = build_model(cfg, manifest["vocab_size"], manifest.get("model_state"))
+    except (UserError, ValueError, TypeError) as e:  # model_state (edges...) that does not fit the model
+        raise UserError(f"{ckpt / MANIFEST}: its model_state does not fit model.kind {cfg.model.kind}: {e}") from None
+    check_weights_fit(ckpt / WEIGHTS, model)
+    try:
+        load_model(model, str(ckpt / WEIGHTS), strict=True, device=str(device))
+    except RuntimeError as e:  # missing tensors: the shapes matched, the names did not all
+        raise UserError(f"{ckpt / WEIGHTS} does not fit the model in its manifest: "
+                        f"{str(e).strip().splitlines()[-1].strip()}") from None
     return model.to(device).eval(), cfg, manifest
-
-
-def _is_tied_alias(model: torch.nn.Module, key: str) -> bool:
-    """A key dropped at save time because it shares storage with another saved key."""
-    sd = model.state_dict()
-    ptr = sd[key].data_ptr()
-    return any(k != key and v.data_ptr() == ptr for k, v in sd.items())
-
-
-def config_of(manifest: dict) -> Config:
-    return config_from_dict(manifest["config"])

@@ -1,14 +1,15 @@
-"""`looped_lm {prepare,train,eval,generate}`: one verb per job; each verb only routes.
+"""`looped_lm {prepare,train,eval,generate,export,serve}`: one verb per job; each verb only routes.
 
-Bad input (a UserError anywhere below) prints one line, `error: ...`, and exits with code 2.
+Bad input (a UserError anywhere below) prints one line, `error: ...`, and exits with code 2. A verb's
+module is imported only when that verb runs (or shows its --help): `looped_lm --help` and a mistyped
+flag answer at once, without importing torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,50 +21,55 @@ from looped_lm.errors import UserError
 
 
 def add_train_arguments(p) -> None:
-    p.add_argument("--config", help="YAML run config")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="config override")
+    from looped_lm import train as trainer
+
+    trainer.add_arguments(p)
     p.add_argument("--nproc", type=int, default=0,
                    help="processes on this node (GPUs; on CPU, gloo ranks); 0 = all GPUs, or 1 on CPU")
-    p.add_argument("--stop-after", type=int, default=0, help="save and exit after N steps of this launch")
-    p.add_argument("--help-config", action="store_true", help="list every config field and exit")
 
 
 def run_train(args) -> int:
-    import torch
-
+    from looped_lm import checkpoint as ckpt_io
+    from looped_lm import launch, preflight
     from looped_lm import train as trainer
-    from looped_lm.config import describe_fields, load_config
+    from looped_lm.config import describe_fields
 
     if args.help_config:
         print(describe_fields())
         return 0
-    if args.config is None and not args.set:
-        raise UserError("give --config FILE (and/or --set section.key=value overrides)")
-    load_config(args.config, args.set)  # fail here, before the launcher starts any process
+    cfg = trainer.config_from_args(args)
+    if args.nproc < 0:
+        raise UserError(f"--nproc must be >= 0 (got {args.nproc})")
+    if args.no_verify:
+        print(ckpt_io.no_verify_note(), file=sys.stderr)
+    # config, data, out_dir and the checkpoint to resume: checked here, before the launcher starts
+    plan = preflight.preflight(cfg, verify=not args.no_verify)
+    import torch
+
     nproc = args.nproc or (torch.cuda.device_count() or 1)
-    launcher = shutil.which("deepspeed")
-    if launcher is None:
-        raise UserError("the `deepspeed` launcher is not on PATH; pip install deepspeed")
-    cmd = [launcher, "--num_gpus", str(nproc), "--master_port", str(trainer._free_port()),
-           str(Path(trainer.__file__).resolve())]
-    if args.config:
-        cmd += ["--config", args.config]
-    for item in args.set:
-        cmd += ["--set", item]
-    if args.stop_after:
-        cmd += ["--stop-after", str(args.stop_after)]
-    env = dict(os.environ)
+    if plan.manifest is not None:
+        plan.notes += preflight.check_resume(plan.manifest, cfg, plan.vocab_size, nproc, Path(plan.resume))
+    for note in plan.notes:
+        print(f"note: {note}", flush=True)
+    if preflight.nothing_to_train(plan, cfg):
+        print(preflight.nothing_to_train(plan, cfg))
+        return 0
+    cmd = launch.command(nproc, trainer._free_port(), trainer.forward_args(args), args.verbose)
+    env = {**os.environ, trainer.PREFLIGHT_DONE: "1", "PYTHONUNBUFFERED": "1"}
     if not torch.cuda.is_available():
         env.setdefault("DS_ACCELERATOR", "cpu")
-    proc = subprocess.run(cmd, env=env)
-    return 2 if proc.returncode == 2 else proc.returncode
+    return launch.run(cmd, env, verbose=args.verbose)
 
 
 # --- generate ----------------------------------------------------------------------------------
 
 
 def add_generate_arguments(p) -> None:
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    from looped_lm.checkpoint import add_verify_argument
+
+    p.add_argument("--checkpoint", required=True,
+                   help="checkpoint directory, or a run directory (its newest complete checkpoint)")
+    add_verify_argument(p)
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--max-tokens", type=int, default=100)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -83,29 +89,30 @@ def add_generate_arguments(p) -> None:
 def run_generate(args) -> int:
     import torch
 
-    from looped_lm.checkpoint import load_checkpoint
+    from looped_lm.checkpoint import load_checkpoint, no_verify_note, resolve_checkpoint
     from looped_lm.data.tokenizer import get_tokenizer
     from looped_lm.engine.generate import generate
-    from looped_lm.engine.sampling import SamplingParams
+    from looped_lm.models.contract import Iterative
+    from looped_lm.sampling import SamplingParams
+    from looped_lm.settings import ExitRule, resolve_settings, skipped_blocks_note
 
-    model, cfg, manifest = load_checkpoint(args.checkpoint, args.device)
+    if args.no_verify:
+        print(no_verify_note(), file=sys.stderr)
+    model, cfg, manifest = load_checkpoint(resolve_checkpoint(args.checkpoint), args.device,
+                                           verify=not args.no_verify)
     tok = get_tokenizer(manifest["tokenizer"])
     ids = tok.encode(args.prompt) or [tok.eot_id]
-    from looped_lm.diffusion.adaptive_exit import ExitRule
-
-    exit_rule = ExitRule.from_options(args.exit_threshold, args.exit_criterion)
-    if hasattr(model, "inference_kwargs"):
-        kw = model.inference_kwargs(args.num_iterations, args.bridge, exit_rule)
-    elif args.num_iterations is not None or args.bridge is not None or exit_rule is not None:
-        raise UserError(f"--num-iterations / --bridge / --exit-* apply to DiffusionBlocks and looped models, "
-                        f"not to model.kind '{cfg.model.kind}'")
-    else:
-        kw = {}
-    params = SamplingParams(args.temperature, args.top_k, args.top_p)
+    limits = model.iteration_limits() if isinstance(model, Iterative) else None
+    settings = resolve_settings(limits, num_iterations=args.num_iterations, bridge=args.bridge,
+                                exit_rule=ExitRule.parse(args.exit_threshold, args.exit_criterion),
+                                sampling=SamplingParams(args.temperature, args.top_k, args.top_p))
+    note = skipped_blocks_note(limits, settings)
+    if note:
+        print(note, file=sys.stderr)
     prompt = torch.tensor([ids], dtype=torch.long, device=args.device)
     iterations: list = []
-    out = generate(model, prompt, args.max_tokens, params, seed=args.seed, eot_id=tok.eot_id,
-                   iteration_log=iterations, **kw)
+    out = generate(model, prompt, args.max_tokens, settings, seed=args.seed, eot_id=tok.eot_id,
+                   iteration_log=iterations if settings.exit_rule is not None else None)
     new = out[0, len(ids):].tolist()
     if tok.eot_id in new:
         new = new[:new.index(tok.eot_id)]
@@ -113,59 +120,56 @@ def run_generate(args) -> int:
     if iterations:
         per_token = [int(it[0]) for it in iterations]
         print(f"iterations per token: {per_token} (total {sum(per_token)}, mean "
-              f"{sum(per_token) / len(per_token):.2f} of K={kw['num_iterations']})", file=sys.stderr)
+              f"{sum(per_token) / len(per_token):.2f} of K={settings.num_iterations})", file=sys.stderr)
     return 0
-
-
-# --- serve: the OpenAI-compatible server (serve/, imported only for this verb) -------------------
-
-
-def add_serve_arguments(p) -> None:
-    from serve.cli import add_arguments  # argparse only: fastapi is imported when the server starts
-
-    add_arguments(p)
-
-
-def run_serve(args) -> int:
-    from serve.cli import run
-
-    return run(args)
 
 
 # --- entry point -------------------------------------------------------------------------------
 
+# verb: (help, module, its argument adder, its runner); serve/ imports fastapi only when it starts
+VERBS = {
+    "prepare": ("tokenize a corpus into nanoGPT train.bin / val.bin", "looped_lm.data.prepare", "add_arguments", "run"),
+    "train": ("train under DeepSpeed (wraps `deepspeed --module looped_lm.train`)", "looped_lm.cli",
+              "add_train_arguments", "run_train"),
+    "eval": ("perplexity of a checkpoint (exact, per K, or ppl@k)", "looped_lm.eval", "add_arguments", "run"),
+    "generate": ("continue a prompt from a checkpoint", "looped_lm.cli", "add_generate_arguments", "run_generate"),
+    "export": ("write a Hugging Face directory (transformers / vLLM) from a checkpoint", "looped_lm.export",
+               "add_arguments", "run"),
+    "serve": ("OpenAI-compatible HTTP server (completions, chat, streaming, K per request)", "looped_lm.serve.cli",
+              "add_arguments", "run"),
+}
 
-def build_parser() -> argparse.ArgumentParser:
-    from looped_lm import eval as evaluate
-    from looped_lm import export
-    from looped_lm.data import prepare
 
+def build_parser(argv=()) -> argparse.ArgumentParser:
+    """The parser, with the arguments of the verb named in argv only (the others list their help line)."""
+    verb = next((a for a in argv if not a.startswith("-")), None)
     parser = argparse.ArgumentParser(prog="looped_lm", description="DiffusionBlocks language models: "
-                                     "prepare data, train, evaluate, generate.")
+                                     "prepare data, train, evaluate, generate, export, serve.")
     parser.add_argument("--version", action="version", version=f"looped_lm {__version__}")
-    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{prepare,train,eval,generate,export,serve}")
-    for name, helptext, add, run in (
-        ("prepare", "tokenize a corpus into nanoGPT train.bin / val.bin", prepare.add_arguments, prepare.run),
-        ("train", "train under DeepSpeed (wraps `deepspeed looped_lm/train.py`)", add_train_arguments, run_train),
-        ("eval", "perplexity of a checkpoint (exact, per K, or ppl@k)", evaluate.add_arguments, evaluate.run),
-        ("generate", "continue a prompt from a checkpoint", add_generate_arguments, run_generate),
-        ("export", "write a Hugging Face directory (transformers / vLLM) from a checkpoint", export.add_arguments,
-         export.run),
-        ("serve", "OpenAI-compatible HTTP server (completions, chat, streaming, K per request)",
-         add_serve_arguments, run_serve),
-    ):
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{" + ",".join(VERBS) + "}")
+    for name, (helptext, module, add, run) in VERBS.items():
         p = verbs.add_parser(name, help=helptext, description=helptext)
-        add(p)
-        p.set_defaults(run=run)
+        if name == verb:
+            mod = importlib.import_module(module)
+            getattr(mod, add)(p)
+            p.set_defaults(run=getattr(mod, run))
     return parser
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
+    from looped_lm.console import plain_warnings
+
+    verbose = getattr(args, "verbose", False)
+    plain_warnings(verbose)
     try:
         return args.run(args)
     except UserError as e:
+        if verbose:
+            import traceback
+
+            traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,14 +1,16 @@
-"""Perplexity of a checkpoint on a nanoGPT-format token file (method.md §6).
+"""Perplexity of a checkpoint on a nanoGPT-format token file (docs/method.md §6).
 
 Protocol: windows of `block_size` tokens, disjoint by default (the primary number); with `--stride S`
 each window after the first scores only its last S targets, so every target is scored once with at
 least block_size - S tokens of context (the secondary number). NLL is summed over scored tokens, then
 PPL = exp(total NLL / tokens).
 
-Models report their per-token NLL through `eval_nll(x, y, ...) -> {label: nll (B, T)}`:
+Models report per-token scores through the contract's `Scorable.score(x, y, ScoreSettings)`:
   gpt          {"exact": ...}
   huginn       {K: ...} for every K asked            (exact PPL per K)
-  db_ar/looped {k: ...} for k in the grid, 0 = one call at sigma_hi (ppl@k, N draws, method.md §6)
+  db_ar/looped {k: ...} for k in the grid, 0 = one call at sigma_top (ppl@k, docs/method.md §6)
+DiffusionBlocks probabilities are estimated (unbiased, `draws` independent estimates per token); the
+report gives each ppl@k its standard error from their spread (the delta method over tokens).
 """
 
 from __future__ import annotations
@@ -17,21 +19,28 @@ import json
 import math
 from pathlib import Path
 
-import torch
+from looped_lm.checkpoint import NO_VERIFY_HELP
 from looped_lm.errors import UserError
-from looped_lm.models.layers import token_cross_entropy
+
+# torch and the model stack are imported where they are used: `looped_lm eval --help` stays instant
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory (out/step_XXXXXXX)")
-    p.add_argument("--data", default=None, help="token file (nanoGPT val.bin); default: the run's val.bin")
+    p.add_argument("--checkpoint", required=True,
+                   help="checkpoint directory (out/step_XXXXXXX), or a run directory (its newest complete checkpoint)")
+    p.add_argument("--no-verify", action="store_true", help=NO_VERIFY_HELP)
+    p.add_argument("--data", default=None, help="nanoGPT val.bin, or a .txt / .jsonl file (tokenized with the "
+                   "checkpoint's tokenizer); default: the run's val.bin")
     p.add_argument("--block-size", type=int, default=0, help="window length; 0 = the model's seq_len")
     p.add_argument("--stride", type=int, default=0, help="0 = disjoint blocks; S = sliding windows")
     p.add_argument("--max-tokens", type=int, default=0, help="score only the first N tokens; 0 = all")
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
     p.add_argument("--num-iterations", default=None,
                    help="comma-separated K grid (huginn: exact PPL per K; DB models: ppl@k)")
-    p.add_argument("--draws", type=int, default=4, help="DB models: chains averaged per ppl@k")
+    p.add_argument("--draws", type=int, default=4,
+                   help="DB models: independent estimates averaged per token (their spread gives the standard error)")
+    p.add_argument("--candidates", type=int, default=2,
+                   help="DB models: first-step tokens the estimator enumerates (plus the target and one draw)")
     p.add_argument("--seed", type=int, default=0, help="seed of the DB noise draws")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", default=None, help="also write the results here")
@@ -50,14 +59,17 @@ def parse_k_grid(text: str | None) -> list[int] | None:
     return ks
 
 
-@torch.no_grad()
 def perplexity(model, data_path: str, block_size: int, stride: int = 0, max_tokens: int = 0,
-               batch_size: int = 8, k_grid: list[int] | None = None, draws: int = 4, seed: int = 0,
-               device: str = "cpu", progress: bool = True) -> dict:
-    """Score `data_path`: ({label: summed NLL}, scored tokens). Strided windows score their tail only."""
+               batch_size: int = 8, settings=None, seed: int = 0, device: str = "cpu", progress: bool = True):
+    """Score `data_path`: ({label: summed NLL}, {label: summed NLL variance}, scored tokens).
+    Strided windows score their tail only."""
+    import torch
     from tqdm import tqdm
 
     from looped_lm.data.bin_dataset import TokenStream
+    from looped_lm.settings import ScoreSettings
+
+    settings = settings or ScoreSettings()
 
     if block_size < 1:
         raise UserError(f"--block-size must be >= 1 (got {block_size})")
@@ -67,9 +79,11 @@ def perplexity(model, data_path: str, block_size: int, stride: int = 0, max_toke
         raise UserError(f"--block-size {block_size} exceeds the model's {model.max_positions} positions")
     if stride < 0 or stride > block_size:
         raise UserError(f"--stride must be in 1..block_size ({block_size}), or 0 for disjoint blocks (got {stride})")
-    stream = TokenStream(data_path, block_size)
+    settings.validate()
+    stream = TokenStream(data_path, block_size, vocab_size=model.vocab_size)
     windows = list(stream.iter_blocks(block_size, stride or None, max_tokens or None))
     sums: dict = {}
+    variances: dict = {}
     total = 0
     gen = torch.Generator(device=device).manual_seed(seed)
     for i in tqdm(range(0, len(windows), batch_size), desc="eval", disable=not progress, unit="batch"):
@@ -79,54 +93,100 @@ def perplexity(model, data_path: str, block_size: int, stride: int = 0, max_toke
         scored = torch.zeros_like(y, dtype=torch.bool)
         for row, (_, _, n) in enumerate(chunk):
             scored[row, y.shape[1] - n:] = True
-        per_label = token_nll(model, x, y, k_grid, draws, gen)
-        for label, nll in per_label.items():
-            sums[label] = sums.get(label, 0.0) + float(nll[scored].double().sum())
+        with torch.no_grad():
+            scores = model.score(x, y, settings, gen)
+        for label, s in scores.items():
+            sums[label] = sums.get(label, 0.0) + float(s.nll[scored].double().sum())
+            if s.nll_var is not None:
+                variances[label] = variances.get(label, 0.0) + float(s.nll_var[scored].double().sum())
         total += int(scored.sum())
     if total == 0:
         raise UserError(f"{data_path} has too few tokens for one window of {block_size}")
-    return {label: s for label, s in sums.items()}, total
+    return sums, variances, total
 
 
-def token_nll(model, x, y, k_grid, draws, generator) -> dict:
-    """{label: NLL per target (B, T)} for any model kind."""
-    if hasattr(model, "eval_nll"):
-        return model.eval_nll(x, y, k_grid=k_grid, draws=draws, generator=generator)
-    if k_grid is not None:
-        raise UserError("this model is end-to-end (gpt): it takes no --num-iterations")
-    logits, _ = model(x)
-    return {"exact": token_cross_entropy(logits, y)}
-
-
-def report(sums: dict, tokens: int, block_size: int, stride: int, tokenizer: str, data: str,
-           draws: int, kind: str) -> dict:
+def report(sums: dict, variances: dict, tokens: int, block_size: int, stride: int, tokenizer: str, data: str,
+           settings, kind: str) -> dict:
+    """PPL per label; for estimated ones, `ppl_se`: the standard error of the ppl from the estimates'
+    spread (var(mean NLL) = sum of the per-token jackknife variances / tokens^2)."""
     ppl = {label: math.exp(s / tokens) for label, s in sums.items()}
     out = {"model_kind": kind, "tokens": tokens, "block_size": block_size, "stride": stride or block_size,
            "protocol": "disjoint" if not stride else "strided", "tokenizer": tokenizer, "data": data}
     if "exact" in ppl:
         out.update(ppl=ppl["exact"], nll=sums["exact"] / tokens)
-    else:
-        primary = 0 if 0 in ppl else min(ppl)
-        out.update(ppl=ppl[primary], nll=sums[primary] / tokens, primary=primary,
-                   ppl_at_k={str(k): v for k, v in sorted(ppl.items())}, draws=draws)
+        return out
+    se = {label: ppl[label] * math.sqrt(v) / tokens for label, v in variances.items()}
+    primary = 0 if 0 in ppl else min(ppl)
+    out.update(ppl=ppl[primary], nll=sums[primary] / tokens, primary=primary,
+               ppl_at_k={str(k): v for k, v in sorted(ppl.items())},
+               ppl_se={str(k): v for k, v in sorted(se.items())},
+               draws=settings.draws, candidates=settings.candidates)
     return out
 
 
 def format_table(rep: dict) -> str:
     head = (f"tokens {rep['tokens']}  block {rep['block_size']}  stride {rep['stride']}  "
             f"tokenizer {rep['tokenizer']}  data {rep['data']}")
-    rows = ["| k | ppl |", "|---|---|"]
+    rows = ["| k | ppl | standard error |", "|---|---|---|"]
     if "ppl_at_k" in rep:
-        rows += [f"| {k} | {v:.3f} |" for k, v in rep["ppl_at_k"].items()]
+        se = rep.get("ppl_se", {})
+        rows += [f"| {k} | {v:.3f} | {se[k]:.3f} |" if k in se else f"| {k} | {v:.3f} | - |"
+                 for k, v in rep["ppl_at_k"].items()]
     else:
-        rows += [f"| exact | {rep['ppl']:.3f} |"]
+        rows += [f"| exact | {rep['ppl']:.3f} | exact |"]
     return head + "\n" + "\n".join(rows)
 
 
-def run(args) -> int:
-    from looped_lm.checkpoint import load_checkpoint
+def data_tokens(data: str, tokenizer_name: str, workdir: str) -> str:
+    """The token file to score: a nanoGPT .bin whose meta.json (if any) names the checkpoint's tokenizer,
+    or a .txt / .jsonl ("text" per line, one document each) tokenized here with the checkpoint's own
+    tokenizer, the end-of-text token after every document."""
+    path = Path(data)
+    if not path.is_file():
+        raise UserError(f"--data {data} does not exist")
+    if path.suffix in (".txt", ".jsonl"):
+        import numpy as np
 
-    model, cfg, manifest = load_checkpoint(args.checkpoint, args.device)
+        from looped_lm.data.tokenizer import get_tokenizer
+
+        tok = get_tokenizer(tokenizer_name)
+        docs = [path.read_text(encoding="utf-8", errors="replace")] if path.suffix == ".txt" else []
+        if path.suffix == ".jsonl":
+            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    docs.append(json.loads(line)["text"])
+                except (ValueError, KeyError, TypeError):
+                    raise UserError(f"{data} line {n}: expected a JSON object with a \"text\" field") from None
+        ids = [t for doc in docs for t in [*tok.encode(doc), tok.eot_id]]
+        out = Path(workdir) / "tokens.bin"
+        np.asarray(ids, dtype=np.uint16).tofile(out)
+        return str(out)
+    meta_path = path.parent / "meta.json"
+    if meta_path.is_file():
+        try:
+            meta_tok = json.loads(meta_path.read_text()).get("tokenizer")
+        except (ValueError, AttributeError):
+            raise UserError(f"{meta_path} is not a valid meta.json") from None
+        if meta_tok is not None and meta_tok != tokenizer_name:
+            raise UserError(f"--data {data} holds {meta_tok} tokens (its meta.json) but the checkpoint's tokenizer "
+                            f"is {tokenizer_name}: prepare the data with --tokenizer {tokenizer_name}, or pass a "
+                            ".txt / .jsonl file")
+    return data
+
+
+def run(args) -> int:
+    import sys
+    import tempfile
+
+    from looped_lm.checkpoint import load_checkpoint, no_verify_note, resolve_checkpoint
+    from looped_lm.settings import ScoreSettings
+
+    if args.no_verify:
+        print(no_verify_note(), file=sys.stderr)
+    model, cfg, manifest = load_checkpoint(resolve_checkpoint(args.checkpoint), args.device,
+                                           verify=not args.no_verify)
     data = args.data
     if data is None:
         if "dir" not in manifest.get("data", {}):
@@ -134,11 +194,14 @@ def run(args) -> int:
         data = str(Path(manifest["data"]["dir"]) / "val.bin")
     block = args.block_size or cfg.eval.block_size or cfg.model.seq_len
     k_grid = parse_k_grid(args.num_iterations)
-    if args.draws < 1:
-        raise UserError(f"--draws must be >= 1 (got {args.draws})")
-    sums, tokens = perplexity(model, data, block, args.stride, args.max_tokens, args.batch_size, k_grid,
-                              args.draws, args.seed, args.device, progress=not args.no_progress)
-    rep = report(sums, tokens, block, args.stride, manifest["tokenizer"], data, args.draws, cfg.model.kind)
+    settings = ScoreSettings(k_grid=None if k_grid is None else tuple(k_grid), draws=args.draws,
+                             candidates=args.candidates).validate()
+    with tempfile.TemporaryDirectory() as work:
+        tokens_file = data_tokens(data, manifest["tokenizer"], work)
+        sums, variances, tokens = perplexity(model, tokens_file, block, args.stride, args.max_tokens,
+                                             args.batch_size, settings, args.seed, args.device,
+                                             progress=not args.no_progress)
+    rep = report(sums, variances, tokens, block, args.stride, manifest["tokenizer"], data, settings, cfg.model.kind)
     print(format_table(rep))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

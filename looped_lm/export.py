@@ -1,36 +1,100 @@
-"""`looped_lm export`: a checkpoint -> a Hugging Face directory that transformers (and the vLLM plugin) load.
+"""`looped_lm export`: a checkpoint -> a Hugging Face directory that transformers (and vLLM) load.
+
+Two formats (`--format`; `auto`, the default, picks `llama` for gpt and `looped_lm` for the DB kinds):
+
+`llama` (gpt only): a stock `LlamaForCausalLM`, loaded with no project code. The gpt is Llama weight for
+weight (pre-norm RMSNorm, RoPE with Llama's rotate-half pairs (x[:D/2], x[D/2:]), SwiGLU, tied head); the
+fused qkv and gate_up Linears are split into q/k/v_proj and gate_proj/up_proj.
+
+    HF_DIR/config.json              LlamaConfig (model_type "llama", tie_word_embeddings true)
+    HF_DIR/model.safetensors        model.embed_tokens, model.layers.N.*, model.norm (no lm_head: tied)
+
+`looped_lm` (every kind but huginn): the native module behind `LoopedLMForCausalLM`.
 
     HF_DIR/config.json              LoopedLMConfig (model_type "looped_lm"): the run config, vocab size,
                                     model state (block edges), kind, default K and bridge
     HF_DIR/model.safetensors        the native weights under "model.", the tied embedding stored once
+
+Both also write
+
     HF_DIR/generation_config.json   eos/bos/pad = end-of-text; DB models: num_iterations (K), bridge, seed
     HF_DIR/tokenizer.json ...       `Tokenizer.to_hf().save_pretrained`
 
-Load it with `import looped_lm` then `transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)`.
+Load a `looped_lm` directory with `import looped_lm` then `transformers.AutoModelForCausalLM.from_pretrained`.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
+from looped_lm.checkpoint import NO_VERIFY_HELP
 from looped_lm.errors import UserError
 
 DB_KINDS = ("db_ar", "looped_db")
+FORMATS = ("auto", "llama", "looped_lm")
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory (holds manifest.json)")
+    p.add_argument("--checkpoint", required=True,
+                   help="checkpoint directory, or a run directory (its newest complete checkpoint)")
+    p.add_argument("--no-verify", action="store_true", help=NO_VERIFY_HELP)
     p.add_argument("--out", required=True, help="the Hugging Face directory to write")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out directory")
     p.add_argument("--num-iterations", type=int, default=None,
                    help="DB models: default K written to the configs (default: the run config's)")
+    p.add_argument("--format", choices=FORMATS, default="auto",
+                   help="llama: a stock LlamaForCausalLM (gpt only); looped_lm: the native model behind "
+                        "LoopedLMForCausalLM (needs `import looped_lm`); auto: llama for gpt, else looped_lm")
 
 
 def run(args) -> int:
-    out = export(args.checkpoint, args.out, overwrite=args.overwrite, num_iterations=args.num_iterations)
-    print(f"exported {args.checkpoint} -> {out}")
+    import sys
+
+    from looped_lm.checkpoint import no_verify_note, resolve_checkpoint
+
+    if args.no_verify:
+        print(no_verify_note(), file=sys.stderr)
+    checkpoint = resolve_checkpoint(args.checkpoint)
+    out = export(checkpoint, args.out, overwrite=args.overwrite, num_iterations=args.num_iterations,
+                 verify=not args.no_verify, format=args.format)
+    print(f"exported {checkpoint} -> {out}")
     return 0
+
+
+def llama_config_dict(model, cfg, eot_id: int) -> dict:
+    """The fields of a transformers LlamaConfig for a native GPT. rope_theta is written both at the top
+    level (transformers 4.x, llama.cpp, older tools) and in rope_parameters (transformers 5)."""
+    m = cfg.model
+    vocab, d = model.tok_emb.weight.shape
+    ffn = model.layers[0].mlp.down.weight.shape[1]
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+            "hidden_size": d, "intermediate_size": ffn, "num_hidden_layers": len(model.layers),
+            "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_heads, "head_dim": d // m.n_heads,
+            "hidden_act": "silu", "max_position_embeddings": model.max_positions, "rms_norm_eps": m.norm_eps,
+            "rope_theta": m.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+            "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+            "initializer_range": m.init_std, "use_cache": True, "bos_token_id": eot_id, "eos_token_id": eot_id,
+            "pad_token_id": eot_id, "dtype": "float32", "torch_dtype": "float32"}
+
+
+def llama_state_dict(model) -> dict:
+    """Native GPT weights under Llama's names: qkv -> q/k/v_proj (rows: q, then k, then v, heads
+    contiguous within each, as `Attention.project` views them), gate_up -> gate_proj/up_proj (gate
+    first, as `SwiGLU.forward` chunks it). The head is the embedding: no lm_head tensor."""
+    out = {"model.embed_tokens.weight": model.tok_emb.weight, "model.norm.weight": model.norm.weight}
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        q, k, v = layer.attn.qkv.weight.chunk(3, dim=0)
+        gate, up = layer.mlp.gate_up.weight.chunk(2, dim=0)
+        out.update({p + "input_layernorm.weight": layer.norm1.weight,
+                    p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
+                    p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": layer.attn.proj.weight,
+                    p + "post_attention_layernorm.weight": layer.norm2.weight,
+                    p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+                    p + "mlp.down_proj.weight": layer.mlp.down.weight})
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in out.items()}
 
 
 def hf_config_dict(model, cfg, manifest: dict, num_iterations: int | None = None) -> dict:
@@ -44,43 +108,70 @@ def hf_config_dict(model, cfg, manifest: dict, num_iterations: int | None = None
               "hidden_size": m.d_model, "num_attention_heads": m.n_heads, "num_hidden_layers": m.n_layers,
               "max_position_embeddings": model.max_positions}
     if kind in DB_KINDS:
-        kw = model.inference_kwargs(num_iterations, None)
-        fields.update(num_iterations=kw["num_iterations"], bridge=kw["bridge"])
+        from looped_lm.settings import resolve_settings  # imports torch: not at `looped_lm export --help`
+
+        settings = resolve_settings(model.iteration_limits(), num_iterations=num_iterations)
+        fields.update(num_iterations=settings.num_iterations, bridge=settings.bridge)
     elif num_iterations is not None:
         raise UserError(f"--num-iterations applies to DiffusionBlocks and looped models, not to model.kind '{kind}'")
     return fields
 
 
-def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, num_iterations: int | None = None) -> Path:
-    from safetensors.torch import save_file
+def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, num_iterations: int | None = None,
+           verify: bool = True, format: str = "auto") -> Path:
+    import torch
+    from safetensors.torch import save_file, save_model
     from transformers import GenerationConfig
 
-    from looped_lm.checkpoint import load_checkpoint, state_dict_for_save
+    from looped_lm.checkpoint import load_checkpoint
     from looped_lm.data.tokenizer import get_tokenizer
-    from looped_lm.hf import register
-    from looped_lm.hf.configuration import LoopedLMConfig
 
+    if format not in FORMATS:
+        raise UserError(f"--format must be one of {', '.join(FORMATS)} (got '{format}')")
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise UserError(f"--out {out} is not empty; pass --overwrite to replace it")
-    model, cfg, manifest = load_checkpoint(checkpoint)
-    register()
+    model, cfg, manifest = load_checkpoint(checkpoint, verify=verify)
+    kind = cfg.model.kind
+    if format == "auto":
+        format = "llama" if kind == "gpt" else "looped_lm"
+    if format == "llama" and kind != "gpt":
+        raise UserError(f"--format llama applies to model.kind gpt only (this checkpoint is '{kind}'); "
+                        f"use --format looped_lm")
     tok = get_tokenizer(manifest["tokenizer"])
-    config = LoopedLMConfig(**hf_config_dict(model, cfg, manifest, num_iterations),
-                            architectures=["LoopedLMForCausalLM"], eos_token_id=tok.eot_id,
-                            bos_token_id=tok.eot_id, pad_token_id=tok.eot_id, dtype="float32")
     gen = {"eos_token_id": tok.eot_id, "bos_token_id": tok.eot_id, "pad_token_id": tok.eot_id}
-    if config.kind in DB_KINDS:
-        gen.update(num_iterations=config.num_iterations, bridge=config.bridge, seed=0)
+    if format == "llama":
+        if num_iterations is not None:
+            raise UserError("--num-iterations applies to DiffusionBlocks and looped models, not to model.kind 'gpt'")
+        config = llama_config_dict(model, cfg, tok.eot_id)
+        weights = llama_state_dict(model)
+    else:
+        from looped_lm.hf import register
+        from looped_lm.hf.configuration import LoopedLMConfig
+
+        register()
+        config = LoopedLMConfig(**hf_config_dict(model, cfg, manifest, num_iterations),
+                                architectures=["LoopedLMForCausalLM"], eos_token_id=tok.eot_id,
+                                bos_token_id=tok.eot_id, pad_token_id=tok.eot_id, dtype="float32")
+        if config.kind in DB_KINDS:
+            gen.update(num_iterations=config.num_iterations, bridge=config.bridge, seed=0)
+        weights = None  # the native weights, tied embedding once, under the wrapper's "model." prefix
     tmp = out.parent / f".tmp-{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    config.save_pretrained(tmp)
+    if format == "llama":
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    else:
+        config.save_pretrained(tmp)
     GenerationConfig(**gen).save_pretrained(tmp)
-    weights = {f"model.{k}": v for k, v in state_dict_for_save(model).items()}
-    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    if weights is not None:
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        holder = torch.nn.Module()  # the HF wrapper keeps the native model as `.model`: names "model.*"
+        holder.model = model
+        save_model(holder, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     tok.to_hf(model_max_length=model.max_positions).save_pretrained(tmp)
     if out.exists():
         shutil.rmtree(out)

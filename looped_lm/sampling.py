@@ -132,12 +132,47 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.minimum(ids, last)
 
 
+def draw_rows(logits: torch.Tensor, params: list[SamplingParams], random: RandomSource, rows: torch.Tensor,
+              n: int) -> torch.Tensor:
+    """logits (R, n, V) or (R, V) with n = 1 -> token ids (R, n) / (R,). Greedy rows take their argmax and
+    draw nothing, so a row's stream advances the same whatever rows share its batch."""
+    ids = logits.argmax(-1)
+    drawn = [i for i, p in enumerate(params) if not p.greedy]
+    if drawn:
+        idx = torch.tensor(drawn, device=logits.device)
+        part = logits if len(drawn) == len(params) else logits[idx]
+        u = random.uniform(rows[idx.to(rows.device)], n, logits.device)
+        u = u if logits.dim() == 3 else u[:, 0]
+        ids[idx] = draw(filtered_probs(part, [params[i] for i in drawn]), u)
+    return ids
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], random: RandomSource,
            rows: torch.Tensor | None = None) -> torch.Tensor:
     """logits (R, V) -> token ids (R,), row r drawn with params[r] from its own stream."""
     R = logits.shape[0]
     rows = torch.arange(R) if rows is None else rows
-    if all(p.greedy for p in params):
-        return logits.argmax(-1)
-    u = random.uniform(rows, 1, logits.device)[:, 0]
-    return draw(filtered_probs(logits, params), u)
+    return draw_rows(logits, params, random, rows, 1)
+
+
+class PositionalRandom(RandomSource):
+    """Streams keyed by (seed, position) instead of by request: row r (the token after position
+    positions[r]) takes its k-th draw from a generator seeded by (seed, position, k). What a backend that
+    sees positions but not requests (vLLM) can reproduce for any batching."""
+
+    STRIDE = 1_000_003
+
+    def __init__(self, seed: int, positions: torch.Tensor):
+        self.seed, self.positions = seed, [int(p) for p in positions.tolist()]
+        self.calls = [0] * len(self.positions)
+
+    def _generator(self, r: int) -> torch.Generator:
+        key = ((self.seed * self.STRIDE + self.positions[r]) * 131 + self.calls[r]) % (2 ** 63)
+        self.calls[r] += 1
+        return torch.Generator().manual_seed(key)
+
+    def uniform(self, rows, n, device):
+        return torch.stack([torch.rand(n, generator=self._generator(r)) for r in rows.tolist()]).to(device)
+
+    def normal(self, rows, shape, device):
+        return torch.stack([torch.randn(shape, generator=self._generator(r)) for r in rows.tolist()]).to(device)

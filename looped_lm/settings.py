@@ -118,6 +118,7 @@ class RowBatch:
     settings: list[InferenceSettings]
     random: RandomSource
     noise: torch.Tensor | None = None
+    iterations: torch.Tensor | None = None  # filled by the model: calls each row used (adaptive exit)
 
     @staticmethod
     def uniform(settings: InferenceSettings, rows: int, random: RandomSource,
@@ -129,14 +130,17 @@ class RowBatch:
 class ScoreSettings:
     """How `Scorable.score` estimates. k_grid: the K values scored (None: the model's default, B for
     DiffusionBlocks, the mean recurrence for huginn). draws: independent estimates averaged per target
-    (their spread gives the standard error). candidates: first-step tokens enumerated by the
+    (each an antithetic pair of chains; their spread gives the standard error). candidates: first-step tokens enumerated by the
     DiffusionBlocks estimator (plus the target and one draw from the rest). boost: the share of the
-    importance-sampling proposal put on the target at later steps. bridge: None = the config's."""
+    importance-sampling proposal put on the target at later steps. tilt: half the starting noises are
+    shifted by tilt * y's target (and reweighted), so paths the noise steers to y are not rare (0 = off).
+    bridge: None = the config's."""
 
     k_grid: tuple[int, ...] | None = None
     draws: int = 4
-    candidates: int = 8
+    candidates: int = 2
     boost: float = 0.5
+    tilt: float = 1.0
     bridge: str | None = None
     exit_rule: ExitRule | None = None
     stats: dict = field(default_factory=dict, compare=False)  # filled with mean iterations under exit_rule

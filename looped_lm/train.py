@@ -1,12 +1,15 @@
-"""The trainer: `deepspeed looped_lm/train.py --config X.yaml [--set section.key=value ...]`.
-
-Also runs as one process without the launcher (`python -m looped_lm.train --config X.yaml`).
-Every model kind trains through the same loop: the model offers
+"""The trainer: `looped_lm train --config X.yaml`, which runs `deepspeed --module looped_lm.train ...`;
+`deepspeed looped_lm/train.py --config X.yaml [--set section.key=value ...]` works too, and so does one
+process without the launcher (`python -m looped_lm.train --config X.yaml`).
+Every model kind trains through the same step (training.train_step, on models/contract.py `Trainable`):
     training_loss(x, y, step, seed) -> (loss, metrics)    one micro-batch
     step_units(step, seed) -> set of unit names | None    which parameter units this step updates
     validation_loss(x, y, seed) -> loss                   held-out loss (DB models: at sigma_hi)
-    checkpoint_state() -> dict                            metadata saved in the manifest (edges...)
+    checkpoint_state() / restore_state(saved)             metadata saved in the manifest (edges...)
 DeepSpeed owns the optimiser, gradient accumulation, clipping and ZeRO; the model knows nothing of it.
+
+Before anything is built, `preflight.preflight` checks what the run reads and writes (rank 0; and
+`looped_lm train` before it starts the launcher).
 """
 
 from __future__ import annotations
@@ -14,32 +17,66 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
-
-if __name__ == "__main__" and __package__ in (None, ""):
-    sys.path.pop(0)  # run as a file: keep looped_lm/ itself off the import path
-
-import torch
 
 from looped_lm import checkpoint as ckpt_io
 from looped_lm.config import Config, describe_fields, load_config
 from looped_lm.errors import UserError
+from looped_lm.preflight import Plan, data_source_string, describe_os_error, nothing_to_train, preflight
+
+__all__ = ["Plan", "data_source_string", "main", "preflight", "train"]
+
+PREFLIGHT_DONE = "LOOPED_LM_PREFLIGHT_DONE"
+RESUMING_WITH = "resuming with changes (train.resume_changes: allow)"  # set by `looped_lm train`: its process printed the notes
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="looped_lm train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+class RunFailure(Exception):
+    """A failure mid-run that is not bad input (a full disk, a read-only file system): exit code 1."""
+
+
+def add_arguments(p) -> None:
+    """The trainer's flags, shared by `looped_lm train` and `deepspeed looped_lm/train.py`."""
     p.add_argument("--config", help="YAML run config (see configs/README.md)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value (repeatable)")
     p.add_argument("--stop-after", type=int, default=0, metavar="N",
                    help="save and exit after N steps of this launch (preemptible jobs); 0 = run to max_steps")
     p.add_argument("--help-config", action="store_true", help="list every config field and exit")
+    ckpt_io.add_verify_argument(p)
+    p.add_argument("--verbose", action="store_true",
+                   help="also show the DeepSpeed launcher's own log, library deprecation warnings and tracebacks")
+
+
+def forward_args(args) -> list[str]:
+    """The trainer's own flags of a parsed `looped_lm train`, as the argv the launcher hands each rank."""
+    argv = ["--config", args.config] if args.config else []
+    for item in args.set:
+        argv += ["--set", item]
+    if args.stop_after:
+        argv += ["--stop-after", str(args.stop_after)]
+    return argv + ["--no-verify"] * args.no_verify + ["--verbose"] * args.verbose
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="looped_lm train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+def config_from_args(args) -> Config:
+    if args.config is None and not args.set:
+        raise UserError("give --config FILE (and/or --set section.key=value overrides)")
+    if args.stop_after < 0:
+        raise UserError(f"--stop-after must be >= 0 (got {args.stop_after})")
+    return load_config(args.config, args.set)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -54,6 +91,8 @@ def _free_port() -> int:
 
 def init_distributed():
     """Set up torch.distributed through DeepSpeed: NCCL on GPUs, gloo on CPU; one process works too."""
+    import torch
+
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if "RANK" not in os.environ:  # launched without the deepspeed launcher: a world of one
@@ -73,6 +112,25 @@ def init_distributed():
     return torch.device("cpu")
 
 
+def on_rank0(fn):
+    """fn() on rank 0, its result (or its UserError) on every rank: one rank reads and verifies."""
+    import deepspeed.comm as dist
+
+    box = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = fn()
+        except UserError as e:
+            box[1] = str(e)
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        err = UserError(box[1])
+        err.quiet = dist.get_rank() != 0  # rank 0 prints it
+        raise err
+    return box[0]
+
+
 def deepspeed_config(cfg: Config, world_size: int) -> dict:
     t = cfg.train
     return {
@@ -89,94 +147,22 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
     }
 
 
-class TrainingModule(torch.nn.Module):
-    """What DeepSpeed wraps: forward returns the loss of one micro-batch, metrics kept aside."""
+class DeepSpeedRunner:
+    """train_step's runner under DeepSpeed: the engine scales for accumulation, clips, reduces across
+    ranks and steps the optimiser at the accumulation boundary."""
 
-    def __init__(self, model: torch.nn.Module, seed: int):
-        super().__init__()
-        self.model, self.seed, self.last_metrics = model, seed, {}
+    def __init__(self, engine):
+        self.engine = engine
 
-    def forward(self, x, y, step: int):
-        loss, self.last_metrics = self.model.training_loss(x, y, step=step, seed=self.seed)
-        return loss
+    def loss(self, x, y, step: int):
+        loss = self.engine(x, y, step)
+        return loss, self.engine.module.last_metrics
 
+    def backward(self, loss) -> None:
+        self.engine.backward(loss)
 
-# ---------------------------------------------------------------------------------------------
-# data
-
-
-def data_source_string(cfg: Config) -> str:
-    d = cfg.data
-    return {"bible": "bible", "shakespeare": "shakespeare", "files": d.path, "hf": f"hf:{d.path}",
-            "bin": d.path}[d.source]
-
-
-def prepare_data(cfg: Config, rank: int):
-    """Tokenize the corpus once (rank 0; the others wait), then open train/val token streams."""
-    import deepspeed.comm as dist
-
-    from looped_lm.data.bin_dataset import TokenStream
-    from looped_lm.data.prepare import ensure_prepared
-
-    if cfg.data.source == "bin":
-        root = Path(cfg.data.path)
-        for split in ("train.bin", "val.bin"):
-            if not (root / split).is_file():
-                raise UserError(f"data.path {root} has no {split} (expected nanoGPT's train.bin / val.bin)")
-    args = (data_source_string(cfg), cfg.data.cache_dir, cfg.data.tokenizer, cfg.data.val_fraction, cfg.train.seed)
-    error = None
-    if rank == 0:
-        try:
-            ensure_prepared(*args)
-        except UserError as e:
-            error = e
-    dist.barrier()
-    if error is not None:
-        raise error
-    data_dir = Path(ensure_prepared(*args))
-    seq_len = cfg.model.seq_len
-    return TokenStream(str(data_dir / "train.bin"), seq_len), TokenStream(str(data_dir / "val.bin"), seq_len), data_dir
-
-
-# ---------------------------------------------------------------------------------------------
-# resume
-
-
-def find_resume(cfg: Config, out_dir: Path) -> Path | None:
-    r = cfg.train.resume
-    if r == "never":
-        return None
-    if r == "auto":
-        return ckpt_io.latest_checkpoint(out_dir)
-    return Path(r)
-
-
-def check_resume_compatible(manifest: dict, cfg: Config, vocab_size: int, world_size: int) -> None:
-    """Refuse a checkpoint whose model, vocabulary, edges or optimiser layout differ from this run's."""
-    saved = manifest["config"]
-    saved_stage = saved.get("deepspeed", {}).get("zero_stage", 0)
-    if saved_stage != cfg.deepspeed.zero_stage:
-        raise UserError(f"cannot resume: the checkpoint was written with deepspeed.zero_stage {saved_stage}, "
-                        f"this run uses {cfg.deepspeed.zero_stage} (their optimizer files differ)")
-    if saved_stage > 0 and manifest.get("world_size") != world_size:
-        raise UserError(f"cannot resume: the checkpoint's ZeRO optimizer state is partitioned over "
-                        f"{manifest.get('world_size')} ranks, this run has world size {world_size}")
-    for section in ("model", "diffusion"):
-        mine = getattr(cfg, section).__dict__
-        for key, value in saved.get(section, {}).items():
-            if key in ("num_iterations", "bridge", "max_iterations"):
-                continue  # inference-time settings may change between runs
-            if mine.get(key) != value:
-                raise UserError(f"cannot resume from checkpoint: {section}.{key} is {value!r} there but "
-                                f"{mine.get(key)!r} in this config")
-    if manifest.get("vocab_size") != vocab_size:
-        raise UserError(f"cannot resume: the checkpoint's vocab_size {manifest.get('vocab_size')} "
-                        f"differs from this run's {vocab_size}")
-
-
-def check_resume_model_state(saved: dict, model) -> None:
-    """The model checks the saved state against its own and adopts what was measured in training."""
-    model.restore_state(saved)
+    def micro_step(self) -> None:
+        self.engine.step()
 
 
 def refresh_curve(model, val_stream, cfg: Config, device, rank: int, step: int) -> dict | None:
@@ -201,49 +187,55 @@ def refresh_curve(model, val_stream, cfg: Config, device, rank: int, step: int) 
 # the loop
 
 
-def train(cfg: Config, stop_after: int = 0) -> Path | None:
+def train(cfg: Config, stop_after: int = 0, verify: bool = True) -> Path | None:
     """Run training; return the final checkpoint directory (on every rank)."""
     device = init_distributed()
-    try:
-        return _train(cfg, device, stop_after)
-    finally:
-        import deepspeed.comm as dist
+    import deepspeed.comm as dist
 
-        # a barrier before teardown avoids a rare abort of gloo ranks at exit
-        dist.barrier()
+    try:
+        result = _train(cfg, device, stop_after, verify)
+        dist.barrier()  # before teardown: avoids a rare abort of gloo ranks at exit
+        return result
+    finally:
         dist.destroy_process_group()
 
 
-def _train(cfg: Config, device: torch.device, stop_after: int) -> Path | None:
+def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
     import deepspeed
     import deepspeed.comm as dist
+    import torch
 
-    from looped_lm.data.tokenizer import get_tokenizer
+    from looped_lm.data.bin_dataset import TokenStream
     from looped_lm.models import build_model
     from looped_lm.optim import BlockwiseAdamW, cosine_with_warmup, param_groups
+    from looped_lm.training import TrainingModule, train_step
 
     rank, world = dist.get_rank(), dist.get_world_size()
     t = cfg.train
     out_dir = Path(t.out_dir)
-    tokenizer = get_tokenizer(cfg.data.tokenizer)
-    vocab_size = cfg.model.vocab_size or tokenizer.vocab_size
-    if vocab_size < tokenizer.vocab_size:
-        raise UserError(f"model.vocab_size ({vocab_size}) is smaller than the {tokenizer.name} tokenizer's "
-                        f"{tokenizer.vocab_size}")
-    train_stream, val_stream, data_dir = prepare_data(cfg, rank)
+    plan = on_rank0(lambda: preflight(cfg, verify, world))
+    manifest = plan.manifest
+    if rank == 0 and not os.environ.get(PREFLIGHT_DONE):
+        for note in plan.notes:
+            print(f"note: {note}", flush=True)
+    if nothing_to_train(plan, cfg):
+        if rank == 0 and not os.environ.get(PREFLIGHT_DONE):
+            print(nothing_to_train(plan, cfg), flush=True)
+        return Path(plan.resume)
+    data_dir = Path(plan.data_dir)
+    train_stream = TokenStream(str(data_dir / "train.bin"), cfg.model.seq_len)
+    val_stream = TokenStream(str(data_dir / "val.bin"), cfg.model.seq_len)
 
-    resume_from = find_resume(cfg, out_dir)
-    manifest = None
-    if resume_from is not None:
-        manifest = ckpt_io.read_manifest(resume_from)
-        ckpt_io.verify_weights(resume_from, manifest)
-
-    if manifest is not None:
-        check_resume_compatible(manifest, cfg, vocab_size, world)
     torch.manual_seed(t.seed)  # identical init on every rank
-    model = build_model(cfg, vocab_size)  # edges from the config: a resume must agree with them
+    model = build_model(cfg, plan.vocab_size)  # edges from the config: a resume must agree with them
     if manifest is not None:
-        check_resume_model_state(manifest.get("model_state", {}), model)
+        try:
+            with torch.device("meta"):  # the saved state must build this model (edges per block...): free
+                build_model(cfg, plan.vocab_size, manifest.get("model_state", {}))
+            model.restore_state(manifest.get("model_state", {}))
+        except (UserError, ValueError, TypeError) as e:  # edges or curve that do not fit this model
+            msg = str(e) if str(e).startswith("cannot resume") else f"cannot resume from {plan.resume}: {e}"
+            raise UserError(msg) from None
     torch.manual_seed(t.seed + 1 + rank)  # noise draws (sigma, z, slots) differ across ranks
 
     optimizer = BlockwiseAdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
@@ -253,79 +245,152 @@ def _train(cfg: Config, device: torch.device, stop_after: int) -> Path | None:
     engine, _, _, _ = deepspeed.initialize(model=TrainingModule(model, t.seed), optimizer=optimizer,
                                            lr_scheduler=schedule, config=deepspeed_config(cfg, world),
                                            dist_init_required=False)
-    # ZeRO wraps our optimiser; keep the handle on ours to choose the active units each step
+    runner = DeepSpeedRunner(engine)  # ZeRO wraps our optimiser: train_step keeps the handle on ours
 
-    start_step = 0
-    if resume_from is not None:
+    start_step, tokens_seen = 0, 0
+    if manifest is not None:
+        resume_from = Path(plan.resume)
         engine.load_checkpoint(str(resume_from / "optimizer"), tag="ds", load_optimizer_states=True,
                                load_lr_scheduler_states=True)
         rng_file = resume_from / "rng" / f"rank{rank}.pt"
-        if rng_file.is_file():
+        if rng_file.is_file():  # verified on rank 0; absent only for ranks a ZeRO-0 run added
             ckpt_io.set_rng_state(torch.load(rng_file, weights_only=False))
         start_step = manifest["step"]
+        tokens_seen = manifest.get("data", {}).get("position", {}).get("tokens_seen", 0)
         if rank == 0:
             print(f"resumed from {resume_from} at step {start_step}", flush=True)
 
     logger = MetricsLogger(out_dir, rank, start_step) if rank == 0 else None
+    if logger is not None and plan.changes:
+        logger.log(start_step, {"resume_changes": plan.changes})
     tokens_per_step = t.batch_size * t.grad_accum * world * cfg.model.seq_len
     end_step = t.max_steps if stop_after <= 0 else min(t.max_steps, start_step + stop_after)
-    bar = _progress(cfg, start_step, rank)
-    last_ckpt = resume_from
-    step = start_step
+    report = Report(cfg, start_step, tokens_per_step) if rank == 0 else None
+    last_ckpt = Path(plan.resume) if plan.resume else None
     t0 = time.perf_counter()
-    for step in range(start_step, end_step):
-        optimizer.set_active_units(model.step_units(step, t.seed))
-        loss_sum, metrics, lr = 0.0, {}, schedule.get_last_lr()[0]
-        for micro in range(t.grad_accum):
-            x, y = train_stream.get_batch(t.batch_size, t.seed, step, micro, rank)
-            loss = engine(x.to(device), y.to(device), step)
-            engine.backward(loss)
-            engine.step()
-            loss_sum += loss.item() / t.grad_accum
-            metrics = engine.module.last_metrics
-        done = step + 1
-        if logger is not None and (done % t.log_every == 0 or done == end_step):
-            elapsed = time.perf_counter() - t0
-            logger.log(done, {"loss": loss_sum, "lr": lr,
-                              "tokens": done * tokens_per_step,
-                              "tokens_per_s": (done - start_step) * tokens_per_step / max(elapsed, 1e-9),
-                              **metrics})
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss_sum:.4f}", tok_s=f"{(done - start_step) * tokens_per_step / max(time.perf_counter() - t0, 1e-9):.0f}")
-        d = cfg.diffusion
-        if model.uses_curve() and done % d.curve_every == 0 and \
-                (d.curve_until == 0 or done <= d.curve_until):
-            curve = refresh_curve(model, val_stream, cfg, device, rank, done)
-            if logger is not None:
-                logger.log(done, {"edges": model.edges, "curve_ce": curve["ce"]})
-        if t.eval_every and done % t.eval_every == 0:
-            val = evaluate_loss(model, val_stream, cfg, device, rank)
-            if logger is not None:
-                logger.log(done, {"val_loss": val})
-        if (t.save_every and done % t.save_every == 0) or done == end_step:
-            model_state = model.checkpoint_state()
-            last_ckpt = save(engine, model, cfg, out_dir, done, vocab_size, tokenizer.name, model_state,
-                             data_dir, tokens_per_step, rank)
-    if bar is not None:
-        bar.close()
-    if logger is not None:
-        logger.close()
+    try:
+        for step in range(start_step, end_step):
+            lr = schedule.get_last_lr()[0]  # this step's (engine.step advances the schedule)
+            batches = (train_stream.get_batch(t.batch_size, t.seed, step, micro, rank) for micro in range(t.grad_accum))
+            result = train_step(model, optimizer, runner, ((x.to(device), y.to(device)) for x, y in batches),
+                                step, t.seed)
+            loss_sum, metrics = result.loss, result.metrics
+            done = step + 1
+            tokens = tokens_seen + (done - start_step) * tokens_per_step
+            if logger is not None and (done % t.log_every == 0 or done == end_step):
+                elapsed = time.perf_counter() - t0
+                logger.log(done, {"loss": loss_sum, "lr": lr, "tokens": tokens,
+                                  "tokens_per_s": (done - start_step) * tokens_per_step / max(elapsed, 1e-9),
+                                  **metrics})
+            if report is not None:
+                report.step(loss_sum, metrics)
+            d = cfg.diffusion
+            if model.uses_curve() and done % d.curve_every == 0 and \
+                    (d.curve_until == 0 or done <= d.curve_until):
+                curve = refresh_curve(model, val_stream, cfg, device, rank, done)
+                if logger is not None:
+                    logger.log(done, {"edges": model.edges, "curve_ce": curve["ce"]})
+            if t.eval_every and done % t.eval_every == 0:
+                val = evaluate_loss(model, val_stream, cfg, device, rank)
+                if logger is not None:
+                    logger.log(done, {"val_loss": val})
+                    report.validation(done, val)
+            if (t.save_every and done % t.save_every == 0) or done == end_step:
+                last_ckpt = save(engine, model, cfg, plan, out_dir, done, tokens, rank)
+                if report is not None:
+                    report.line(f"step {done}: saved {last_ckpt}")
+        if report is not None:
+            report.summary(end_step, last_ckpt)
+    finally:
+        if report is not None:
+            report.close()
+        if logger is not None:
+            logger.close()
     return last_ckpt
 
 
-@torch.no_grad()
+class SmoothedLoss:
+    """Moving averages of the training loss, one per block: DiffusionBlocks steps alternate blocks whose
+    losses differ by an order of magnitude, so one average (or the last value) jumps between them.
+    Debiased like Adam's moments, so the first steps read right."""
+
+    def __init__(self, beta: float = 0.9):
+        self.beta, self.sums, self.counts = beta, {}, {}
+
+    def update(self, loss: float, metrics: dict) -> None:
+        key = f"b{metrics['block']}" if "block" in metrics else ""
+        self.sums[key] = self.beta * self.sums.get(key, 0.0) + (1 - self.beta) * loss
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def values(self) -> dict[str, float]:
+        return {k: self.sums[k] / (1 - self.beta ** self.counts[k]) for k in sorted(self.sums)}
+
+    def __str__(self) -> str:
+        return " ".join(f"{k} {v:.4f}".strip() for k, v in self.values().items())
+
+
+class Report:
+    """What rank 0 prints: a progress bar with the smoothed loss per block, and plain lines for
+    validation, saves and the end of the run (nanoGPT's `step N: train loss X, val loss Y`)."""
+
+    def __init__(self, cfg: Config, start_step: int, tokens_per_step: int):
+        self.cfg, self.start, self.tokens_per_step = cfg, start_step, tokens_per_step
+        self.loss, self.val, self.done = SmoothedLoss(), None, start_step
+        self.t0 = time.perf_counter()
+        self.bar = None
+        if cfg.train.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=cfg.train.max_steps, initial=start_step, desc="train", dynamic_ncols=True)
+
+    def tokens_per_s(self) -> float:
+        return (self.done - self.start) * self.tokens_per_step / max(time.perf_counter() - self.t0, 1e-9)
+
+    def step(self, loss: float, metrics: dict) -> None:
+        self.loss.update(loss, metrics)
+        self.done += 1
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {self.loss}, {self.tokens_per_s():,.0f} tok/s", refresh=False)
+            self.bar.update(1)
+
+    def line(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stdout)
+        else:
+            print(text, flush=True)
+
+    def validation(self, step: int, val: float) -> None:
+        self.val = (step, val)
+        self.line(f"step {step}: train loss {self.loss}, val loss {val:.4f}")
+
+    def summary(self, end_step: int, last_ckpt: Path | None) -> None:
+        seconds = time.perf_counter() - self.t0
+        minutes, secs = divmod(int(round(seconds)), 60)
+        val = f", val loss {self.val[1]:.4f} (step {self.val[0]})" if self.val else ""
+        stopped = "" if end_step >= self.cfg.train.max_steps else \
+            f" (stopped at {end_step} of {self.cfg.train.max_steps}: the same command resumes)"
+        self.line(f"done: steps {self.start}-{end_step} in {minutes}m{secs:02d}s, "
+                  f"{self.tokens_per_s():,.0f} tokens/s; train loss {self.loss}{val}; checkpoint {last_ckpt}"
+                  f"{stopped}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def evaluate_loss(model, stream, cfg: Config, device, rank: int) -> float:
     """Mean held-out loss over a fixed set of batches (the same ones at every evaluation)."""
+    import deepspeed.comm as dist
+    import torch
+
     was_training = model.training
     model.eval()
     losses = []
-    for i in range(cfg.train.eval_batches):
-        x, y = stream.get_batch(cfg.train.batch_size, cfg.train.seed, -1, i, rank)
-        losses.append(model.validation_loss(x.to(device), y.to(device), seed=cfg.train.seed + i).item())
+    with torch.no_grad():
+        for i in range(cfg.train.eval_batches):
+            x, y = stream.get_batch(cfg.train.batch_size, cfg.train.seed, -1, i, rank)
+            losses.append(model.validation_loss(x.to(device), y.to(device), seed=cfg.train.seed + i).item())
     model.train(was_training)
-    import deepspeed.comm as dist
-
     value = torch.tensor(sum(losses) / len(losses), dtype=torch.float64)
     if dist.get_world_size() > 1:
         dist.all_reduce(value)
@@ -333,29 +398,34 @@ def evaluate_loss(model, stream, cfg: Config, device, rank: int) -> float:
     return float(value)
 
 
-def save(engine, model, cfg: Config, out_dir: Path, step: int, vocab_size: int, tokenizer: str,
-         model_state: dict, data_dir: Path, tokens_per_step: int, rank: int) -> Path:
+def save(engine, model, cfg: Config, plan: Plan, out_dir: Path, step: int, tokens: int, rank: int) -> Path:
+    """Every rank writes its part into a temp dir; rank 0 adds the weights and manifest and renames it.
+    A failed save removes its temp dir and ends the run with one line (exit 1)."""
     import deepspeed.comm as dist
 
     tmp = ckpt_io.tmp_dir_for(out_dir, step)
-    if rank == 0:
-        if tmp.exists():  # left by a crash during an earlier save of this step
-            import shutil
-
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    engine.save_checkpoint(str(tmp / "optimizer"), tag="ds")
-    ckpt_io.write_rank_files(tmp, rank)
-    dist.barrier()
     final = out_dir / ckpt_io.step_dir_name(step)
-    if rank == 0:
-        manifest = {"config": cfg.to_dict(), "model_kind": cfg.model.kind, "vocab_size": vocab_size,
-                    "tokenizer": tokenizer, "model_state": model_state,
-                    "data": {"dir": str(Path(data_dir).resolve()), "position": {"step": step, "tokens_seen": step * tokens_per_step},
-                             "sampling": "stateless: batch(seed, step, micro_step, rank)"},
-                    "world_size": dist.get_world_size()}
-        final = ckpt_io.finalize(out_dir, step, model, manifest, cfg.train.keep_last)
+    try:
+        if rank == 0:
+            if tmp.exists():  # left by a crash during an earlier save of this step
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        engine.save_checkpoint(str(tmp / "optimizer"), tag="ds")
+        ckpt_io.write_rank_files(tmp, rank)
+        dist.barrier()
+        if rank == 0:
+            manifest = {"config": cfg.to_dict(), "model_kind": cfg.model.kind, "vocab_size": plan.vocab_size,
+                        "tokenizer": plan.tokenizer, "model_state": model.checkpoint_state(),
+                        "data": {"dir": str(Path(plan.data_dir).resolve()),
+                                 "position": {"step": step, "tokens_seen": tokens},
+                                 "sampling": "stateless: batch(seed, step, micro_step, rank)"},
+                        "world_size": dist.get_world_size()}
+            final = ckpt_io.finalize(out_dir, step, model, manifest, cfg.train.keep_last)
+    except Exception as e:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise RunFailure(f"cannot write checkpoint {tmp}: {describe_os_error(e)}") from e
     dist.barrier()
     return final
 
@@ -397,28 +467,42 @@ class MetricsLogger:
             self.tb.close()
 
 
-def _progress(cfg: Config, start_step: int, rank: int):
-    if rank != 0 or not cfg.train.progress:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=cfg.train.max_steps, initial=start_step, desc="train", dynamic_ncols=True)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.help_config:
         print(describe_fields())
         return 0
+    first_rank = os.environ.get("RANK", "0") == "0"
+    from looped_lm.console import plain_warnings
+
+    plain_warnings(args.verbose)
+    if not first_rank:
+        warnings.simplefilter("ignore")  # every rank runs the same code: rank 0 says it once
     try:
-        if args.config is None and not args.set:
-            raise UserError("give --config FILE (and/or --set section.key=value overrides)")
-        cfg = load_config(args.config, args.set)
-        train(cfg, stop_after=args.stop_after)
+        cfg = config_from_args(args)
+        if args.no_verify and first_rank and not os.environ.get(PREFLIGHT_DONE):
+            print(ckpt_io.no_verify_note(), file=sys.stderr)
+        train(cfg, stop_after=args.stop_after, verify=not args.no_verify)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if not getattr(e, "quiet", False):
+            _traceback(args.verbose)
+            print(f"error: {e}", file=sys.stderr)
         return 2
+    except RunFailure as e:
+        _traceback(args.verbose)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # mid-run I/O (metrics, logs) outside a save
+        _traceback(args.verbose)
+        where = f" on {e.filename}" if e.filename else ""
+        print(f"error: I/O failure{where}: {e.strerror or e}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _traceback(verbose: bool) -> None:
+    if verbose:
+        traceback.print_exc()
 
 
 if __name__ == "__main__":

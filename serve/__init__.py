@@ -1,4 +1,5 @@
 """The OpenAI-compatible HTTP server of looped_lm, built on `looped_lm.engine` (`looped_lm serve`).
+The repository's serve/ directory installs as the package `looped_lm.serve` (setup.py).
 
     protocol.py    pydantic request / response types (the wire format)
     serving.py     handlers: text -> engine requests -> responses and SSE streams
@@ -9,5 +10,5 @@
     cli.py         `looped_lm serve` flags
     (vllm_plugin/, when present, is the optional vLLM backend: it does not use this server)
 
-Only this package imports fastapi / uvicorn; importing `serve` itself (or serve.cli) does not.
+Only this package imports fastapi / uvicorn; importing `looped_lm.serve` itself (or its cli) does not.
 """

@@ -8,11 +8,15 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from serve import protocol as p
-from serve.serving import OpenAIServing
+from looped_lm.serve import protocol as p
+from looped_lm.serve.serving import OpenAIServing
 
 router = APIRouter()
 ERRORS = {code: {"model": p.ErrorResponse} for code in (400, 401, 404)}
+# With "stream": true the answer is server-sent events (the schema describes one event, as OpenAPI 3.1
+# reads it): `data: <a chunk's JSON>` events, then `data: [DONE]`.
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
+STREAMED = {**ERRORS, 200: {"content": {"text/event-stream": {"schema": SSE_EVENT}}}}
 
 
 def serving(request: Request) -> OpenAIServing:
@@ -24,12 +28,12 @@ async def list_models(request: Request):
     return serving(request).models.cards()
 
 
-@router.post("/v1/completions", response_model=p.CompletionResponse, responses=ERRORS)
+@router.post("/v1/completions", response_model=p.CompletionResponse, responses=STREAMED)
 async def create_completion(body: p.CompletionRequest, request: Request):
     return await _respond(request, serving(request).create_completion(body))
 
 
-@router.post("/v1/chat/completions", response_model=p.ChatCompletionResponse, responses=ERRORS)
+@router.post("/v1/chat/completions", response_model=p.ChatCompletionResponse, responses=STREAMED)
 async def create_chat_completion(body: p.ChatCompletionRequest, request: Request):
     return await _respond(request, serving(request).create_chat_completion(body))
 

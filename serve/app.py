@@ -17,11 +17,11 @@ from fastapi import FastAPI
 from looped_lm import __version__
 from looped_lm.data.tokenizer import Tokenizer
 from looped_lm.engine.engine import Engine
-from serve.api_router import router
-from serve.errors import APIError, install_error_handlers
-from serve.metrics import HTTPMetricsMiddleware, ServerMetrics
-from serve.models import ServedModels
-from serve.serving import OpenAIServing
+from looped_lm.serve.api_router import router
+from looped_lm.serve.errors import APIError, install_error_handlers
+from looped_lm.serve.metrics import HTTPMetricsMiddleware, ServerMetrics
+from looped_lm.serve.models import ServedModels
+from looped_lm.serve.serving import OpenAIServing
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
@@ -66,27 +66,60 @@ def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str, api_key: st
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics, paths={r.path for r in router.routes} | OPEN_PATHS)
-    _document(app, bearer=bool(api_key))
+    _document(app, bearer=bool(api_key), limits=_limits(engine, tokenizer))
     return app
 
 
-def _document(app: FastAPI, bearer: bool) -> None:
+def _limits(engine: Engine, tokenizer: Tokenizer) -> dict[str, dict | None]:
+    """This server's bounds on request integers, by field (None: the field does not apply)."""
+    k = {"minimum": 1, "maximum": engine.max_iterations} if engine.max_iterations else None
+    tokens = {"maximum": engine.max_len}
+    return {"num_iterations": k, "max_tokens": tokens, "max_completion_tokens": tokens,
+            "prompt": {"maximum": tokenizer.vocab_size - 1}, "tokens": {"maximum": tokenizer.vocab_size - 1}}
+
+
+def _bound_integers(node, bounds: dict) -> None:
+    """Set `bounds` on every integer schema under `node` (anyOf branches and array items included)."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            node.update(bounds)
+        for value in node.values():
+            _bound_integers(value, bounds)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_integers(value, bounds)
+
+
+def _document(app: FastAPI, bearer: bool, limits: dict[str, dict | None]) -> None:
     """The OpenAPI document as the server behaves: invalid input is a 400 envelope (FastAPI would list
-    a 422), and with a key every route needs the bearer scheme."""
+    a 422); request integers carry this server's bounds (K, context, vocabulary; `limits`); and with a key
+    the bearer scheme is declared on exactly the routes APIKeyMiddleware guards."""
     generate = app.openapi
 
     def openapi() -> dict:
         if app.openapi_schema is None:
             schema = generate()
-            for operations in schema["paths"].values():
+            for name, model in schema.get("components", {}).get("schemas", {}).items():
+                props = model.get("properties", {}) if name.endswith("Request") else {}
+                for field, bounds in limits.items():
+                    if field in props and bounds is None:
+                        del props[field]
+                    elif field in props:
+                        _bound_integers(props[field], bounds)
+            for path, operations in schema["paths"].items():
                 for op in operations.values():
                     op.get("responses", {}).pop("422", None)
+                    if bearer and path not in OPEN_PATHS:
+                        op["security"] = [{"bearer": []}]
+                        op.setdefault("responses", {}).setdefault(
+                            "401", {"description": "missing or wrong API key",
+                                    "content": {"application/json": {"schema": {
+                                        "$ref": "#/components/schemas/ErrorResponse"}}}})
             for name in ("HTTPValidationError", "ValidationError"):
                 schema.get("components", {}).get("schemas", {}).pop(name, None)
             if bearer:
-                bearer_scheme = {"bearer": {"type": "http", "scheme": "bearer"}}
-                schema.setdefault("components", {})["securitySchemes"] = bearer_scheme
-                schema["security"] = [{"bearer": []}]
+                schema.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http",
+                                                                                     "scheme": "bearer"}}
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -9,11 +9,14 @@ import os
 import sys
 from pathlib import Path
 
+from looped_lm.checkpoint import NO_VERIFY_HELP
 from looped_lm.errors import UserError
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory (model.safetensors + manifest.json)")
+    p.add_argument("--checkpoint", required=True,
+                   help="checkpoint directory, or a run directory (its newest complete checkpoint)")
+    p.add_argument("--no-verify", action="store_true", help=NO_VERIFY_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("LOOPED_LM_API_KEY"),
@@ -27,8 +30,12 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-memory-gb", type=float, default=1.0, help="KV cache budget in GiB: sets the slot count")
     p.add_argument("--max-slots", type=int, default=64, help="at most this many concurrent sequences")
     p.add_argument("--max-model-len", type=int, default=None,
-                   help="tokens per sequence, prompt + completion (default: the model's max positions)")
+                   help="tokens per sequence, prompt + completion (default: the trained context, model.seq_len; "
+                        "longer, up to the model's positions, with a warning)")
     p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill forward")
+    p.add_argument("--logprob-draws", type=int, default=4,
+                   help="DiffusionBlocks models: independent estimates averaged for each log-prob (the sampler's "
+                        "marginal, as `looped_lm eval --draws`; more draws, less noise, more compute)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
@@ -40,15 +47,30 @@ def default_name(checkpoint: Path) -> str:
     return checkpoint.parent.name if checkpoint.name.startswith("step_") else checkpoint.name
 
 
+def served_context(trained: int, positions: int, max_model_len: int | None) -> int:
+    """Tokens per sequence: the trained context unless --max-model-len says otherwise (at most the
+    model's `positions`). Positions past the trained context were never trained on: serving them takes
+    the flag, and prints a warning line."""
+    if max_model_len is None:
+        return min(trained, positions)
+    if not 1 <= max_model_len <= positions:
+        raise UserError(f"--max-model-len must be in 1..{positions} (the model's positions; trained on "
+                        f"{trained}); got {max_model_len}")
+    if max_model_len > trained:
+        print(f"warning: --max-model-len {max_model_len} exceeds the trained context of {trained} tokens "
+              "(model.seq_len); text past it may be poor", file=sys.stderr)
+    return max_model_len
+
+
 def run(args) -> int:
     try:
         import uvicorn
 
-        from serve.app import build_app
+        from looped_lm.serve.app import build_app
     except ModuleNotFoundError as e:
         raise UserError(f"`looped_lm serve` needs the serve extra ({e.name} is missing): "
                         "pip install -e '.[serve]'") from None
-    from looped_lm.checkpoint import load_checkpoint
+    from looped_lm.checkpoint import load_checkpoint, no_verify_note, resolve_checkpoint
     from looped_lm.data.tokenizer import get_tokenizer
     from looped_lm.engine.engine import Engine
 
@@ -62,14 +84,21 @@ def run(args) -> int:
         raise UserError(f"--port must be in 0..65535 (got {args.port})")
     if args.max_slots < 1 or args.prefill_chunk < 1 or not args.kv_memory_gb > 0:
         raise UserError("--max-slots and --prefill-chunk must be >= 1 and --kv-memory-gb > 0")
-    model, cfg, manifest = load_checkpoint(args.checkpoint, args.device)
+    if args.no_verify:
+        print(no_verify_note(), file=sys.stderr)
+    checkpoint = resolve_checkpoint(args.checkpoint)
+    model, cfg, manifest = load_checkpoint(checkpoint, args.device, verify=not args.no_verify)
     tok = get_tokenizer(manifest["tokenizer"])
-    name = args.served_model_name or default_name(Path(args.checkpoint))
+    name = args.served_model_name or default_name(checkpoint)
     if "@" in name:
         raise UserError(f"--served-model-name must not contain '@' (it marks K aliases): {name!r}")
-    engine = Engine.from_memory_budget(model, args.kv_memory_gb, max_slots=args.max_slots, max_len=args.max_model_len,
+    from looped_lm.settings import ScoreSettings
+
+    max_len = served_context(cfg.model.seq_len, model.max_positions, args.max_model_len)
+    engine = Engine.from_memory_budget(model, args.kv_memory_gb, max_slots=args.max_slots, max_len=max_len,
                                        max_iterations=args.max_iterations, default_iterations=args.default_iterations,
-                                       prefill_chunk=args.prefill_chunk, vocab_size=tok.vocab_size)
+                                       prefill_chunk=args.prefill_chunk, vocab_size=tok.vocab_size,
+                                       score_settings=ScoreSettings(draws=args.logprob_draws))
     app = build_app(engine, tok, name, api_key=args.api_key)
     k = f", K default {engine.default_iterations} (max {engine.max_iterations})" if engine.max_iterations else ""
     print(f"serving {name} ({cfg.model.kind}{k}) at http://{args.host}:{args.port}/v1 with "

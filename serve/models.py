@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 
 from looped_lm.engine.engine import Engine
-from serve.errors import APIError
-from serve.protocol import ModelCard, ModelList
+from looped_lm.serve.errors import APIError
+from looped_lm.serve.protocol import ModelCard, ModelList
 
 
 class ServedModels:
@@ -22,16 +22,16 @@ class ServedModels:
 
     @property
     def has_iterations(self) -> bool:
-        return bool(self.engine.iteration_kwargs)
+        return self.engine.limits is not None
 
     def offered_iterations(self) -> list[int]:
         if not self.has_iterations:
             return []
         top = self.engine.max_iterations
         ks = {2 ** i for i in range(top.bit_length()) if 2 ** i <= top} | {top, self.engine.default_iterations}
-        blocks = getattr(self.engine.model, "blocks", None)
-        if blocks is not None and len(blocks) <= top:
-            ks.add(len(blocks))
+        blocks = self.engine.limits.num_blocks
+        if blocks <= top:
+            ks.add(blocks)
         return sorted(ks)
 
     def resolve(self, requested: str | None, num_iterations: int | None) -> tuple[str, int | None]:
@@ -50,14 +50,10 @@ class ServedModels:
         if k is not None and not self.has_iterations:
             raise APIError.bad_request("num_iterations applies to DiffusionBlocks and looped models; "
                                        f"`{self.name}` has no K", "num_iterations")
-        if k is not None and k not in self.engine.iteration_kwargs:
+        if k is not None and not 1 <= k <= self.engine.max_iterations:
             raise APIError.bad_request(f"num_iterations must be in 1..{self.engine.max_iterations} (got {k})",
                                        "num_iterations" if num_iterations is not None else "model")
         return name, k
-
-    def used_iterations(self, k: int | None) -> int | None:
-        """The K a request with `k` runs with (what responses report)."""
-        return k if k is not None else self.engine.default_iterations
 
     def cards(self) -> ModelList:
         common = dict(created=self.created, root=self.name, max_model_len=self.engine.max_len)

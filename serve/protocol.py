@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 MAX_LOGPROBS = 20
 MAX_N = 64
@@ -19,6 +20,15 @@ MAX_N = 64
 
 def _id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class FieldError(ValueError):
+    """A check on a whole request that is about one field: the 400 names `field` (errors.py). Checks
+    of one field are field validators, which pydantic locates by itself."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
 
 
 class RequestModel(BaseModel):
@@ -47,7 +57,16 @@ class ErrorResponse(ResponseModel):
 
 # --- shared request fields ---------------------------------------------------------------------
 
-Seed = Annotated[int, Field(ge=-(2 ** 63), lt=2 ** 64)]
+
+def _integral(value):
+    """JSON (and JSON Schema's `integer`) does not tell 5 from 5.0: take 5.0 as 5. "5", true and 5.5 stay
+    refused by the strict int check that follows."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+JSONInt = BeforeValidator(_integral)  # after any Field(...) in Annotated[int, ...], so the schema keeps its bounds
+TokenId = Annotated[int, Field(ge=0), JSONInt]
+Seed = Annotated[int, Field(ge=-(2 ** 63), lt=2 ** 64), JSONInt]
 Temperature = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 Stop = Union[str, Annotated[list[str], Field(max_length=16)], None]
@@ -63,35 +82,46 @@ class SamplingFields(RequestModel):
     model: str | None = Field(None, description="a name from /v1/models (NAME or NAME@K); default: the served model")
     temperature: Temperature | None = Field(None, description="0 = greedy; default 1")
     top_p: TopP | None = Field(None, description="nucleus mass in (0, 1]; default 1 (off)")
-    top_k: Annotated[int, Field(ge=-1)] | None = Field(None, description="extension: keep the k most likely; "
+    top_k: Annotated[int, Field(ge=-1), JSONInt] | None = Field(None, description="extension: keep the k most likely; "
                                                                         "0 or -1 = off")
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N), JSONInt] = 1
     stop: Stop = Field(None, description="up to 16 strings; the text stops before the first one")
     seed: Seed | None = Field(None, description="choice i samples with seed + i; default: random")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    num_iterations: Annotated[int, Field(ge=1)] | None = Field(
+    num_iterations: Annotated[int, Field(ge=1), JSONInt] | None = Field(
         None, description="extension: K denoising iterations per token (DiffusionBlocks / looped models); "
                           "default: the NAME@K alias, else the server default")
     ignore_eos: bool = Field(False, description="extension: keep generating past the end-of-text token")
     user: str | None = None
-    # OpenAI fields this server does not implement: accepted at their neutral values only
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    # OpenAI fields this server does not implement: accepted at their neutral values only, and left out
+    # of the OpenAPI document (which lists what the server does)
+    presence_penalty: SkipJsonSchema[float] = 0.0
+    frequency_penalty: SkipJsonSchema[float] = 0.0
+    logit_bias: SkipJsonSchema[dict[str, float] | None] = None
 
-    @model_validator(mode="after")
-    def _unsupported(self):
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0.0:
-                raise ValueError(f"{name} is not supported by this server (only 0)")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if self.stop is not None and any(s == "" for s in self.stop):
+    # Checks are field validators (not model validators) so that a 400 names its field in `param`.
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float) -> float:
+        if value != 0.0:
+            raise ValueError("not supported by this server (only 0)")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value):
+        if value:
+            raise ValueError("not supported by this server")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, value):
+        stops = [value] if isinstance(value, str) else value
+        if stops is not None and "" in stops:
             raise ValueError("stop strings must not be empty")
-        return self
+        return stops
 
 
 class UsageInfo(ResponseModel):
@@ -103,39 +133,57 @@ class UsageInfo(ResponseModel):
 # --- /v1/completions ---------------------------------------------------------------------------
 
 
+def _token_ids(x) -> list[int] | None:
+    """`x` as a non-empty list of token ids (5.0 taken as 5), or None if it is not one."""
+    if not isinstance(x, list) or not x:
+        return None
+    x = [_integral(t) for t in x]
+    return x if all(isinstance(t, int) and not isinstance(t, bool) for t in x) else None
+
 
 def _check_prompt(value):
     """One clear message for every malformed prompt, instead of one per member of the union."""
-    def ids(x):
-        return isinstance(x, list) and len(x) > 0 and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-
-    if isinstance(value, str) or (isinstance(value, list) and value and (
-            all(isinstance(x, str) for x in value) or ids(value) or all(ids(x) for x in value))):
+    if isinstance(value, str) or (isinstance(value, list) and value and all(isinstance(x, str) for x in value)):
         return value
-    raise ValueError("prompt must be a string, a non-empty list of strings, a non-empty list of token ids, "
-                     "or a non-empty list of non-empty token-id lists")
+    ids = _token_ids(value)
+    if ids is None and isinstance(value, list) and value:
+        rows = [_token_ids(x) for x in value]
+        ids = rows if all(r is not None for r in rows) else None
+    if ids is None:
+        raise ValueError("must be a string, a non-empty list of strings, a non-empty list of token ids, "
+                         "or a non-empty list of non-empty token-id lists")
+    negative = [t for t in (ids if isinstance(ids[0], int) else [t for row in ids for t in row]) if t < 0]
+    if negative:
+        raise ValueError(f"token ids are >= 0 (got {negative[0]})")
+    return ids
 
 
-Prompt = Annotated[Union[str, list[str], list[StrictInt], list[list[StrictInt]]], BeforeValidator(_check_prompt)]
+Prompt = Annotated[Union[str, list[str], list[TokenId], list[list[TokenId]]], BeforeValidator(_check_prompt)]
 
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt = Field(..., description="a string, a list of strings, a token-id list, or a list of token-id lists")
-    max_tokens: Annotated[int, Field(ge=0)] | None = Field(16, description="0 only with echo (score the prompt)")
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+    max_tokens: Annotated[int, Field(ge=0), JSONInt] | None = Field(16, description="0 only with echo (score the prompt)")
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), JSONInt] | None = Field(
         None, description="log-probs of each token and of the N most likely alternatives")
     echo: bool = Field(False, description="return the prompt before the completion (with logprobs: its log-probs)")
     return_tokens_as_token_ids: bool = Field(False, description="extension (vLLM): tokens read 'token_id:N'")
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: SkipJsonSchema[int | None] = None  # not implemented: neutral values only (best_of == n)
+    suffix: SkipJsonSchema[str | None] = None
 
-    @model_validator(mode="after")
-    def _unsupported_completion_fields(self):
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of is not supported by this server (only best_of == n)")
-        if self.suffix:
-            raise ValueError("suffix is not supported by this server")
-        return self
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value, info: ValidationInfo):
+        if value is not None and value != info.data.get("n", 1):
+            raise ValueError("not supported by this server (only best_of == n)")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value):
+        if value:
+            raise ValueError("not supported by this server")
+        return value
 
 
 class CompletionLogProbs(ResponseModel):
@@ -184,17 +232,57 @@ class ChatMessage(RequestModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="default: the rest of the context")
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="OpenAI's newer max_tokens")
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    model_config = ConfigDict(json_schema_extra={  # what _top_needs_logprobs checks, for the OpenAPI document
+        "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer", "minimum": 1}}},
+        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}})
 
-    @model_validator(mode="after")
-    def _logprob_fields(self):
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
-        return self
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1), JSONInt] | None = Field(None, description="default: the rest of the context")
+    max_completion_tokens: Annotated[int, Field(ge=1), JSONInt] | None = Field(None, description="OpenAI's newer max_tokens")
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), JSONInt] | None = None
+    # OpenAI fields this server does not implement: accepted when absent or neutral only, undocumented
+    tools: SkipJsonSchema[list[Any] | None] = None
+    functions: SkipJsonSchema[list[Any] | None] = None
+    tool_choice: SkipJsonSchema[Any] = None
+    function_call: SkipJsonSchema[Any] = None
+    response_format: SkipJsonSchema[Any] = None
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_max(cls, value, info: ValidationInfo):
+        given = info.data.get("max_tokens")
+        if value is not None and given is not None and value != given:
+            raise ValueError(f"differs from max_tokens ({value} != {given}): give one of them")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, value, info: ValidationInfo):
+        if value and not info.data.get("logprobs", True):  # logprobs itself invalid: its own error
+            raise ValueError("needs logprobs: true")
+        return value
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value):
+        if value:
+            raise ValueError("not supported by this server (no tool calls)")
+        return value
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, value):
+        if value not in (None, "none", "auto"):
+            raise ValueError("not supported by this server (no tool calls; only \"none\" or \"auto\")")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value):
+        if value not in (None, {"type": "text"}):
+            raise ValueError('not supported by this server (only {"type": "text"})')
+        return value
 
 
 class TopLogprob(ResponseModel):
@@ -278,17 +366,28 @@ class ModelList(ResponseModel):
 
 
 class TokenizeRequest(RequestModel):
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
+
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    prompt: str | SkipJsonSchema[None] = Field(None, description="the text to tokenize (or give messages)")
+    messages: list[ChatMessage] | SkipJsonSchema[None] = Field(
+        None, description="a conversation, rendered by the chat template (or give prompt)")
     add_special_tokens: bool = Field(True, description="accepted for vLLM compatibility; no token is ever added")
     add_generation_prompt: bool = True
     return_token_strs: bool = False
 
+    @field_validator("prompt", "messages", mode="before")
+    @classmethod
+    def _absent_not_null(cls, value):
+        if value is None:  # only given values reach this: a missing field keeps its default silently
+            raise ValueError("leave the field out instead of null")
+        return value
+
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt or messages")
+            raise FieldError("messages" if self.prompt is not None else "prompt",
+                             "give exactly one of prompt or messages")
         return self
 
 
@@ -301,7 +400,7 @@ class TokenizeResponse(ResponseModel):
 
 class DetokenizeRequest(RequestModel):
     model: str | None = None
-    tokens: list[StrictInt]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(ResponseModel):

@@ -16,13 +16,14 @@ from typing import AsyncIterator, Callable
 
 from looped_lm.data.tokenizer import EOT_TEXT, Tokenizer
 from looped_lm.engine.engine import Engine, InvalidRequest, Request
-from looped_lm.engine.sampling import SamplingParams
+from looped_lm.sampling import SamplingParams
+from looped_lm.settings import InferenceSettings
 from looped_lm.errors import UserError
-from serve import protocol as p
-from serve.errors import APIError
-from serve.metrics import RequestTimer, ServerMetrics
-from serve.models import ServedModels
-from serve.text import CHAT_TEMPLATE, TURN_STOPS, Detokenizer, StopStrings, encode, render_chat
+from looped_lm.serve import protocol as p
+from looped_lm.serve.errors import APIError
+from looped_lm.serve.metrics import RequestTimer, ServerMetrics
+from looped_lm.serve.models import ServedModels
+from looped_lm.serve.text import CHAT_TEMPLATE, TURN_STOPS, Detokenizer, StopStrings, encode, render_chat
 
 MAX_CHOICES = 256  # prompts x n in one request
 MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM's floor too)
@@ -62,6 +63,7 @@ class Choice:
     echo: bool
     logprobs: bool
     stop: list[str]
+    settings: InferenceSettings  # resolved once by the engine: the K reported is the K run
 
 
 class OpenAIServing:
@@ -79,7 +81,7 @@ class OpenAIServing:
         scoring = req.logprobs if req.echo and req.logprobs is not None else (0 if max_tokens == 0 else None)
         choices = self._choices(req, prompts, k, max_tokens, req.stop or [], echo=req.echo,
                                 logprobs=req.logprobs, prompt_logprobs=scoring)
-        used_k = self.models.used_iterations(k)
+        used_k = choices[0].settings.num_iterations
         timer = self.metrics.track("completions", used_k)
         usage = p.UsageInfo(prompt_tokens=sum(map(len, prompts)))
         token_str = self._token_str(req.return_tokens_as_token_ids)
@@ -148,7 +150,7 @@ class OpenAIServing:
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         choices = self._choices(req, [ids], k, max_tokens, [*(req.stop or []), *TURN_STOPS], echo=False,
                                 logprobs=top_n, prompt_logprobs=None)
-        used_k = self.models.used_iterations(k)
+        used_k = choices[0].settings.num_iterations
         timer = self.metrics.track("chat", used_k)
         usage = p.UsageInfo(prompt_tokens=len(ids))
         token_str = self._token_str(False)
@@ -210,10 +212,10 @@ class OpenAIServing:
                 request = Request(ids, max_tokens, sampling, None if req.seed is None else req.seed + j, k,
                                   stop_ids, logprobs, prompt_logprobs)
                 try:
-                    self.engine.check(request)
+                    settings = self.engine.check(request)
                 except InvalidRequest as e:
                     raise APIError.from_invalid(e) from None
-                choices.append(Choice(i * req.n + j, request, echo, logprobs is not None, stop))
+                choices.append(Choice(i * req.n + j, request, echo, logprobs is not None, stop, settings))
         return choices
 
     async def run_choice(self, choice: Choice) -> AsyncIterator[ChoiceDelta]:

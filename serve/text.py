@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers.decoders import DecodeStream
 
 from looped_lm.data.tokenizer import EOT_TEXT, Tokenizer
 
@@ -47,30 +48,26 @@ def render_chat(messages: list[dict], add_generation_prompt: bool = True) -> str
 
 
 class Detokenizer:
-    """The text of a growing token list, piece by piece. A piece is released once its tokens decode to
-    whole characters: a byte-level token may hold part of a UTF-8 character (as vLLM's incremental
-    detokenizer, with a prefix and a read offset)."""
+    """The text of a growing token list, piece by piece: `tokenizers`' DecodeStream, which releases a
+    piece once its tokens decode to whole characters (a byte-level token may hold part of a UTF-8
+    character). `flush` gives what is still held when the tokens end."""
 
     def __init__(self, tok: Tokenizer):
-        self.tok = tok
-        self.ids: list[int] = []
-        self.prefix = self.read = 0
+        self.tok, self.stream, self.held = tok, DecodeStream(skip_special_tokens=False), []
 
     def add(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        before = self.tok.decode(self.ids[self.prefix:self.read])
-        text = self.tok.decode(self.ids[self.prefix:])
-        if len(text) > len(before) and not text.endswith("\ufffd"):
-            self.prefix, self.read = self.read, len(self.ids)
-            return text[len(before):]
-        return ""
+        piece = self.stream.step(self.tok.backend, token_id)
+        if piece is None:
+            self.held.append(token_id)
+            return ""
+        self.held = []
+        return piece
 
     def flush(self) -> str:
-        """What is still held at the end (an incomplete character decodes to U+FFFD)."""
-        before = self.tok.decode(self.ids[self.prefix:self.read])
-        text = self.tok.decode(self.ids[self.prefix:])
-        self.prefix = self.read = len(self.ids)
-        return text[len(before):]
+        """The held tokens' text (an incomplete character decodes to U+FFFD)."""
+        text, self.held = self.tok.decode(self.held), []
+        self.stream = DecodeStream(skip_special_tokens=False)
+        return text
 
 
 class StopStrings:

@@ -6,27 +6,30 @@ This is what continuous batching stands on: a slot's request joins and leaves wh
 import pytest
 import torch
 
+from looped_lm.sampling import GREEDY, SharedGenerator
+from looped_lm.settings import RowBatch, resolve_settings
 from tiny_models import D, V, build_tiny
 
 
-
 def build(kind):
-    if kind == "db_ar_stacked":
-        return build_tiny("db_ar", context="stacked")
+    if kind == "db_ar_defaults":  # the product's DB layout: slots attend the clean keys only
+        return build_tiny("db_ar", parameterization="likelihood", noisy_self=False, noisy_input="prev_token")
     return build_tiny(kind)
 
 
 def step(model, kind, tokens, caches, rows, noise):
     """One forward_cached call with explicit noise so a row's result does not depend on batching."""
-    if kind == "gpt":
-        return model.forward_cached(tokens, caches, rows=rows)[:, -1]
+    limits = None if kind == "gpt" else model.iteration_limits()
+    kind = "db_ar" if kind == "db_ar_defaults" else kind
+    settings = resolve_settings(limits, num_iterations=None if kind == "gpt" else 3, sampling=GREEDY)
     if kind == "huginn":
-        return model.forward_cached(tokens, caches, 3, noise=noise.expand(-1, tokens.shape[1], -1), rows=rows)[:, -1]
-    return model.forward_cached(tokens, caches, num_iterations=3, noise=noise, rows=rows)[:, -1]
+        noise = noise.expand(-1, tokens.shape[1], -1)
+    batch = RowBatch.uniform(settings, tokens.shape[0], SharedGenerator(None), noise)
+    return model.forward_cached(tokens, caches, rows, batch)
 
 
 @pytest.mark.parametrize("slots", [(0, 1), (2, 0)], ids=["contiguous", "scattered"])
-@pytest.mark.parametrize("kind", ["gpt", "db_ar", "db_ar_stacked", "looped_db", "huginn"])
+@pytest.mark.parametrize("kind", ["gpt", "db_ar", "db_ar_defaults", "looped_db", "huginn"])
 @torch.no_grad()
 def test_interleaved_rows_equal_solo_runs(kind, slots):
     model = build(kind)
@@ -55,7 +58,7 @@ def test_interleaved_rows_equal_solo_runs(kind, slots):
         torch.testing.assert_close(got, solo[r], atol=2e-5, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["gpt", "db_ar", "huginn"])
+@pytest.mark.parametrize("kind", ["gpt", "db_ar", "db_ar_defaults", "huginn"])
 @torch.no_grad()
 def test_a_freed_row_serves_a_new_sequence_like_a_fresh_cache(kind):
     model = build(kind)

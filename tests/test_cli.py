@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -219,7 +220,7 @@ def test_generate_errors_are_one_line(tiny_run, tmp_path, capsys, one_line_error
     assert cli.main(["generate", "--checkpoint", str(ckpt), "--prompt", "x", "--max-tokens", "100"]) == 2
     one_line_error(capsys.readouterr(), "64 positions")
     assert cli.main(["generate", "--checkpoint", str(ckpt), "--prompt", "x", "--num-iterations", "4"]) == 2
-    one_line_error(capsys.readouterr(), "--num-iterations", "gpt")
+    one_line_error(capsys.readouterr(), "num_iterations", "no K")
     assert cli.main(["generate", "--checkpoint", str(tmp_path / "none"), "--prompt", "x"]) == 2
     one_line_error(capsys.readouterr(), "checkpoint directory not found")
 
@@ -252,3 +253,88 @@ def test_eval_zero_batch_size_is_one_line(tiny_run, capsys, one_line_error):
     assert cli.main(["eval", "--checkpoint", str(ckpt), "--batch-size", "0", "--max-tokens", "500",
                      "--no-progress"]) == 2
     one_line_error(capsys.readouterr(), "--batch-size")
+
+
+# ------------------------------------------------------------------------------------------------
+# what the CLI imports and prints
+
+
+def test_help_and_flag_errors_import_no_heavy_library(tmp_path, clean_env):
+    """`looped_lm --help`, a verb's --help and a mistyped flag answer without importing torch, DeepSpeed or
+    transformers (each costs seconds). Measured as the set of imported modules, in one fresh process."""
+    script = f"""
+import json, sys
+from looped_lm import cli
+heavy = ("torch", "deepspeed", "transformers")
+found = {{}}
+for argv in {[["--help"], ["fly"], ["train", "--help"], ["train", "--bogus"], ["generate", "--bogus"],
+              ["prepare", "--bogus"], ["export", "--bogus"], ["serve", "--bogus"], ["eval", "--bogus"],
+              ["eval", "--help"],
+              ["train", "--config", str(tmp_path / "missing.yaml")], ["train", "--set", "train.lrr=1"]]!r}:
+    try:
+        cli.main(argv)
+    except SystemExit:
+        pass
+    found[" ".join(argv)] = sorted({{m.split(".")[0] for m in sys.modules}} & set(heavy))
+print(json.dumps(found))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], env=clean_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found and all(mods == [] for mods in found.values()), found
+    assert "error: config file not found" in proc.stderr and "unknown config key 'train.lrr'" in proc.stderr
+
+
+def test_the_launcher_beside_the_interpreter_comes_first(tmp_path, monkeypatch, one_line_error):
+    from looped_lm import launch
+    from looped_lm.errors import UserError
+
+    venv_bin, other_bin = tmp_path / "venv" / "bin", tmp_path / "other"
+    for d in (venv_bin, other_bin):
+        d.mkdir(parents=True)
+        (d / "deepspeed").write_text("#!/bin/sh\n")
+        (d / "deepspeed").chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(venv_bin / "python"))
+    monkeypatch.setenv("PATH", str(other_bin))
+    assert launch.find_launcher() == str(venv_bin / "deepspeed")  # not activated, not on PATH: still found
+    (venv_bin / "deepspeed").unlink()
+    assert launch.find_launcher() == str(other_bin / "deepspeed")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(UserError, match="neither beside this Python .* nor on PATH"):
+        launch.find_launcher()
+
+
+def test_launcher_noise_is_filtered():
+    from looped_lm import launch
+
+    noise = [
+        "[2026-12-01 12:04:28,966] [WARNING] [runner.py:214:fetch_hostfile] Unable to find hostfile, will proceed\n",
+        "[2026-12-01 12:04:32,298] [INFO] [launch.py:174:main] Setting CUDA_VISIBLE_DEVICES=0\n",
+        "[2026-12-01 12:04:47,894] [ERROR] [launch.py:259:sigkill_handler] ['python'] exits with return code = 2\n",
+        "[2026-12-01 12:04:30,000] [INFO] [config.py:1000:print] DeepSpeedEngine configuration:\n",
+    ]
+    kept = ["step 250: train loss b0 3.2100 b1 0.1500, val loss 1.6012\n",
+            "[2026-12-01 12:04:30,000] [WARNING] [engine.py:10:init] a real warning from a rank\n",
+            "resumed from out/step_0000004 at step 4\n"]
+    assert [launch.is_noise(line) for line in noise] == [True] * len(noise)
+    assert [launch.is_noise(line) for line in kept] == [False] * len(kept)
+    assert launch.command(2, 1234, ["--config", "x.yaml"], verbose=False)[-5:] == \
+        ["error", "--module", "looped_lm.train", "--config", "x.yaml"]
+    assert "info" in launch.command(2, 1234, [], verbose=True)
+
+
+def test_warnings_are_one_plain_line(capsys):
+    import warnings
+
+    from looped_lm.console import plain_warnings
+
+    with warnings.catch_warnings():
+        plain_warnings()
+        warnings.warn("num_iterations=1 < 2 blocks: block 1 never runs", UserWarning)
+        warnings.warn_explicit("old API", DeprecationWarning, "site-packages/torch/x.py", 3, module="torch.x")
+    err = capsys.readouterr().err
+    assert err == "warning: num_iterations=1 < 2 blocks: block 1 never runs\n"  # the library's deprecation: hidden
+    with warnings.catch_warnings():
+        plain_warnings(verbose=True)
+        warnings.warn_explicit("old API", DeprecationWarning, "site-packages/torch/x.py", 3, module="torch.x")
+    assert capsys.readouterr().err == "warning: old API\n"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -27,8 +26,9 @@ NON_DEFAULT = {
         "num_blocks": 3, "partition": "uniform", "overlap": 0.25, "p_mean": -0.5, "p_std": 1.5,
         "sigma_min": 0.01, "sigma_max": 40.0, "sigma_data": 1.0, "loss_weight": "edm",
         "target_scale": "sigma_data", "target_fraction": 0.5, "blocks_to_train": [0, 2],
-        "block_sampling": "round_robin", "bridge": "soft", "num_iterations": 6, "noise": "adaptive",
-        "curve_every": 50, "curve_until": 500, "noisy_input": "noise", "context": "stacked",
+        "block_sampling": "round_robin", "bridge": "soft", "num_iterations": 6,
+        "curve_every": 50, "curve_until": 500, "noisy_input": "noise", "posterior_input": "topk",
+        "posterior_topk": 16, "head": "cosine",
         "clean_lm_weight": 0.3, "sample_top_quantile": 0.99, "parameterization": "edm", "last_call": "sigma_min",
         "noisy_self": True,
     },
@@ -38,7 +38,7 @@ NON_DEFAULT = {
         "max_steps": 50, "batch_size": 3, "grad_accum": 4, "lr": 0.003, "min_lr": 0.0003, "warmup_steps": 7,
         "weight_decay": 0.05, "beta1": 0.8, "beta2": 0.99, "grad_clip": 0.5, "seed": 7, "out_dir": "runs/x",
         "save_every": 10, "keep_last": 3, "eval_every": 5, "eval_batches": 2, "log_every": 2,
-        "resume": "never", "progress": False,
+        "resume": "never", "resume_changes": "allow", "progress": False,
     },
     "deepspeed": {"zero_stage": 2, "bf16": True},
     "eval": {"block_size": 32, "stride": 16, "max_tokens": 1000, "draws": 2},
@@ -66,11 +66,11 @@ def test_defaults_load_and_validate():
 def test_non_default_table_covers_every_field():
     cfg = Config()
     for section, values in NON_DEFAULT.items():
-        names = {f.name for f in dataclasses.fields(getattr(cfg, section))}
+        names = set(type(getattr(cfg, section)).model_fields)
         assert set(values) == names, f"NON_DEFAULT.{section} must list every field"
         for key, value in values.items():
             assert getattr(getattr(cfg, section), key) != value, f"{section}.{key} equals its default"
-    assert set(NON_DEFAULT) == {f.name for f in dataclasses.fields(Config)}
+    assert set(NON_DEFAULT) == set(Config.model_fields)
 
 
 def test_yaml_round_trip_of_every_field(tmp_path):
@@ -232,3 +232,17 @@ def test_help_config_lists_every_field():
         assert f"{section}:" in text
         for key in NON_DEFAULT[section]:
             assert f"  {key} (" in text, f"{section}.{key} missing from --help-config"
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("train:\n  lr: 0.1\n  max_steps: 3\n  lr: 0.2\n", "key 'train.lr' appears twice (lines 2 and 4)"),
+    ("train:\n  lr: 0.1\nmodel:\n  d_model: 32\ntrain:\n  max_steps: 3\n", "key 'train' appears twice (lines 1 and 5)"),
+])
+def test_duplicate_yaml_keys_are_refused(tmp_path, capsys, one_line_error, text, needle):
+    """YAML would silently keep the last value; a run config names the key and both lines instead."""
+    path = write(tmp_path, text)
+    with pytest.raises(UserError) as err:
+        load_config(path)
+    assert needle in str(err.value) and path in str(err.value)
+    assert cli.main(["train", "--config", path]) == 2
+    one_line_error(capsys.readouterr(), needle)

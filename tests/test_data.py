@@ -389,3 +389,14 @@ def test_prepared_files_load_as_streams(tmp_path):
     stream = TokenStream(str(out / "train.bin"), seq_len=8, vocab_size=50304)  # a padded model vocabulary
     assert stream.num_tokens == meta["splits"]["train"]["tokens"]
     assert int(stream.tokens[-1]) == 50256
+
+
+def test_hf_source_without_the_extra_names_it(monkeypatch):
+    """`datasets` is an optional extra: without it, an hf: source is one line naming the extra."""
+    import sys
+
+    from looped_lm.data.sources import iter_documents
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
+    with pytest.raises(UserError, match=r"pip install 'looped_lm\[hf\]'"):
+        next(iter(iter_documents("hf:wikitext")))

@@ -107,7 +107,7 @@ def test_generate_db_is_seeded_and_checks_k(db_run, capsys, one_line_error):
 def test_gpt_checkpoint_refuses_db_flags(tiny_run, capsys, one_line_error):
     _, ckpt, _ = tiny_run
     assert cli.main(["generate", "--checkpoint", str(ckpt), "--prompt", "x", "--num-iterations", "3"]) == 2
-    one_line_error(capsys.readouterr(), "gpt")
+    one_line_error(capsys.readouterr(), "no K")
     assert cli.main(["eval", "--checkpoint", str(ckpt), "--num-iterations", "3", "--no-progress"]) == 2
     one_line_error(capsys.readouterr(), "gpt")
 
@@ -164,10 +164,10 @@ def test_looped_db_and_huginn_train_and_eval(tmp_path, write_config, capsys):
     capsys.readouterr()
 
 
-def test_measured_partition_resumes_exactly(tmp_path, write_config):
-    """equi_entropy + adaptive noise + loss_share: a killed and resumed run matches an uninterrupted one."""
-    options = {"partition": "equi_entropy", "noise": "adaptive", "block_sampling": "loss_share",
-               "curve_every": 2, "noisy_input": "prev_token"}
+def test_measured_curve_resumes_exactly(tmp_path, write_config):
+    """loss_share re-measures a CE curve during training: a killed and resumed run matches an uninterrupted
+    one, curve included."""
+    options = {"block_sampling": "loss_share", "curve_every": 2, "noisy_input": "prev_token"}
     runs = {}
     for name, stops in (("straight", [0]), ("resumed", [4, 0])):
         cfg = db_config(write_config, tmp_path, name=name, diffusion=options,
@@ -181,5 +181,5 @@ def test_measured_partition_resumes_exactly(tmp_path, write_config):
                       json.loads((out / "step_0000008" / "manifest.json").read_text())["model_state"])
     (loss_a, state_a), (loss_b, state_b) = runs["straight"], runs["resumed"]
     assert loss_a == pytest.approx(loss_b, abs=1e-6)
-    assert state_a["edges"] == pytest.approx(state_b["edges"], rel=1e-9)
-    assert state_a["edges"] != pytest.approx([0.002, 0.301, 80.0], rel=1e-3)  # the curve moved them
+    assert state_a["curve"]["ce"] == pytest.approx(state_b["curve"]["ce"], rel=1e-9)
+    assert state_a["edges"] == pytest.approx([0.002, 0.301, 80.0], rel=1e-3)  # fixed by the config

@@ -1,20 +1,20 @@
-"""The DiffusionBlocks AR model: no leak, one-block training, cached decoding equals recompute, ppl@k."""
+"""The DiffusionBlocks AR model: no leak, one-block training, cached decoding equals recompute, bridges."""
 
 import math
-import warnings
 
 import pytest
 import torch
 
 from looped_lm.config import config_from_dict
+from looped_lm.diffusion.chain import bridge_points
 from looped_lm.engine.generate import generate
-from looped_lm.engine.sampling import SamplingParams
 from looped_lm.errors import UserError
 from looped_lm.models import build_model
-from looped_lm.models.dblm import noisy_mask
-from looped_lm.models.two_stream import slot_mask
+from looped_lm.models.two_stream import noisy_mask, slot_mask
 from looped_lm.optim import BlockwiseAdamW, param_groups
-from tiny_models import PAPER
+from looped_lm.sampling import GREEDY, SamplingParams, SharedGenerator
+from looped_lm.settings import ScoreSettings, resolve_settings
+from tiny_models import PAPER, uncached_next_logits
 
 V = 61
 
@@ -43,8 +43,8 @@ def slot_logits(model, x, block, sigma=0.5, seed=0):
     z = torch.randn(B, T, 32, generator=g)
     slots = torch.arange(T)
     s = torch.full((B,), sigma)
-    clean = model.block_input(model.clean_inputs(x), block)
-    return model.run_block(block, clean, z, s, slots + 1, slot_mask(slots, T, model.noisy_self))
+    kv = model.clean_kv(block, model.clean_inputs(x), slots)
+    return model.noisy_pass(block, z, s, x, slots + 1, kv, slot_mask(slots, T, model.noisy_self))
 
 
 @pytest.mark.parametrize("parameterization,noisy_self", [("edm", True), ("likelihood", True), ("likelihood", False)])
@@ -140,50 +140,66 @@ def test_cached_decoding_equals_recompute(num_blocks, K, parameterization):
     kw = {"parameterization": "likelihood", "noisy_self": False} if parameterization == "no_self" else \
         {"parameterization": parameterization}
     model = make_model(num_blocks=num_blocks, n_layers=4, **kw)
+    model.max_iterations = 16
     prompt = torch.randint(0, V, (2, 5))
     n_new = 6
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # K < B warns
-        out, logits = generate(model, prompt, n_new, SamplingParams(0.0), seed=11, return_logits=True,
-                               num_iterations=K, bridge="hard")
-    g = torch.Generator().manual_seed(11)  # the same noise stream: one z per token
+    settings = resolve_settings(model.iteration_limits(), num_iterations=K, bridge="hard", sampling=GREEDY)
+    g = SharedGenerator(torch.Generator().manual_seed(11))
+    noise = [model.initial_noise(2, 1, g) for _ in range(n_new)]
+    out, logits = generate(model, prompt, n_new, settings, return_logits=True, noise=noise)
     for i in range(n_new):
-        z = model.initial_noise(2, 1, g)
-        ref = model.next_logits_uncached(out[:, :5 + i], K, "hard", z)[:, -1]
+        ref = uncached_next_logits(model, out[:, :5 + i], settings, noise[i])
         # the likelihood term makes logits O(100) at low sigma: fp32 rounding is relative there
         torch.testing.assert_close(logits[:, i], ref, atol=1e-5, rtol=1e-6)
         assert torch.equal(out[:, 5 + i], ref.argmax(-1))
 
 
-def test_cache_size_does_not_depend_on_k():
+@torch.no_grad()
+def test_cache_size_is_tied_to_tokens_and_not_to_k():
+    """The decode state holds, per token, one K/V pair per clean-stream layer and the stored clean input,
+    whatever K runs: decoding at K = 1 and K = 12 leaves caches of identical size."""
     model = make_model(num_blocks=2, n_layers=4, n_prelude=1)
+    model.max_iterations = 16
     state = model.new_cache(1, 32)
     # 1 prelude + 4 block layers, keys and values, d_model fp32, plus the stored clean input
     assert state.nbytes_per_token() == 5 * 2 * 32 * 4 + 32 * 4
-    for K in (1, 2, 8):
-        tokens = generate(model, torch.tensor([[1, 2, 3]]), 4, SamplingParams(0.0), seed=0, num_iterations=K)
-        assert tokens.shape == (1, 7)
+    sizes = {}
+    for K in (1, 12):
+        cache = model.new_cache(1, 32)
+        settings = resolve_settings(model.iteration_limits(), num_iterations=K, sampling=GREEDY)
+        from looped_lm.settings import RowBatch
+        for t in range(4):
+            model.forward_cached(torch.tensor([[t + 1]]), cache, None, RowBatch([settings], SharedGenerator(None)))
+        sizes[K] = (sum(t.numel() for t in _tensors(cache)), [int(c.lengths[0]) for b in cache.blocks for c in b])
+    assert sizes[1][0] == sizes[12][0]
+    assert sizes[12][1] == [4] * 4  # every block's cache holds the 4 tokens, at K = 12 as at K = 1 (caught up)
+    assert sizes[1][1][:2] == [4, 4]  # K = 1 runs block 0 only: block 1 has not needed them yet
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, list):
+        for x in obj:
+            yield from _tensors(x)
+    elif hasattr(obj, "__dict__"):
+        for x in vars(obj).values():
+            yield from _tensors(x)
+
+
+def points(model, logits, kind, sampling=SamplingParams(1.0), seed=0):
+    R = logits.shape[0]
+    random = SharedGenerator(torch.Generator().manual_seed(seed))
+    return bridge_points(logits, [kind] * R, [sampling] * R, random, torch.arange(R), model.targets, model.target_table)
 
 
 def test_soft_bridge_is_the_expected_target():
     model = make_model()
     logits = torch.tensor([[[0.0, math.log(3.0)] + [-1e9] * (V - 2)]])
     table = model.target_table()
-    soft = model.bridge(logits, "soft")
-    torch.testing.assert_close(soft[0, 0], 0.25 * table[0] + 0.75 * table[1])
-    torch.testing.assert_close(model.bridge(logits, "hard")[0, 0], table[1])
+    torch.testing.assert_close(points(model, logits, "soft")[0, 0], 0.25 * table[0] + 0.75 * table[1])
+    torch.testing.assert_close(points(model, logits, "hard")[0, 0], table[1])
     assert torch.allclose(table.norm(dim=-1), torch.ones(V))  # unit-norm targets
-
-
-def test_ppl_at_k_averages_probabilities_over_draws():
-    model = make_model()
-    x, y = torch.randint(0, V, (2, 8)), torch.randint(0, V, (2, 8))
-    g = torch.Generator().manual_seed(0)  # two single draws continue one noise stream
-    one = [model.eval_nll(x, y, k_grid=[2], draws=1, generator=g) for _ in range(2)]
-    two = model.eval_nll(x, y, k_grid=[2], draws=2, generator=torch.Generator().manual_seed(0))
-    for k in (0, 2):
-        p = (torch.exp(-one[0][k]) + torch.exp(-one[1][k])) / 2
-        torch.testing.assert_close(two[k], -p.log())
 
 
 def test_edm_loss_weight_is_normalised():
@@ -192,20 +208,10 @@ def test_edm_loss_weight_is_normalised():
 
     lo, hi = model.train_ranges[1]
     sigma = dm.sample_sigma(200_000, lo, hi, model.sched, generator=torch.Generator().manual_seed(0))
-    w = model.loss_weights(sigma, 1)
+    w = model.objective.loss_weights(sigma, 1)
     assert abs(w.mean().item() - 1.0) < 0.05
-    batch = make_model(loss_weight="batch_mean").loss_weights(sigma[:8], 1)
+    batch = make_model(loss_weight="batch_mean").objective.loss_weights(sigma[:8], 1)
     assert torch.allclose(batch, batch[0].expand(8))  # one scalar per batch
-
-
-def test_bad_num_iterations():
-    model = make_model()
-    with pytest.raises(UserError, match="num_iterations must be an integer >= 1"):
-        model.inference_kwargs(0, None)
-    with pytest.raises(UserError, match="num_iterations"):
-        model.inference_kwargs(-3, None)
-    with pytest.warns(UserWarning, match="skipped"):
-        model.inference_kwargs(1, None)
 
 
 def test_edges_saved_and_reused():
@@ -219,48 +225,16 @@ def test_edges_saved_and_reused():
         build_model(model.cfg, V, {"edges": [0.01, 1.0, 20.0]})
 
 
-@pytest.mark.parametrize("K", [1, 2, 4, 12])
-def test_stacked_context_cached_equals_recompute(K):
-    """context: stacked feeds block b the clean output of blocks < b; decoding keeps that exact,
-    also when K < B skips blocks and they must catch up later."""
-    model = make_model(num_blocks=4, n_layers=4, context="stacked")
-    prompt = torch.randint(0, V, (2, 5))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out, logits = generate(model, prompt, 5, SamplingParams(0.0), seed=4, return_logits=True,
-                               num_iterations=K, bridge="hard")
-    g = torch.Generator().manual_seed(4)
-    for i in range(5):
-        ref = model.next_logits_uncached(out[:, :5 + i], K, "hard", model.initial_noise(2, 1, g))[:, -1]
-        torch.testing.assert_close(logits[:, i], ref, atol=1e-5, rtol=0)
-
-
-def test_stacked_context_trains_only_the_chosen_block():
-    model = make_model(num_blocks=2, context="stacked").train()
-    x, y = torch.randint(0, V, (2, 16)), torch.randint(0, V, (2, 16))
-    step = next(s for s in range(50) if model.choose_block(s, 0) == 1)
-    loss, _ = model.training_loss(x, y, step=step, seed=0)
-    loss.backward()
-    assert all(p.grad is None for p in model.blocks[0].parameters())  # block 0 ran, without gradient
-    # and block 1 really reads block 0's output: changing block 0 changes block 1's loss
-    with torch.no_grad():
-        before = slot_logits(model, x, 1)
-        model.blocks[0][0].mlp.down.weight.add_(0.5)
-        assert not torch.allclose(slot_logits(model, x, 1), before)
-
-
 def test_sampled_bridge_draws_targets_in_proportion():
     model = make_model()
     logits = torch.full((4000, 1, V), -1e9)
     logits[..., 0], logits[..., 1] = 0.0, math.log(3.0)
     table = model.target_table()
-    g = torch.Generator().manual_seed(0)
-    picked = model.bridge(logits, "sample", generator=g)[:, 0]
+    picked = points(model, logits, "sample")[:, 0]
     is_one = torch.isclose(picked, table[1].expand_as(picked), atol=1e-6).all(-1)
     is_zero = torch.isclose(picked, table[0].expand_as(picked), atol=1e-6).all(-1)
     assert bool((is_one | is_zero).all()) and abs(is_one.float().mean().item() - 0.75) < 0.03
-    again = model.bridge(logits, "sample", generator=torch.Generator().manual_seed(0))[:, 0]
-    assert torch.equal(picked, again)
+    assert torch.equal(picked, points(model, logits, "sample")[:, 0])  # seeded
 
 
 def test_token_loglik_is_the_gaussian_log_likelihood_by_hand():
@@ -282,7 +256,8 @@ def test_likelihood_parameterization_reads_the_token_at_low_sigma_whatever_the_w
     slots = torch.arange(10)
     sigma = torch.full((2,), 0.01)
     z = model.targets(y) + 0.01 * torch.randn(2, 10, 32)
-    logits = model.run_block(1, model.clean_inputs(x), z, sigma, slots + 1, noisy_mask(slots, 10))
+    kv = model.clean_kv(1, model.clean_inputs(x), slots)
+    logits = model.noisy_pass(1, z, sigma, x, slots + 1, kv, noisy_mask(slots, 10))
     assert torch.equal(logits.argmax(-1), y)
     # at high sigma z says almost nothing: the network's own (context) logits decide
     loglik = model.token_loglik(model.targets(y) + 50 * torch.randn(2, 10, 32), torch.full((2,), 50.0))
@@ -303,10 +278,9 @@ def test_sampled_bridge_draws_with_the_requests_sampler():
     logits = torch.full((2000, 1, V), -1e9)
     logits[..., 0], logits[..., 1], logits[..., 2] = 0.0, math.log(3.0), math.log(2.0)
     table = model.target_table()
-    g = torch.Generator().manual_seed(0)
-    greedy = model.bridge(logits, "sample", generator=g, sampling=SamplingParams(0.0))
-    torch.testing.assert_close(greedy, model.bridge(logits, "hard"))
-    top2 = model.bridge(logits, "sample", generator=g, sampling=SamplingParams(1.0, top_k=2))[:, 0]
+    greedy = points(model, logits, "sample", SamplingParams(0.0))
+    torch.testing.assert_close(greedy, points(model, logits, "hard"))
+    top2 = points(model, logits, "sample", SamplingParams(1.0, top_k=2))[:, 0]
     is_one = torch.isclose(top2, table[1].expand_as(top2), atol=1e-6).all(-1)
     is_two = torch.isclose(top2, table[2].expand_as(top2), atol=1e-6).all(-1)
     assert bool((is_one | is_two).all()) and abs(is_one.float().mean().item() - 0.6) < 0.04  # 3 / (3 + 2)
@@ -315,32 +289,11 @@ def test_sampled_bridge_draws_with_the_requests_sampler():
 def test_generate_with_sample_bridge_follows_the_temperature():
     model = make_model(parameterization="likelihood")
     prompt = torch.randint(0, V, (2, 4))
-    hard = generate(model, prompt, 5, SamplingParams(0.0), seed=3, num_iterations=2, bridge="hard")
-    sampled_greedy = generate(model, prompt, 5, SamplingParams(0.0), seed=3, num_iterations=2, bridge="sample")
+    limits = model.iteration_limits()
+    hard = generate(model, prompt, 5, resolve_settings(limits, num_iterations=2, bridge="hard", sampling=GREEDY), seed=3)
+    sampled_greedy = generate(model, prompt, 5, resolve_settings(limits, num_iterations=2, bridge="sample",
+                                                                 sampling=GREEDY), seed=3)
     assert torch.equal(hard, sampled_greedy)  # temperature 0: the bridge takes the argmax too
-
-
-@torch.no_grad()
-def test_sample_chain_prob_is_the_samplers_marginal():
-    model = make_model(parameterization="likelihood")
-    x = torch.randint(0, V, (2, 6))
-    call = model.window_call(x)
-    z = model.initial_noise(2, 6, torch.Generator().manual_seed(0))
-    y = call(0, z, torch.full((2,), model.sigma_top())).argmax(-1)  # likely tokens: Monte Carlo sees them often
-    model.SAMPLE_CANDIDATES = V  # every first-step token: K = 2 then has nothing left to sample
-    exact = sum(model.sample_chain_prob(call, 2, y, torch.Generator().manual_seed(i)) for i in range(40)) / 40
-    mc = torch.zeros(2, 6, dtype=torch.float64)
-    g = torch.Generator().manual_seed(7)
-    for _ in range(800):  # the plain sampler, drawn many times
-        logits = model.chain(call, 2, (2, 6), "cpu", g, "sample")
-        mc += logits.double().softmax(-1).gather(-1, y[..., None])[..., 0] / 800
-    assert float(exact.min()) > 3 / V  # far from uniform, so agreement means something
-    assert (exact - mc).abs().max() < 0.04
-    # fewer candidates drop mass: a lower bound for the same z
-    model.SAMPLE_CANDIDATES = 2
-    fewer = model.sample_chain_prob(call, 2, y, torch.Generator().manual_seed(0))
-    model.SAMPLE_CANDIDATES = V
-    assert bool((fewer <= model.sample_chain_prob(call, 2, y, torch.Generator().manual_seed(0)) + 1e-12).all())
 
 
 def test_noisy_slots_without_self_key_use_plain_causal_attention():
@@ -348,10 +301,10 @@ def test_noisy_slots_without_self_key_use_plain_causal_attention():
     x = torch.randint(0, V, (2, 9))
     causal = slot_logits(model, x, 1)  # every slot: the CAUSAL fast path
     slots = torch.arange(9)
-    clean = model.block_input(model.clean_inputs(x), 1)
+    kv = model.clean_kv(1, model.clean_inputs(x), slots)
     g = torch.Generator().manual_seed(0)
     z = torch.randn(2, 9, 32, generator=g)
-    explicit = model.run_block(1, clean, z, torch.full((2,), 0.5), slots + 1, noisy_mask(slots, 9)[:, :9])
+    explicit = model.noisy_pass(1, z, torch.full((2,), 0.5), x, slots + 1, kv, noisy_mask(slots, 9)[:, :9])
     torch.testing.assert_close(causal, explicit, atol=1e-5, rtol=0)
     assert slot_mask(slots, 9, False) == "causal" and slot_mask(slots[:4], 9, False).shape == (4, 9)
     # and it is a different model from the one whose slots also read their own key
@@ -361,22 +314,80 @@ def test_noisy_slots_without_self_key_use_plain_causal_attention():
 
 @torch.no_grad()
 def test_last_call_at_sigma_min_makes_the_k_equals_b_sampler_block_0s_distribution():
-    model = make_model(parameterization="likelihood", last_call="sigma_min")
-    sigmas = model.chain_sigmas(2)
+    model = make_model(parameterization="likelihood", last_call="sigma_min", bridge="sample")
+    grid = model.grid()
+    sigmas = grid.sigmas(2)
     assert sigmas[0] == model.sigma_top() and sigmas[1] == sigmas[2] == model.edges[0]
-    assert [dm_route(model, s) for s in model.chain_sigmas(4)[:-1]] == [0, 0, 1, 1]
+    assert grid.blocks(4) == [0, 0, 1, 1]
     x, y = torch.randint(0, V, (2, 7)), torch.randint(0, V, (2, 7))
-    call = model.window_call(x)
-    p2 = model.sample_chain_prob(call, 2, y, torch.Generator().manual_seed(4))
-    p0 = model.chain(call, 1, (2, 7), "cpu", torch.Generator().manual_seed(4), "sample").softmax(-1)
-    torch.testing.assert_close(p2, p0.gather(-1, y[..., None])[..., 0].double(), atol=1e-6, rtol=0)
+    scores = model.score(x, y, ScoreSettings(k_grid=(2,), draws=16), torch.Generator().manual_seed(4))
+    # the last call only reads the drawn token back: ppl@2 is ppl@0 (up to the estimates' spread)
+    se = (scores[0].nll_var.sum() + scores[2].nll_var.sum()).sqrt() / y.numel()
+    assert abs(float(scores[2].nll.mean() - scores[0].nll.mean())) < 4 * float(se) + 1e-3
     # and the chain's last call reads the bridged token back exactly
-    z = model.initial_noise(2, 7, torch.Generator().manual_seed(1))
-    logits = model.chain(call, 2, (2, 7), "cpu", None, "hard", z=z)
-    first = call(0, z, torch.full((2,), model.sigma_top()))
-    assert torch.equal(logits.argmax(-1), first.argmax(-1))
+    settings = resolve_settings(model.iteration_limits(), num_iterations=2, bridge="hard", sampling=GREEDY)
+    z = model.initial_noise(2, 1, SharedGenerator(torch.Generator().manual_seed(1)))
+    chain = uncached_next_logits(model, x, settings, z)
+    first = uncached_next_logits(model, x, resolve_settings(model.iteration_limits(), num_iterations=1,
+                                                             sampling=GREEDY), z)
+    assert torch.equal(chain.argmax(-1), first.argmax(-1))
 
 
-def dm_route(model, sigma):
-    from looped_lm import diffusion as dm
-    return dm.route_sigma(sigma, model.edges)
+def test_removed_config_options_say_why():
+    from looped_lm.errors import UserError as E
+
+    for key in ("context", "noise"):
+        with pytest.raises(E, match=f"diffusion.{key} was removed"):
+            config_from_dict({"model": {"kind": "db_ar"}, "diffusion": {key: "x"}})
+    with pytest.raises(E, match="partition must be one of equi_probability, uniform"):
+        config_from_dict({"model": {"kind": "db_ar"}, "diffusion": {"partition": "equi_entropy"}})
+
+
+@torch.no_grad()
+def test_posterior_input_topk_error_is_within_its_bound():
+    exact = make_model(parameterization="likelihood")
+    topk = make_model(parameterization="likelihood", posterior_input="topk", posterior_topk=5)
+    topk.load_state_dict(exact.state_dict())
+    table = exact.tok_emb.weight
+    for sigma_value in (0.05, 0.5, 5.0):
+        sigma = torch.full((2,), sigma_value)
+        z = exact.targets(torch.randint(0, V, (2, 6))) + sigma_value * torch.randn(2, 6, 32)
+        loglik = exact.token_loglik(z, sigma)
+        a, b = exact.posterior_embedding(loglik), topk.posterior_embedding(loglik)
+        p = loglik.softmax(-1)
+        rest = 1 - p.topk(5, dim=-1).values.sum(-1)
+        bound = rest * (table - table.mean(0)).norm(dim=-1).max() * 2
+        assert bool(((a - b).norm(dim=-1) <= bound + 1e-5).all())
+    # sharp likelihood (low sigma): top-k is exact; flat (high sigma): the rest's mean carries the mass
+    sigma = torch.full((2,), 0.01)
+    z = exact.targets(torch.randint(0, V, (2, 6)))
+    torch.testing.assert_close(topk.posterior_embedding(exact.token_loglik(z, sigma)),
+                               exact.posterior_embedding(exact.token_loglik(z, sigma)), atol=1e-5, rtol=0)
+
+
+def test_detached_posterior_input_sends_no_gradient_into_the_table_through_the_input():
+    x, y = torch.randint(0, V, (2, 16)), torch.randint(0, V, (2, 16))
+    grads = {}
+    for mode in ("full", "detached"):
+        model = make_model(parameterization="likelihood", posterior_input=mode, noisy_input="noise").train()
+        torch.manual_seed(3)
+        loss, _ = model.training_loss(x, y, step=0, seed=0)
+        loss.backward()
+        grads[mode] = model.tok_emb.weight.grad.clone()
+    assert not torch.allclose(grads["full"], grads["detached"])  # the input path carried a gradient
+
+
+def test_cosine_head_folds_the_likelihood_into_one_product_with_the_heads_gradient_only():
+    model = make_model(parameterization="likelihood", head="cosine")
+    g = torch.Generator().manual_seed(0)
+    h, z = torch.randn(2, 5, 32, generator=g), torch.randn(2, 5, 32, generator=g)
+    sigma = torch.tensor([0.3, 2.0])
+    table = model.unit_table()
+    u = model.cosine_state(h)
+    separate = u @ table.T + (z / sigma[:, None, None] ** 2) @ table.detach().T
+    folded = model.denoise_logits(h, z, sigma)
+    torch.testing.assert_close(folded, separate, atol=1e-4, rtol=1e-5)
+    w = torch.randn(folded.shape, generator=g)
+    ga = torch.autograd.grad((folded * w).sum(), model.tok_emb.weight, retain_graph=True)[0]
+    gb = torch.autograd.grad((separate * w).sum(), model.tok_emb.weight)[0]
+    torch.testing.assert_close(ga, gb, atol=1e-4, rtol=1e-4)

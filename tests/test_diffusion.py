@@ -1,4 +1,4 @@
-"""Unit tests for looped_lm.diffusion against numbers computed by hand (method.md §1, §2, §5)."""
+"""Unit tests for looped_lm.diffusion against numbers computed by hand (docs/method.md §1, §2, §5)."""
 
 import math
 

@@ -1,26 +1,27 @@
 """The inference engine: continuous batching gives each request exactly what it gets alone.
 
 Tiny random models (no training): batched == solo for every model kind, == `generate()` (the
-reference decoding loop), independent of the prefill chunk size and of the slot count; prompt
-log-probs == log_softmax(prompt_logits); the KV pool sized from a memory budget; aborts, errors and
-the async API.
+reference decoding loop), independent of the prefill chunk size and of the slot count; every running
+row decodes in one model call per step whatever its K, bridge and sampler; prompt log-probs == the
+model's `token_logprobs` (exact for gpt, the estimated sampler marginal for DiffusionBlocks); the KV
+pool sized from a memory budget; aborts, errors and the async API.
 """
 
 from __future__ import annotations
 
 import asyncio
-import warnings
+import math
 
 import pytest
 import torch
 
-from looped_lm.engine.engine import Engine, InvalidRequest, Request, kv_bytes_per_token
+from looped_lm.engine.engine import Engine, InvalidRequest, Request
 from looped_lm.engine.generate import generate
-from looped_lm.engine.sampling import SamplingParams
+from looped_lm.engine.runner import kv_bytes_per_token
 from looped_lm.errors import UserError
+from looped_lm.sampling import GREEDY, SamplingParams
+from looped_lm.settings import ScoreSettings, resolve_settings
 from tiny_models import D, V, build_tiny
-
-GREEDY = SamplingParams(0.0)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -67,10 +68,9 @@ def test_batched_requests_equal_each_request_alone(models, kind):
 def test_engine_equals_the_reference_generate_loop(models, kind):
     model = models[kind]
     for req in requests(kind)[:3]:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # K < B skips blocks: intended here
-            kw = {} if kind == "gpt" else model.inference_kwargs(req.num_iterations, None)
-        ref = generate(model, torch.tensor([req.prompt]), req.max_tokens, GREEDY, seed=req.seed, **kw)
+        limits = None if kind == "gpt" else model.iteration_limits()
+        settings = resolve_settings(limits, num_iterations=req.num_iterations, sampling=GREEDY)
+        ref = generate(model, torch.tensor([req.prompt]), req.max_tokens, settings, seed=req.seed)
         assert Engine(model, 2).run([req])[0].token_ids == ref[0, len(req.prompt):].tolist()
 
 
@@ -87,12 +87,18 @@ def test_sampled_requests_are_seeded_and_batch_independent(models, kind):
 
 
 def test_a_bridge_that_samples_inside_the_chain_stays_batch_independent():
-    """`bridge: sample` draws a token at every denoising step: each row draws from its own generator."""
+    """`bridge: sample` draws a token at every denoising step: each row draws from its own generator,
+    and rows of different K, temperature and top-p still decode in ONE model call per step."""
     model = build("db_ar", bridge="sample")
     reqs = requests("db_ar")
-    batched = Engine(model, 6, prefill_chunk=5).run(reqs)
+    for i, r in enumerate(reqs):  # mixed samplers as well as mixed K
+        r.sampling = (GREEDY, SamplingParams(0.8), SamplingParams(1.0, top_p=0.5))[i % 3]
+    engine = Engine(model, 6, prefill_chunk=5)
+    batched = engine.run(reqs)
     for req, out in zip(reqs, batched):
         assert out.token_ids == solo(model, req)
+    assert engine.stats.decode_calls <= engine.stats.steps  # one decode call per step, whatever the mix
+    assert engine.stats.decoded_rows / engine.stats.decode_calls > 1.5  # rows of 3 K values shared them
     reseeded = Request(reqs[1].prompt, reqs[1].max_tokens, GREEDY, seed=99, num_iterations=reqs[1].num_iterations)
     assert solo(model, reseeded) != batched[1].token_ids  # greedy sampling, yet the chain's draws differ
 
@@ -119,24 +125,46 @@ def test_stop_token_ends_a_request(models):
 
 @pytest.mark.parametrize("kind", ["gpt", "db_ar"])
 @pytest.mark.parametrize("max_tokens", [0, 1, 3])
-def test_prompt_logprobs_are_log_softmax_of_prompt_logits(models, kind, max_tokens):
+def test_prompt_logprobs_are_the_models_token_logprobs(models, kind, max_tokens):
     model = models[kind]
     prompt = [5, 9, 2, 33, 40, 7]
-    req = Request(prompt, max_tokens, GREEDY, seed=11, num_iterations=None if kind == "gpt" else 3,
-                  logprobs=2, prompt_logprobs=2)
-    out = Engine(model, 1).run([req])[0]
-    kw = {} if kind == "gpt" else {**model.inference_kwargs(3, None), "generator": torch.Generator().manual_seed(11)}
-    with torch.no_grad():
-        ref = model.prompt_logits(torch.tensor([prompt]), **kw)[0].float().log_softmax(-1)
+    K = None if kind == "gpt" else 3
+    req = Request(prompt, max_tokens, GREEDY, seed=11, num_iterations=K, logprobs=2, prompt_logprobs=2)
+    engine = Engine(model, 1)
+    out = engine.run([req])[0]
+    scoring = torch.Generator().manual_seed((11 * 7919 + 1) % 2 ** 64)  # the engine's scoring stream
+    x = torch.tensor([prompt])
+    y = torch.tensor([prompt[1:] + [0]])
+    ref = model.token_logprobs(x, y, ScoreSettings(), K, scoring)[0].float()
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
     for t, entry in enumerate(out.prompt_logprobs[1:], start=1):
         assert entry.token_id == prompt[t]
         assert entry.logprob == pytest.approx(float(ref[t - 1, prompt[t]]), abs=1e-5)
+        assert -30 < entry.logprob < 0  # never a read-back's -inf / 0
         assert [i for i, _ in entry.top] == ref[t - 1].topk(2).indices.tolist()
     assert len(out.token_ids) == max_tokens and out.finish_reason == "length"
     assert out.logprobs is not None and len(out.logprobs) == max_tokens
-    if max_tokens == 1 or (max_tokens and kind == "gpt"):  # the first token from the same logits
+    if max_tokens == 1:  # the one new token comes from the scored distribution
         assert out.logprobs[0].logprob == pytest.approx(float(ref[-1, out.token_ids[0]]), abs=1e-5)
+    for entry in out.logprobs:
+        assert -30 < entry.logprob <= 0
+
+
+def test_db_logprobs_are_the_samplers_marginal_not_a_read_back():
+    """With `last_call: sigma_min` the chain's last call reads the drawn token back, so its own softmax is
+    one-hot; the log-probs reported are the K-step sampler's marginal, which is not."""
+    model = build_tiny("db_ar", parameterization="likelihood", noisy_self=False, bridge="sample",
+                       last_call="sigma_min")
+    req = Request([5, 9, 2, 33], max_tokens=4, sampling=SamplingParams(1.0), seed=3, num_iterations=2,
+                  logprobs=3, prompt_logprobs=3)
+    out = Engine(model, 1).run([req])[0]
+    entries = [e for e in out.prompt_logprobs[1:]] + list(out.logprobs)
+    assert all(-20 < e.logprob < -0.01 for e in entries), [e.logprob for e in entries]
+    for e in entries:  # a distribution over several tokens, summing to about 1 where listed
+        assert len(e.top) == 3 and sum(math.exp(lp) for _, lp in e.top) < 1.0 + 1e-3
+    # and asking for log-probs does not change the sampled text
+    plain = Engine(model, 1).run([Request(req.prompt, 4, req.sampling, seed=3, num_iterations=2)])[0]
+    assert plain.token_ids == out.token_ids
 
 
 def test_kv_pool_is_sized_by_the_memory_budget(models):
@@ -159,6 +187,7 @@ def test_kv_pool_is_sized_by_the_memory_budget(models):
     (dict(max_tokens=0), "max_tokens"),
     (dict(max_tokens=1000), "max_tokens"),
     (dict(num_iterations=9), "num_iterations"),
+    (dict(bridge="sideways"), "bridge"),
     (dict(num_iterations=0), "num_iterations"),
     (dict(sampling=SamplingParams(-1.0)), "temperature"),
     (dict(sampling=SamplingParams(1.0, top_p=0.0)), "top_p"),

@@ -9,10 +9,15 @@ import torch
 
 from looped_lm.config import Config, config_from_dict
 from looped_lm.engine.generate import generate
-from looped_lm.engine.sampling import SamplingParams, filter_logits, sample
 from looped_lm.errors import UserError
 from looped_lm.models import build_model
 from looped_lm.models.gpt import GPT
+from looped_lm.sampling import SamplingParams, SharedGenerator, filtered_probs, sample
+from looped_lm.settings import InferenceSettings
+
+
+def S(params: SamplingParams) -> InferenceSettings:
+    return InferenceSettings(params)
 
 V = 257  # byte tokenizer
 
@@ -39,7 +44,7 @@ def test_cached_generation_equals_full_recompute(params, seed):
     model = tiny_gpt()
     prompt = prompt_batch()
     n_new = 40  # 5 + 40 positions: well past seq_len 16 (max_positions is 4 * seq_len = 64)
-    tokens, step_logits = generate(model, prompt, n_new, params, seed=seed, return_logits=True)
+    tokens, step_logits = generate(model, prompt, n_new, S(params), seed=seed or 0, return_logits=True)
     assert tokens.shape == (2, 5 + n_new) and step_logits.shape == (2, n_new, V)
     assert torch.equal(tokens[:, :5], prompt)
     with torch.no_grad():
@@ -71,17 +76,18 @@ def test_chunked_prefill_equals_one_shot():
     seq = prompt_batch(seed=5, batch=3, length=20)
     with torch.no_grad():
         full, _ = model(seq)
-        one = model.forward_cached(seq, model.new_cache(3, 20))
-        caches = model.new_cache(3, 20)
-        pieces = [model.forward_cached(seq[:, a:b], caches) for a, b in ((0, 5), (5, 6), (6, 13), (13, 14), (14, 20))]
+        one = model.decode(seq, model.new_cache(3, 20))
+        cache = model.new_cache(3, 20)
+        pieces = [model.decode(seq[:, a:b], cache) for a, b in ((0, 5), (5, 6), (6, 13), (13, 14), (14, 20))]
+    caches = cache.layers
     assert caches[0].length == 20 and all(c.length == 20 for c in caches)
     torch.testing.assert_close(one, full, atol=1e-5, rtol=0)
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=0)
     # the caches hold the same keys and values either way
     ref = model.new_cache(3, 20)
     with torch.no_grad():
-        model.forward_cached(seq, ref)
-    for a, b in zip(caches, ref):
+        model.decode(seq, ref)
+    for a, b in zip(caches, ref.layers):
         torch.testing.assert_close(a.view()[0], b.view()[0], atol=1e-6, rtol=0)
         torch.testing.assert_close(a.view()[1], b.view()[1], atol=1e-6, rtol=0)
 
@@ -90,7 +96,7 @@ def test_kv_cache_overflow_and_rope_limit_raise():
     model = tiny_gpt()
     caches = model.new_cache(1, 4)
     with torch.no_grad(), pytest.raises(ValueError, match="KV cache full"):
-        model.forward_cached(torch.zeros(1, 5, dtype=torch.long), caches)
+        model.decode(torch.zeros(1, 5, dtype=torch.long), caches)
     with pytest.raises(UserError, match="exceeds the model's 64 positions"):
         generate(model, prompt_batch(length=10), 55)
 
@@ -187,9 +193,9 @@ def test_same_seed_same_output_different_seed_different():
     model = tiny_gpt(init_std=0.02)  # flat logits: sampling really is random
     prompt = prompt_batch()
     p = SamplingParams(1.0)
-    a = generate(model, prompt, 24, p, seed=11)
-    b = generate(model, prompt, 24, p, seed=11)
-    c = generate(model, prompt, 24, p, seed=12)
+    a = generate(model, prompt, 24, S(p), seed=11)
+    b = generate(model, prompt, 24, S(p), seed=11)
+    c = generate(model, prompt, 24, S(p), seed=12)
     assert torch.equal(a, b)
     assert not torch.equal(a[:, 5:], c[:, 5:])
     # greedy ignores the seed
@@ -200,9 +206,9 @@ def test_top_k_1_and_tiny_top_p_equal_greedy():
     model = tiny_gpt(init_std=0.05)
     prompt = prompt_batch()
     greedy = generate(model, prompt, 20)
-    assert torch.equal(generate(model, prompt, 20, SamplingParams(1.0, top_k=1), seed=5), greedy)
-    assert torch.equal(generate(model, prompt, 20, SamplingParams(1.5, top_p=1e-6), seed=6), greedy)
-    assert torch.equal(generate(model, prompt, 20, SamplingParams(0.7, top_k=3, top_p=1e-9), seed=7), greedy)
+    assert torch.equal(generate(model, prompt, 20, S(SamplingParams(1.0, top_k=1)), seed=5), greedy)
+    assert torch.equal(generate(model, prompt, 20, S(SamplingParams(1.5, top_p=1e-6)), seed=6), greedy)
+    assert torch.equal(generate(model, prompt, 20, S(SamplingParams(0.7, top_k=3, top_p=1e-9)), seed=7), greedy)
 
 
 LOGITS = torch.tensor([[0.1, 2.0, -1.0, 1.0, 0.5]])  # sorted order: 1, 3, 4, 0, 2
@@ -227,22 +233,32 @@ LOGITS = torch.tensor([[0.1, 2.0, -1.0, 1.0, 0.5]])  # sorted order: 1, 3, 4, 0,
     (SamplingParams(2.0, top_p=0.55), {1, 3}),
     (SamplingParams(2.0, top_p=0.65), {1, 3, 4}),
 ])
-def test_filter_logits_keeps_exactly_the_expected_set(params, keep):
-    out = filter_logits(LOGITS, params)
-    kept = {i for i in range(5) if math.isfinite(float(out[0, i]))}
+def test_filtered_probs_keep_exactly_the_expected_set(params, keep):
+    probs = filtered_probs(LOGITS, [params])[0]
+    kept = {i for i in range(5) if float(probs[i]) > 0}
     assert kept == keep
-    for i in range(5):
-        if i in keep:
-            assert float(out[0, i]) == pytest.approx(float(LOGITS[0, i]) / params.temperature)
-        else:
-            assert float(out[0, i]) == float("-inf")
+    weights = {i: math.exp(float(LOGITS[0, i]) / params.temperature) for i in keep}
+    for i in keep:  # renormalised over what is kept, at the temperature
+        assert float(probs[i]) == pytest.approx(weights[i] / sum(weights.values()), rel=1e-5)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1e-40), SamplingParams(1.0, top_p=5e-324),
+                                    SamplingParams(1e-30, top_k=3, top_p=1e-300), SamplingParams(1e30)])
+def test_numeric_extremes_never_give_nan(params):
+    """A tiny temperature is greedy, a tiny top_p keeps the top token, a huge temperature is uniform."""
+    probs = filtered_probs(LOGITS, [params])[0]
+    assert torch.isfinite(probs).all() and float(probs.sum()) == pytest.approx(1.0)
+    if params.temperature < 1 or params.top_p < 1e-10:
+        assert float(probs[1]) == pytest.approx(1.0)
+    token = sample(LOGITS, [params], SharedGenerator(torch.Generator().manual_seed(0)))
+    assert 0 <= int(token) < 5
 
 
 def test_sampling_frequencies_follow_the_filtered_distribution():
     params = SamplingParams(1.0, top_k=2)
     logits = LOGITS.expand(20000, 5)
-    g = torch.Generator().manual_seed(0)
-    counts = torch.bincount(sample(logits, params, g), minlength=5)
+    g = SharedGenerator(torch.Generator().manual_seed(0))
+    counts = torch.bincount(sample(logits, [params] * 20000, g), minlength=5)
     assert counts[[0, 2, 4]].sum() == 0
     p1 = math.exp(2.0) / (math.exp(2.0) + math.exp(1.0))  # 0.7311
     assert abs(counts[1].item() / 20000 - p1) < 0.015
@@ -261,7 +277,7 @@ def test_bad_sampling_params_raise_user_error(params, needle):
     with pytest.raises(UserError, match=needle):
         params.validate()
     with pytest.raises(UserError, match=needle):
-        generate(tiny_gpt(n_layers=1), prompt_batch(), 3, params, seed=0)
+        generate(tiny_gpt(n_layers=1), prompt_batch(), 3, S(params), seed=0)
 
 
 def test_bad_generate_arguments_raise_user_error():

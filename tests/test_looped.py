@@ -4,15 +4,17 @@ import math
 
 import pytest
 import torch
-from tiny_models import PAPER
+from tiny_models import PAPER, uncached_next_logits
 
 from looped_lm.config import config_from_dict
-from looped_lm.diffusion.adaptive_exit import ExitRule, kl_divergence
+from looped_lm.diffusion.adaptive_exit import kl_divergence
+from looped_lm.diffusion.chain import run_chain
 from looped_lm.engine.generate import generate
-from looped_lm.engine.sampling import SamplingParams
 from looped_lm.errors import UserError
 from looped_lm.models import build_model
 from looped_lm.models.huginn import sample_recurrence
+from looped_lm.sampling import GREEDY, SharedGenerator
+from looped_lm.settings import ExitRule, InferenceSettings, RowBatch, ScoreSettings, resolve_settings
 
 V = 53
 
@@ -47,10 +49,16 @@ def test_huginn_cached_equals_recompute(K):
     s0 = torch.randn(2, 10, 32)
     full = model(x, K, s0=s0)
     caches = model.new_cache(2, 16)
-    parts = [model.forward_cached(x[:, :4], caches, K, noise=s0[:, :4])]
+    settings = resolve_settings(model.iteration_limits(), num_iterations=K, sampling=GREEDY)
+
+    def step(ids, noise):
+        return model.forward_cached(ids, caches, None, RowBatch.uniform(settings, 2, SharedGenerator(None), noise))
+
+    parts = [step(x[:, :4], s0[:, :4])]
     for t in range(4, 10):
-        parts.append(model.forward_cached(x[:, t:t + 1], caches, K, noise=s0[:, t:t + 1]))
-    torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-5, rtol=0)
+        parts.append(step(x[:, t:t + 1], s0[:, t:t + 1]))
+    torch.testing.assert_close(torch.stack(parts[1:], 1), full[:, 4:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(parts[0], full[:, 3], atol=1e-5, rtol=0)
     # one cache entry per (iteration, core layer), plus prelude and coda: grows with K
     assert model.kv_bytes_per_token(caches) == (1 + 1 + 2 * K) * 2 * 32 * 4
 
@@ -81,12 +89,13 @@ def test_huginn_truncated_backprop_reaches_only_the_last_iterations():
 def test_huginn_eval_per_k_is_exact_cross_entropy():
     model = huginn()
     x, y = torch.randint(0, V, (2, 8)), torch.randint(0, V, (2, 8))
-    nll = model.eval_nll(x, y, k_grid=[2, 5], generator=torch.Generator().manual_seed(1))
+    scores = model.score(x, y, ScoreSettings(k_grid=(2, 5)), generator=torch.Generator().manual_seed(1))
     s0 = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
     for K in (2, 5):
         logits = model(x, K, s0=s0)
         ref = torch.nn.functional.cross_entropy(logits.transpose(1, 2), y, reduction="none")
-        torch.testing.assert_close(nll[K], ref)
+        torch.testing.assert_close(scores[K].nll, ref)
+        assert scores[K].nll_var is None  # exact
 
 
 # --- looped_db ----------------------------------------------------------------------------------
@@ -107,12 +116,13 @@ def test_looped_db_trains_one_core_on_the_whole_sigma_range():
 def test_looped_db_cached_equals_recompute(K):
     model = looped_db()
     prompt = torch.randint(0, V, (2, 4))
-    out, logits = generate(model, prompt, 5, SamplingParams(0.0), seed=3, return_logits=True, num_iterations=K)
-    g = torch.Generator().manual_seed(3)
+    settings = resolve_settings(model.iteration_limits(), num_iterations=K, bridge="hard", sampling=GREEDY)
+    g = SharedGenerator(torch.Generator().manual_seed(3))
+    noise = [model.initial_noise(2, 1, g) for _ in range(5)]
+    out, logits = generate(model, prompt, 5, settings, return_logits=True, noise=noise)
     for i in range(5):
-        z = model.initial_noise(2, 1, g)
-        ref = model.next_logits_uncached(out[:, :4 + i], K, "hard", z)[:, -1]
-        torch.testing.assert_close(logits[:, i], ref, atol=1e-5, rtol=0)
+        ref = uncached_next_logits(model, out[:, :4 + i], settings, noise[i])
+        torch.testing.assert_close(logits[:, i], ref, atol=1e-5, rtol=1e-6)
 
 
 def test_looped_db_kv_cache_is_flat_in_k():
@@ -138,31 +148,41 @@ def test_rows_exit_at_different_steps():
     steady = torch.zeros(1, 1, V)
     steady[..., 3] = 5.0
 
-    def call(block, z, sigma):  # row 0 settles at once; row 1's prediction moves every step
+    def call(block, z, sigma, rows):  # row 0 settles at once; row 1's prediction moves every step
         step = call.count
         call.count += 1
         moving = torch.zeros(1, 1, V)
         moving[..., step % V] = 5.0
-        return torch.cat([steady, moving])
+        return torch.cat([steady, moving])[rows]
 
-    call.count = 0
-    stats = {}
-    rule = ExitRule(kl_threshold=1e-3)
-    logits = model.chain(call, 6, (2, 1), "cpu", None, "hard", exit_rule=rule, stats=stats)
-    assert stats["iterations"].tolist() == [[2], [6]]
-    assert torch.equal(logits[0], steady[0]) and logits[1, 0].argmax() == 5
+    def chain(K, rule):
+        call.count = 0
+        settings = [InferenceSettings(GREEDY, K, "hard", rule)] * 2
+        z = torch.zeros(2, 1, 32)
+        return run_chain(call, model.grid(), settings, z, SharedGenerator(None), model.targets, model.target_table)
 
-    call.count = 0
-    stable = ExitRule(argmax_stable=3)
-    model.chain(call, 8, (2, 1), "cpu", None, "hard", exit_rule=stable, stats=stats)
-    assert stats["iterations"].tolist() == [[4], [8]]
+    result = chain(6, ExitRule(kl_threshold=1e-3))
+    assert result.iterations.tolist() == [[2], [6]]
+    assert torch.equal(result.logits[0], steady[0]) and result.logits[1, 0].argmax() == 5
+    assert chain(8, ExitRule(argmax_stable=3)).iterations.tolist() == [[4], [8]]
+
+
+def test_rows_with_and_without_an_exit_rule_share_a_chain():
+    model = looped_db()
+    steady = torch.zeros(2, 1, V)
+    steady[..., 3] = 5.0
+    settings = [InferenceSettings(GREEDY, 6, "hard", ExitRule(kl_threshold=1e-3)), InferenceSettings(GREEDY, 6, "hard")]
+    result = run_chain(lambda b, z, s, rows: steady[rows], model.grid(), settings, torch.zeros(2, 1, 32),
+                       SharedGenerator(None), model.targets, model.target_table)
+    assert result.iterations.tolist() == [[2], [6]]
 
 
 def test_adaptive_exit_through_generate_reports_iterations():
     model = looped_db()
     log = []
-    generate(model, torch.tensor([[1, 2]]), 3, SamplingParams(0.0), seed=0, iteration_log=log,
-             num_iterations=8, exit_rule=ExitRule(kl_threshold=float("inf")))
+    settings = resolve_settings(model.iteration_limits(), num_iterations=8, exit_rule=ExitRule(kl_threshold=float("inf")),
+                                sampling=GREEDY)
+    generate(model, torch.tensor([[1, 2]]), 3, settings, iteration_log=log)
     assert [int(t[0]) for t in log] == [2, 2, 2]  # the first comparison is possible after 2 steps
 
 
@@ -174,7 +194,7 @@ def test_adaptive_exit_through_generate_reports_iterations():
 ])
 def test_bad_exit_options(threshold, criterion, message):
     with pytest.raises(UserError, match=message):
-        ExitRule.from_options(threshold, criterion)
+        ExitRule.parse(threshold, criterion)
 
 
 # --- bad input ----------------------------------------------------------------------------------
@@ -198,8 +218,22 @@ def test_full_backprop_needs_the_flag_only():
 
 @pytest.mark.parametrize("build", [huginn, looped_db])
 def test_iterations_above_the_maximum_are_refused(build):
-    model = build()
-    with pytest.raises(UserError, match="exceeds model.max_iterations"):
-        model.inference_kwargs(65, None)
-    with pytest.raises(UserError, match=">= 1"):
-        model.inference_kwargs(0, None)
+    limits = build().iteration_limits()
+    for bad in (65, 0, -3, 2.5, True):
+        with pytest.raises(UserError, match=r"num_iterations must be an integer in 1\.\.64") as e:
+            resolve_settings(limits, num_iterations=bad)
+        assert e.value.param == "num_iterations"
+
+
+def test_settings_defaults_live_in_one_place():
+    db, hug = looped_db(bridge="sample"), huginn()
+    s = resolve_settings(db.iteration_limits())
+    assert (s.num_iterations, s.bridge) == (1, "sample")  # K = B = 1 for the looped core; the config's bridge
+    assert resolve_settings(hug.iteration_limits()).num_iterations == 4  # the mean recurrence
+    assert resolve_settings(db.iteration_limits(), default_iterations=6).num_iterations == 6  # a server default
+    with pytest.raises(UserError, match="bridge applies to DiffusionBlocks"):
+        resolve_settings(hug.iteration_limits(), bridge="hard")
+    with pytest.raises(UserError, match="adaptive exit"):
+        resolve_settings(hug.iteration_limits(), exit_rule=ExitRule(kl_threshold=0.1))
+    with pytest.raises(UserError, match="no K"):
+        resolve_settings(None, num_iterations=2)

@@ -4,13 +4,15 @@ servers on loopback serving tiny checkpoints trained here (a byte-level GPT and 
 Covered: /v1/models with NAME@K aliases, completions (all prompt shapes, n, seed, stop, stream), chat
 (plain and streamed), K per request (extra_body, alias, default) reported back, echo + logprobs exactly
 as lm-evaluation-harness's `local-completions` reads them and equal to the model's own log-probs, the
-tokenizer endpoints, /health, /metrics, the OpenAPI document, a table of bad input (always a 400
-envelope, never a 500), API keys, client disconnects freeing slots, and the `looped_lm serve` verb.
+tokenizer endpoints, /health, /metrics, the OpenAPI document, API keys, client disconnects freeing
+slots, and the `looped_lm serve` verb. Bad and extreme input: tests/test_server_input.py.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -27,8 +29,8 @@ from conftest import DIST_VARS
 from looped_lm.checkpoint import load_checkpoint
 from looped_lm.data.tokenizer import get_tokenizer
 from looped_lm.engine.engine import Engine
-from serve.app import BackgroundServer, build_app
-from serve.text import Detokenizer, StopStrings
+from looped_lm.serve.app import BackgroundServer, build_app
+from looped_lm.serve.text import Detokenizer, StopStrings
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -241,14 +243,14 @@ def lm_eval_parse_logprobs(outputs: dict, ctxlens: list[int]) -> list[tuple[floa
 
 
 def reference_logprobs(served: Served, ids: list[int], k: int | None, seed: int) -> torch.Tensor:
-    """log_softmax of the model's own logits at every prompt position (DB: the K-step chain's)."""
-    kw = {}
-    if k is not None:
-        kw = {**served.model.inference_kwargs(k, None), "generator": torch.Generator().manual_seed(seed)}
+    """The model's `token_logprobs` at every prompt position (gpt: log_softmax of its logits; DB: the K-step
+    sampler's estimated marginal), drawn from the engine's scoring stream of a request with `seed`."""
+    from looped_lm.settings import ScoreSettings
+
+    scoring = torch.Generator().manual_seed((seed * 7919 + 1) % 2 ** 64)
+    x, y = torch.tensor([ids]), torch.tensor([ids[1:] + [0]])
     with torch.no_grad():
-        if k is None:  # GPT: the plain forward
-            return served.model(torch.tensor([ids]))[0][0].float().log_softmax(-1)
-        return served.model.prompt_logits(torch.tensor([ids]), **kw)[0].float().log_softmax(-1)
+        return served.model.token_logprobs(x, y, ScoreSettings(), k, scoring)[0].float()
 
 
 @pytest.mark.parametrize("which", ["gpt", "db"])
@@ -301,16 +303,46 @@ def test_echo_with_generation_and_token_id_strings(db):
     assert all(len(top) in (2, 3) for top in lp["top_logprobs"][1:])
 
 
-def test_detokenizer_never_splits_a_character_and_stop_strings_hold_back_their_prefixes():
-    tok = get_tokenizer("byte")
-    text = "héllo → wörld"
+@pytest.mark.parametrize("name", ["byte", "gpt2"])
+def test_detokenizer_never_splits_a_character_and_ends_as_decode(name):
+    tok = get_tokenizer(name)
+    text = "héllo → wörld 😀 日本"
+    ids = tok.encode(text)
+    assert len(ids) > len(text.split())  # characters span several tokens
     d = Detokenizer(tok)
-    pieces = [d.add(i) for i in tok.encode(text)] + [d.flush()]
-    assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces)
+    pieces = [d.add(i) for i in ids]
+    assert "".join(pieces) + d.flush() == text and all("\ufffd" not in p for p in pieces)
+    rng = random.Random(0)  # any ids, broken UTF-8 and the end-of-text token included: the text of decode
+    alphabet = [*ids, tok.eot_id, *rng.sample(range(tok.vocab_size), 20)]
+    for _ in range(200):
+        ids = [rng.choice(alphabet) for _ in range(rng.randint(1, 24))]
+        d = Detokenizer(tok)
+        assert "".join(d.add(i) for i in ids) + d.flush() == tok.decode(ids), ids
+
+
+def test_stop_strings_hold_back_their_prefixes():
     s = StopStrings(["STOP", "xyz"])
     assert [s.push(p) for p in ["ab", "cS", "TO", "P tail"]] == [("ab", False), ("c", False), ("", False), ("", True)]
     s = StopStrings(["STOP"])
     assert [s.push(p) for p in ["aS", "Tb"]] == [("a", False), ("STb", False)]
+    s = StopStrings(["é!"])  # a stop string of a multi-byte character, met across pieces
+    assert [s.push(p) for p in ["caf", "é", "!x"]] == [("caf", False), ("", False), ("", True)]
+
+
+def test_streamed_text_equals_the_whole_text_across_split_characters(gpt):
+    """Echo a prompt whose characters span several byte tokens, then sample bytes (the tiny model emits
+    broken UTF-8 too): the streamed pieces join to the whole text, which is the decoded ids."""
+    prompt = gpt.tok.encode("Noé → 😀")
+    for seed in range(4):
+        body = {"prompt": prompt, "echo": True, "max_tokens": 12, "temperature": 1.5, "seed": seed, "ignore_eos": True,
+                "logprobs": 0, "return_tokens_as_token_ids": True}
+        whole = gpt.http.post("/v1/completions", json=body).json()["choices"][0]
+        assert whole["text"].startswith("Noé → 😀")
+        ids = [int(t.removeprefix("token_id:")) for t in whole["logprobs"]["tokens"]]
+        assert ids[:len(prompt)] == prompt and whole["text"] == gpt.tok.decode(ids)
+        raw = gpt.http.post("/v1/completions", json={**body, "stream": True}).text
+        events = [json.loads(e.removeprefix("data: ")) for e in raw.split("\n\n") if e and e != "data: [DONE]"]
+        assert "".join(c["text"] for e in events for c in e["choices"]) == whole["text"]
 
 
 # --- tokenizer endpoints, health, metrics, OpenAPI ---------------------------------------------------
@@ -338,98 +370,9 @@ def test_health_metrics_and_openapi(gpt):
     doc = gpt.http.get("/openapi.json").json()
     assert {"/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
             "/tokenizer_info", "/health", "/metrics"} <= set(doc["paths"])
-    assert "num_iterations" in doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert {"prompt", "stream", "top_k", "ignore_eos"} <= set(doc["components"]["schemas"]["CompletionRequest"]["properties"])
     responses = doc["paths"]["/v1/completions"]["post"]["responses"]
     assert "400" in responses and "422" not in responses  # as the server answers
-
-
-# --- bad input: always the 400 envelope, never a 500 ----------------------------------------------------
-
-BAD = [  # (path, body: dict -> JSON, bytes -> raw, expected status, param or None)
-    ("/v1/completions", b"{not json", 400, None),
-    ("/v1/completions", b"", 400, None),
-    ("/v1/completions", b"[]", 400, None),
-    ("/v1/completions", b'"a string"', 400, None),
-    ("/v1/completions", {}, 400, "prompt"),
-    ("/v1/completions", {"prompt": None}, 400, "prompt"),
-    ("/v1/completions", {"prompt": 3}, 400, "prompt"),
-    ("/v1/completions", {"prompt": []}, 400, "prompt"),
-    ("/v1/completions", {"prompt": [[]]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": [1, "a"]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": [True, 2]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": [-1]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": [10 ** 6]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": [[1], [2, 10 ** 20]]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": [1] * 100, "max_tokens": 1}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 10 ** 6}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 1.5}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
-    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
-    ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', 400, "temperature"),
-    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
-    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
-    ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "top_k"),
-    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
-    ("/v1/completions", {"prompt": "hi", "n": 10 ** 4}, 400, "n"),
-    ("/v1/completions", {"prompt": ["a"] * 10, "n": 64}, 400, "n"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": -1}, 400, "logprobs"),
-    ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, None),
-    ("/v1/completions", {"prompt": "hi", "stop": 5}, 400, "stop"),
-    ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 17}, 400, "stop"),
-    ("/v1/completions", {"prompt": "hi", "seed": "x"}, 400, "seed"),
-    ("/v1/completions", {"prompt": "hi", "seed": 2 ** 70}, 400, "seed"),
-    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
-    ("/v1/completions", {"prompt": "hi", "echo": 1}, 400, "echo"),
-    ("/v1/completions", {"prompt": "hi", "num_iterations": 0}, 400, "num_iterations"),
-    ("/v1/completions", {"prompt": "hi", "num_iterations": 1000}, 400, "num_iterations"),
-    ("/v1/completions", {"prompt": "hi", "num_iterations": "2"}, 400, "num_iterations"),
-    ("/v1/completions", {"prompt": "hi", "model": "tiny-db@999"}, 400, "model"),
-    ("/v1/completions", {"prompt": "hi", "model": "tiny-db@2", "num_iterations": 4}, 400, "num_iterations"),
-    ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, None),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 5}}, 400, None),
-    ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, None),
-    ("/v1/completions", {"prompt": "hi", "suffix": "end"}, 400, None),
-    ("/v1/completions", {"prompt": "hi", "model": "tiny-db@0"}, 404, "model"),
-    ("/v1/completions", {"prompt": "hi", "model": "tiny-db@two"}, 404, "model"),
-    ("/v1/completions", {"prompt": "hi", "model": "other"}, 404, "model"),
-    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1000}, 400, "max_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 200}]}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, None),
-    ("/tokenize", {}, 400, None),
-    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, None),
-    ("/detokenize", {"tokens": [10 ** 9]}, 400, "tokens"),
-    ("/detokenize", {"tokens": ["a"]}, 400, "tokens"),
-]
-
-
-def test_bad_input_is_a_400_envelope_and_never_a_500(db):
-    for path, body, status, param in BAD:
-        if isinstance(body, bytes):
-            r = db.http.post(path, content=body, headers={"content-type": "application/json"})
-        else:
-            r = db.http.post(path, json=body)
-        assert r.status_code == status, (path, body, r.text)
-        error = r.json()["error"]
-        assert set(error) == {"message", "type", "param", "code"} and error["message"], r.text
-        assert error["type"] == "invalid_request_error"
-        assert error["param"] == param, (body, error)
-    wrong_type = db.http.post("/v1/completions", content=b'{"prompt": "hi"}', headers={"content-type": "text/plain"})
-    assert wrong_type.status_code == 400
-    assert db.http.get("/v1/nothing").status_code == 404 and db.http.get("/v1/completions").status_code == 405
-    assert db.http.get("/v1/nothing").json()["error"]["code"] == "not_found"
-    assert db.http.get("/health").status_code == 200
-    assert db.client.completions.create(model="tiny-db", prompt="A", max_tokens=2).choices[0].finish_reason
-    assert 'status="500"' not in db.http.get("/metrics").text
 
 
 # --- disconnects ---------------------------------------------------------------------------------------
@@ -498,3 +441,35 @@ def test_serve_verb_with_an_api_key(tiny_run, clean_env):
         proc.terminate()
         out, _ = proc.communicate(timeout=30)
     assert "serving cli-gpt (gpt) at http://127.0.0.1" in out and "Traceback" not in out
+
+
+def serve_in_process(monkeypatch, *flags: str):
+    """`looped_lm serve FLAGS` up to where uvicorn would start: -> (exit code, the app it would serve)."""
+    import uvicorn
+
+    from looped_lm.cli import main
+
+    started = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: started.update(app=app))
+    return main(["serve", *flags]), started.get("app")
+
+
+def test_the_served_context_is_the_trained_one_unless_a_flag_asks(tiny_run, monkeypatch, capsys):
+    ckpt = str(tiny_run[1])
+    seq_len = load_checkpoint(ckpt)[1].model.seq_len  # 16; the model has 4 x 16 positions
+    code, app = serve_in_process(monkeypatch, "--checkpoint", ckpt)
+    err = capsys.readouterr().err
+    assert code == 0 and app.state.serving.engine.max_len == seq_len
+    assert f"slots of {seq_len} tokens" in err and "warning" not in err
+    code, app = serve_in_process(monkeypatch, "--checkpoint", ckpt, "--max-model-len", str(3 * seq_len))
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert code == 0 and app.state.serving.engine.max_len == 3 * seq_len
+    assert warnings == [f"warning: --max-model-len {3 * seq_len} exceeds the trained context of {seq_len} tokens "
+                        "(model.seq_len); text past it may be poor"]
+    code, app = serve_in_process(monkeypatch, "--checkpoint", ckpt, "--max-model-len", str(seq_len // 2))
+    assert code == 0 and app.state.serving.engine.max_len == seq_len // 2
+    assert "warning" not in capsys.readouterr().err
+    for bad in (0, 4 * seq_len + 1):
+        code, app = serve_in_process(monkeypatch, "--checkpoint", ckpt, "--max-model-len", str(bad))
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and app is None and err.startswith("error: --max-model-len must be in 1..") and "\n" not in err

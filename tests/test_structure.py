@@ -1,4 +1,4 @@
-"""Project structure rules (style.md): who imports what, and docs that must not drift from code."""
+"""Project structure rules: who imports what, and docs that must not drift from code."""
 
 import ast
 from pathlib import Path
@@ -6,6 +6,116 @@ from pathlib import Path
 from looped_lm.config import describe_fields
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# Layers, bottom to top: a module may import its own layer or lower ones, never a higher one, and the
+# import graph (function-level imports included) has no circle. Prefixes are matched longest first.
+LAYERS = [
+    ("looped_lm.errors", "looped_lm.console"),
+    ("looped_lm.config", "looped_lm.sampling"),
+    ("looped_lm.settings",),
+    ("looped_lm.diffusion",),
+    ("looped_lm.models", "looped_lm.data"),
+    ("looped_lm.checkpoint", "looped_lm.engine", "looped_lm.optim", "looped_lm.training"),
+    ("looped_lm.eval", "looped_lm.export", "looped_lm.hf", "looped_lm.train", "looped_lm.preflight",
+     "looped_lm.launch"),
+    ("looped_lm.serve", "serve"),
+    ("looped_lm.cli", "looped_lm.__main__"),  # entry points route to everything
+]
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[0] == "serve":  # installed as looped_lm.serve
+        parts = ["looped_lm", *parts]
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def internal_imports(path: Path, name: str) -> set[str]:
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            found.add(mod)
+            found |= {f"{mod}.{a.name}" for a in node.names}
+    found = {("looped_lm." + m if m == "serve" or m.startswith("serve.") else m) for m in found}
+    return {m for m in found if m.startswith("looped_lm")}
+
+
+def layer_of(name: str) -> int:
+    best = None
+    for rank, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if name == prefix or name.startswith(prefix + "."):
+                if best is None or len(prefix) > best[1]:
+                    best = (rank, len(prefix))
+    assert best is not None, f"{name} belongs to no layer: add it to LAYERS"
+    return best[0]
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = [p for p in sorted(ROOT.glob("looped_lm/**/*.py")) + sorted(ROOT.glob("serve/**/*.py"))
+             if p.name != "__init__.py" or p.parent.name != "looped_lm"]  # the package root only installs a hook
+    modules = {module_name(p): p for p in files}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for imported in internal_imports(path, name):
+            while imported and imported not in modules:  # `from a.b import c` names a.b.c or a.b's member c
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name:
+                targets.add(imported)
+        graph[name] = targets
+    return graph
+
+
+def test_imports_only_point_down():
+    graph = import_graph()
+    assert len(graph) > 40
+    upward = [f"{a} -> {b}" for a, targets in graph.items() for b in targets if layer_of(b) > layer_of(a)]
+    assert not upward, "imports that point up: " + "; ".join(sorted(upward))
+
+
+def test_no_import_circles():
+    graph = import_graph()
+    state, stack, circles = {}, [], []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in graph.get(node, ()):
+            if state.get(nxt) == "open":
+                circles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+
+    for node in graph:
+        if node not in state:
+            visit(node)
+    assert not circles, "import circles: " + "; ".join(circles)
+
+
+def test_models_never_probe_capabilities_by_attribute_name():
+    """Callers ask `isinstance(model, Capability)` (models/contract.py), not hasattr/getattr on a model."""
+    offenders = []
+    for path in sorted(ROOT.glob("looped_lm/**/*.py")) + sorted(ROOT.glob("serve/**/*.py")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if ("hasattr(model" in line or "getattr(model" in line or "hasattr(self.model" in line
+                    or "getattr(self.model" in line):
+                offenders.append(f"{path.relative_to(ROOT)}:{n}")
+    assert not offenders, offenders
 
 
 def imported_modules(path: Path) -> set[str]:

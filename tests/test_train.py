@@ -13,6 +13,7 @@ import json
 import math
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -178,15 +179,35 @@ def test_resume_with_a_changed_model_is_refused(tmp_path, write_config, capsys, 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["zero1", "zero2"])
 def two_rank_run(request, tmp_path_factory, write_config, clean_env):
-    """`looped_lm train --nproc 2 ... --set deepspeed.zero_stage=N`: (config, out dir, stage, process)."""
+    """`looped_lm train --nproc 2 ... --set deepspeed.zero_stage=N`: (config, out dir, stage, process).
+    The launcher is found beside the interpreter (PATH has no venv), ZeRO 2 runs with --verbose."""
     root = tmp_path_factory.mktemp(f"two_ranks_zero{request.param}")
     out = root / "out"
     cfg = write_config(root / "run.yaml", {"train": {"out_dir": str(out), "max_steps": 5, "lr": 1.0e-2,
-                                                     "log_every": 1}})
-    proc = subprocess.run(["looped_lm", "train", "--nproc", "2", "--config", str(cfg),
-                           "--set", f"deepspeed.zero_stage={request.param}"],
-                          cwd=root, env=clean_env, capture_output=True, text=True, timeout=240)
+                                                     "log_every": 1, "eval_every": 5, "eval_batches": 1}})
+    env = {**clean_env, "PATH": "/usr/bin:/bin"}
+    verbose = ["--verbose"] if request.param == 2 else []
+    proc = subprocess.run([str(Path(sys.executable).parent / "looped_lm"), "train", "--nproc", "2",
+                           "--config", str(cfg), "--set", f"deepspeed.zero_stage={request.param}", *verbose],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=240)
     return cfg, out, request.param, proc
+
+
+def test_the_terminal_shows_what_a_user_reads(two_rank_run):
+    """Quiet by default: the trainer's lines, none of the launcher's log; --verbose brings it back."""
+    cfg, out, zero_stage, proc = two_rank_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("step 5: train loss ") and ", val loss " in line for line in lines), proc.stdout
+    assert f"step 5: saved {out / 'step_0000005'}" in lines
+    assert any(line.startswith("done: steps 0-5 in ") and f"checkpoint {out / 'step_0000005'}" in line
+               for line in lines), proc.stdout
+    launcher_log = [line for line in lines if "[INFO]" in line or "hostfile" in line]
+    if zero_stage == 1:
+        assert launcher_log == [] and "CUDA_VISIBLE_DEVICES" not in proc.stdout, proc.stdout
+        assert "Traceback" not in proc.stderr and "Warning:" not in proc.stderr, proc.stderr
+    else:
+        assert any("hostfile" in line for line in launcher_log), proc.stdout
 
 
 def test_two_ranks_through_the_launcher(two_rank_run):
@@ -284,3 +305,46 @@ def test_seq_len_longer_than_the_data_is_refused(tmp_path, write_config, capsys,
     assert trainer.main(["--config", str(cfg)]) == 2
     one_line_error(capsys.readouterr(), "seq_len", "65")
     assert not ckpt_io.list_checkpoints(out)
+
+
+def test_db_training_lines_show_the_loss_per_block(tmp_path, write_config, capsys):
+    """DB steps alternate blocks: the printed train loss is a smoothed loss per block."""
+    out = tmp_path / "out"
+    cfg = write_config(tmp_path / "db.yaml", {
+        "model": {"kind": "db_ar", "n_layers": 2, "d_model": 32, "n_heads": 2, "seq_len": 16},
+        "diffusion": {"num_blocks": 2, "block_sampling": "round_robin"},
+        "train": {"out_dir": str(out), "max_steps": 4, "eval_every": 4, "eval_batches": 1}})
+    assert trainer.main(["--config", str(cfg)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    val = [line for line in lines if line.startswith("step 4: train loss ")]
+    assert len(val) == 1 and " b0 " in val[0] and " b1 " in val[0] and ", val loss " in val[0], lines
+    assert lines[-1].startswith("done: steps 0-4") and "b0 " in lines[-1], lines
+
+
+def test_smoothed_loss_is_per_block_and_debiased():
+    s = trainer.SmoothedLoss(beta=0.9)
+    for step in range(6):
+        s.update(4.0 if step % 2 == 0 else 0.5, {"block": step % 2})
+    assert s.values() == {"b0": pytest.approx(4.0), "b1": pytest.approx(0.5)}  # no drift toward 2.25, no bias to 0
+    assert str(s) == "b0 4.0000 b1 0.5000"
+    g = trainer.SmoothedLoss(beta=0.5)
+    g.update(2.0, {})
+    g.update(1.0, {})
+    assert g.values() == {"": pytest.approx((0.5 * 2.0 * 0.5 + 0.5 * 1.0) / 0.75)} and str(g) == "1.3333"
+
+
+def test_zero0_resume_on_more_ranks_continues_the_optimizer(tmp_path, write_config, clean_env):
+    """ZeRO 0 keeps the optimizer state whole: a 1-rank checkpoint resumes on 2 ranks (the changed global
+    batch allowed), and the optimizer continues from its saved moments (AdamW's step count goes on)."""
+    out = tmp_path / "out"
+    cfg = write_config(tmp_path / "run.yaml", {"train": {"out_dir": str(out), "resume_changes": "allow"}})
+    assert trainer.main(["--config", str(cfg)]) == 0
+    proc = subprocess.run([str(Path(sys.executable).parent / "looped_lm"), "train", "--nproc", "2", "--config",
+                           str(cfg), "--set", "train.max_steps=4"],
+                          cwd=tmp_path, env=clean_env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "note: world size 1 -> 2" in proc.stdout and "global batch 4 -> 8" in proc.stdout
+    state = torch.load(out / "step_0000004" / "optimizer" / "ds" / "mp_rank_00_model_states.pt",
+                       weights_only=False, map_location="cpu")["optimizer"]["state"]
+    assert {int(s["step"]) for s in state.values()} == {4}
+    assert json.loads((out / "step_0000004" / "manifest.json").read_text())["world_size"] == 2

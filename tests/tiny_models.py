@@ -6,7 +6,7 @@ from looped_lm.config import config_from_dict
 from looped_lm.models import build_model
 
 V, D = 47, 32
-# The paper's layout (method.md §4-5), which the mechanism tests (caches, batching, export) pin so their
+# The paper's layout (docs/method.md §4-5), which the mechanism tests (caches, batching, export) pin so their
 # logits stay O(1); the product's defaults (docs/results.md) have their own tests in test_dblm.py.
 PAPER = {"parameterization": "edm", "noisy_self": True, "noisy_input": "noise", "bridge": "hard",
          "block_sampling": "uniform"}
@@ -29,3 +29,63 @@ def build_tiny(kind: str, seq_len: int = 16, **diffusion):
             if "ada" in name:
                 p.normal_(0, 0.2)
     return m.eval()
+
+
+def markov_batch(generator, batch: int = 16, T: int = 16, stay: float = 0.7):
+    """A tiny synthetic language: the next token is (token + 1) mod V with probability `stay`, else
+    uniform. (x, y) with y = x shifted by one."""
+    seq = torch.empty(batch, T + 1, dtype=torch.long)
+    seq[:, 0] = torch.randint(0, V, (batch,), generator=generator)
+    for t in range(T):
+        keep = torch.rand(batch, generator=generator) < stay
+        seq[:, t + 1] = torch.where(keep, (seq[:, t] + 1) % V, torch.randint(0, V, (batch,), generator=generator))
+    return seq[:, :-1], seq[:, 1:]
+
+
+_TRAINED: dict = {}
+
+
+def trained_tiny_db(steps: int = 300, **diffusion):
+    """A tiny db_ar model with the product's DB defaults, trained on `markov_batch` for `steps` steps
+    (cached per settings): confident where the language is, so its chains commit like a real model's."""
+    key = (steps, tuple(sorted(diffusion.items())))
+    if key not in _TRAINED:
+        settings = {"parameterization": "likelihood", "noisy_self": False, "noisy_input": "prev_token",
+                    "bridge": "sample", "block_sampling": "round_robin", **diffusion}
+        torch.manual_seed(0)
+        cfg = config_from_dict({"model": {"kind": "db_ar", "n_layers": 2, "d_model": D, "n_heads": 4, "seq_len": 16,
+                                          "n_prelude": 1},
+                                "diffusion": {"num_blocks": 2, **settings}})
+        model = build_model(cfg, V).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        g = torch.Generator().manual_seed(1)
+        with torch.enable_grad():  # callers may be inside no_grad
+            _train(model, opt, g, steps)
+        _TRAINED[key] = model.eval()
+    return _TRAINED[key]
+
+
+def _train(model, opt, g, steps):
+    for step in range(steps):
+        x, y = markov_batch(g)
+        loss, _ = model.training_loss(x, y, step, seed=0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+@torch.no_grad()
+def uncached_next_logits(model, prefix: torch.Tensor, settings, z: torch.Tensor) -> torch.Tensor:
+    """Reference for cached decoding: the K-step chain of the token after prefix (B, P), recomputed over
+    the whole prefix without a cache, from starting noise z (B, 1, d). Deterministic bridges only."""
+    from looped_lm.diffusion.chain import run_chain
+    from looped_lm.models.db.contexts import WindowContext
+    from looped_lm.sampling import SharedGenerator
+
+    B, P = prefix.shape
+    window = WindowContext(model, prefix)
+    z_all = torch.zeros(B, P, z.shape[-1])
+    z_all[:, -1:] = z
+    result = run_chain(window.denoise, model.grid(), [settings] * B, z_all, SharedGenerator(None), model.targets,
+                       model.target_table)
+    return result.logits[:, -1]

@@ -1,8 +1,11 @@
 """Reading nanoGPT-format token files: random training batches and evaluation windows.
 
 A token file is a flat array of uint16 ids (train.bin / val.bin), read through np.memmap so that a
-9-billion-token OpenWebText file costs no memory up front.
+9-billion-token OpenWebText file costs no memory up front. torch is imported where batches are made:
+opening and checking a token file does not need it.
 """
+
+from __future__ import annotations
 
 import hashlib
 import json
@@ -11,7 +14,6 @@ import struct
 from collections.abc import Iterator
 
 import numpy as np
-import torch
 
 from looped_lm.errors import UserError
 
@@ -85,6 +87,8 @@ class TokenStream:
 
         Offsets are uniform over every start that leaves room for the shifted targets.
         """
+        import torch
+
         T = self.seq_len
         g = torch.Generator().manual_seed(batch_seed(seed, step, micro_step, rank))
         starts = torch.randint(self.num_tokens - T, (batch_size,), generator=g).tolist()
@@ -97,7 +101,7 @@ class TokenStream:
         return (n - 1 - block_size) // stride + 1
 
     def iter_blocks(self, block_size: int, stride: int | None = None, max_tokens: int | None = None
-                    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+                    ) -> Iterator[tuple]:
         """Evaluation windows (x, y, n_scored) over the first N = min(file, max_tokens) tokens.
 
         x = tokens[s : s+T] and y = tokens[s+1 : s+T+1] (int64, shape [T]); score only y[-n_scored:].
@@ -109,6 +113,8 @@ class TokenStream:
         the first window sees at least T - S tokens of context: the strided-perplexity protocol of the
         Hugging Face perplexity guide.
         """
+        import torch
+
         n, stride = self._eval_span(block_size, stride, max_tokens)
         T = block_size
         for k, s in enumerate(range(0, n - T, stride)):

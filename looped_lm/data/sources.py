@@ -7,7 +7,8 @@ A source is one string:
   PATH.jsonl             one document per line, from its "text" field
   PATH.parquet           one document per row, from its "text" column
   DIR                    every .txt/.jsonl/.parquet file under DIR, in sorted path order
-  hf:NAME[:CONFIG][@SPLIT]   a Hugging Face dataset (field "text"; split defaults to "train"; needs a network)
+  hf:NAME[:CONFIG][@SPLIT]   a Hugging Face dataset (field "text"; split defaults to "train"; needs a network
+                         and the `datasets` package: pip install 'looped_lm[hf]')
 The names `bible` and `shakespeare` win over a local path of the same name; write ./bible for the path.
 """
 
@@ -106,7 +107,11 @@ def _shakespeare() -> Iterator[str]:
 
 
 def _hf_dataset(name: str, config: str | None, split: str) -> Iterator[str]:
-    import datasets
+    try:
+        import datasets
+    except ImportError:
+        raise UserError("the hf: data source needs the `datasets` package, an optional extra: "
+                        "pip install 'looped_lm[hf]' (or pip install datasets)") from None
 
     try:
         ds = datasets.load_dataset(name, config, split=split)

@@ -33,6 +33,11 @@ class Tokenizer:
         self.eot_id = eot_id
         self._backend = backend  # a `tokenizers.Tokenizer` that ignores specials in input text
 
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The `tokenizers.Tokenizer` behind this one; its decoding gives the same text as `decode`."""
+        return self._backend
+
     def __repr__(self) -> str:
         return f"Tokenizer(name={self.name!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id})"
 

@@ -1,4 +1,4 @@
-"""Noise distribution and EDM preconditioning (method.md §1).
+"""Noise distribution and EDM preconditioning (docs/method.md §1).
 
 Variance-exploding noise: z = y + σ·ε. During training ln σ ~ N(P_mean, P_std²) truncated to an
 interval [lo, hi] (the whole range, or one block's widened interval). Everything here is a pure
@@ -162,7 +162,7 @@ def _normal_mass(a: float, b: float) -> float:
 def edm_loss_weight_normaliser(lo: float, hi: float, sched: NoiseSchedule) -> float:
     """E[w(σ)] for σ from the log-normal truncated to [lo, hi], in closed form.
 
-    `loss_weight: edm` divides w(σ) by this so the per-block loss stays O(1) (method.md §1).
+    `loss_weight: edm` divides w(σ) by this so the per-block loss stays O(1) (docs/method.md §1).
     w(σ) = 1/σd² + σ⁻², and for X = ln σ ~ N(μ, s²) truncated to [α, β] (standardised ends)
     E[e^{−2X}] = e^{−2μ + 2s²}·(Φ(β + 2s) − Φ(α + 2s))/(Φ(β) − Φ(α)). Exact and deterministic,
     where a quadrature would struggle with the 1/σ² spike at σ_min.

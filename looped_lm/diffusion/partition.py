@@ -1,4 +1,4 @@
-"""Splitting the noise range into blocks, widening for overlap, routing σ to a block (method.md §2).
+"""Splitting the noise range into blocks, widening for overlap, routing σ to a block (docs/method.md §2).
 
 Conventions used everywhere in the project:
 - `edges` is an ascending list of B+1 floats, edges[0] = σ_lo, edges[-1] = σ_hi.

@@ -1,4 +1,4 @@
-"""Inference: the σ grid and the Euler step of K-step routed denoising (method.md §5).
+"""Inference: the σ grid and the Euler step of K-step routed denoising (docs/method.md §5).
 
 A chain for one token: z ~ N(0, σ_hi²·I); for k = 0 … K−1 run the block that owns σ_k, get the
 denoised estimate D, and move z from σ_k to σ_{k+1} with `euler_step`. The grid therefore has

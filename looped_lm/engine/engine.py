@@ -7,12 +7,11 @@
 
     engine.run([Request(...), ...])                         # or step it on this thread (tests, bench)
 
-Each request has its own K (`num_iterations`), sampling parameters, seed, stop token ids and
-max_tokens. It draws its noise and its samples from its own torch.Generator, so its tokens do not
-depend on which requests share its batch (rows of one KV pool decode together exactly as alone:
-tests/test_batched_rows.py). Requests join and leave at every step (scheduler.py); prompts are
-prefilled in chunks of `prefill_chunk` tokens between decode steps, equal chunks of several prompts
-in one forward. Text (tokenizer, stop strings, chat template) is the server's business.
+Each request has its own K (`num_iterations`), bridge, sampling parameters, seed, stop token ids and
+max_tokens, resolved into ONE `InferenceSettings` when it arrives (`check`). Requests join and leave at
+every step (scheduler.py); every running row decodes in ONE model call per step, whatever its settings
+(runner.py); prompts are prefilled in chunks of `prefill_chunk` tokens between decode steps, equal chunks
+of several prompts in one call. Text (tokenizer, stop strings, chat template) is the server's business.
 """
 
 from __future__ import annotations
@@ -21,185 +20,48 @@ import asyncio
 import logging
 import secrets
 import threading
-import uuid
-import warnings
 import weakref
-from collections import Counter, deque
-from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, NamedTuple
+from collections import deque
+from typing import AsyncIterator, Callable
 
 import torch
 
-from looped_lm.engine.sampling import SamplingParams, sample
+from looped_lm.engine.mailbox import Mailbox
+from looped_lm.engine.requests import EngineStats, Request, RequestOutput, TokenLogprob
+from looped_lm.engine.runner import ModelRunner, kv_bytes_per_token, served_max_iterations
 from looped_lm.engine.scheduler import Scheduler, Sequence
 from looped_lm.errors import UserError
+from looped_lm.models.contract import Iterative
+from looped_lm.settings import InferenceSettings, ScoreSettings, resolve_settings
 
 log = logging.getLogger("looped_lm.engine")
 
+__all__ = ["Engine", "Request", "RequestOutput", "TokenLogprob", "InvalidRequest"]
 
-class InvalidRequest(UserError):
-    """A request the engine refuses; `param` names the offending field (the server answers 400)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-@dataclass
-class Request:
-    prompt: list[int]
-    max_tokens: int = 16  # 0 only with prompt_logprobs (score the prompt, generate nothing)
-    sampling: SamplingParams = SamplingParams(1.0)
-    seed: int | None = None  # None: a fresh random seed
-    num_iterations: int | None = None  # K; None: the engine's default (models without K: leave None)
-    stop_token_ids: frozenset[int] = frozenset()  # finish ("stop") after sampling one of these
-    logprobs: int | None = None  # each new token's log-prob and its top-N alternatives; None: off
-    prompt_logprobs: int | None = None  # the same for every prompt token (echo); None: off
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-
-
-class TokenLogprob(NamedTuple):
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the N most likely (token id, log-prob) at this position
-
-
-@dataclass
-class RequestOutput:
-    """A delta: the tokens sampled since the last output of this request."""
-
-    request_id: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # first output only; entry 0 is None
-    finish_reason: str | None = None  # stop | length | abort | error
-    num_iterations: int | None = None  # the K used (None for models without K)
-    error: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def merge(self, later: "RequestOutput") -> "RequestOutput":
-        """This delta followed by `later`, as one delta."""
-        logprobs = None if self.logprobs is None and later.logprobs is None else \
-            (self.logprobs or []) + (later.logprobs or [])
-        return RequestOutput(self.request_id, self.token_ids + later.token_ids, logprobs,
-                             self.prompt_logprobs or later.prompt_logprobs, later.finish_reason,
-                             later.num_iterations, later.error)
-
-
-@dataclass
-class EngineStats:
-    num_slots: int
-    requests: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    iterations: int = 0  # sum over generated tokens of the K that produced it (1 for models without K)
-    steps: int = 0
-    decode_calls: int = 0  # forward_cached calls of decode steps (one per K group)
-    decoded_rows: int = 0  # rows those calls advanced: decoded_rows / decode_calls = mean batch
-    finished: Counter = field(default_factory=Counter)  # by finish reason
-
-
-class _Mailbox:
-    """Outputs bound for one event loop. The engine thread drops them in; one callback per burst (a step's
-    outputs) hands them to their queues, instead of one cross-thread wake-up per output."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.items, self.lock, self.scheduled = loop, [], threading.Lock(), False
-
-    def put(self, queue: asyncio.Queue, out: RequestOutput) -> None:
-        with self.lock:
-            self.items.append((queue, out))
-            if self.scheduled:
-                return
-            self.scheduled = True
-        self.loop.call_soon_threadsafe(self._deliver)
-
-    def _deliver(self) -> None:
-        with self.lock:
-            items, self.items, self.scheduled = self.items, [], False
-        for queue, out in items:
-            queue.put_nowait(out)
-
-
-def _draws_during_forward(kwargs: dict) -> bool:
-    """Does a forward draw more than its starting noise? DiffusionBlocks' `bridge: sample` draws a token
-    from every denoising step's logits, from the one generator of the call."""
-    return kwargs.get("bridge") == "sample"
-
-
-# --- sizing the KV pool ------------------------------------------------------------------------
-
-
-def tensor_bytes(obj, seen=None) -> int:
-    """Bytes of every tensor reachable from a cache object (lists, attributes)."""
-    seen = set() if seen is None else seen
-    if id(obj) in seen:
-        return 0
-    seen.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, (list, tuple)):
-        return sum(tensor_bytes(x, seen) for x in obj)
-    if hasattr(obj, "__dict__") and not callable(obj):
-        return sum(tensor_bytes(x, seen) for x in vars(obj).values())
-    return 0
-
-
-def _preallocate(cache, max_iterations: int | None) -> None:
-    """Caches that grow with K (huginn: one per iteration, made on first use) get every K up to the
-    largest one served now, so the memory budget holds while serving."""
-    if max_iterations and hasattr(cache, "iterations"):
-        cache.iterations(max_iterations)
-
-
-def kv_bytes_per_token(model, max_iterations: int | None = None) -> int:
-    """Bytes one token of one slot occupies in `model.new_cache` (measured, not modelled)."""
-    sizes = []
-    for length in (1, 2):
-        cache = model.new_cache(1, length)
-        _preallocate(cache, max_iterations)
-        sizes.append(tensor_bytes(cache))
-    return sizes[1] - sizes[0]
-
-
-def served_max_iterations(model, max_iterations: int | None) -> int | None:
-    """The largest K served: the model's `max_iterations`, or less. None for models without K."""
-    if not hasattr(model, "inference_kwargs"):
-        if max_iterations is not None:
-            raise UserError("--max-iterations applies to DiffusionBlocks and looped models; this model has no K")
-        return None
-    top = model.max_iterations if max_iterations is None else max_iterations
-    if not 1 <= top <= model.max_iterations:
-        raise UserError(f"--max-iterations must be in 1..{model.max_iterations} (model.max_iterations); got {top}")
-    return top
-
-
-# --- the engine --------------------------------------------------------------------------------
+InvalidRequest = UserError  # a request the engine refuses; `param` names the field (the server answers 400)
 
 
 class Engine:
     def __init__(self, model, num_slots: int, max_len: int | None = None, prefill_chunk: int = 512,
                  prefill_budget: int | None = None, default_iterations: int | None = None,
-                 max_iterations: int | None = None, vocab_size: int | None = None):
+                 max_iterations: int | None = None, vocab_size: int | None = None,
+                 score_settings: ScoreSettings = ScoreSettings()):
         """num_slots: rows of the KV pool (concurrent sequences); max_len: tokens per slot (prompt +
         generation, at most model.max_positions); prefill_budget: prompt tokens per step (default:
-        one chunk); vocab_size: ids that may be sampled (a model may pad its vocabulary)."""
+        one chunk); vocab_size: ids that may be sampled (a model may pad its vocabulary);
+        score_settings: how log-probs of DiffusionBlocks models are estimated (draws, candidates)."""
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.max_len = max_len or model.max_positions
         if not 1 <= self.max_len <= model.max_positions:
             raise UserError(f"max_len must be in 1..{model.max_positions} (the model's positions); got {self.max_len}")
         self.vocab_size = vocab_size or model.vocab_size
+        self.limits = model.iteration_limits() if isinstance(model, Iterative) else None
         self.max_iterations = served_max_iterations(model, max_iterations)
-        self.iteration_kwargs = self._iteration_table()
-        self.default_iterations = self._default_iterations(default_iterations)
-        self.uses_noise = getattr(model, "uses_noise", False)
-        self.pool = model.new_cache(num_slots, self.max_len)
-        _preallocate(self.pool, self.max_iterations)
-        self.per_position, self.noise_dim = self._probe()
+        self.default_settings = self._resolve(None, default_iterations=default_iterations)
+        self.default_iterations = self.default_settings.num_iterations
+        self.runner = ModelRunner(model, num_slots, self.max_len, self.vocab_size, self.max_iterations,
+                                  score_settings.validate())
         self.scheduler = Scheduler(num_slots, prefill_chunk, prefill_budget or prefill_chunk)
         self.stats = EngineStats(num_slots)
         self._cond = threading.Condition()
@@ -207,8 +69,7 @@ class Engine:
         self._aborts: deque[str] = deque()
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._mailboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> _Mailbox
-        self._scratch = torch.Generator(device=self.device)  # draws of discarded chains (non-final chunks)
+        self._mailboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> Mailbox
 
     @classmethod
     def from_memory_budget(cls, model, kv_memory_gb: float, max_slots: int = 64, max_len: int | None = None,
@@ -223,45 +84,26 @@ class Engine:
                             f"needs {per_slot / 2 ** 30:.4f} GiB (raise --kv-memory-gb or lower --max-model-len)")
         return cls(model, slots, max_len=max_len, max_iterations=max_iterations, **kwargs)
 
-    def _iteration_table(self) -> dict[int, dict]:
-        """{K: forward_cached kwargs} for every K served; {} for models without K."""
-        if self.max_iterations is None:
-            return {}
-        with warnings.catch_warnings():  # K < B skips blocks: allowed per request, no log line each time
-            warnings.simplefilter("ignore")
-            return {k: self.model.inference_kwargs(k, None) for k in range(1, self.max_iterations + 1)}
+    @property
+    def pool(self):
+        return self.runner.pool
 
-    def _default_iterations(self, k: int | None) -> int | None:
-        if self.max_iterations is None:
-            if k is not None:
+    def _resolve(self, request: Request | None, default_iterations: int | None = None) -> InferenceSettings:
+        if request is None:
+            if self.limits is None and default_iterations is not None:
                 raise UserError("--default-iterations applies to DiffusionBlocks and looped models; "
                                 "this model has no K")
-            return None
-        if k is None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                k = self.model.inference_kwargs(None, None)["num_iterations"]
-        if k not in self.iteration_kwargs:
-            raise UserError(f"the default K ({k}) must be in 1..{self.max_iterations} (the largest K served)")
-        return k
-
-    @torch.no_grad()
-    def _probe(self) -> tuple[bool, int]:
-        """Does forward_cached return logits for every new position (gpt, huginn) or for the next token
-        only (DiffusionBlocks)? Noise then has one row per returned position. And the noise width."""
-        kwargs = dict(self.iteration_kwargs.get(self.default_iterations, {}))
-        noise_dim = 0
-        if self.uses_noise:
-            kwargs["generator"] = torch.Generator(device=self.device).manual_seed(0)
-            noise_dim = self.model.initial_noise(1, 1, kwargs["generator"], self.device).shape[-1]
-        cache = self.model.new_cache(1, 2)
-        logits = self.model.forward_cached(torch.zeros(1, 2, dtype=torch.long, device=self.device), cache, **kwargs)
-        return logits.shape[1] == 2, noise_dim
+            settings = resolve_settings(self.limits, default_iterations=default_iterations,
+                                        max_iterations=self.max_iterations)
+            return settings
+        return resolve_settings(self.limits, num_iterations=request.num_iterations, bridge=request.bridge,
+                                exit_rule=request.exit_rule, sampling=request.sampling,
+                                default_iterations=self.default_iterations, max_iterations=self.max_iterations)
 
     # --- submitting (any thread) ----------------------------------------------------------------
 
-    def check(self, request: Request) -> dict:
-        """Refuse what the engine cannot run (InvalidRequest); return the request's model kwargs."""
+    def check(self, request: Request) -> InferenceSettings:
+        """Refuse what the engine cannot run (UserError naming the field); return the request's settings."""
         prompt, n = request.prompt, request.max_tokens
         if not isinstance(prompt, list) or not prompt:
             raise InvalidRequest("the prompt must hold at least one token", "prompt")
@@ -276,35 +118,23 @@ class Engine:
         if len(prompt) + n > self.max_len:
             raise InvalidRequest(f"the prompt ({len(prompt)} tokens) plus max_tokens ({n}) exceeds the context of "
                                  f"{self.max_len} tokens", "max_tokens")
-        try:
-            request.sampling.validate()
-        except UserError as e:
-            raise InvalidRequest(str(e), str(e).split()[0]) from None
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(request, name)
             if value is not None and not 0 <= value <= self.vocab_size:
                 raise InvalidRequest(f"{name} must be in 0..{self.vocab_size} (got {value})", name)
-        k = request.num_iterations
-        if not self.iteration_kwargs:
-            if k is not None:
-                raise InvalidRequest("num_iterations applies to DiffusionBlocks and looped models; this model has "
-                                     "no K", "num_iterations")
-            return {}
-        k = self.default_iterations if k is None else k
-        if isinstance(k, bool) or k not in self.iteration_kwargs:
-            raise InvalidRequest(f"num_iterations must be an integer in 1..{self.max_iterations} (got {k!r})",
-                                 "num_iterations")
-        return self.iteration_kwargs[k]
+        return self._resolve(request)
 
-    def add_request(self, request: Request, sink: Callable[[RequestOutput], None]) -> None:
-        """Queue a request; `sink` receives its outputs on the engine thread."""
-        kwargs = self.check(request)
+    def add_request(self, request: Request, sink: Callable[[RequestOutput], None]) -> InferenceSettings:
+        """Queue a request; `sink` receives its outputs on the engine thread. Returns its settings."""
+        settings = self.check(request)
         seed = secrets.randbits(63) if request.seed is None else request.seed
         generator = torch.Generator(device=self.device).manual_seed(seed % 2 ** 64)
-        seq = Sequence(request, kwargs, generator, sink, seed=seed)
+        scoring = torch.Generator(device=self.device).manual_seed((seed * 7919 + 1) % 2 ** 64)
+        seq = Sequence(request, settings, generator, scoring, sink, seed=seed)
         with self._cond:
             self._inbox.append(seq)
             self._cond.notify()
+        return settings
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its slot (a no-op for finished or unknown ids)."""
@@ -332,11 +162,11 @@ class Engine:
             if not finished:
                 self.abort(request.request_id)
 
-    def _mailbox(self, loop: asyncio.AbstractEventLoop) -> "_Mailbox":
+    def _mailbox(self, loop: asyncio.AbstractEventLoop) -> Mailbox:
         with self._cond:
             box = self._mailboxes.get(loop)
             if box is None:
-                box = self._mailboxes[loop] = _Mailbox(loop)
+                box = self._mailboxes[loop] = Mailbox(loop)
             return box
 
     def run(self, requests: list[Request]) -> list[RequestOutput]:
@@ -416,8 +246,8 @@ class Engine:
         """Take new requests and aborts, run one scheduled step; return whether work remains."""
         self._take_inbox()
         plan = self.scheduler.schedule()
-        for rows in plan.decode:
-            self._guarded(rows, self._decode, rows)
+        if plan.decode:
+            self._guarded(plan.decode, self._decode, plan.decode)
         for seq in plan.score:
             self._guarded([seq], self._score, seq)
         for rows, n in self._prefill_groups(plan.prefill):
@@ -450,120 +280,56 @@ class Engine:
                 if seq.finish_reason is None:
                     self._finish_early(seq, "error", f"{type(e).__name__}: {e}")
 
-    def _forward(self, ids: torch.Tensor, seqs: list[Sequence], draw_noise: bool = True) -> torch.Tensor:
-        """New tokens ids (R, n) of the rows of `seqs` -> next-token logits (R, V), fp32."""
-        kwargs, noise = seqs[0].kwargs, None
-        if self.uses_noise:
-            width = ids.shape[1] if self.per_position else 1
-            if draw_noise:
-                noise = torch.cat([self.model.initial_noise(1, width, s.generator, self.device) for s in seqs])
-            else:  # a non-final prefill chunk of a next-token-only model: its chain's output is discarded
-                noise = torch.zeros(len(seqs), width, self.noise_dim, device=self.device)
-            if _draws_during_forward(kwargs):  # one generator per call: each row runs with its own
-                return torch.cat([self._call(ids[i:i + 1], [s], noise[i:i + 1],
-                                             s.generator if draw_noise else self._scratch)
-                                  for i, s in enumerate(seqs)])
-        return self._call(ids, seqs, noise, None)
-
-    def _call(self, ids: torch.Tensor, seqs: list[Sequence], noise, generator) -> torch.Tensor:
-        extra = {} if noise is None else {"noise": noise}
-        if generator is not None:
-            extra["generator"] = generator
-        if _draws_during_forward(seqs[0].kwargs):  # one row per call: the bridge draws with its sampler
-            extra["sampling"] = seqs[0].request.sampling
-        rows = torch.tensor([s.slot for s in seqs], device=self.device)
-        logits = self.model.forward_cached(ids, self.pool, rows=rows, **seqs[0].kwargs, **extra)
-        return logits[:, -1, :self.vocab_size].float()
-
     def _decode(self, rows: list[Sequence]) -> None:
         ids = torch.tensor([[s.pending] for s in rows], device=self.device)
-        logits = self._forward(ids, rows)
+        logits = self.runner.forward(ids, rows)
         self.stats.decode_calls += 1
         self.stats.decoded_rows += len(rows)
-        for seq, (token, lp) in zip(rows, self._sample(rows, logits)):
+        for seq, (token, lp) in zip(rows, self.runner.sample(rows, logits)):
             seq.pending = None
             self._advance(seq, token, lp)
 
     @staticmethod
     def _prefill_groups(chunks: list[tuple[Sequence, int]]) -> list[tuple[list[Sequence], int]]:
-        """Prompt chunks that can share a forward: the same length, kwargs (K) and finality (a burst of
-        equal-length prompts prefills in one call)."""
+        """Prompt chunks that can share a call: the same length and finality (a burst of equal-length
+        prompts prefills in one call, whatever their settings)."""
         groups: dict[tuple, list[Sequence]] = {}
         for seq, n in chunks:
-            groups.setdefault((n, seq.group, n == seq.prompt_left), []).append(seq)
+            groups.setdefault((n, n == seq.prompt_left), []).append(seq)
         return [(rows, key[0]) for key, rows in groups.items()]
 
     def _prefill(self, rows: list[Sequence], n: int) -> None:
         """The next n prompt tokens of each row; after a prompt's last chunk, its first token."""
         for seq in rows:
             if seq.num_prefilled == 0 and seq.request.prompt_logprobs is not None:
-                scoring = torch.Generator(device=self.device).manual_seed(seq.seed % 2 ** 64)
-                seq.prompt_logprobs, _ = self._score_prompt(seq, scoring)
+                seq.prompt_logprobs, _ = self.runner.score_prompt(seq)
         final = rows[0].prompt_left == n
         ids = torch.tensor([s.request.prompt[s.num_prefilled:s.num_prefilled + n] for s in rows], device=self.device)
-        logits = self._forward(ids, rows, draw_noise=final or self.per_position)
+        logits = self.runner.forward(ids, rows, want_logits=final)
         for seq in rows:
             seq.num_prefilled += n
         self.stats.prompt_tokens += n * len(rows)
         if final:
-            for seq, (token, lp) in zip(rows, self._sample(rows, logits)):
+            for seq, (token, lp) in zip(rows, self.runner.sample(rows, logits)):
                 self._advance(seq, token, lp)
 
     def _score(self, seq: Sequence) -> None:
-        """Echo with max_tokens <= 1: one whole-prompt forward gives the prompt log-probs and the next
-        token's logits; no KV slot."""
-        seq.prompt_logprobs, last = self._score_prompt(seq, seq.generator)
+        """Echo with max_tokens <= 1: one whole-prompt scoring pass gives the prompt log-probs and the
+        distribution of the next token (which the one new token, if any, is drawn from); no KV slot."""
+        seq.prompt_logprobs, last = self.runner.score_prompt(seq)
         self.stats.prompt_tokens += len(seq.request.prompt)
         if seq.request.max_tokens == 0:
             self._emit(seq, RequestOutput(seq.request_id, [], [] if seq.request.logprobs is not None else None,
                                           seq.prompt_logprobs, "length", self._k(seq)))
             self._retire(seq, "length")
             return
-        (token, lp), = self._sample([seq], last[None])
+        (token, lp), = self.runner.sample_from_logprobs([seq], last[None])
         self._advance(seq, token, lp)
-
-    def _score_prompt(self, seq: Sequence, generator: torch.Generator):
-        """Log-probs of every prompt token given the ones before it (entry 0: None), and the logits
-        after the last prompt token."""
-        prompt, top_n = seq.request.prompt, seq.request.prompt_logprobs
-        kwargs = dict(seq.kwargs)
-        if self.uses_noise:
-            kwargs["generator"] = generator
-        idx = torch.tensor([prompt], device=self.device)
-        logits = self.model.prompt_logits(idx, **kwargs)[0, :, :self.vocab_size].float()  # (T, V)
-        logp = logits[:-1].log_softmax(-1)
-        targets = torch.tensor(prompt[1:], device=self.device)
-        chosen = logp.gather(1, targets[:, None])[:, 0].tolist()
-        tops = self._top(logp, top_n)
-        entries = [None] + [TokenLogprob(t, lp, top) for t, lp, top in zip(prompt[1:], chosen, tops)]
-        return entries, logits[-1]
-
-    @staticmethod
-    def _top(logp: torch.Tensor, n: int) -> list[list[tuple[int, float]]]:
-        if not n:
-            return [[] for _ in range(logp.shape[0])]
-        values, ids = logp.topk(n, dim=-1)
-        return [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[int, TokenLogprob | None]]:
-        """One token per row, each with its request's parameters and generator (+ its log-prob)."""
-        greedy = logits.argmax(-1).tolist()
-        want = [s.request.logprobs for s in seqs]
-        logp = logits.log_softmax(-1) if any(w is not None for w in want) else None
-        out = []
-        for i, seq in enumerate(seqs):
-            params = seq.request.sampling
-            token = greedy[i] if params.temperature == 0 else int(sample(logits[i:i + 1], params, seq.generator)[0])
-            lp = None
-            if want[i] is not None:
-                lp = TokenLogprob(token, float(logp[i, token]), self._top(logp[i:i + 1], want[i])[0])
-            out.append((token, lp))
-        return out
 
     # --- finishing ------------------------------------------------------------------------------
 
     def _k(self, seq: Sequence) -> int | None:
-        return seq.kwargs.get("num_iterations")
+        return seq.settings.num_iterations
 
     def _advance(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> None:
         """Record a sampled token, send it, and finish the request or queue the token for decoding."""
@@ -606,6 +372,6 @@ class Engine:
         seq.pending = None
         self.scheduler.remove(seq.request_id)
         if seq.slot is not None:
-            self.model.reset_rows(self.pool, torch.tensor([seq.slot], device=self.device))
+            self.runner.reset(seq.slot)
             seq.slot = None
         self.stats.finished[reason] += 1

@@ -2,8 +2,8 @@
 
 No tensors here: the engine runs the model, the scheduler only decides. Every engine step:
 
-    decode    every row that holds a sampled token not yet fed to the model, grouped by its
-              forward_cached kwargs (rows with the same K run in one call)
+    decode    every row that holds a sampled token not yet fed to the model, in ONE call (rows carry
+              their own K, bridge, sampler and random stream)
     prefill   the next chunk of each admitted prompt, oldest first, within a token budget
     admit     waiting requests take free slots (FIFO); scoring requests (echo with max_tokens <= 1:
               one whole-prompt forward, no KV cache) need no slot and run within the same budget
@@ -15,32 +15,30 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
-if TYPE_CHECKING:
-    from looped_lm.engine.engine import Request
+from looped_lm.engine.requests import Request
+from looped_lm.settings import InferenceSettings
 
 
 @dataclass(eq=False)
 class Sequence:
     """One request's state inside the engine."""
 
-    request: "Request"
-    kwargs: dict  # forward_cached / prompt_logits kwargs of the request's K ({} for gpt)
-    generator: torch.Generator  # the request's own noise and sampling draws
+    request: Request
+    settings: InferenceSettings  # built and validated once, when the request arrived
+    generator: torch.Generator  # the request's noise and sampling draws
+    scoring: torch.Generator  # log-prob estimates draw from here, so they never change the sampled text
     sink: Callable  # receives each RequestOutput (called on the engine thread)
-    seed: int = 0  # the generator's seed (prompt scoring draws from its own generator with it)
+    seed: int = 0
     slot: int | None = None
     num_prefilled: int = 0  # prompt tokens already in the KV cache
     output_ids: list[int] = field(default_factory=list)
     pending: int | None = None  # the last sampled token: the input of the next decode step
     prompt_logprobs: list | None = None  # computed before the first token, sent with it
     finish_reason: str | None = None
-
-    def __post_init__(self):
-        self.group = tuple(sorted(self.kwargs.items()))  # rows with equal kwargs share a forward
 
     @property
     def request_id(self) -> str:
@@ -60,7 +58,7 @@ class Sequence:
 class StepPlan:
     score: list[Sequence] = field(default_factory=list)
     prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to run now)
-    decode: list[list[Sequence]] = field(default_factory=list)  # groups of rows with equal kwargs
+    decode: list[Sequence] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.score or self.prefill or self.decode)
@@ -92,10 +90,6 @@ class Scheduler:
                 return seq
         return None
 
-    def finish(self, seq: Sequence) -> None:
-        if self.running.pop(seq.request_id, None) is not None:
-            self._release(seq)
-
     def _release(self, seq: Sequence) -> None:
         if seq.slot is not None:
             self.free.append(seq.slot)
@@ -115,13 +109,7 @@ class Scheduler:
         return len(self.running)
 
     def schedule(self) -> StepPlan:
-        plan = StepPlan()
-        groups: dict[tuple, list[Sequence]] = {}
-        for seq in self.running.values():
-            if seq.pending is not None:
-                groups.setdefault(seq.group, []).append(seq)
-        plan.decode = list(groups.values())
-
+        plan = StepPlan(decode=[s for s in self.running.values() if s.pending is not None])
         budget = self.prefill_budget
         for seq in self.running.values():
             if budget <= 0:

@@ -22,8 +22,9 @@ import torch
 from transformers import Cache, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from looped_lm.engine.sampling import SamplingParams
 from looped_lm.hf.configuration import LoopedLMConfig
+from looped_lm.sampling import SamplingParams, SharedGenerator
+from looped_lm.settings import InferenceSettings, RowBatch, resolve_settings
 
 DB_KINDS = ("db_ar", "looped_db")
 
@@ -40,14 +41,13 @@ def bridge_sampler(gc, kwargs) -> SamplingParams:
 
 
 class NativeCache(Cache):
-    """The native model's caches plus a DB call's decoding settings (K, bridge, noise generator)."""
+    """The native model's caches plus one call's inference settings and random stream."""
 
-    def __init__(self, model, batch: int, max_len: int, num_iterations: int | None = None,
-                 bridge: str | None = None, generator: torch.Generator | None = None, sampling=None):
+    def __init__(self, model, batch: int, max_len: int, settings: InferenceSettings,
+                 generator: torch.Generator | None = None):
         super().__init__(layers=[])
         self.state = model.new_cache(batch, max_len)
-        self.num_iterations, self.bridge, self.generator = num_iterations, bridge, generator
-        self.sampling = sampling  # the `sample` bridge draws with the call's sampler (greedy: do_sample False)
+        self.settings, self.random = settings, SharedGenerator(generator)
         self.seen = 0  # tokens the native caches hold (every row: equal-length batches only)
         self.max_len = max_len
 
@@ -106,7 +106,7 @@ class LoopedLMForCausalLM(PreTrainedModel, GenerationMixin):
                 fresh = RotaryEmbedding(2 * module.cos.shape[1], module.cos.shape[0], self.native_config.model.rope_theta)
                 module.cos.copy_(fresh.cos)
                 module.sin.copy_(fresh.sin)
-            elif type(module).__name__ == "NoiseEmbedding":  # looped_lm.models.dblm
+            elif type(module).__name__ == "NoiseEmbedding":  # looped_lm.models.two_stream
                 module.freqs.copy_(type(module)(self.native_config.model.d_model).freqs)
 
     def get_input_embeddings(self):
@@ -123,23 +123,24 @@ class LoopedLMForCausalLM(PreTrainedModel, GenerationMixin):
     def is_db(self) -> bool:
         return self.config.kind in DB_KINDS
 
-    def decoding_defaults(self, num_iterations=None, bridge=None, seed=None, generation_config=None) -> dict:
-        """K, bridge and seed of one call: the arguments, else the generation config, else the model's."""
+    def call_settings(self, num_iterations=None, bridge=None, generation_config=None,
+                      sampling: SamplingParams | None = None) -> InferenceSettings:
+        """One call's settings: the arguments, else the generation config, else the model's defaults."""
         gc = generation_config or self.generation_config
-        seed = seed if seed is not None else getattr(gc, "seed", None)
-        out = {"seed": 0 if seed is None else int(seed)}
-        if self.is_db:
-            K = num_iterations if num_iterations is not None else getattr(gc, "num_iterations", None)
-            out.update(self.model.inference_kwargs(K, bridge or getattr(gc, "bridge", None)))
-        return out
+        if not self.is_db:
+            return resolve_settings(None, sampling=sampling or SamplingParams(0.0))
+        K = num_iterations if num_iterations is not None else getattr(gc, "num_iterations", None)
+        return resolve_settings(self.model.iteration_limits(), num_iterations=K,
+                                bridge=bridge or getattr(gc, "bridge", None), sampling=sampling or SamplingParams(0.0))
 
     def new_native_cache(self, batch: int, max_len: int | None = None, num_iterations=None, bridge=None,
                          seed=None, generation_config=None, sampling=None) -> NativeCache:
-        d = self.decoding_defaults(num_iterations, bridge, seed, generation_config)
+        gc = generation_config or self.generation_config
+        seed = seed if seed is not None else getattr(gc, "seed", None)
         device = self.model.tok_emb.weight.device
-        generator = torch.Generator(device=device).manual_seed(d["seed"]) if self.is_db else None
-        return NativeCache(self.model, batch, max_len or self.model.max_positions, d.get("num_iterations"),
-                           d.get("bridge"), generator, sampling)
+        generator = torch.Generator(device=device).manual_seed(0 if seed is None else int(seed))
+        return NativeCache(self.model, batch, max_len or self.model.max_positions,
+                           self.call_settings(num_iterations, bridge, gc, sampling), generator)
 
     # --- forward -----------------------------------------------------------------------------------
 
@@ -173,10 +174,10 @@ class LoopedLMForCausalLM(PreTrainedModel, GenerationMixin):
             cache = self.new_native_cache(input_ids.shape[0], max(total, self.model.max_positions),
                                           num_iterations, bridge, seed)
         if self.is_db:
-            logits = self.model.forward_cached(input_ids, cache.state, num_iterations=cache.num_iterations,
-                                               bridge=cache.bridge, generator=cache.generator, sampling=cache.sampling)
+            batch = RowBatch.uniform(cache.settings, input_ids.shape[0], cache.random)
+            logits = self.model.forward_cached(input_ids, cache.state, None, batch)[:, None]
         else:
-            logits = self.model.forward_cached(input_ids, cache.state)
+            logits = self.model.decode(input_ids, cache.state)
         cache.seen += input_ids.shape[1]
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None)
 

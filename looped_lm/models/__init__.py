@@ -1,42 +1,33 @@
-"""Model registry: `model.kind` -> a constructor taking (config, vocab_size, saved model state)."""
+"""Model registry: `model.kind` -> a constructor taking (config, vocab_size, saved model state).
+
+Entries name their module and function as a string and are imported on first use, so the registry
+imports no model and no model imports the registry (vLLM's lazy-registry pattern).
+"""
 
 from __future__ import annotations
+
+import importlib
 
 from looped_lm.config import Config
 from looped_lm.errors import UserError
 
-
-def _build_gpt(cfg: Config, vocab_size: int, state: dict | None):
-    from looped_lm.models.gpt import GPT
-
-    m = cfg.model
-    return GPT(m.n_layers, m.d_model, m.n_heads, m.seq_len, vocab_size, m.ffn_hidden, m.rope_theta,
-               m.norm_eps, m.init_std, loss_chunk=m.loss_chunk)
-
-
-BUILDERS = {"gpt": _build_gpt}
+BUILDERS = {
+    "gpt": "looped_lm.models.gpt:build",
+    "db_ar": "looped_lm.models.db:build",
+    "looped_db": "looped_lm.models.db:build",  # one block (the weight-tied core), prelude and coda around it
+    "huginn": "looped_lm.models.huginn:build",
+}
 
 
-def register(kind: str, builder) -> None:
-    BUILDERS[kind] = builder
+def register(kind: str, target: str) -> None:
+    """Add a kind: `target` is "package.module:function" (called with (cfg, vocab_size, state))."""
+    BUILDERS[kind] = target
 
 
 def build_model(cfg: Config, vocab_size: int, state: dict | None = None):
     """Build `cfg.model.kind`. `state` is the model metadata a checkpoint saved (e.g. block edges)."""
-    _import_all()
-    builder = BUILDERS.get(cfg.model.kind)
-    if builder is None:
+    target = BUILDERS.get(cfg.model.kind)
+    if target is None:
         raise UserError(f"model.kind '{cfg.model.kind}' is not available (have: {', '.join(sorted(BUILDERS))})")
-    return builder(cfg, vocab_size, state)
-
-
-def _import_all() -> None:
-    """Model modules register themselves on import; import the optional ones lazily here."""
-    import importlib
-
-    for name in ("looped_lm.models.dblm", "looped_lm.models.huginn"):
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:
-                raise
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)(cfg, vocab_size, state)

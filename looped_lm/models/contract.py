@@ -71,12 +71,11 @@ class Trainable(ABC):
 
 @dataclass
 class TokenScores:
-    """Per-target scores of one window batch: nll (B, T) = -log p(y_t | x_<=t), and, for estimated
-    probabilities, rel_var (B, T): the variance of the probability estimate divided by its square (the
-    delta-method variance of the nll). None where the probability is exact."""
+    """Per-target scores of one window batch: nll (B, T) = -log p(y_t | x_<=t), and, where p is
+    estimated, nll_var (B, T): the variance of that estimate (None where p is exact)."""
 
     nll: torch.Tensor
-    rel_var: torch.Tensor | None = None
+    nll_var: torch.Tensor | None = None
 
 
 class Scorable(ABC):
@@ -89,10 +88,11 @@ class Scorable(ABC):
         (huginn: exact per K), k (DiffusionBlocks: the K = k sampler's ppl@k; 0 = one call at sigma_top)."""
 
     @abstractmethod
-    def token_logprobs(self, x: torch.Tensor, settings: ScoreSettings, num_iterations: int | None,
-                       generator: torch.Generator | None = None) -> torch.Tensor:
+    def token_logprobs(self, x: torch.Tensor, y: torch.Tensor, settings: ScoreSettings,
+                       num_iterations: int | None, generator: torch.Generator | None = None) -> torch.Tensor:
         """Log-probabilities (B, T, V) of the token after each position of x, as the K = num_iterations
-        sampler gives them (DiffusionBlocks: its marginal, estimated): what echo log-probs report."""
+        sampler gives them (DiffusionBlocks: its marginal, estimated, most precisely for the tokens y
+        (B, T)): what echo log-probs report."""
 
 
 class CachedDecoding(ABC):
@@ -106,13 +106,26 @@ class CachedDecoding(ABC):
         """A decode state for `batch` rows of up to `max_len` tokens each."""
 
     @abstractmethod
-    def forward_cached(self, idx: torch.Tensor, cache, rows: torch.Tensor | None, batch: RowBatch) -> torch.Tensor:
+    def forward_cached(self, idx: torch.Tensor, cache, rows: torch.Tensor | None, batch: RowBatch,
+                       want_logits: bool = True) -> torch.Tensor | None:
         """Append idx (R, n) to the histories of `rows` (None = all rows) -> logits (R, V) of each row's
-        next token, each row run with its own settings and random stream from `batch`."""
+        next token, each row run with its own settings and random stream from `batch`. With
+        want_logits=False (a prompt chunk that is not the last) only the caches are filled: -> None."""
 
     @abstractmethod
     def reset_rows(self, cache, rows: torch.Tensor) -> None:
         """Free rows for new sequences."""
+
+    def next_token_logprobs(self, cache, rows: torch.Tensor | None, logits: torch.Tensor, tokens: torch.Tensor,
+                            batch: RowBatch, settings: ScoreSettings) -> torch.Tensor:
+        """(R, V) log-probs of each row's next token, most precisely of `tokens` (R,), given the `logits`
+        `forward_cached` just returned: they ARE the distribution for exact models (this default); a
+        DiffusionBlocks chain's logits are one draw of its sampler and it estimates the marginal.
+        `batch.random` must be a stream the request's sampling does not use."""
+        return logits.float().log_softmax(-1)
+
+    def reserve(self, cache, max_iterations: int | None) -> None:
+        """Allocate now what serving up to `max_iterations` will need (caches that grow with K)."""
 
     def kv_bytes_per_token(self, cache) -> int:
         """Cache bytes one token of history occupies in one row."""

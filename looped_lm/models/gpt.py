@@ -10,12 +10,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from looped_lm.models.contract import Trainable
-from looped_lm.models.layers import (KVCache, RotaryEmbedding, TransformerLayer, chunked, ffn_width, init_weights,
-                                     positions_after, token_cross_entropy)
+from looped_lm.errors import UserError
+from looped_lm.models.contract import CachedDecoding, Scorable, TokenScores, Trainable
+from looped_lm.models.layers import (KVCache, RotaryEmbedding, TransformerLayer, TransposedCopy, chunked, ffn_width,
+                                     init_weights, positions_after, token_cross_entropy)
 
 
-class GPT(nn.Module, Trainable):
+class GPT(nn.Module, Trainable, Scorable, CachedDecoding):
     def __init__(self, n_layers: int, d_model: int, n_heads: int, seq_len: int, vocab_size: int,
                  ffn_hidden: int = 0, rope_theta: float = 10000.0, norm_eps: float = 1e-5,
                  init_std: float = 0.02, max_positions: int | None = None, loss_chunk: int = 0):
@@ -30,9 +31,12 @@ class GPT(nn.Module, Trainable):
         self.rope = RotaryEmbedding(d_model // n_heads, self.max_positions, rope_theta)
         init_weights(self, init_std, n_layers)
         # the head is the token embedding, transposed (tied): no separate lm_head parameter
+        self.head_t = TransposedCopy()  # inference only
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.norm(h), self.tok_emb.weight)
+        if torch.is_grad_enabled():
+            return F.linear(self.norm(h), self.tok_emb.weight)
+        return self.norm(h) @ self.head_t(self.tok_emb.weight)
 
     def hidden(self, idx: torch.Tensor) -> torch.Tensor:
         """idx (B, T) -> the last layer's output (B, T, C), before the final norm."""
@@ -63,26 +67,57 @@ class GPT(nn.Module, Trainable):
     def validation_loss(self, x, y, seed: int):
         return self(x, y)[1]
 
+    # --- scoring: exact ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def score(self, x, y, settings, generator=None) -> dict:
+        if settings.k_grid:
+            raise UserError("this model is end-to-end (gpt): it takes no K (--num-iterations)", "num_iterations")
+        return {"exact": TokenScores(token_cross_entropy(self(x)[0], y))}
+
+    @torch.no_grad()
+    def token_logprobs(self, x, y, settings, num_iterations=None, generator=None) -> torch.Tensor:
+        return self(x)[0].float().log_softmax(-1)
+
     # --- generation with a KV cache -------------------------------------------------------------
 
-    def new_cache(self, batch: int, max_len: int) -> list[KVCache]:
+    def new_cache(self, batch: int, max_len: int) -> "GPTCache":
         p = self.tok_emb.weight
         head_dim = p.shape[1] // self.n_heads
-        return [KVCache(batch, self.n_heads, max_len, head_dim, p.device, p.dtype) for _ in self.layers]
+        return GPTCache([KVCache(batch, self.n_heads, max_len, head_dim, p.device, p.dtype) for _ in self.layers])
 
-    def forward_cached(self, idx: torch.Tensor, caches: list[KVCache], rows=None) -> torch.Tensor:
-        """Run new tokens idx (R, n) after what the caches hold (for `rows`, default all); return
-        their logits (R, n, V)."""
+    @torch.no_grad()
+    def decode(self, idx: torch.Tensor, cache: "GPTCache", rows=None) -> torch.Tensor:
+        """Run new tokens idx (R, n) after what the caches hold (for `rows`, default all); return their
+        logits (R, n, V)."""
+        caches = cache.layers
         cos, sin = self.rope(positions_after(caches[0].lengths, rows, idx.shape[1], idx.device))
         h = self.tok_emb(idx)
-        for layer, cache in zip(self.layers, caches):
-            h = layer(h, cos, sin, cache, rows)
+        for layer, c in zip(self.layers, caches):
+            h = layer(h, cos, sin, c, rows)
         return self.logits(h)
 
-    def reset_rows(self, caches: list[KVCache], rows) -> None:
-        for cache in caches:
-            cache.reset(rows)
+    def forward_cached(self, idx: torch.Tensor, cache: "GPTCache", rows=None, batch=None,
+                       want_logits: bool = True) -> torch.Tensor:
+        """`decode`, keeping the logits (R, V) after the last new token."""
+        return self.decode(idx, cache, rows)[:, -1]
 
-    def prompt_logits(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits (B, T, V) at every position of idx, for prompt log-probs (echo)."""
-        return self(idx)[0]
+    def reset_rows(self, cache: "GPTCache", rows) -> None:
+        for c in cache.layers:
+            c.reset(rows)
+
+
+class GPTCache:
+    """Per-layer KV caches of a batch of rows."""
+
+    def __init__(self, layers: list[KVCache]):
+        self.layers = layers
+
+    def nbytes_per_token(self) -> int:
+        return sum(c.nbytes_per_token() for c in self.layers)
+
+
+def build(cfg, vocab_size: int, state: dict | None = None) -> GPT:
+    m = cfg.model
+    return GPT(m.n_layers, m.d_model, m.n_heads, m.seq_len, vocab_size, m.ffn_hidden, m.rope_theta,
+               m.norm_eps, m.init_std, loss_chunk=m.loss_chunk)

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 from looped_lm.config import Config
 from looped_lm.errors import UserError
-from looped_lm.models import register
-from looped_lm.models.contract import Trainable
+from looped_lm.models.contract import CachedDecoding, Iterative, Scorable, TokenScores, Trainable
+from looped_lm.settings import IterationLimits, RowBatch
 from looped_lm.models.layers import (KVCache, RotaryEmbedding, TransformerLayer, ffn_width, init_weights,
                                      positions_after, token_cross_entropy)
 
@@ -38,7 +38,7 @@ def sample_recurrence(mean: int, generator: torch.Generator, sigma: float = 0.5)
     return 1 + int(torch.poisson(tau.exp().reshape(1), generator=generator).item())
 
 
-class HuginnLM(nn.Module, Trainable):
+class HuginnLM(nn.Module, Trainable, Scorable, CachedDecoding, Iterative):
     def __init__(self, cfg: Config, vocab_size: int):
         super().__init__()
         m = cfg.model
@@ -103,14 +103,13 @@ class HuginnLM(nn.Module, Trainable):
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
     @torch.no_grad()
-    def eval_nll(self, x, y, k_grid=None, draws: int = 1, generator=None) -> dict:
-        """Exact next-token NLL (B, T) for each K in k_grid (default: mean_recurrence).
-
-        The K iterations are shared: the state after K_1 iterations continues to K_2 > K_1.
-        """
-        ks = sorted(set(k_grid or [self.mean_recurrence]))
+    def score(self, x, y, settings, generator=None) -> dict:
+        """Exact next-token NLL (B, T) for each K of the grid (default: mean_recurrence). The iterations
+        are shared: the state after K_1 iterations continues to K_2 > K_1."""
+        ks = sorted(set(settings.k_grid or [self.mean_recurrence]))
         for K in ks:
-            self.check_iterations(K)
+            if not 1 <= K <= self.max_iterations:
+                raise UserError(f"num_iterations must be in 1..{self.max_iterations} (got {K})", "num_iterations")
         cos, sin = self.rope(torch.arange(x.shape[1], device=x.device))
         e = self._stack(self.prelude, self.tok_emb(x), cos, sin)
         s = self.initial_state(e, generator)
@@ -120,67 +119,69 @@ class HuginnLM(nn.Module, Trainable):
                 s = self.iterate(s, e, cos, sin)
             done = K
             logits = F.linear(self.norm(self._stack(self.coda, s, cos, sin)), self.tok_emb.weight)
-            out[K] = token_cross_entropy(logits, y)
+            out[K] = TokenScores(token_cross_entropy(logits, y))
         return out
+
+    @torch.no_grad()
+    def token_logprobs(self, x, y, settings, num_iterations=None, generator=None) -> torch.Tensor:
+        return self(x, num_iterations or self.mean_recurrence, generator=generator).float().log_softmax(-1)
 
     # --- generation: a KV cache per (iteration, layer) ------------------------------------------
 
-    def check_iterations(self, K) -> None:
-        if isinstance(K, bool) or not isinstance(K, int) or K < 1:
-            raise UserError(f"num_iterations must be an integer >= 1 (got {K})")
-        if K > self.max_iterations:
-            raise UserError(f"num_iterations {K} exceeds model.max_iterations ({self.max_iterations})")
-
-    def inference_kwargs(self, num_iterations: int | None, bridge: str | None, exit_rule=None) -> dict:
-        if bridge is not None:
-            raise UserError("--bridge applies to DiffusionBlocks models, not to huginn")
-        if exit_rule is not None:
-            raise UserError("adaptive exit is offered for looped_db (its KV cache does not depend on K)")
-        K = num_iterations if num_iterations is not None else (self.cfg.diffusion.num_iterations or self.mean_recurrence)
-        self.check_iterations(K)
-        return {"num_iterations": K}
+    def iteration_limits(self) -> IterationLimits:
+        return IterationLimits(default_iterations=self.cfg.diffusion.num_iterations or self.mean_recurrence,
+                               max_iterations=self.max_iterations, num_blocks=1, default_bridge=None,
+                               adaptive_exit=False)
 
     def new_cache(self, batch: int, max_len: int) -> "HuginnCache":
         return HuginnCache(self, batch, max_len)
 
-    def forward_cached(self, idx, caches: "HuginnCache", num_iterations: int | None = None, generator=None,
-                       noise=None, rows=None):
-        """New tokens idx (R, n) of `rows` -> logits (R, n, V). A row's K must stay the same for its
-        whole sequence (every iteration's cache needs every token); `noise` (R, n, d) overrides the
-        random initial state (see `initial_noise`)."""
-        K = num_iterations or self.mean_recurrence
+    @torch.no_grad()
+    def forward_cached(self, idx, caches: "HuginnCache", rows, batch: RowBatch, want_logits: bool = True) -> torch.Tensor:
+        """New tokens idx (R, n) of `rows` -> logits (R, V) after the last. Rows with different K run
+        in separate passes; a row's K must stay the same for its whole sequence (every iteration's cache
+        needs every token). The random initial state is drawn per row (or taken from batch.noise)."""
         sel = caches.rows(rows)
+        R, n = idx.shape
+        d = self.tok_emb.weight.shape[1]
+        noise = batch.noise if batch.noise is not None else \
+            self.init_scale * batch.random.normal(torch.arange(R), (n, d), idx.device)
+        out = None
+        by_k: dict[int, list[int]] = {}
+        for i, s in enumerate(batch.settings):
+            by_k.setdefault(s.num_iterations, []).append(i)
+        for K, members in by_k.items():
+            idx_k = torch.tensor(members, device=idx.device)
+            every = len(members) == R
+            logits = self._decode(idx if every else idx[idx_k], caches, sel if every else sel[idx_k], K,
+                                  noise if every else noise[idx_k])
+            if every:
+                return logits
+            out = logits.new_empty(R, logits.shape[-1]) if out is None else out
+            out[idx_k] = logits
+        return out
+
+    def _decode(self, idx, caches: "HuginnCache", sel, K: int, noise):
         for i, it in enumerate(caches.iterations(K)):
             if not torch.equal(it[0].lengths[sel], caches.lengths[sel]):
                 raise UserError(f"num_iterations changed within a sequence (iteration {i + 1} of {K} has "
-                                f"not seen its earlier tokens)")
-        positions = positions_after(caches.lengths, rows, idx.shape[1], idx.device)
+                                f"not seen its earlier tokens)", "num_iterations")
+        positions = positions_after(caches.lengths, sel, idx.shape[1], idx.device)
         caches.lengths[sel] += idx.shape[1]
         cos, sin = self.rope(positions)
-        e = self._stack(self.prelude, self.tok_emb(idx), cos, sin, caches.prelude, rows)
-        s = self.initial_state(e, generator) if noise is None else noise
+        e = self._stack(self.prelude, self.tok_emb(idx), cos, sin, caches.prelude, sel)
+        s = noise
         for it in caches.iterations(K):
-            s = self._stack(self.core, self.adapter(torch.cat([s, e], dim=-1)), cos, sin, it, rows)
-        h = self._stack(self.coda, s, cos, sin, caches.coda, rows)
-        return F.linear(self.norm(h), self.tok_emb.weight)
-
-    def initial_noise(self, batch: int, n: int, generator=None, device=None) -> torch.Tensor:
-        d = self.tok_emb.weight.shape[1]
-        return self.init_scale * torch.randn(batch, n, d, device=device, generator=generator)
+            s = self._stack(self.core, self.adapter(torch.cat([s, e], dim=-1)), cos, sin, it, sel)
+        h = self._stack(self.coda, s, cos, sin, caches.coda, sel)
+        return F.linear(self.norm(h[:, -1]), self.tok_emb.weight)
 
     def reset_rows(self, caches: "HuginnCache", rows) -> None:
         caches.reset(rows)
 
-    @torch.no_grad()
-    def prompt_logits(self, idx, num_iterations: int | None = None, generator=None, **_):
-        """Logits (B, T, V) at every position of idx after K iterations (for echo log-probs)."""
-        return self(idx, num_iterations or self.mean_recurrence, generator=generator)
-
-    uses_noise = True  # the initial state is drawn from the request's generator
-
-    @staticmethod
-    def kv_bytes_per_token(caches: "HuginnCache") -> int:
-        return caches.nbytes_per_token()
+    def reserve(self, caches: "HuginnCache", max_iterations: int | None) -> None:
+        if max_iterations:
+            caches.iterations(max_iterations)  # one cache per iteration: allocate every K served
 
 
 class HuginnCache:
@@ -213,8 +214,5 @@ class HuginnCache:
         return sum(c.nbytes_per_token() for c in every)
 
 
-def _build_huginn(cfg: Config, vocab_size: int, state: dict | None):
+def build(cfg: Config, vocab_size: int, state: dict | None = None) -> HuginnLM:
     return HuginnLM(cfg, vocab_size)
-
-
-register("huginn", _build_huginn)

@@ -1,4 +1,4 @@
-"""The two-stream transformer layer of the DiffusionBlocks LMs (method.md §4) and its pieces.
+"""The two-stream transformer layer of the DiffusionBlocks LMs (docs/method.md §4) and its pieces.
 
 A clean stream (the tokens, causal, no sigma conditioning: its K/V never depend on sigma or on K)
 and a noisy stream (slot i holds the noisy target x_{i+1}; it attends clean positions <= i and
@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from looped_lm.models.layers import KVCache, TransformerLayer, cached_attention, causal_attention
+from looped_lm.models.layers import KVCache, TransformerLayer, apply_rope, cached_attention, causal_attention
 
 
 def modulate(x, shift, scale):
@@ -72,6 +72,41 @@ class TwoStreamLayer(TransformerLayer):
             y = F.scaled_dot_product_attention(q, k_ctx, v_ctx, attn_mask=None if causal else mask, is_causal=causal)
         h = h + gate1 * self.attn.merge(y)
         return h + gate2 * self.mlp(modulate(self.norm2(h), shift2, scale2))
+
+
+    def fused(self, x, h, cond, clean_rope, noisy_rope, cache: KVCache, rows, attend_self: bool,
+              need_clean_output: bool):
+        """Both streams of a decode step in ONE weight pass: the clean tokens x (R, n, C) a block has not
+        cached yet, appended to `cache`, and the noisy slots h (R, m, C), which attend every clean key of
+        their row (these included). The same maths as `clean` then `noisy`; each projection runs once on
+        the stacked rows instead of twice (decoding is bound by reading the weights)."""
+        shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(cond).unsqueeze(1).chunk(6, dim=-1)
+        R, n, C = x.shape
+        H, D = self.attn.n_heads, self.attn.head_dim
+        qkv = self.attn.qkv(torch.cat([self.norm1(x), modulate(self.norm1(h), shift1, scale1)], dim=1))
+        q, k, v = qkv.view(R, -1, 3, H, D).permute(2, 0, 3, 1, 4)  # (R, H, n + m, D) each
+        (cos_c, sin_c), (cos_n, sin_n) = clean_rope, noisy_rope
+        k_c = apply_rope(k[:, :, :n], cos_c, sin_c)
+        keys, values, clean_mask = cache.append(k_c, v[:, :, :n], rows)
+        _, _, valid = cache.view(rows)
+        q_n = apply_rope(q[:, :, n:], cos_n, sin_n)
+        if attend_self:
+            k_n = apply_rope(k[:, :, n:], cos_n, sin_n)
+            ones = torch.ones(R, 1, q_n.shape[2], keys.shape[2], dtype=torch.bool, device=x.device)
+            mask = torch.cat([ones if valid is None else valid.expand_as(ones),
+                              torch.eye(q_n.shape[2], dtype=torch.bool, device=x.device).expand(R, 1, -1, -1)], -1)
+            y_n = F.scaled_dot_product_attention(q_n, torch.cat([keys, k_n], 2), torch.cat([values, v[:, :, n:]], 2),
+                                                 attn_mask=mask)
+        else:
+            y_n = F.scaled_dot_product_attention(q_n, keys, values, attn_mask=valid)
+        if not need_clean_output:  # the block's last layer: the clean stream only leaves its K/V
+            h = h + gate1 * self.attn.merge(y_n)
+            return None, h + gate2 * self.mlp(modulate(self.norm2(h), shift2, scale2))
+        y_c = cached_attention(apply_rope(q[:, :, :n], cos_c, sin_c), keys, values, clean_mask)
+        out = self.attn.merge(torch.cat([y_c, y_n], dim=2))
+        x, h = x + out[:, :n], h + gate1 * out[:, n:]
+        mlp = self.mlp(torch.cat([self.norm2(x), modulate(self.norm2(h), shift2, scale2)], dim=1))
+        return x + mlp[:, :n], h + gate2 * mlp[:, n:]
 
 
 CAUSAL = "causal"  # a mask value: noisy slot i sees clean keys 0..i (every slot, no self key)

@@ -1,4 +1,5 @@
-"""Optional vLLM backend: the `vllm.general_plugins` entry point `looped_lm = serve.vllm_plugin:register`.
+"""Optional vLLM backend: the `vllm.general_plugins` entry point
+`looped_lm = looped_lm.serve.vllm_plugin:register`.
 
 vLLM calls `register()` in every process it starts (API server, engine core, workers). It makes the
 exported Hugging Face layout (`looped_lm export`) loadable: model_type "looped_lm" is registered with
@@ -21,4 +22,4 @@ def register() -> None:
 
     register_hf()  # AutoConfig knows model_type "looped_lm" (vLLM reads the config through it)
     if ARCH not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(ARCH, "serve.vllm_plugin.model:LoopedLMForCausalLM")
+        ModelRegistry.register_model(ARCH, "looped_lm.serve.vllm_plugin.model:LoopedLMForCausalLM")

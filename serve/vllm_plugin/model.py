@@ -21,7 +21,9 @@ from vllm.model_executor.layers.attention import Attention
 
 from looped_lm.config import config_from_dict
 from looped_lm.models import build_model
-from serve.vllm_plugin.attention import paged_attention
+from looped_lm.sampling import PLAIN
+from looped_lm.settings import resolve_settings
+from looped_lm.serve.vllm_plugin.attention import paged_attention
 
 UNSUPPORTED = ("model.kind '{kind}' is not served by the vLLM plugin (its cache holds one KV set per "
                "(iteration, layer)); serve it with `looped_lm serve`")
@@ -38,11 +40,11 @@ class LoopedLMForCausalLM(nn.Module):
                                  config.model_state or None)
         self.db = None
         if config.kind != "gpt":
-            from serve.vllm_plugin.db_model import DiffusionBlocksRunner
+            from looped_lm.serve.vllm_plugin.db_model import DiffusionBlocksRunner
 
-            K = self.model.inference_kwargs(config.num_iterations, config.bridge)
-            self.db = DiffusionBlocksRunner(self.model, K["num_iterations"], K["bridge"],
-                                            int(getattr(config, "decode_seed", 0) or 0),
+            settings = resolve_settings(self.model.iteration_limits(), num_iterations=config.num_iterations,
+                                        bridge=config.bridge, sampling=PLAIN)
+            self.db = DiffusionBlocksRunner(self.model, settings, int(getattr(config, "decode_seed", 0) or 0),
                                             vllm_config.cache_config, f"{prefix}.db")
             return
         first = self.model.layers[0].attn

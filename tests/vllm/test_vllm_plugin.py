@@ -17,6 +17,8 @@ from looped_lm.data.tokenizer import get_tokenizer
 from looped_lm.engine.generate import generate
 from looped_lm.export import export
 from looped_lm.models import build_model
+from looped_lm.sampling import GREEDY, PLAIN, PositionalRandom
+from looped_lm.settings import RowBatch, resolve_settings
 
 HERE = Path(__file__).resolve().parent
 PROMPTS = [[72, 101, 108, 108, 111], [73, 110, 32, 116, 104, 101, 32, 98, 101, 103]]
@@ -44,8 +46,9 @@ def make_checkpoint(root: Path, kind: str = "gpt", **diffusion) -> Path:
                 p.normal_(0, 0.2)
     tmp = tmp_dir_for(root, 1)
     write_rank_files(tmp, 0)
-    state = model.checkpoint_state() if hasattr(model, "checkpoint_state") else {}
-    manifest = {"config": cfg.to_dict(), "vocab_size": vocab, "tokenizer": "byte", "model_state": state}
+    state = model.checkpoint_state()
+    manifest = {"config": cfg.to_dict(), "vocab_size": vocab, "tokenizer": "byte", "model_state": state,
+                "world_size": 1}
     return finalize(root, 1, model, manifest, keep_last=1)
 
 
@@ -63,12 +66,12 @@ def test_vllm_greedy_tokens_and_logprobs_equal_the_native_engine(tmp_path):
     from looped_lm.checkpoint import load_checkpoint
 
     ckpt = make_checkpoint(tmp_path / "run")
-    hf_dir = export(ckpt, tmp_path / "hf")
+    hf_dir = export(ckpt, tmp_path / "hf", format="looped_lm")  # the plugin path (gpt defaults to stock Llama)
     got = run_vllm(hf_dir)
     model, _, _ = load_checkpoint(ckpt)
     for i, prompt in enumerate(PROMPTS):
         ids = torch.tensor([prompt])
-        tokens, logits = generate(model, ids, N, return_logits=True)
+        tokens, logits = generate(model, ids, N, resolve_settings(None, sampling=GREEDY), return_logits=True)
         new = tokens[0, len(prompt):].tolist()
         assert got["tokens"][i] == new, (i, got["tokens"][i], new)
         ref = logits[0].float().log_softmax(-1).gather(-1, torch.tensor(new)[:, None])[:, 0]
@@ -77,14 +80,13 @@ def test_vllm_greedy_tokens_and_logprobs_equal_the_native_engine(tmp_path):
 
 def native_positional(model, prompt: list[int], K: int, seed: int = 0):
     """The native cached chain, token by token, with vLLM's positional noise: (tokens, logits)."""
-    from looped_lm.models.db_decode import positional_noise
-
+    settings = resolve_settings(model.iteration_limits(), num_iterations=K, sampling=PLAIN)  # as the plugin
     state = model.new_cache(1, len(prompt) + N + 1)
     ids, tokens, logits = torch.tensor([prompt]), [], []
     for _ in range(N):
         p = state.lengths[0].item() + ids.shape[1] - 1  # the position of the last token fed
-        z = positional_noise(seed, torch.tensor([p]), model.tok_emb.weight.shape[1], model.sigma_top())[None]
-        step = model.forward_cached(ids, state, num_iterations=K, bridge="hard", noise=z)[0, -1]
+        batch = RowBatch([settings], PositionalRandom(seed, torch.tensor([p])))
+        step = model.forward_cached(ids, state, None, batch)[0]
         tokens.append(int(step.argmax()))
         logits.append(step)
         ids = torch.tensor([[tokens[-1]]])

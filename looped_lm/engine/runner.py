@@ -1,0 +1,128 @@
+"""The model side of the engine: one preallocated KV pool, and the calls a step makes on it.
+
+Every call takes the rows of several requests at once; each row runs with its request's own settings
+(K, bridge, sampler) and draws from its own generator (`RowGenerators`), so a request's tokens do not
+depend on which requests share its batch. Log-probs come from the model's `next_token_logprobs` /
+`token_logprobs`, which for DiffusionBlocks models estimate the K-step sampler's marginal (and draw from a
+separate scoring generator, so asking for log-probs never changes the sampled text).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from looped_lm.engine.requests import TokenLogprob
+from looped_lm.engine.scheduler import Sequence
+from looped_lm.errors import UserError
+from looped_lm.models.contract import CachedDecoding, Iterative, Scorable
+from looped_lm.sampling import RowGenerators, sample
+from looped_lm.settings import RowBatch, ScoreSettings
+
+
+def kv_bytes_per_token(model: CachedDecoding, max_iterations: int | None = None) -> int:
+    """Bytes one token of one slot occupies in `model.new_cache`, caches that grow with K reserved for
+    `max_iterations` (measured on real caches, not modelled)."""
+    sizes = []
+    for length in (1, 2):
+        cache = model.new_cache(1, length)
+        model.reserve(cache, max_iterations)
+        sizes.append(_tensor_bytes(cache))
+    return sizes[1] - sizes[0]
+
+
+def _tensor_bytes(obj, seen=None) -> int:
+    """Bytes of every tensor reachable from a cache object (lists, attributes)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(x, seen) for x in obj)
+    if hasattr(obj, "__dict__") and not callable(obj):
+        return sum(_tensor_bytes(x, seen) for x in vars(obj).values())
+    return 0
+
+
+def served_max_iterations(model, max_iterations: int | None) -> int | None:
+    """The largest K served: the model's own limit, or less. None for models without K."""
+    if not isinstance(model, Iterative):
+        if max_iterations is not None:
+            raise UserError("--max-iterations applies to DiffusionBlocks and looped models; this model has no K")
+        return None
+    limit = model.iteration_limits().max_iterations
+    top = limit if max_iterations is None else max_iterations
+    if not 1 <= top <= limit:
+        raise UserError(f"--max-iterations must be in 1..{limit} (model.max_iterations); got {top}")
+    return top
+
+
+class ModelRunner:
+    def __init__(self, model, num_slots: int, max_len: int, vocab_size: int, max_iterations: int | None,
+                 score_settings: ScoreSettings):
+        self.model, self.vocab_size, self.score_settings = model, vocab_size, score_settings
+        self.device = next(model.parameters()).device
+        self.pool = model.new_cache(num_slots, max_len)
+        model.reserve(self.pool, max_iterations)
+
+    def _rows(self, seqs: list[Sequence]) -> torch.Tensor:
+        return torch.tensor([s.slot for s in seqs], device=self.device)
+
+    def forward(self, ids: torch.Tensor, seqs: list[Sequence], want_logits: bool = True) -> torch.Tensor | None:
+        """New tokens ids (R, n) of the rows of `seqs` -> next-token logits (R, V), fp32 (None when
+        `want_logits` is False: a non-final prompt chunk only fills the caches)."""
+        batch = RowBatch([s.settings for s in seqs], RowGenerators([s.generator for s in seqs]))
+        logits = self.model.forward_cached(ids, self.pool, self._rows(seqs), batch, want_logits=want_logits)
+        return None if logits is None else logits[:, :self.vocab_size].float()
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list:
+        """One token per row (its request's sampler and generator) and, where asked, its log-prob entry."""
+        tokens = sample(logits, [s.settings.sampling for s in seqs], RowGenerators([s.generator for s in seqs]))
+        want = [i for i, s in enumerate(seqs) if s.request.logprobs is not None]
+        entries: list[TokenLogprob | None] = [None] * len(seqs)
+        if want:
+            idx = torch.tensor(want, device=self.device)
+            sub = [seqs[i] for i in want]
+            batch = RowBatch([s.settings for s in sub], RowGenerators([s.scoring for s in sub]))
+            logp = self.model.next_token_logprobs(self.pool, self._rows(sub), logits[idx], tokens[idx], batch,
+                                                  self.score_settings)[:, :self.vocab_size]
+            for j, i in enumerate(want):
+                token = int(tokens[i])
+                entries[i] = TokenLogprob(token, float(logp[j, token]), top_logprobs(logp[j], seqs[i].request.logprobs))
+        return [(int(t), e) for t, e in zip(tokens.tolist(), entries)]
+
+    def sample_from_logprobs(self, seqs: list[Sequence], logp: torch.Tensor) -> list:
+        """One token per row drawn from log-probs (R, V) (a scored prompt's next-token distribution), with
+        its log-prob entry where asked."""
+        tokens = sample(logp, [s.settings.sampling for s in seqs], RowGenerators([s.generator for s in seqs]))
+        out = []
+        for i, seq in enumerate(seqs):
+            token, n = int(tokens[i]), seq.request.logprobs
+            out.append((token, None if n is None else TokenLogprob(token, float(logp[i, token]), top_logprobs(logp[i], n))))
+        return out
+
+    def score_prompt(self, seq: Sequence) -> tuple[list, torch.Tensor]:
+        """Log-probs of every prompt token given the ones before it (entry 0: None), and the log-probs
+        (V,) of the token after the prompt."""
+        if not isinstance(self.model, Scorable):
+            raise UserError("this model cannot score prompts (echo with logprobs)", "echo")
+        prompt, top_n = seq.request.prompt, seq.request.prompt_logprobs
+        x = torch.tensor([prompt], device=self.device)
+        y = torch.tensor([prompt[1:] + [0]], device=self.device)
+        logp = self.model.token_logprobs(x, y, self.score_settings, seq.settings.num_iterations,
+                                         generator=seq.scoring)[0, :, :self.vocab_size].float()
+        chosen = logp[:-1].gather(1, y[0, :-1, None])[:, 0].tolist()
+        entries = [None] + [TokenLogprob(t, lp, top_logprobs(logp[i], top_n))
+                            for i, (t, lp) in enumerate(zip(prompt[1:], chosen))]
+        return entries, logp[-1]
+
+    def reset(self, slot: int) -> None:
+        self.model.reset_rows(self.pool, torch.tensor([slot], device=self.device))
+
+
+def top_logprobs(logp: torch.Tensor, n: int | None) -> list[tuple[int, float]]:
+    if not n:
+        return []
+    values, ids = logp.topk(n)
+    return list(zip(ids.tolist(), values.tolist()))

@@ -1,0 +1,163 @@
+"""Where a chain's denoising calls get their context: a whole window (scoring), or KV caches (decoding).
+
+Both give the chain (`looped_lm/diffusion/chain.py`) and the estimator the same callable,
+`denoise(block, z, sigma, rows) -> logits`, so the K-step chain is written once. Both run the clean
+stream through `DBNetwork.clean_kv` and the slots through `DBNetwork.noisy_pass`.
+
+    WindowContext   every slot of a window (B, T) at once; each block's clean K/V computed on first use
+    DecodeState     per-row KV caches of the prelude and of every block's clean stream, for generation
+    CachedContext   the next token of some rows of a DecodeState
+"""
+
+from __future__ import annotations
+
+import torch
+
+from looped_lm.models.layers import KVCache
+from looped_lm.models.two_stream import slot_mask
+
+
+def _select(t: torch.Tensor, rows: torch.Tensor, total: int) -> torch.Tensor:
+    """Rows of t (its batch dimension), as a view when `rows` is every row in order."""
+    if rows.shape[0] == total and bool((rows == torch.arange(total, device=rows.device)).all()):
+        return t
+    return t.index_select(0, rows)
+
+
+class WindowContext:
+    """Scores every slot of the window x (B, T): slot t predicts the token after x[:, t]."""
+
+    def __init__(self, net, x: torch.Tensor):
+        self.net, self.x = net, x
+        T = x.shape[1]
+        self.slots = torch.arange(T, device=x.device)
+        self.mask = slot_mask(self.slots, T, net.noisy_self)
+        self.clean = net.clean_inputs(x)
+        self.kv: dict[int, list] = {}
+
+    def denoise(self, b: int, z, sigma, rows: torch.Tensor | None = None):
+        if b not in self.kv:
+            self.kv[b] = self.net.clean_kv(b, self.clean, self.slots)
+        B = self.x.shape[0]
+        kv, prev = self.kv[b], self.x
+        if rows is not None:  # a subset, or repeated rows (the estimator's branches)
+            kv = [(_select(k, rows, B), _select(v, rows, B)) for k, v in kv]
+            prev = _select(prev, rows, B)
+        return self.net.noisy_pass(b, z, sigma, prev, self.slots + 1, kv, self.mask)
+
+
+class DecodeState:
+    """Generation state of a batch of rows (sequences or serving slots): KV caches of the prelude and
+    of every block's clean stream, each row's history of clean inputs, and its last token.
+
+    Blocks run only when a denoising step routes to them, so a block's cache may lag behind the history
+    (K < B skips blocks); it catches up, all pending tokens in one forward, the next time it runs.
+    None of it depends on K.
+    """
+
+    def __init__(self, net, batch: int, max_len: int):
+        p = net.tok_emb.weight
+        H, D = net.n_heads, p.shape[1] // net.n_heads
+
+        def caches(n):
+            return [KVCache(batch, H, max_len, D, p.device, p.dtype) for _ in range(n)]
+
+        self.prelude = caches(len(net.prelude))
+        self.blocks = [caches(len(net.layers_of(b))) for b in range(len(net.blocks))]
+        self.history = torch.zeros(batch, max_len, p.shape[1], device=p.device, dtype=p.dtype)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=p.device)
+        self.last = torch.zeros(batch, dtype=torch.long, device=p.device)
+
+    def rows(self, rows):
+        return torch.arange(self.lengths.shape[0], device=self.lengths.device) if rows is None else rows
+
+    def reset(self, rows) -> None:
+        self.lengths[self.rows(rows)] = 0
+        for cache in self.prelude + [c for block in self.blocks for c in block]:
+            cache.reset(rows)
+
+    def nbytes_per_token(self) -> int:
+        """Bytes per token of history: every clean-stream K/V plus the stored clean input."""
+        every = self.prelude + [c for block in self.blocks for c in block]
+        return sum(c.nbytes_per_token() for c in every) + self.history.shape[-1] * self.history.element_size()
+
+    def append(self, net, idx: torch.Tensor, rows) -> torch.Tensor:
+        """Add tokens idx (R, n) to the histories of `rows` (through the prelude); -> the selected rows."""
+        sel = self.rows(rows)
+        start = self.lengths[sel]
+        n = idx.shape[1]
+        if n:
+            emb = net.clean_inputs(idx, self.prelude, rows)
+            self.history[sel[:, None], start[:, None] + torch.arange(n, device=idx.device)] = emb
+            self.lengths[sel] = start + n
+            self.last[sel] = idx[:, -1]
+        return sel
+
+
+class CachedContext:
+    """The next token of the rows `sel` of a DecodeState. `rows` passed to `denoise` index into sel
+    (and may repeat: the estimator's branches); pending clean tokens are appended on a block's first call."""
+
+    def __init__(self, net, state: DecodeState, sel: torch.Tensor):
+        self.net, self.state, self.sel = net, state, sel
+        ends = state.lengths[sel]
+        self.noisy_pos = ends[:, None]  # the next token's position, per row
+
+    def _all(self, rows: torch.Tensor) -> bool:
+        return rows.shape[0] == self.sel.shape[0] and bool((rows == torch.arange(len(rows), device=rows.device)).all())
+
+    def _fused(self, b: int, z, sigma):
+        """The common decode step: every row has the same number of pending clean tokens for block b;
+        they and the noisy slots go through the block in one weight pass. None when not applicable."""
+        caches = self.state.blocks[b]
+        start, ends = caches[0].lengths[self.sel], self.state.lengths[self.sel]
+        pending = ends - start
+        n = int(pending[0])
+        if n == 0 or not bool((pending == n).all()):
+            return None
+        span = start[:, None] + torch.arange(n, device=start.device)
+        aligned = bool((start == start[0]).all())
+        clean_pos = span[0] if aligned else span
+        noisy_pos = ends[:1] if aligned else ends[:, None]
+        clean = self.state.history[self.sel[:, None], span]
+        prev = self.state.last[self.sel][:, None]
+        return self.net.fused_pass(b, clean, clean_pos, caches, self.sel, z, sigma, prev, noisy_pos)
+
+    def catch_up(self, b: int) -> None:
+        """Bring block b's cache of every row in sel up to its history: aligned rows in one forward,
+        ragged ones (they skipped this block for different spans) one row at a time."""
+        net, state, caches = self.net, self.state, self.state.blocks[b]
+        cached, ends = caches[0].lengths[self.sel], state.lengths[self.sel]
+        pending = ends - cached
+        if not bool(pending.any()):
+            return
+        groups = [self.sel] if bool((pending == pending[0]).all()) else [r[None] for r in self.sel]
+        for rows in groups:
+            start, n = caches[0].lengths[rows], int((state.lengths[rows] - caches[0].lengths[rows])[0])
+            if n == 0:
+                continue
+            span = start[:, None] + torch.arange(n, device=start.device)
+            positions = span[0] if bool((start == start[0]).all()) else span
+            net.clean_kv(b, state.history[rows[:, None], span], positions, caches, rows)
+
+    def denoise(self, b: int, z, sigma, rows: torch.Tensor | None = None):
+        if rows is None or self._all(rows):
+            fused = self._fused(b, z, sigma)
+            if fused is not None:
+                return fused
+        self.catch_up(b)
+        sel = self.sel if rows is None else self.sel[rows]
+        caches = self.state.blocks[b]
+        kv, valid = [], None
+        for cache in caches:
+            k, v, valid = cache.view(sel)
+            kv.append((k, v))
+        mask = valid
+        if self.net.noisy_self:  # the slot's own key after the clean ones
+            if valid is None:
+                valid = torch.ones(len(sel), 1, 1, kv[0][0].shape[2], dtype=torch.bool, device=z.device)
+            mask = torch.cat([valid, valid.new_ones(*valid.shape[:-1], 1)], -1)
+        pos = self.state.lengths[sel][:, None]
+        noisy_pos = pos[:1, 0] if bool((pos == pos[0]).all()) else pos
+        prev = self.state.last[sel][:, None]
+        return self.net.noisy_pass(b, z, sigma, prev, noisy_pos, kv, mask)

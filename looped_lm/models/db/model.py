@@ -1,0 +1,218 @@
+"""`DiffusionBlocksLM` (model.kind db_ar and looped_db): the network plus the contract's capabilities.
+
+    network     DBNetwork (network.py): parameters, clean encoder, noisy step
+    training    BlockObjective (objective.py): one block per step
+    decoding    DecodeState / CachedContext (contexts.py) + the chain (looped_lm/diffusion/chain.py)
+    scoring     WindowContext (contexts.py) + the estimator (looped_lm/diffusion/estimator.py): ppl@k
+
+Every K-step chain, in `generate`, the engine, the HF wrapper, the vLLM backend and eval, runs through
+`looped_lm.diffusion.chain` (sampling) or `looped_lm.diffusion.estimator` (scoring).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from looped_lm.config import Config
+from looped_lm.diffusion.chain import ChainGrid, run_chain, top_of_block0
+from looped_lm.diffusion.estimator import jackknife_nll, sampler_probs
+from looped_lm.errors import UserError
+from looped_lm.models.contract import CachedDecoding, Iterative, Scorable, TokenScores, Trainable
+from looped_lm.models.db.contexts import CachedContext, DecodeState, WindowContext
+from looped_lm.models.db.network import DBNetwork
+from looped_lm.models.db.objective import BlockObjective
+from looped_lm.sampling import RandomSource, SharedGenerator
+from looped_lm.settings import InferenceSettings, IterationLimits, RowBatch, ScoreSettings
+
+
+class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, Iterative):
+    def __init__(self, cfg: Config, vocab_size: int, state: dict | None = None):
+        state = state or {}
+        super().__init__(cfg, vocab_size, state.get("edges"))
+        self.max_iterations = cfg.model.max_iterations
+        trainable = list(cfg.diffusion.blocks_to_train) or list(range(len(self.blocks)))
+        for b, block in enumerate(self.blocks):
+            if b not in trainable:
+                block.requires_grad_(False)  # frozen before the optimiser exists: no state for it
+        self.objective = BlockObjective(self, trainable)
+        self.objective.curve = state.get("curve")
+
+    # --- Trainable ------------------------------------------------------------------------------------
+
+    def training_loss(self, x, y, step: int, seed: int):
+        return self.objective.training_loss(x, y, step, seed)
+
+    @torch.no_grad()
+    def validation_loss(self, x, y, seed: int):
+        """ppl@0's loss: one call at sigma_top from pure noise, one draw."""
+        g = torch.Generator(device=x.device).manual_seed(seed)
+        return self.score(x, y, ScoreSettings(k_grid=(), draws=1), g)[0].nll.mean()
+
+    def choose_block(self, step: int, seed: int) -> int:
+        return self.objective.choose_block(step, seed)
+
+    def step_units(self, step: int, seed: int) -> set[str]:
+        return {"shared", f"block{self.choose_block(step, seed)}"}
+
+    def param_unit(self, name: str) -> str:
+        return f"block{name.split('.')[1]}" if name.startswith("blocks.") else "shared"
+
+    def checkpoint_state(self) -> dict:
+        state = {"edges": self.edges, "num_blocks": len(self.blocks)}
+        if self.objective.curve is not None:
+            state["curve"] = self.objective.curve
+        return state
+
+    def restore_state(self, saved: dict) -> None:
+        """Blocks and edges must match this config's; a measured CE curve is adopted."""
+        if saved.get("num_blocks") != len(self.blocks) or [float(e) for e in saved.get("edges", [])] != self.edges:
+            raise UserError(f"cannot resume: the checkpoint has {saved.get('num_blocks')} blocks with edges "
+                            f"{saved.get('edges')}, this run {len(self.blocks)} with {self.edges}")
+        self.objective.curve = saved.get("curve")
+
+    def uses_curve(self) -> bool:
+        return self.objective.uses_curve()
+
+    def measure_curve(self, x, y, seed: int) -> dict:
+        return self.objective.measure_curve(x, y, seed)
+
+    def apply_curve(self, curve: dict) -> None:
+        self.objective.curve = curve
+
+    # --- Iterative --------------------------------------------------------------------------------------
+
+    def iteration_limits(self) -> IterationLimits:
+        d = self.cfg.diffusion
+        return IterationLimits(default_iterations=d.num_iterations or len(self.blocks),
+                               max_iterations=self.max_iterations, num_blocks=len(self.blocks),
+                               default_bridge=d.bridge, adaptive_exit=True)
+
+    def sigma_top(self) -> float:
+        """Where chains start: a high quantile of block 0's training sigma law (docs/method.md §5)."""
+        return top_of_block0(self.train_ranges[0], self.edges, self.cfg.diffusion.sample_top_quantile, self.sched)
+
+    def grid(self) -> ChainGrid:
+        return ChainGrid(tuple(self.edges), self.sigma_top(), self.cfg.diffusion.last_call, self.sched)
+
+    def initial_noise(self, rows: int, n: int, random: RandomSource, device=None) -> torch.Tensor:
+        """z_0 ~ N(0, sigma_top^2 I), (rows, n, d), each row from its own stream."""
+        d = self.tok_emb.weight.shape[1]
+        return self.sigma_top() * random.normal(torch.arange(rows), (n, d), device or self.tok_emb.weight.device)
+
+    # --- Scorable ---------------------------------------------------------------------------------------
+
+    def _estimates(self, context, y, K: int, settings: ScoreSettings, random, full: bool):
+        """`settings.draws` independent estimates of the K-step sampler's p(y) (draws, B, T) float64, each
+        the mean of an antithetic pair of chains (starting noise z and -z: the noise's direction persists
+        through the chain, and the pair cancels much of its effect); the mean marginal (B, T, V) with
+        `full`; the mean iterations (B, T)."""
+        B, T = y.shape
+        bridge = settings.bridge or self.cfg.diffusion.bridge
+        estimates, iters, marginal = [], torch.zeros(B, T, dtype=torch.float64, device=y.device), None
+        tilt = settings.tilt * self.targets(y) if settings.tilt else None  # toward the target's direction
+        for _ in range(settings.draws):
+            xi = random.normal(torch.arange(B), (T, self.tok_emb.weight.shape[1]), y.device)
+            shift, weight = 0.0, 1.0
+            if tilt is not None:  # a defensive mixture: half the draws shifted toward y, each reweighted
+                shifted = random.uniform(torch.arange(B), T, y.device)[..., None] < 0.5
+                shift = shifted * tilt
+            pair = 0
+            for eps in (shift + xi, shift - xi):
+                if tilt is not None:  # N(eps) / (N(eps)/2 + N(eps - tilt)/2)
+                    log_ratio = (eps * tilt).sum(-1).double() - (tilt * tilt).sum(-1).double() / 2
+                    weight = 2 / (1 + log_ratio.clamp(max=700).exp())
+                p, dist, used = sampler_probs(context.denoise, self.grid(), K, self.sigma_top() * eps, y, random,
+                                              self.targets, self.target_table, bridge, settings.candidates,
+                                              settings.boost, full, settings.exit_rule)
+                pair = pair + weight * p / 2
+                iters += weight * used / (2 * settings.draws)
+                if full:
+                    part = (torch.as_tensor(weight, device=y.device).float()[..., None] * dist) / (2 * settings.draws)
+                    marginal = part if marginal is None else marginal + part
+            estimates.append(pair)
+        return torch.stack(estimates), marginal, iters
+
+    @torch.no_grad()
+    def score(self, x, y, settings: ScoreSettings, generator: torch.Generator | None = None) -> dict:
+        """{k: TokenScores}: k = 0 is one call at sigma_top (ppl@0); k >= 1 the K = k sampler (ppl@k)."""
+        ks = sorted({0, *(settings.k_grid if settings.k_grid is not None else (len(self.blocks),))})
+        context, random = WindowContext(self, x), SharedGenerator(generator)
+        out = {}
+        for k in ks:
+            estimates, _, iters = self._estimates(context, y, max(k, 1), settings, random, full=False)
+            out[k] = TokenScores(*jackknife_nll(estimates))
+            if settings.exit_rule is not None:
+                settings.stats[k] = float(iters.mean())
+        return out
+
+    @torch.no_grad()
+    def token_logprobs(self, x, y, settings: ScoreSettings, num_iterations: int | None, generator=None):
+        K = num_iterations or self.iteration_limits().default_iterations
+        context, random = WindowContext(self, x), SharedGenerator(generator)
+        return self._logprobs(context, y, K, settings, random)
+
+    def _logprobs(self, context, y, K: int, settings: ScoreSettings, random) -> torch.Tensor:
+        """log of the estimated marginal (B, T, V); at the tokens y, the same jackknifed estimate `score`
+        reports, so an echo log-prob and `looped_lm eval` agree in expectation."""
+        estimates, marginal, _ = self._estimates(context, y, K, settings, random, full=True)
+        logp = marginal.clamp_min(1e-30).log()
+        nll, _ = jackknife_nll(estimates)
+        return logp.scatter(-1, y[..., None], (-nll).float()[..., None])
+
+    # --- CachedDecoding ---------------------------------------------------------------------------------
+
+    def new_cache(self, batch: int, max_len: int) -> DecodeState:
+        return DecodeState(self, batch, max_len)
+
+    def reset_rows(self, cache: DecodeState, rows) -> None:
+        cache.reset(rows)
+
+    @torch.no_grad()
+    def forward_cached(self, idx, cache: DecodeState, rows, batch: RowBatch, want_logits: bool = True):
+        """Append idx (R, n) to the rows' histories; -> (R, V) logits of each row's next token after its
+        own K-step chain (its iterations per token land in batch.iterations). Without want_logits only
+        the prelude runs: the blocks catch up when a chain next calls them."""
+        sel = cache.append(self, idx, rows)
+        if not want_logits:
+            return None
+        context = CachedContext(self, cache, sel)
+        z = batch.noise if batch.noise is not None else self.initial_noise(len(sel), 1, batch.random, idx.device)
+        result = run_chain(context.denoise, self.grid(), batch.settings, z, batch.random, self.targets,
+                           self.target_table)
+        batch.iterations = result.iterations[:, 0]
+        return result.logits[:, 0]
+
+    @torch.no_grad()
+    def next_token_logprobs(self, cache: DecodeState, rows, logits, tokens, batch: RowBatch,
+                            settings: ScoreSettings) -> torch.Tensor:
+        """(R, V) log-probs of each row's next token under its K-step sampler: the marginal, estimated
+        (the chain's `logits` are one draw of it, one-hot-like after a read-back)."""
+        sel = cache.rows(rows)
+        out = torch.empty_like(logits, dtype=torch.float32)
+        by_k: dict[int, list[int]] = {}
+        for i, s in enumerate(batch.settings):
+            by_k.setdefault(s.num_iterations, []).append(i)
+        for K, members in by_k.items():
+            idx = torch.tensor(members, device=logits.device)
+            context = CachedContext(self, cache, sel[idx])
+            y = tokens[idx][:, None]
+            sub = _SubRandom(batch.random, idx)
+            out[idx] = self._logprobs(context, y, K, settings, sub)[:, 0]
+        return out
+
+
+class _SubRandom(RandomSource):
+    """Rows 0..n-1 of a sub-batch drawing from the streams of rows `idx` of the full batch."""
+
+    def __init__(self, parent: RandomSource, idx: torch.Tensor):
+        self.parent, self.idx = parent, idx
+
+    def uniform(self, rows, n, device):
+        return self.parent.uniform(self.idx[rows.to(self.idx.device)], n, device)
+
+    def normal(self, rows, shape, device):
+        return self.parent.normal(self.idx[rows.to(self.idx.device)], shape, device)
+
+
+def build(cfg: Config, vocab_size: int, state: dict | None):
+    return DiffusionBlocksLM(cfg, vocab_size, state)

@@ -1,0 +1,230 @@
+"""The DiffusionBlocks LM network (docs/method.md §4): parameters, the clean encoder, the noisy step.
+
+    tokens x_0..x_{T-1} -> embedding -> [prelude: shared, clean only] -> every block's clean input
+    block b (its own two-stream layers, then the shared coda) owns one sigma interval (block 0 = highest)
+      clean stream  causal over x, no sigma conditioning: its K/V never depend on sigma or K
+      noisy stream  slot i holds z_i (a noisy target for x_{i+1}) at RoPE position i+1; it attends clean
+                    positions <= i (and itself with noisy_self); adaLN-Zero from c_noise
+    logits: likelihood  head(norm(F)) + <z, y_v>/sigma^2      (the exact log-likelihood of z, added)
+            edm         head(norm(c_out * s*normalize(F) + c_skip * z))
+
+`db_ar` has B untied blocks; `looped_db` one weight-tied core (B = 1) between a prelude and a coda.
+This module is the network only: training (`objective.py`), decoding contexts (`contexts.py`), the chain
+and its estimator (`looped_lm/diffusion/`) are written once elsewhere.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from looped_lm import diffusion as dm
+from looped_lm.config import Config
+from looped_lm.errors import UserError
+from looped_lm.models.layers import (RotaryEmbedding, TransformerLayer, TransposedCopy, chunked, ffn_width,
+                                     init_weights, positions_after)
+from looped_lm.models.two_stream import NoiseEmbedding, TwoStreamLayer
+
+
+
+class FoldedHead(torch.autograd.Function):
+    """logits = (u + l) @ table^T in ONE product, with the gradient of the head alone: u is the head's
+    scaled unit state, l = z / sigma^2 the noise's log-likelihood direction, whose product with the
+    targets is the exact (fixed) likelihood term, so no gradient reaches the table through it."""
+
+    @staticmethod
+    def forward(ctx, u, l, table):
+        ctx.save_for_backward(u, table)
+        return (u + l) @ table.T
+
+    @staticmethod
+    def backward(ctx, grad):
+        u, table = ctx.saved_tensors
+        return grad @ table, None, grad.flatten(0, -2).T @ u.flatten(0, -2)
+
+
+class DBNetwork(nn.Module):
+    def __init__(self, cfg: Config, vocab_size: int, edges: list[float] | None = None):
+        super().__init__()
+        m, d = cfg.model, cfg.diffusion
+        self.cfg, self.vocab_size, self.n_heads = cfg, vocab_size, m.n_heads
+        self.seq_len, self.max_positions = m.seq_len, 4 * m.seq_len
+        self.sched = dm.NoiseSchedule(d.p_mean, d.p_std, d.sigma_min, d.sigma_max, d.sigma_data).validate()
+        num_blocks = 1 if m.kind == "looped_db" else d.num_blocks
+        self.set_edges(dm.check_edges(edges) if edges is not None else dm.make_edges(d.partition, num_blocks, self.sched))
+        if len(self.edges) != num_blocks + 1:
+            raise UserError(f"saved edges have {len(self.edges) - 1} blocks but the model has {num_blocks}")
+        self.noisy_self = d.noisy_self
+        self.likelihood = d.parameterization == "likelihood"
+        self.prev_token = d.noisy_input == "prev_token"
+        self.posterior_input, self.posterior_topk = d.posterior_input, d.posterior_topk
+        self.cosine_head = d.head == "cosine"
+        self.loss_chunk = m.loss_chunk  # training: (slots, V) tensors per chunk, recomputed in backward
+        self.target_scale = 1.0 if d.target_scale == "unit" else d.sigma_data * math.sqrt(m.d_model)
+
+        ffn = ffn_width(m.d_model, m.ffn_hidden)
+        per_block = m.n_layers // num_blocks
+        self.tok_emb = nn.Embedding(vocab_size, m.d_model)
+        self.prelude = nn.ModuleList(TransformerLayer(m.d_model, m.n_heads, ffn, m.norm_eps) for _ in range(m.n_prelude))
+        self.blocks = nn.ModuleList(
+            nn.ModuleList(TwoStreamLayer(m.d_model, m.n_heads, ffn, m.norm_eps) for _ in range(per_block))
+            for _ in range(num_blocks))
+        # shared coda: more two-stream layers after whichever block ran (looped_db: after the core)
+        self.coda = nn.ModuleList(TwoStreamLayer(m.d_model, m.n_heads, ffn, m.norm_eps) for _ in range(m.n_coda))
+        self.noise_emb = NoiseEmbedding(m.d_model)
+        self.norm = nn.RMSNorm(m.d_model, eps=m.norm_eps)
+        self.rope = RotaryEmbedding(m.d_model // m.n_heads, self.max_positions + 1, m.rope_theta)
+        if self.cosine_head:  # logits = exp(log_scale) * cos(norm(h), y_v); starts at sqrt(d), a unit-variance logit
+            self.log_scale = nn.Parameter(torch.tensor(0.5 * math.log(m.d_model)))
+        init_weights(self, m.init_std, per_block + m.n_prelude + m.n_coda)
+        # inference: contiguous transposes of the head and of the target table (faster products)
+        self.head_t, self.targets_t = TransposedCopy(), TransposedCopy(self._normalized)
+        for layer in [*self.coda, *(layer for block in self.blocks for layer in block)]:  # adaLN-Zero
+            nn.init.zeros_(layer.ada.weight)
+            nn.init.zeros_(layer.ada.bias)
+
+    def set_edges(self, edges: list[float]) -> None:
+        self.edges = list(edges)
+        self.train_ranges = dm.widen(self.edges, self.cfg.diffusion.overlap)  # by block, block 0 = highest sigma
+
+    def layers_of(self, b: int) -> list:
+        """The denoiser for block b: its own layers, then the shared coda."""
+        return [*self.blocks[b], *self.coda]
+
+    # --- targets and the noise's likelihood -------------------------------------------------------
+
+    def targets(self, ids: torch.Tensor) -> torch.Tensor:
+        """y = s * normalize(E[ids]): the clean points of the noisy stream (no gradient into E)."""
+        return self.target_scale * F.normalize(self.tok_emb.weight[ids].detach().float(), dim=-1)
+
+    def _normalized(self, table: torch.Tensor) -> torch.Tensor:
+        return self.target_scale * F.normalize(table.float(), dim=-1)
+
+    def target_table(self) -> torch.Tensor:
+        return self._normalized(self.tok_emb.weight.detach())
+
+    def token_loglik(self, z, sigma):
+        """log p(z | token v) up to a constant, for every v: <z, y_v> / sigma^2 (B, n, V), exact because
+        every target has the same norm. Added to the logits with parameterization: likelihood (Bayes:
+        posterior = context prior x likelihood), so no block has to read the token back from z."""
+        table_t = self.targets_t(self.tok_emb.weight) if not torch.is_grad_enabled() else self.target_table().T
+        return (z.float() @ table_t) / sigma.float()[:, None, None] ** 2
+
+    def posterior_embedding(self, loglik):
+        """The embedding expected under z's likelihood: softmax(loglik) @ E, exactly (posterior_input full /
+        detached), or its top-k tokens exactly plus the rest's mass on the mean of the other rows (topk).
+        The top-k error is at most rest_mass * max_v |E_v - mean of the rest| (tests/test_dblm.py)."""
+        table = self.tok_emb.weight if self.posterior_input == "full" else self.tok_emb.weight.detach()
+        p = loglik.softmax(-1).to(table.dtype)
+        if self.posterior_input != "topk" or self.posterior_topk >= p.shape[-1]:
+            return p @ table
+        k = self.posterior_topk
+        top_p, top_i = p.topk(k, dim=-1)
+        rest = (1 - top_p.sum(-1, keepdim=True)).clamp_min(0)
+        total = table.sum(0)
+        rest_mean = (total - table[top_i].sum(-2)) / (table.shape[0] - k)  # mean of the rows not listed
+        return (top_p.unsqueeze(-1) * table[top_i]).sum(-2) + rest * rest_mean
+
+    # --- the noisy step ---------------------------------------------------------------------------
+
+    def noisy_input(self, z, sigma, prev=None):
+        """(the noisy stream's input, its conditioning from c_noise, z's log-likelihood or None).
+        Input: c_in*z (edm), or the embedding expected under z's likelihood (likelihood: no raw noise
+        enters the residual stream); + E[previous token] with noisy_input: prev_token."""
+        _, _, c_in, c_noise = dm.edm_scalings(sigma, self.sched.sigma_data)
+        loglik = None
+        if self.likelihood and self.posterior_input != "full":  # forward-only: no gradient into the table
+            with torch.no_grad():
+                h = self.posterior_embedding(self.token_loglik(z, sigma))
+        elif self.likelihood and self.chunking():  # the head recomputes the likelihood per chunk
+            h = chunked(lambda z_: self.posterior_embedding(self.token_loglik(z_, sigma)), self.loss_chunk, z)
+        elif self.likelihood:
+            loglik = self.token_loglik(z, sigma)
+            h = self.posterior_embedding(loglik)
+        else:
+            h = (c_in.to(z.dtype)[:, None, None] * z).to(self.tok_emb.weight.dtype)
+        if prev is not None and self.prev_token:
+            h = h + self.tok_emb(prev)
+        return h, self.noise_emb(c_noise.to(z.device)), loglik
+
+    def denoise_logits(self, h_noisy, z, sigma, loglik=None):
+        """Block output F (B, n, C) at noise sigma (B,) -> logits (B, n, V)."""
+        if self.likelihood and self.cosine_head:  # <scale*u + z/sigma^2, y_v>: one product
+            return FoldedHead.apply(self.cosine_state(h_noisy), z.float() / sigma.float()[:, None, None] ** 2,
+                                    self.unit_table())
+        if self.likelihood:
+            loglik = self.token_loglik(z, sigma) if loglik is None else loglik
+            return self.tied_head(h_noisy).float() + loglik
+        c_skip, c_out, _, _ = (c.to(z.dtype)[:, None, None] for c in dm.edm_scalings(sigma, self.sched.sigma_data))
+        h = c_out * self.target_scale * F.normalize(h_noisy, dim=-1) + c_skip * z
+        if self.cosine_head:
+            return self.cosine_state(h) @ self.unit_table().T
+        return self.tied_head(h.to(self.tok_emb.weight.dtype))
+
+    def tied_head(self, h):
+        """norm(h) @ E^T: through a cached contiguous transpose at inference."""
+        if torch.is_grad_enabled():
+            return F.linear(self.norm(h), self.tok_emb.weight)
+        return self.norm(h) @ self.head_t(self.tok_emb.weight)
+
+    def cosine_state(self, h):
+        """The cosine head's side: exp(log_scale) * normalize(norm(h))."""
+        return self.log_scale.exp() * F.normalize(self.norm(h).float(), dim=-1)
+
+    def unit_table(self):
+        """The targets with their gradient: what the cosine head compares against (= target_table)."""
+        return self.target_scale * F.normalize(self.tok_emb.weight.float(), dim=-1)
+
+    def chunking(self) -> bool:
+        return bool(self.loss_chunk) and torch.is_grad_enabled()
+
+    # --- the two streams ----------------------------------------------------------------------------
+
+    def clean_inputs(self, idx, caches=None, rows=None) -> torch.Tensor:
+        """Token ids (R, n) -> the clean stream every block starts from (embedding + shared prelude)."""
+        x = self.tok_emb(idx)
+        if not self.prelude:
+            return x
+        positions = positions_after(caches[0].lengths, rows, idx.shape[1], idx.device) if caches else \
+            torch.arange(idx.shape[1], device=idx.device)
+        cos, sin = self.rope(positions)
+        for i, layer in enumerate(self.prelude):
+            x = layer(x, cos, sin, caches[i] if caches else None, rows)
+        return x
+
+    def clean_kv(self, b: int, clean, positions, caches=None, rows=None) -> list:
+        """THE clean encoder: block b's clean stream over `clean` (R, n, C) at `positions` -> per layer
+        (keys, values): the window's, or with `caches`, everything each row holds after appending these
+        tokens (a row's unfilled tail is masked by its cache's lengths). The block's last layer only
+        yields K/V: nobody reads its clean output."""
+        cos, sin = self.rope(positions)
+        layers, out = self.layers_of(b), []
+        for i, layer in enumerate(layers):
+            cache = caches[i] if caches else None
+            clean, k, v = layer.clean(clean, cos, sin, cache, rows, need_output=i + 1 < len(layers))
+            out.append((k, v))
+        return out
+
+    def fused_pass(self, b: int, clean, clean_pos, caches, rows, z, sigma, prev, noisy_pos):
+        """Decoding: block b's pending clean tokens (appended to `caches`) and the noisy slots z in one
+        weight pass per layer (`TwoStreamLayer.fused`) -> the slots' logits. Equal to `clean_kv` then
+        `noisy_pass`."""
+        h, cond, loglik = self.noisy_input(z, sigma, prev)
+        clean_rope, noisy_rope = self.rope(clean_pos), self.rope(noisy_pos)
+        layers = self.layers_of(b)
+        for i, (layer, cache) in enumerate(zip(layers, caches)):
+            clean, h = layer.fused(clean, h, cond, clean_rope, noisy_rope, cache, rows, self.noisy_self,
+                                   need_clean_output=i + 1 < len(layers))
+        return self.denoise_logits(h, z, sigma, loglik)
+
+    def noisy_pass(self, b: int, z, sigma, prev, noisy_pos, kv: list, mask, head: bool = True):
+        """THE noisy step: slots z (R, n, d) at sigma (R,) through block b against its clean K/V
+        (one (k, v) per layer) -> logits (R, n, V), or the slots' states with head=False."""
+        h, cond, loglik = self.noisy_input(z, sigma, prev)
+        cos, sin = self.rope(noisy_pos)
+        for layer, (k, v) in zip(self.layers_of(b), kv):
+            h = layer.noisy(h, cond, cos, sin, k, v, mask, self.noisy_self)
+        return self.denoise_logits(h, z, sigma, loglik) if head else h

@@ -1,0 +1,118 @@
+"""The DiffusionBlocks training objective (docs/method.md §3): ONE block per step, ONE forward pass.
+
+A step picks block b from (step, seed) alone (every rank agrees), draws sigma per sample from b's
+widened interval, noises the next-token targets, runs b's two streams, and takes the noisy slots' CE.
+`block_sampling: loss_share` picks blocks in proportion to their share of the held-out CE drop, from a
+CE(sigma) curve the trainer re-measures every `diffusion.curve_every` steps.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from looped_lm import diffusion as dm
+from looped_lm.diffusion import ce_curve
+from looped_lm.models.db.contexts import WindowContext
+from looped_lm.models.layers import chunked, token_cross_entropy
+from looped_lm.models.two_stream import slot_mask
+
+
+class BlockObjective:
+    def __init__(self, net, trainable_blocks: list[int]):
+        self.net, self.cfg = net, net.cfg.diffusion
+        self.trainable_blocks = trainable_blocks
+        self.curve: dict | None = None  # {"sigmas": [...], "ce": [...]} once measured
+
+    # --- which block, which sigma -------------------------------------------------------------------
+
+    def choose_block(self, step: int, seed: int) -> int:
+        """The block trained at `step`: the same on every rank (it depends on step and seed only)."""
+        sampling, blocks = self.cfg.block_sampling, self.trainable_blocks
+        if sampling == "round_robin":
+            return blocks[step % len(blocks)]
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        if sampling == "loss_share" and self.curve is not None:
+            shares = ce_curve.block_shares(self.net.edges, self.curve["sigmas"], self.curve["ce"])
+            weights = torch.tensor([shares[b] for b in blocks], dtype=torch.float64) + 1e-3  # never starve one
+            return blocks[int(torch.multinomial(weights, 1, generator=g))]
+        return blocks[int(torch.randint(len(blocks), (1,), generator=g))]
+
+    def uses_curve(self) -> bool:
+        return self.cfg.block_sampling == "loss_share" and len(self.trainable_blocks) > 1
+
+    def loss_weights(self, sigma, b: int):
+        kind = self.cfg.loss_weight
+        if kind == "none":
+            return torch.ones_like(sigma)
+        w = dm.edm_weight(sigma, self.net.sched.sigma_data).to(sigma.dtype) / dm.edm_loss_weight_normaliser(
+            *self.net.train_ranges[b], self.net.sched)
+        return w if kind == "edm" else w.mean().expand_as(w)
+
+    # --- the loss ---------------------------------------------------------------------------------------
+
+    def slot_losses(self, x, y, b: int, sigma, noise, slots=None, clean_lm: bool = False):
+        """CE (B, n) of block b's noisy slots predicting y at the given slots (None = every position),
+        with z = y_target + sigma * noise. Deterministic given its inputs: the leak tests perturb x and y
+        elsewhere and check a slot's loss does not move. With clean_lm, also the clean stream's own
+        next-token CE (B, T)."""
+        net = self.net
+        T = x.shape[1]
+        if slots is None:
+            slots = torch.arange(T, device=x.device)
+            targets, prev = y, x
+        else:
+            targets, prev = y.gather(1, slots), x.gather(1, slots)
+        z = net.targets(targets) + sigma[:, None, None] * noise
+        clean = net.clean_inputs(x)
+        positions = torch.arange(T, device=x.device)
+        kv = net.clean_kv(b, clean, positions) if not clean_lm else None
+        if clean_lm:  # the clean stream's output is needed too: run the layers in full
+            kv, h_clean = [], clean
+            cos, sin = net.rope(positions)
+            for layer in net.layers_of(b):
+                h_clean, k, v = layer.clean(h_clean, cos, sin)
+                kv.append((k, v))
+        mask = slot_mask(slots, T, net.noisy_self)
+        if net.chunking():  # the slots' states, then head + CE chunk by chunk
+            h = net.noisy_pass(b, z, sigma, prev, slots + 1, kv, mask, head=False)
+            ce = chunked(lambda h_, z_, t_: token_cross_entropy(net.denoise_logits(h_, z_, sigma), t_),
+                         net.loss_chunk, h, z, targets)
+        else:
+            ce = token_cross_entropy(net.noisy_pass(b, z, sigma, prev, slots + 1, kv, mask), targets)
+        if not clean_lm:
+            return ce
+        return ce, token_cross_entropy(F.linear(net.norm(h_clean), net.tok_emb.weight), y)
+
+    def training_loss(self, x, y, step: int, seed: int):
+        b = self.choose_block(step, seed)
+        Bsz, T = x.shape
+        sigma = dm.sample_sigma(Bsz, *self.net.train_ranges[b], self.net.sched, device=x.device)
+        n = max(1, round(self.cfg.target_fraction * T))
+        slots = None if n == T else torch.rand(Bsz, T, device=x.device).argsort(dim=1)[:, :n].sort(dim=1).values
+        noise = torch.randn(Bsz, n, self.net.tok_emb.weight.shape[1], device=x.device)
+        clean_w = self.cfg.clean_lm_weight
+        out = self.slot_losses(x, y, b, sigma, noise, slots, clean_lm=bool(clean_w))
+        ce, clean_ce = out if clean_w else (out, None)
+        ce = ce.mean(dim=1)  # (B,)
+        loss = (ce * self.loss_weights(sigma, b)).mean()
+        metrics = {"block": b, f"loss_block{b}": float(ce.detach().mean()), "sigma_mean": float(sigma.mean())}
+        if clean_w:  # an ordinary next-token loss on the block's clean stream
+            loss = loss + clean_w * clean_ce.mean()
+            metrics["clean_lm_loss"] = float(clean_ce.detach().mean())
+        return loss, metrics
+
+    # --- the measured CE(sigma) curve ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def measure_curve(self, x, y, seed: int, n_sigma: int = 24) -> dict:
+        """Held-out CE at each sigma of a log grid, each from the block that owns it, one draw."""
+        net = self.net
+        g = torch.Generator(device=x.device).manual_seed(seed)
+        window, y_emb = WindowContext(net, x), net.targets(y)
+        sigmas, ce = ce_curve.sigma_grid(net.sched, n_sigma), []
+        for s in sigmas:
+            z = y_emb + s * torch.randn(y_emb.shape, device=x.device, generator=g)
+            logits = window.denoise(dm.route_sigma(s, net.edges), z, torch.full((x.shape[0],), s, device=x.device))
+            ce.append(float(token_cross_entropy(logits, y).mean()))
+        return {"sigmas": sigmas, "ce": ce}

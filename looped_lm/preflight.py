@@ -1,0 +1,214 @@
+"""What a run checks before a process group, a model or a launcher exists (no torch needed).
+
+`preflight(cfg)` checks what the run reads and writes: the tokenizer, the data (tokenized once into the
+cache, both token files checked against the model), train.out_dir (created, writable), and the
+checkpoint a resume continues from: every file verified, its model and optimizer layout the same, and
+a changed seed, global batch, grad_accum, data or tokenizer refused with the list of differences unless
+train.resume_changes: allow. It never starts over silently: step directories it cannot use are named.
+Then it removes what interrupted saves left, and says so. `looped_lm train` runs it before starting the
+launcher, and the trainer's rank 0 again, so a bad run fails in seconds with one line.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from looped_lm import checkpoint as ckpt_io
+from looped_lm.config import Config
+from looped_lm.errors import UserError
+
+RESUMING_WITH = "resuming with changes (train.resume_changes: allow)"
+
+
+@dataclass
+class Plan:
+    """What preflight found: the run's vocabulary, prepared data and the checkpoint it resumes from."""
+
+    vocab_size: int
+    tokenizer: str
+    data_dir: str
+    resume: str | None = None
+    manifest: dict | None = None
+    notes: list[str] = field(default_factory=list)
+    changes: list[str] = field(default_factory=list)  # what a resume allowed to change
+
+
+def data_source_string(cfg: Config) -> str:
+    d = cfg.data
+    return {"bible": "bible", "shakespeare": "shakespeare", "files": d.path, "hf": f"hf:{d.path}",
+            "bin": d.path}[d.source]
+
+
+def prepare_data(cfg: Config, vocab_size: int) -> Path:
+    """Tokenize the corpus once into the cache and check both token files against the model."""
+    from looped_lm.data.bin_dataset import TokenStream
+    from looped_lm.data.prepare import ensure_prepared
+
+    if cfg.data.source == "bin":
+        root = Path(cfg.data.path)
+        for split in ("train.bin", "val.bin"):
+            if not (root / split).is_file():
+                raise UserError(f"data.path {root} has no {split} (expected nanoGPT's train.bin / val.bin)")
+    data_dir = Path(ensure_prepared(data_source_string(cfg), cfg.data.cache_dir, cfg.data.tokenizer,
+                                    cfg.data.val_fraction, cfg.train.seed))
+    for split in ("train.bin", "val.bin"):
+        TokenStream(str(data_dir / split), cfg.model.seq_len, vocab_size)
+    return data_dir
+
+
+def preflight(cfg: Config, verify: bool = True, world_size: int | None = None) -> Plan:
+    """Check the run (world_size None: the checks that depend on it wait for the launcher's count)."""
+    from looped_lm.data.tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer(cfg.data.tokenizer)
+    vocab_size = cfg.model.vocab_size or tokenizer.vocab_size
+    if vocab_size < tokenizer.vocab_size:
+        raise UserError(f"model.vocab_size ({vocab_size}) is smaller than the {tokenizer.name} tokenizer's "
+                        f"{tokenizer.vocab_size}")
+    out_dir = Path(cfg.train.out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"train.out_dir {out_dir} is a file, not a directory")
+    plan = Plan(vocab_size, tokenizer.name, "")
+    resume = find_resume(cfg, out_dir)
+    try:  # cheap checks first (the manifest against this config), the files' hashes after the data
+        if resume is not None:
+            plan.resume, plan.manifest = str(resume), ckpt_io.read_manifest(resume, verify)
+            notes = check_resume(plan.manifest, cfg, vocab_size, world_size, resume)
+            plan.notes += notes
+            plan.changes = [c for n in notes if n.startswith(RESUMING_WITH)
+                            for c in n.removeprefix(f"{RESUMING_WITH}: ").split("; ")]
+        plan.data_dir = str(prepare_data(cfg, vocab_size))
+        if resume is not None:
+            ckpt_io.verify_checkpoint(resume, verify, ranks=world_size)
+    except UserError as e:
+        if resume is None or str(e).startswith("cannot resume"):
+            raise
+        raise UserError(f"cannot resume: {e}{_older_hint(out_dir, resume)}") from None
+    ensure_writable(out_dir)
+    plan.notes += tidy_out_dir(out_dir)
+    return plan
+
+
+def find_resume(cfg: Config, out_dir: Path) -> Path | None:
+    """The checkpoint to continue from; never a silent fresh start over step directories it cannot use."""
+    r = cfg.train.resume
+    if r == "never":
+        return None
+    if r != "auto":
+        return ckpt_io.resolve_checkpoint(r)
+    steps = ckpt_io.step_dirs(out_dir)
+    if not steps:
+        return None
+    complete = ckpt_io.list_checkpoints(out_dir)
+    if not complete or steps[-1] != complete[-1]:
+        older = f"; the newest complete one is {complete[-1]} (train.resume={complete[-1]})" if complete else ""
+        raise UserError(f"cannot resume: {steps[-1]} has no {ckpt_io.MANIFEST} (not a complete checkpoint){older}; "
+                        "delete it, or set train.resume: never to start over")
+    return complete[-1]
+
+
+def _older_hint(out_dir: Path, refused: Path) -> str:
+    older = [p for p in ckpt_io.list_checkpoints(out_dir) if p.resolve() != Path(refused).resolve()
+             and ckpt_io.step_of(p) < (ckpt_io.step_of(Path(refused)) or 0)]
+    return f" (an older checkpoint: train.resume={older[-1]})" if older else ""
+
+
+# settings that a resume may change without notice (inference-time or logging)
+_FREE_TO_CHANGE = {"model": {"num_iterations", "bridge", "max_iterations"},
+                   "diffusion": {"num_iterations", "bridge", "last_call", "sample_top_quantile"}}
+
+
+def check_resume(manifest: dict, cfg: Config, vocab_size: int, world_size: int | None,
+                 path: Path) -> list[str]:
+    """Refuse a checkpoint this run cannot continue exactly; return notes on allowed changes.
+
+    The model, vocabulary and optimizer layout must match. A changed seed, global batch, grad_accum,
+    data or tokenizer is refused unless train.resume_changes is allow. world_size None: the caller
+    does not know it yet (checked again by the trainer)."""
+    saved, mine = manifest["config"], cfg.to_dict()
+    saved_world = manifest.get("world_size", 1)
+    for section in ("model", "diffusion"):
+        for key, value in saved.get(section, {}).items():
+            if key not in _FREE_TO_CHANGE[section] and mine[section].get(key) != value:
+                raise UserError(f"cannot resume from checkpoint: {section}.{key} is {value!r} there but "
+                                f"{mine[section].get(key)!r} in this config")
+    if manifest["vocab_size"] != vocab_size:
+        raise UserError(f"cannot resume: the checkpoint's vocab_size {manifest['vocab_size']} differs from this "
+                        f"run's {vocab_size}")
+    for key, why in (("zero_stage", "their optimizer files differ"), ("bf16", "its optimizer keeps other state")):
+        was, now = saved.get("deepspeed", {}).get(key), mine["deepspeed"][key]
+        if was != now:
+            raise UserError(f"cannot resume: the checkpoint was written with deepspeed.{key} {was}, this run uses "
+                            f"{now} ({why})")
+    if world_size is not None and mine["deepspeed"]["zero_stage"] > 0 and saved_world != world_size:
+        raise UserError(f"cannot resume: the checkpoint's ZeRO optimizer state is partitioned over {saved_world} "
+                        f"ranks, this run has world size {world_size}")
+    st, t = saved.get("train", {}), cfg.train
+    world = world_size or saved_world
+    changes = []
+    if st.get("seed") != t.seed:
+        changes.append(f"train.seed {st.get('seed')} -> {t.seed}")
+    before = st.get("batch_size", 0) * st.get("grad_accum", 0) * saved_world
+    after = t.batch_size * t.grad_accum * world
+    if before != after:
+        changes.append(f"global batch {before} -> {after} sequences (batch_size x grad_accum x world size)")
+    if st.get("grad_accum") != t.grad_accum:
+        changes.append(f"train.grad_accum {st.get('grad_accum')} -> {t.grad_accum}")
+    for key in ("source", "path", "tokenizer", "val_fraction"):
+        was, now = saved.get("data", {}).get(key), mine["data"][key]
+        if was != now:
+            changes.append(f"data.{key} {was!r} -> {now!r}")
+    if changes and t.resume_changes != "allow":
+        raise UserError(f"cannot resume from {path}: this run changes {'; '.join(changes)}; set "
+                        "train.resume_changes: allow to go on with them, or train.resume: never to start over")
+    notes = [f"{RESUMING_WITH}: {'; '.join(changes)}"] if changes else []
+    if world_size is not None and world_size != saved_world:
+        notes.append(f"world size {saved_world} -> {world_size}: the optimizer state is whole (ZeRO 0), "
+                     "ranks without a saved RNG state start theirs from the seed")
+    return notes
+
+
+def ensure_writable(out_dir: Path) -> None:
+    probe = out_dir / f".write-test-{os.getpid()}"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"train.out_dir {out_dir} is not writable: {describe_os_error(e, out_dir)}") from None
+
+
+def tidy_out_dir(out_dir: Path) -> list[str]:
+    """Remove what interrupted saves left (temp dirs; step dirs without a manifest that are older than
+    the newest complete checkpoint) and say so."""
+    notes = []
+    for tmp in sorted(out_dir.glob(".tmp-step_*")) + sorted(out_dir.glob(".old-step_*")):
+        shutil.rmtree(tmp, ignore_errors=True)
+        notes.append(f"removed {tmp} (left by an interrupted save)")
+    newest = ckpt_io.latest_checkpoint(out_dir)
+    for orphan in ckpt_io.step_dirs(out_dir):
+        if newest is not None and ckpt_io.step_of(orphan) < ckpt_io.step_of(newest) \
+                and not (orphan / ckpt_io.MANIFEST).is_file():
+            shutil.rmtree(orphan, ignore_errors=True)
+            notes.append(f"removed {orphan}: no {ckpt_io.MANIFEST} (an interrupted save or prune), and {newest} "
+                         "is newer")
+    return notes
+
+
+def describe_os_error(e: BaseException, subject: Path | None = None) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        other = e.filename is not None and (subject is None or Path(e.filename) != Path(subject))
+        return f"{e.strerror} ({e.filename})" if other else e.strerror
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def nothing_to_train(plan: Plan, cfg: Config) -> str | None:
+    """The line to print when the checkpoint resumed is already at train.max_steps (or past it)."""
+    if plan.manifest is None or plan.manifest["step"] < cfg.train.max_steps:
+        return None
+    return (f"nothing to train: {plan.resume} is at step {plan.manifest['step']} and train.max_steps is "
+            f"{cfg.train.max_steps}")

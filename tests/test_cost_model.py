@@ -1,0 +1,189 @@
+"""bench/cost_model.py counts what the model code does: its matmul FLOPs equal torch's FlopCounterMode on
+the real code (fwd + bwd of `training_loss` for one block's step; `forward_cached` for one decoded token
+after a cached prompt), within TOL. Attention runs on torch's math SDPA kernel here, which the counter
+sees as dense bmm over the whole (queries x keys) rectangle, hence `attention="dense"`. Only matmuls are
+compared: norms, RoPE, softmax, cross-entropy and elementwise ops are not counted by either side."""
+
+import importlib.util
+import sys
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from looped_lm.config import config_from_dict
+from looped_lm.models import build_model
+from looped_lm.models.contract import Iterative
+from looped_lm.models.huginn import sample_recurrence
+from looped_lm.models.layers import ffn_width
+from looped_lm.models.two_stream import noisy_mask
+from looped_lm.sampling import PLAIN, SharedGenerator
+from looped_lm.settings import RowBatch, resolve_settings
+
+TOL = 1e-3  # relative; the counts agree exactly today, TOL only absorbs float rounding of large sums
+_spec = importlib.util.spec_from_file_location("cost_model", Path(__file__).parents[1] / "bench" / "cost_model.py")
+cm = sys.modules.setdefault("cost_model", importlib.util.module_from_spec(_spec))  # dataclasses look it up
+_spec.loader.exec_module(cm)
+
+SHAPES = [cm.Shape(d=32, layers=4, heads=4, vocab=97, seq=24, batch=2),
+          cm.Shape(d=48, layers=2, heads=3, vocab=61, seq=20, batch=3, ffn=80)]
+
+
+@contextmanager
+def counting():
+    counter = FlopCounterMode(display=False)
+    with sdpa_kernel(SDPBackend.MATH), counter:
+        yield counter
+
+
+def build(kind, s, lay=None, **model_extra):
+    model = {"kind": kind, "n_layers": s.layers, "d_model": s.d, "n_heads": s.heads, "seq_len": s.seq,
+             "ffn_hidden": s.ffn, "n_prelude": s.prelude, "n_coda": s.coda, **model_extra}
+    diffusion = {}
+    if lay is not None:
+        model["loss_chunk"] = lay.loss_chunk
+        diffusion = {"num_blocks": lay.blocks, "target_fraction": lay.target_fraction,
+                     "parameterization": lay.parameterization, "noisy_self": lay.noisy_self,
+                     "block_sampling": "round_robin", "clean_lm_weight": 0.5 if lay.clean_lm else 0.0}
+    torch.manual_seed(0)
+    return build_model(config_from_dict({"model": model, "diffusion": diffusion}), s.vocab)
+
+
+def step_flops(model, s, step):
+    g = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, s.vocab, (s.batch, s.seq), generator=g) for _ in range(2))
+    with counting() as c:
+        loss, _ = model.training_loss(x, y, step, seed=0)
+        loss.backward()
+    return c.get_total_flops()
+
+
+def decode_flops(model, s, context, rows, num_iterations=None, bridge=None):
+    """FLOPs of forward_cached for one new token per row after `context` cached prompt tokens."""
+    ids = torch.randint(0, s.vocab, (rows, context + 1), generator=torch.Generator().manual_seed(2))
+    cache = model.new_cache(rows, context + 8)
+    limits = model.iteration_limits() if isinstance(model, Iterative) else None
+    settings = resolve_settings(limits, num_iterations=num_iterations, bridge=bridge, sampling=PLAIN)
+    batch = RowBatch.uniform(settings, rows, SharedGenerator(torch.Generator().manual_seed(3)))
+    with torch.no_grad():
+        model.forward_cached(ids[:, :context], cache, None, batch)
+        with counting() as c:
+            model.forward_cached(ids[:, context:], cache, None, batch)
+    return c.get_total_flops()
+
+
+def close(measured, analytic):
+    assert measured > 0
+    assert abs(measured - analytic) <= TOL * measured, f"FlopCounterMode {measured:,} vs cost model {analytic:,.0f}"
+
+
+def test_ffn_rule_matches_the_model():
+    for d in (32, 48, 100, 256, 768):
+        assert cm.ffn_width(d) == ffn_width(d, 0)
+
+
+@pytest.mark.parametrize("s", SHAPES)
+@pytest.mark.parametrize("chunk", [0, 8])
+def test_gpt_training_step(s, chunk):
+    close(step_flops(build("gpt", s, loss_chunk=chunk), s, 0), cm.gpt_train(s, chunk, "dense").total())
+
+
+DB_LAYOUTS = [
+    cm.DBLayout(blocks=2),  # the shipped layout: likelihood, no self key
+    cm.DBLayout(blocks=2, parameterization="edm", noisy_self=True),  # the paper's
+    cm.DBLayout(blocks=2, loss_chunk=8),
+    cm.DBLayout(blocks=2, parameterization="edm", loss_chunk=8),
+    cm.DBLayout(blocks=2, target_fraction=0.25),
+    cm.DBLayout(blocks=2, target_fraction=0.5, noisy_self=True, loss_chunk=4),
+    cm.DBLayout(blocks=2, target_fraction=0.25, loss_chunk=8),  # 6 slots: one chunk, no recompute
+    cm.DBLayout(blocks=2, clean_lm=True),
+]
+
+
+@pytest.mark.parametrize("lay", DB_LAYOUTS, ids=lambda lay: "-".join(
+    f"{k}={v}" for k, v in vars(lay).items() if v != getattr(cm.DBLayout(blocks=2), k)) or "shipped")
+def test_db_ar_training_step_of_every_block(lay):
+    s = replace(SHAPES[0], prelude=1)
+    model = build("db_ar", s, lay)
+    for b in range(lay.blocks):  # round-robin: step b trains block b
+        close(step_flops(model, s, b), cm.db_train(s, lay, b, "dense").total())
+
+
+def test_looped_db_training_step():
+    s = replace(SHAPES[1], prelude=1, coda=1)
+    lay = cm.DBLayout(blocks=1, loss_chunk=8)
+    close(step_flops(build("looped_db", s, lay), s, 0), cm.db_train(s, lay, 0, "dense").total())
+
+
+def test_huginn_training_step():
+    s = replace(SHAPES[0], layers=1, prelude=1, coda=1)
+    model = build("huginn", s, mean_recurrence=4, backprop_depth=2)
+    for step in (0, 1, 2):
+        r = sample_recurrence(4, torch.Generator().manual_seed(0 * 1_000_003 + step))  # training_loss's draw
+        close(step_flops(model, s, step), cm.huginn_train(s, r, 2, "dense").total())
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gpt_decode_token(rows):
+    s = SHAPES[0]
+    close(decode_flops(build("gpt", s), s, 10, rows), cm.gpt_decode(s, 10, rows).total())
+
+
+def blocks_visited(model, K):
+    return len(set(model.grid().blocks(K)))
+
+
+@pytest.mark.parametrize("lay,K,bridge", [
+    (cm.DBLayout(blocks=2), 2, "hard"),
+    (cm.DBLayout(blocks=2), 5, "soft"),
+    (cm.DBLayout(blocks=2, parameterization="edm", noisy_self=True), 2, "sample"),
+    (cm.DBLayout(blocks=2, parameterization="edm"), 1, "hard"),
+])
+def test_db_decode_token(lay, K, bridge):
+    s = replace(SHAPES[0], prelude=1)
+    model = build("db_ar", s, lay).eval()
+    visited = blocks_visited(model, K)
+    for rows in (1, 3):
+        measured = decode_flops(model, s, 10, rows, num_iterations=K, bridge=bridge)
+        close(measured, cm.db_decode(s, lay, K, 10, rows, bridge, blocks_visited=visited).total())
+
+
+def test_looped_db_and_huginn_decode_token():
+    s = replace(SHAPES[1], prelude=1, coda=1)
+    lay = cm.DBLayout(blocks=1)
+    model = build("looped_db", s, lay).eval()
+    close(decode_flops(model, s, 7, 2, num_iterations=3, bridge="hard"), cm.db_decode(s, lay, 3, 7, 2).total())
+    huginn = build("huginn", s, mean_recurrence=3, backprop_depth=2).eval()
+    close(decode_flops(huginn, s, 7, 2, num_iterations=3), cm.huginn_decode(s, 3, 7, 2).total())
+
+
+@pytest.mark.parametrize("noisy_self", [False, True])
+def test_visible_pairs_are_the_masks(noisy_self):
+    """attention="visible" counts the keys each noisy slot's mask lets through (f = 1)."""
+    T, s = 24, SHAPES[0]
+    lay = cm.DBLayout(blocks=1, noisy_self=noisy_self)
+    mask = noisy_mask(torch.arange(T), T)  # slot i: clean keys <= i, and its own key
+    visible = int(mask.sum()) - (0 if noisy_self else T)
+    one_layer = replace(s, layers=1, seq=T, batch=1)
+    dense = cm.db_train(one_layer, lay, attention="dense").fwd["attn_scores"]
+    floor = cm.db_train(one_layer, lay, attention="visible").fwd["attn_scores"]
+    clean_pairs = 0  # the block's only clean layer stops at K/V: no clean attention
+    assert floor == pytest.approx(4 * s.d * (visible + clean_pairs))
+    assert dense == 4 * s.d * T * (T + (T if noisy_self else 0))
+
+
+def test_the_table_states_its_ratios(tmp_path):
+    out = tmp_path / "cost.json"
+    assert cm.main(["table", "--json", str(out)]) == 0
+    import json
+
+    data = json.loads(out.read_text())
+    shipped = [r for r in data["train"] if r["layout"].startswith("shipped") and r["shape"].startswith("d256")]
+    assert {(r["target_fraction"], r["loss_chunk"]) for r in shipped} == {(1.0, 0), (1.0, 128), (0.25, 0), (0.25, 128)}
+    # B one-block steps cost more than one gpt step, and the layers alone cost less than twice as much
+    assert all(r["ratio"] > 1 and r["layers_ratio"] < 2.2 for r in shipped)
+    assert {r["batch"] for r in data["decode"]} == {1, 8}
