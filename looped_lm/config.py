@@ -425,8 +425,9 @@ def validate_module(cfg: Config) -> None:
                  f"({m.n_layers}): every block needs at least one layer")
         _require(m.n_layers % d.num_blocks == 0,
                  f"diffusion.num_blocks ({d.num_blocks}) must divide model.n_layers ({m.n_layers})")
-    _require(d.block_sampling in ("uniform", "round_robin"), f"diffusion.block_sampling {d.block_sampling} is for "
-             f"the language models; {m.kind} takes uniform or round_robin")
+    _require(d.block_sampling in ("uniform", "round_robin"), f"diffusion.block_sampling {d.block_sampling} (the "
+             f"default) is for the language models; set diffusion.block_sampling: uniform (the paper) or round_robin "
+             f"for {m.kind}")
     blocks = 1 if m.end_to_end else d.num_blocks
     if d.num_iterations:
         _require(d.num_iterations >= blocks, f"diffusion.num_iterations ({d.num_iterations}) must be >= the number of "

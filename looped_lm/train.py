@@ -174,8 +174,8 @@ def refresh_curve(model, val_stream, cfg: Config, device, rank: int, step: int) 
     if rank == 0:
         was_training = model.training
         model.eval()
-        x, y = val_stream.get_batch(cfg.train.batch_size, cfg.train.seed, -2, 0, 0)
-        curve[0] = model.measure_curve(x.to(device), y.to(device), seed=cfg.train.seed + step)
+        x, y = on_device(val_stream.get_batch(cfg.train.batch_size, cfg.train.seed, -2, 0, 0), device)
+        curve[0] = model.measure_curve(x, y, seed=cfg.train.seed + step)
         model.train(was_training)
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(curve, src=0)
@@ -205,7 +205,7 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
     import deepspeed.comm as dist
     import torch
 
-    from looped_lm.data.bin_dataset import TokenStream
+    from looped_lm.data.batches import open_batches
     from looped_lm.models import build_model
     from looped_lm.optim import BlockwiseAdamW, cosine_with_warmup, param_groups
     from looped_lm.training import TrainingModule, train_step
@@ -222,9 +222,8 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
         if rank == 0 and not os.environ.get(PREFLIGHT_DONE):
             print(nothing_to_train(plan, cfg), flush=True)
         return Path(plan.resume)
-    data_dir = Path(plan.data_dir)
-    train_stream = TokenStream(str(data_dir / "train.bin"), cfg.model.seq_len)
-    val_stream = TokenStream(str(data_dir / "val.bin"), cfg.model.seq_len)
+    train_stream = open_batches(cfg, plan.data_dir, "train")  # tokens, images or characters: see data/batches
+    val_stream = open_batches(cfg, plan.data_dir, "val")
 
     torch.manual_seed(t.seed)  # identical init on every rank
     model = build_model(cfg, plan.vocab_size)  # edges from the config: a resume must agree with them
@@ -263,16 +262,16 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
     logger = MetricsLogger(out_dir, rank, start_step) if rank == 0 else None
     if logger is not None and plan.changes:
         logger.log(start_step, {"resume_changes": plan.changes})
-    tokens_per_step = t.batch_size * t.grad_accum * world * cfg.model.seq_len
+    tokens_per_step = t.batch_size * t.grad_accum * world * train_stream.units_per_example
     end_step = t.max_steps if stop_after <= 0 else min(t.max_steps, start_step + stop_after)
-    report = Report(cfg, start_step, tokens_per_step) if rank == 0 else None
+    report = Report(cfg, start_step, tokens_per_step, train_stream.unit) if rank == 0 else None
     last_ckpt = Path(plan.resume) if plan.resume else None
     t0 = time.perf_counter()
     try:
         for step in range(start_step, end_step):
             lr = schedule.get_last_lr()[0]  # this step's (engine.step advances the schedule)
             batches = (train_stream.get_batch(t.batch_size, t.seed, step, micro, rank) for micro in range(t.grad_accum))
-            result = train_step(model, optimizer, runner, ((x.to(device), y.to(device)) for x, y in batches),
+            result = train_step(model, optimizer, runner, (on_device(batch, device) for batch in batches),
                                 step, t.seed)
             loss_sum, metrics = result.loss, result.metrics
             done = step + 1
@@ -309,6 +308,12 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
     return last_ckpt
 
 
+def on_device(batch, device):
+    """(x, y) moved to the device; y may be None (mdm: the targets are x)."""
+    x, y = batch
+    return x.to(device), (None if y is None else y.to(device))
+
+
 class SmoothedLoss:
     """Moving averages of the training loss, one per block: DiffusionBlocks steps alternate blocks whose
     losses differ by an order of magnitude, so one average (or the last value) jumps between them.
@@ -333,8 +338,8 @@ class Report:
     """What rank 0 prints: a progress bar with the smoothed loss per block, and plain lines for
     validation, saves and the end of the run (nanoGPT's `step N: train loss X, val loss Y`)."""
 
-    def __init__(self, cfg: Config, start_step: int, tokens_per_step: int):
-        self.cfg, self.start, self.tokens_per_step = cfg, start_step, tokens_per_step
+    def __init__(self, cfg: Config, start_step: int, tokens_per_step: int, unit: str = "tokens"):
+        self.cfg, self.start, self.tokens_per_step, self.unit = cfg, start_step, tokens_per_step, unit
         self.loss, self.val, self.done = SmoothedLoss(), None, start_step
         self.t0 = time.perf_counter()
         self.bar = None
@@ -350,7 +355,8 @@ class Report:
         self.loss.update(loss, metrics)
         self.done += 1
         if self.bar is not None:
-            self.bar.set_postfix_str(f"loss {self.loss}, {self.tokens_per_s():,.0f} tok/s", refresh=False)
+            rate = "tok" if self.unit == "tokens" else self.unit
+            self.bar.set_postfix_str(f"loss {self.loss}, {self.tokens_per_s():,.0f} {rate}/s", refresh=False)
             self.bar.update(1)
 
     def line(self, text: str) -> None:
@@ -370,7 +376,7 @@ class Report:
         stopped = "" if end_step >= self.cfg.train.max_steps else \
             f" (stopped at {end_step} of {self.cfg.train.max_steps}: the same command resumes)"
         self.line(f"done: steps {self.start}-{end_step} in {minutes}m{secs:02d}s, "
-                  f"{self.tokens_per_s():,.0f} tokens/s; train loss {self.loss}{val}; checkpoint {last_ckpt}"
+                  f"{self.tokens_per_s():,.0f} {self.unit}/s; train loss {self.loss}{val}; checkpoint {last_ckpt}"
                   f"{stopped}")
 
     def close(self) -> None:
@@ -388,8 +394,8 @@ def evaluate_loss(model, stream, cfg: Config, device, rank: int) -> float:
     losses = []
     with torch.no_grad():
         for i in range(cfg.train.eval_batches):
-            x, y = stream.get_batch(cfg.train.batch_size, cfg.train.seed, -1, i, rank)
-            losses.append(model.validation_loss(x.to(device), y.to(device), seed=cfg.train.seed + i).item())
+            x, y = on_device(stream.get_batch(cfg.train.batch_size, cfg.train.seed, -1, i, rank), device)
+            losses.append(model.validation_loss(x, y, seed=cfg.train.seed + i).item())
     model.train(was_training)
     value = torch.tensor(sum(losses) / len(losses), dtype=torch.float64)
     if dist.get_world_size() > 1:
@@ -417,7 +423,7 @@ def save(engine, model, cfg: Config, plan: Plan, out_dir: Path, step: int, token
         if rank == 0:
             manifest = {"config": cfg.to_dict(), "model_kind": cfg.model.kind, "vocab_size": plan.vocab_size,
                         "tokenizer": plan.tokenizer, "model_state": model.checkpoint_state(),
-                        "data": {"dir": str(Path(plan.data_dir).resolve()),
+                        "data": {"dir": plan.data_dir,
                                  "position": {"step": step, "tokens_seen": tokens},
                                  "sampling": "stateless: batch(seed, step, micro_step, rank)"},
                         "world_size": dist.get_world_size()}
