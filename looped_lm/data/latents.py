@@ -199,7 +199,7 @@ def load_vae(vae_dir, device: str = "cpu"):
     except ImportError:
         raise UserError("encoding latents needs diffusers' AutoencoderKL: pip install 'looped_lm[latents]'") from None
     try:
-        vae = AutoencoderKL.from_pretrained(str(root), local_files_only=True)
+        vae = AutoencoderKL.from_pretrained(str(root), local_files_only=True, low_cpu_mem_usage=False)
     except (OSError, ValueError, RuntimeError) as e:
         raise UserError(f"cannot load the VAE at {root}: {str(e).strip().splitlines()[0]}") from None
     return vae.to(device).eval()

@@ -45,6 +45,7 @@ from looped_lm.errors import UserError
 from looped_lm.models.adaln import (BLOCK_SAMPLING, AdaLNLayer, Blockwise, check_blocks, check_choice,
                                     check_iterations, check_labels, check_positive_ints, check_width,
                                     finish_build)
+from looped_lm.models.contract import TextDiffusion
 from looped_lm.models.layers import RotaryEmbedding, ffn_width, init_weights
 from looped_lm.models.two_stream import NoiseEmbedding
 
@@ -141,7 +142,7 @@ def masked_nelbo(logits: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, weig
     return weight * torch.where(mask, ce, torch.zeros_like(ce)).sum(1) / T
 
 
-class MaskedDiffusionLM(nn.Module, Blockwise):
+class MaskedDiffusionLM(nn.Module, Blockwise, TextDiffusion):
     def __init__(self, settings: MDMSettings):
         super().__init__()
         s = self.settings = settings.validate()
@@ -168,6 +169,10 @@ class MaskedDiffusionLM(nn.Module, Blockwise):
 
     def checkpoint_state(self) -> dict:
         return {**super().checkpoint_state(), "schedule": self.settings.schedule}
+
+    @property
+    def seq_len(self) -> int:
+        return self.settings.seq_len
 
     # --- the denoiser -----------------------------------------------------------------------------
 
@@ -256,7 +261,7 @@ class MaskedDiffusionLM(nn.Module, Blockwise):
         """n sequences of `length` character ids, unmasked over `steps` steps (at least one per block;
         default: the settings' sample_steps, else one step per character)."""
         steps = (self.settings.sample_steps or length) if steps is None else steps
-        check_iterations(steps, self.num_blocks, "steps")
+        check_iterations(steps, self.num_blocks, "num_iterations (sampler steps)")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise UserError(f"the number of samples must be an integer >= 1 (got {n!r})")
         if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= self.settings.seq_len:
@@ -275,6 +280,13 @@ class MaskedDiffusionLM(nn.Module, Blockwise):
             u = torch.rand(n, length, generator=generator, device=gen_device).to(device)
             x = torch.where((x == self.mask_id) & (u < reveal), draw, x)
         return x
+
+    def steps_per_block(self, steps: int) -> list[int]:
+        """How many of `steps` unmasking steps each block runs (block 0, the highest t, first)."""
+        counts = [0] * self.num_blocks
+        for k in range(steps):
+            counts[route_time((steps - k) / steps, self.edges)] += 1
+        return counts
 
 
 def build(cfg, vocab_size: int = 0, state: dict | None = None) -> MaskedDiffusionLM:

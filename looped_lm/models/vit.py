@@ -42,6 +42,7 @@ from looped_lm.errors import UserError
 from looped_lm.models.adaln import (BLOCK_SAMPLING, AdaLNLayer, Blockwise, check_blocks, check_choice,
                                     check_image_size, check_images, check_iterations, check_labels,
                                     check_positive_ints, check_width, finish_build, noise_schedule, patchify)
+from looped_lm.models.contract import Classifier
 from looped_lm.models.layers import ffn_width, init_weights
 from looped_lm.models.two_stream import NoiseEmbedding
 
@@ -95,7 +96,7 @@ class ViTSettings:
         return self
 
 
-class DiffusionViT(nn.Module, Blockwise):
+class DiffusionViT(nn.Module, Blockwise, Classifier):
     def __init__(self, settings: ViTSettings):
         super().__init__()
         s = self.settings = settings.validate()
