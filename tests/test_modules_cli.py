@@ -266,3 +266,13 @@ def test_vit_trains_on_a_cifar_archive(tmp_path):
     assert run_trainer(["--config", str(cfg)]) == 0
     manifest = json.loads((tmp_path / "out" / "step_0000002" / "manifest.json").read_text())
     assert manifest["data"]["dir"] == f"cifar100:{(tmp_path / 'cifar').resolve()}"
+
+
+def test_export_and_serve_refuse_module_checkpoints_in_one_line(runs, tmp_path, capsys, one_line_error):
+    code, out = main(["export", "--checkpoint", str(runs["vit"]), "--out", str(tmp_path / "hf")], capsys)
+    assert code == 2
+    one_line_error(out, "looped_lm export is for language models", "vit checkpoint")
+    assert not (tmp_path / "hf").exists()
+    code, out = main(["serve", "--checkpoint", str(runs["mdm"])], capsys)
+    assert code == 2
+    one_line_error(out, "looped_lm serve is for language models", "mdm checkpoint")
