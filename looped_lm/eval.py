@@ -47,6 +47,11 @@ def add_arguments(p) -> None:
     p.add_argument("--candidates", type=int, default=2,
                    help="DB models: first-step tokens the estimator enumerates (plus the target and one draw)")
     p.add_argument("--seed", type=int, default=0, help="seed of the DB noise draws")
+    p.add_argument("--features", default=None, metavar="VIT_CHECKPOINT",
+                   help="dit: the classifier in whose features samples are compared with the held-out images "
+                   "(a Frechet distance, not FID)")
+    p.add_argument("--cfg-scale", type=float, default=None, help="dit: guidance scale of the samples (default: "
+                   "the config's)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--no-progress", action="store_true")

@@ -4,6 +4,8 @@ The verbs load the checkpoint as for a language model and hand it here when it i
 runs depends on the capability the model offers (models/contract.py):
 
     eval      Classifier (vit)      top-1 accuracy on the held-out images, K steps      -> JSON on stdout
+              ImageGenerator (dit)  Frechet distance of samples to the held-out images in the features of
+                                    a vit checkpoint (--features; NOT FID: no Inception network)
               TextDiffusion (mdm)   bits per character from the negative ELBO (an upper bound), with
                                     each block's t-interval's share                      -> JSON on stdout
     generate  ImageGenerator (dit)  a PNG grid of class-conditional samples (--out), guidance per call
@@ -99,15 +101,63 @@ def evaluate(model, cfg, manifest: dict, args) -> int:
         shares = " + ".join(f"{b:.3f} ({s:.0%})" for b, s in zip(per_block, rep["share"]))
         summary = f"bits per character <= {bpc:.4f} (negative ELBO, an upper bound) on {n * model.seq_len:,} " \
                   f"{args.split} characters; by t-interval, high t first: {shares}"
+    elif isinstance(model, ImageGenerator):
+        rep = frechet_report(model, cfg, manifest, args, gen)
+        summary = f"Frechet distance {rep['frechet_distance']:.3f} of {rep['samples']} samples to the training images " \
+                  f"in the features of {rep['features']} (NOT FID); held-out real images: {rep['floor']:.3f} (the floor)"
     else:
-        raise UserError(f"looped_lm eval scores language models, vit (accuracy) and mdm (bits per character); "
-                        f"a {cfg.model.kind} checkpoint is judged by its samples: looped_lm generate")
+        raise UserError(f"looped_lm eval scores language models, vit, dit and mdm; not {cfg.model.kind}")
     print(json.dumps(rep))
     print(summary, file=sys.stderr)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(rep, indent=2))
     return 0
+
+
+def frechet_report(model, cfg, manifest: dict, args, gen) -> dict:
+    """A dit's samples (one per held-out image, with its label) against the training images, in the
+    feature space of a vit checkpoint trained on the same data (`--features`): Frechet distance, FID's
+    formula in another network's features, so NOT comparable with FID. The floor: the held-out images'
+    distance to the training images (real images of the same classes, never seen in training)."""
+    import torch
+
+    from looped_lm.checkpoint import load_checkpoint, resolve_checkpoint
+    from looped_lm.models.dit import frechet_distance
+
+    if not args.features:
+        raise UserError("a dit checkpoint is scored by the Frechet distance of its samples in a classifier's "
+                        "features: pass --features VIT_CHECKPOINT (a vit trained on the same data)")
+    path = resolve_checkpoint(args.features)
+    classifier, clf_cfg, _ = load_checkpoint(path, args.device, verify=not args.no_verify)
+    if not isinstance(classifier, Classifier):
+        raise UserError(f"--features {args.features} is a {clf_cfg.model.kind} checkpoint, not a classifier (vit)")
+    shape, clf_shape = (cfg.model.channels, cfg.model.image_size), (clf_cfg.model.channels, clf_cfg.model.image_size)
+    if shape != clf_shape or cfg.data.source == "latents":
+        raise UserError(f"--features: the vit reads {clf_shape[1]}x{clf_shape[1]} images with {clf_shape[0]} channels, "
+                        f"this dit makes {shape[1]}x{shape[1]} {'latents' if cfg.data.source == 'latents' else 'images'} "
+                        f"with {shape[0]}")
+    data, source = module_data(cfg, manifest, args.data)
+    n = min(args.max_tokens or len(data.test_y), len(data.test_y), len(data.train_y))
+    steps = single_k(args.num_iterations)
+    steps = (cfg.diffusion.sample_steps or 50) if steps is None else steps
+    cfg_scale = cfg.diffusion.cfg_scale if args.cfg_scale is None else args.cfg_scale
+    batch = 256
+    labels = data.test_y[:n].to(args.device)
+    samples = torch.cat([model.sample(labels[i:i + batch], steps, cfg_scale, gen) for i in range(0, n, batch)])
+
+    def features(images):
+        g = torch.Generator(device=args.device).manual_seed(args.seed)  # the same chains for every set
+        return torch.cat([classifier.features(images[i:i + batch].to(args.device), generator=g).float().cpu()
+                          for i in range(0, len(images), batch)])
+
+    reference = features(data.train_x)  # pixels only: latents were refused above
+    return {"model_kind": cfg.model.kind, "frechet_distance": frechet_distance(features(samples), reference),
+            "metric": "Frechet distance in the features of the project's own classifier (NOT FID)",
+            "features": str(path), "floor": frechet_distance(features(data.test_x[:n]), reference),
+            "samples": n, "reference_images": len(data.train_x), "num_iterations": steps,
+            "steps_per_block": model.steps_per_block(steps), "cfg_scale": cfg_scale, "data": source,
+            "reference": "the training images; floor: the held-out images against them"}
 
 
 def parse_labels(text: str | None, num_classes: int, n: int | None) -> list[int]:

@@ -158,11 +158,33 @@ def test_module_eval_errors_are_one_line(runs, capsys, one_line_error):
             (["--checkpoint", str(runs["vit"]), "--data", "cifar10:/nowhere"], ("cifar-10-python.tar.gz",)),
             (["--checkpoint", str(runs["mdm"]), "--num-iterations", "2"], ("does not apply",)),
             (["--checkpoint", str(runs["mdm"]), "--max-tokens", "10"], ("less than one window",)),
-            (["--checkpoint", str(runs["dit"])], ("generate",))):
+            (["--checkpoint", str(runs["dit"])], ("--features VIT_CHECKPOINT",)),
+            (["--checkpoint", str(runs["dit"]), "--features", str(runs["mdm"])], ("mdm checkpoint, not a classifier",)),
+            (["--checkpoint", str(runs["dit"]), "--features", str(runs["vit"]), "--num-iterations", "1"],
+             ("num_iterations (sampler steps) (1)",))):
         code, out = main(["eval", *argv], capsys)
         assert code == 2, argv
         one_line_error(out, *needles)
         assert out.out == ""
+
+
+def test_dit_eval_is_a_frechet_distance_in_a_vit_s_features_not_fid(runs, capsys):
+    from looped_lm.checkpoint import load_checkpoint, resolve_checkpoint
+    from looped_lm.data.images import load_digits
+    from looped_lm.models.dit import frechet_distance
+
+    code, out = main(["eval", "--checkpoint", str(runs["dit"]), "--features", str(runs["vit"]), "--max-tokens", "40",
+                      "--num-iterations", "2", "--cfg-scale", "1.5"], capsys)
+    assert code == 0, out.err
+    rep = json.loads(out.out)
+    assert "NOT FID" in rep["metric"] and "NOT FID" in out.err
+    assert (rep["samples"], rep["reference_images"], rep["num_iterations"], rep["cfg_scale"]) == (40, 1438, 2, 1.5)
+    assert rep["steps_per_block"] == [1, 1] and rep["frechet_distance"] > 0
+    # the floor: the first 40 held-out digits against all training digits, in the vit's features
+    vit, _, _ = load_checkpoint(resolve_checkpoint(runs["vit"]))
+    data = load_digits()
+    feats = [vit.features(x, generator=torch.Generator().manual_seed(0)) for x in (data.test_x[:40], data.train_x)]
+    assert rep["floor"] == pytest.approx(frechet_distance(*feats), rel=1e-4)
 
 
 # --- generate --------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ A model kind is a `torch.nn.Module` that subclasses the capabilities it offers; 
     Iterative        iteration_limits() -> IterationLimits: the model has a K (DiffusionBlocks, looped)
 
 The supporting modules (vit, dit, mdm) are Trainable, and offer what `eval` / `generate` ask of them:
-    Classifier       accuracy(images, labels, K) -> {"accuracy", "examples", "num_iterations"}     (vit)
+    Classifier       accuracy(images, labels, K) -> {"accuracy", "examples", "num_iterations"};
+                     features(images, K) -> (N, F)                                          (vit)
     ImageGenerator   sample(labels, steps, cfg_scale) -> images; steps_per_block(steps)             (dit)
     TextDiffusion    elbo_bpc(ids) -> {"bpc", "per_block", ...}; sample(n, length, steps) -> ids;
                      steps_per_block(steps)                                                  (mdm)
@@ -155,6 +156,12 @@ class Classifier(ABC):
                  batch_size: int = 256, generator: torch.Generator | None = None) -> dict:
         """Top-1 accuracy with K = num_iterations inference steps (None: the model's default) ->
         {"accuracy", "examples", "num_iterations"}."""
+
+    @abstractmethod
+    def features(self, images: torch.Tensor, num_iterations: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """(N, F): the representation the prediction is read from (a feature space in which `eval`
+        measures the Frechet distance of a generator's images: the project's stand-in for FID)."""
 
 
 class ImageGenerator(ABC):

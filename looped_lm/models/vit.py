@@ -25,6 +25,7 @@ Public API:
     training_loss(images, labels, step, seed) -> (loss, metrics)    one block per step (Trainable)
     validation_loss(images, labels, seed) -> CE of predict(K = B)
     predict(images, num_iterations=None, generator=None) -> logits (N, num_classes)
+    features(images, num_iterations=None, generator=None) -> (N, d_model) what the head reads
     accuracy(images, labels, num_iterations=None, batch_size=256, generator=None)
         -> {"accuracy", "examples", "num_iterations"}
 """
@@ -147,22 +148,26 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
             x = layer(x, cond)
         return x[:, 0]
 
-    def block_logits(self, b: int, patches, z, sigma):
-        """Block b's denoised label at noise sigma (N,) from z (N, C) -> logits (N, num_classes)."""
+    def block_logits(self, b: int, patches, z, sigma, with_features: bool = False):
+        """Block b's denoised label at noise sigma (N,) from z (N, C) -> logits (N, num_classes), and with
+        `with_features` the (N, C) representation the head reads them from."""
         c_skip, c_out, c_in, c_noise = (c.to(z.dtype)[:, None] for c in dm.edm_scalings(sigma, self.sched.sigma_data))
         out = self.run_layers(b, c_in * z, patches, self.noise_emb(c_noise[:, 0]))
         if self.settings.parameterization == "likelihood":
             # the exact log-likelihood of z under each label (unit-norm targets): the network only has to
             # supply the image's prior over labels, and what z already says is never lost
-            return self.head(self.norm(out)) + (z @ self.label_table.T) / sigma[:, None] ** 2
-        h = c_out * F.normalize(out, dim=-1) + c_skip * z
-        return self.head(self.norm(h))
+            features = self.norm(out)
+            logits = self.head(features) + (z @ self.label_table.T) / sigma[:, None] ** 2
+        else:
+            features = self.norm(c_out * F.normalize(out, dim=-1) + c_skip * z)
+            logits = self.head(features)
+        return (logits, features) if with_features else logits
 
-    def classify(self, patches):
+    def classify(self, patches, with_features: bool = False):
         """The end-to-end classifier: learned [CLS], all layers, one pass."""
         N = patches.shape[0]
-        out = self.run_layers(0, self.cls.expand(N, 1, -1)[:, 0], patches, self.cond.expand(N, -1))
-        return self.head(self.norm(out))
+        features = self.norm(self.run_layers(0, self.cls.expand(N, 1, -1)[:, 0], patches, self.cond.expand(N, -1)))
+        return (self.head(features), features) if with_features else self.head(features)
 
     # --- training -------------------------------------------------------------------------------
 
@@ -196,14 +201,17 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
     # --- inference ------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def predict(self, images, num_iterations: int | None = None, generator: torch.Generator | None = None):
+    def predict(self, images, num_iterations: int | None = None, generator: torch.Generator | None = None,
+                with_features: bool = False, check: bool = True):
         """Logits (N, num_classes). DB: K = num_iterations (default B, at least B) routed Euler steps
-        from pure noise; the end-to-end classifier ignores K."""
+        from pure noise; the end-to-end classifier ignores K. With `with_features`: (logits, features of
+        the last call, (N, d_model))."""
         patches = self.embed_patches(images)
         if self.end_to_end:
-            return self.classify(patches)
+            return self.classify(patches, with_features)
         K = self.default_iterations() if num_iterations is None else num_iterations
-        check_iterations(K, self.num_blocks)
+        if check:  # `features` alone runs one call (block 0)
+            check_iterations(K, self.num_blocks)
         sigmas = dm.inference_sigmas(K, self.sched, lo=self.edges[0], hi=self.edges[-1])
         sigmas[0] = self.sigma_top()
         N, d = images.shape[0], self.settings.d_model
@@ -211,10 +219,20 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
         z = (sigmas[0] * torch.randn(N, d, generator=generator, device=gen_device)).to(images.device)
         for k in range(K):
             sigma = torch.full((N,), sigmas[k], device=images.device)
-            logits = self.block_logits(dm.route_sigma(sigmas[k], self.edges), patches, z, sigma)
+            logits, features = self.block_logits(dm.route_sigma(sigmas[k], self.edges), patches, z, sigma, True)
             if k + 1 < K:
                 z = dm.euler_step(z, self.bridge(logits, generator), sigmas[k], sigmas[k + 1])
-        return logits
+        return (logits, features) if with_features else logits
+
+    @torch.no_grad()
+    def features(self, images, num_iterations: int | None = None, generator: torch.Generator | None = None):
+        """(N, d_model): what the head reads from the image alone, a feature space for the Frechet distance
+        of generated images. End-to-end: the [CLS] slot's output. DB: block 0's at the top of the noise
+        range, where z says nothing of the label (later calls mostly read back the label the chain chose,
+        a 10-point cloud, not image features). K does not enter."""
+        if self.end_to_end:
+            return self.predict(images, with_features=True)[1]
+        return self.predict(images, 1, generator, with_features=True, check=False)[1]
 
     def default_iterations(self) -> int:
         return self.settings.num_iterations or self.num_blocks
