@@ -33,6 +33,7 @@ def run_train(args) -> int:
     from looped_lm import launch, preflight
     from looped_lm import train as trainer
     from looped_lm.config import describe_fields
+    from looped_lm.parallel import check_world
 
     if args.help_config:
         print(describe_fields())
@@ -47,6 +48,7 @@ def run_train(args) -> int:
     import torch
 
     nproc = args.nproc or (torch.cuda.device_count() or 1)
+    check_world(cfg, nproc)
     if plan.manifest is not None:
         plan.notes += preflight.check_resume(plan.manifest, cfg, plan.vocab_size, nproc, Path(plan.resume))
     for note in plan.notes:
