@@ -183,7 +183,9 @@ class TrainConfig(_Section):
 
 class DeepSpeedConfig(_Section):
     zero_stage: int = _f(0, "ZeRO stage 0, 1 or 2")
-    bf16: bool = _f(False, "bf16 mixed precision (GPUs); fp32 when false")
+    bf16: bool = _f(False, "bf16 mixed precision (GPUs); fp32 when false. ZeRO 0: DeepSpeed's bf16 weights and "
+                    "Adam state; ZeRO 1/2: fp32 master copies; train.mode block_parallel: bf16 compute under autocast, "
+                    "fp32 weights and optimizer state")
 
 
 class EvalConfig(_Section):

@@ -87,7 +87,8 @@ def _step_of(state: dict) -> int:
 def state_by_name(model, optimizer, zero_optimizer=None, dist=None, master: bool = False) -> dict:
     """{unit: (step, {"exp_avg/<name>": tensor, "exp_avg_sq/<name>": ..., ["fp32/<name>": master]})} of every
     unit this rank trains, whole. ZeRO 1/2 (`zero_optimizer`, DeepSpeed's): gathered from the partitions
-    with one all-reduce per tensor over its group's ranks, so every rank of the group must call it."""
+    with one all-reduce per tensor over its group's ranks, so every rank of the group must call it.
+    `master`: also the fp32 weights (ZeRO's fp32 partitions, or the parameters themselves)."""
     names = {id(p): n for n, p in model.named_parameters()}
     out: dict = {}
     if zero_optimizer is None:
@@ -99,6 +100,8 @@ def state_by_name(model, optimizer, zero_optimizer=None, dist=None, master: bool
                 entry[0] = max(entry[0], _step_of(st))
                 for key in MOMENTS:
                     tensors[f"{key}/{names[id(p)]}"] = st[key].clone() if key in st else torch.zeros_like(p)
+                if master:
+                    tensors[f"fp32/{names[id(p)]}"] = p.detach().float().clone()
         return {unit: (step, tensors) for unit, (step, tensors) in out.items()}
     inner = zero_optimizer.optimizer
     for unit, flat, params, group in _zero_groups(zero_optimizer):
@@ -124,7 +127,8 @@ def state_by_name(model, optimizer, zero_optimizer=None, dist=None, master: bool
 def load_state_by_name(model, optimizer, states: dict, zero_optimizer=None) -> None:
     """Put `states` ({unit: (step, tensors)}, as `state_by_name` returns) into this rank's optimiser: whole
     per parameter at ZeRO 0, this rank's fragments of the flat partitions at ZeRO 1/2 (DeepSpeed links
-    them to its parameters at the first step). A unit at step 0 starts fresh."""
+    them to its parameters at the first step). A unit at step 0 starts fresh; saved fp32 master weights
+    replace the (possibly bf16-rounded) weights the model was loaded with."""
     names = {id(p): n for n, p in model.named_parameters()}
     if zero_optimizer is None:
         for group in optimizer.param_groups:
@@ -133,6 +137,9 @@ def load_state_by_name(model, optimizer, states: dict, zero_optimizer=None) -> N
                 if step:
                     optimizer.state[p] = {"step": torch.tensor(float(step)),
                                           **{k: tensors[f"{k}/{names[id(p)]}"].to(p) for k in MOMENTS}}
+                master = tensors.get(f"fp32/{names[id(p)]}")
+                if master is not None:  # fp32 weights the bf16 ones of model.safetensors were rounded from
+                    p.copy_(master.to(p))
         return
     inner = zero_optimizer.optimizer
     for unit, flat, params, _ in _zero_groups(zero_optimizer):

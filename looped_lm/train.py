@@ -141,7 +141,10 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
         # block parallel: parallel.BlockParallel clips each block's gradient before the shared average
         "gradient_clipping": 0.0 if t.mode == "block_parallel" else t.grad_clip,
         "zero_optimization": {"stage": cfg.deepspeed.zero_stage},
-        "bf16": {"enabled": cfg.deepspeed.bf16},
+        # bf16 at ZeRO 0 is DeepSpeed's pure-bf16 path (bf16 weights and Adam state); block parallel (always
+        # ZeRO 0) runs bf16 compute under autocast instead: fp32 weights, gradients and optimizer state
+        "bf16": {"enabled": cfg.deepspeed.bf16 and t.mode != "block_parallel"},
+        "torch_autocast": {"enabled": cfg.deepspeed.bf16 and t.mode == "block_parallel", "dtype": "bfloat16"},
         "steps_per_print": 10 ** 9,  # our own logging
         "wall_clock_breakdown": False,
         # BlockwiseAdamW is torch AdamW plus per-unit skipping; ZeRO 1/2 keep its group dicts
@@ -455,7 +458,9 @@ def save(engine, model, optimizer, cfg: Config, plan: Plan, out_dir: Path, step:
             tmp.mkdir(parents=True)
         dist.barrier()
         zero = engine.optimizer if cfg.deepspeed.zero_stage > 0 else None
-        states = state_by_name(model, optimizer, zero, dist, master=zero is not None and cfg.deepspeed.bf16)
+        # fp32 master weights beside bf16 ones: ZeRO's partitions, or block parallel's fp32 weights under autocast
+        master = cfg.deepspeed.bf16 and (zero is not None or cfg.train.mode == "block_parallel")
+        states = state_by_name(model, optimizer, zero, dist, master=master)
         writers = parallel.unit_writers(cfg, world)
         for unit, (unit_step, tensors) in states.items():
             if writers.get(unit, 0) == rank:

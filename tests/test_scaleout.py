@@ -534,3 +534,21 @@ def test_hostfile_launch_counts_the_slots(tmp_path):
     hosts.write_text("node-a slots=four\n")
     with pytest.raises(Exception, match="hostfile"):
         launch.hostfile_slots(str(hosts))
+
+
+def test_one_rank_owning_both_blocks_trains_them_in_bf16_with_fp32_state(tmp_path, write_config, capsys):
+    """Block parallel on fewer ranks than blocks: the one rank owns both and trains one per step (here
+    round robin among its own). With deepspeed.bf16 the blocks compute under autocast and the weights,
+    optimizer state and the checkpoint's master copies stay fp32."""
+    cfg = db_config(write_config, tmp_path, "run", diffusion={"block_sampling": "round_robin"},
+                    train={"mode": "block_parallel", "max_steps": 4}, deepspeed={"bf16": True})
+    assert trainer.main(["--config", str(cfg)]) == 0
+    trained = [r["blocks"] for r in rows(tmp_path / "run") if "blocks" in r]
+    assert trained == [[0], [1], [0], [1]]
+    ckpt = tmp_path / "run" / "step_0000004"
+    weights = load_file(str(ckpt / "model.safetensors"))
+    assert {t.dtype for t in weights.values()} == {torch.float32}
+    _, shared = ckpt_io.read_unit_state(ckpt, "shared")
+    assert {k.split("/")[0] for k in shared} == {"exp_avg", "exp_avg_sq", "fp32"}
+    assert {t.dtype for t in shared.values()} == {torch.float32}
+    assert torch.equal(shared["fp32/tok_emb.weight"], weights["tok_emb.weight"])
