@@ -21,15 +21,17 @@ CPU), VmHWM (peak resident memory) is read after every step, before the final sa
 state tensors and the gradients it is handed are counted. Beside each measurement, the analytic model:
 
     weights      4 P bytes (every rank holds the whole model)
-    gradients    4 x (parameters with a gradient at the optimiser step): P in data parallel (DeepSpeed
-                 zero-fills the idle block's gradients to all-reduce them), S + P_b in block parallel / a job
+    gradients    4 x (parameters with a gradient after backward): P in data parallel at ZeRO 0 (DeepSpeed
+                 zero-fills the idle block's gradients to all-reduce them), S + P_b at ZeRO 1, in block
+                 parallel and in a job; the optimiser then steps with 4 P / W of them at ZeRO 1 (its partitions)
     Adam state   8 x (parameters the rank's optimiser steps; ZeRO 1: / W)
     activations  tokens x (layers of the block x a_layer + a_rest), a_layer and a_rest counted once by
                  autograd's saved-tensor hooks (bytes saved for backward, by storage) on one micro-batch
     buffers      what the exchange copies: DeepSpeed's flat all-reduce bucket (4 P, ZeRO 0), ZeRO 1's fp32
                  partition (4 P / W), block parallel's flat shared gradients (4 S)
-    comm         payload per step: 4 P (data parallel's all-reduce; ZeRO 1: reduce-scatter 4 P + all-gather of
-                 the updated weights 4 P), 4 S (block parallel), 0 (jobs)
+    comm         payload per step: 4 P (data parallel's all-reduce; ZeRO 1: the reduction of the gradients
+                 that exist, 4 (S + P_b), + the all-gather of the updated weights, 4 P), 4 S (block parallel),
+                 0 (jobs)
 
 with P all parameters, S the shared ones (embedding, noise embedding, norm), P_b one block's.
 
@@ -128,7 +130,7 @@ def worker(argv) -> int:
     step_fn = training.train_step
 
     def timed_step(model, optimizer, *a, **k):
-        seen["model"], seen["optimizer"] = model, optimizer
+        seen["model"], seen["optimizer"], seen["grad_bytes"] = model, optimizer, 0
         b0, t0, c0 = sent["bytes"], time.perf_counter(), time.process_time()
         result = step_fn(model, optimizer, *a, **k)
         steps.append({"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
@@ -138,9 +140,10 @@ def worker(argv) -> int:
     training.train_step = timed_step
     adam_step = optim.BlockwiseAdamW.step
 
-    def counted_step(self, closure=None):  # the gradients the optimiser is handed (before idle units drop theirs)
-        seen["grad_bytes"] = sum(q.grad.numel() * q.grad.element_size() for g in self.param_groups
-                                 for q in g["params"] if q.grad is not None)
+    def counted_step(self, closure=None):  # the gradients the optimiser is handed (before idle units drop theirs);
+        # ZeRO 1/2 call it once per parameter group, with that group's flat gradient partition
+        seen["grad_bytes"] += sum(q.grad.numel() * q.grad.element_size() for g in self.param_groups
+                                  for q in g["params"] if q.grad is not None)
         return adam_step(self, closure)
 
     optim.BlockwiseAdamW.step = counted_step
@@ -229,18 +232,19 @@ def analytic(setup: str, c: dict, world: int = 2) -> dict:
     P, S, Pb = c["P"], c["S"], c["blocks"][0]
     trained = P if setup.startswith("dp") else S + Pb
     act = c["layers"][0] * c["act_layer"] + c["act_rest"]
-    grads = 4 * trained  # in param.grad after backward
     zero1 = setup == "dp_zero1"
+    # in param.grad after backward: DeepSpeed's ZeRO 0 all-reduce zero-fills the idle block's, ZeRO 1 does not
+    grads = 4 * (S + Pb if zero1 else trained)
     adam = 8 * trained / (world if zero1 else 1)
     # what the exchange copies: DeepSpeed's flat all-reduce bucket (ZeRO 0) or fp32 partition (ZeRO 1), ours
     buffers = {"dp_zero0": 4 * P, "dp_zero1": 4 * P / world, "bp": 4 * S, "independent": 0}[setup]
-    comm = {"dp_zero0": 4 * P, "dp_zero1": 4 * P + 4 * P, "bp": 4 * S, "independent": 0}[setup]
-    return {"weights": 4 * P, "grads": grads, "optimizer_grads": grads / (world if zero1 else 1), "adam": adam,
+    comm = {"dp_zero0": 4 * P, "dp_zero1": 4 * (S + Pb) + 4 * P, "bp": 4 * S, "independent": 0}[setup]
+    return {"weights": 4 * P, "grads": grads, "optimizer_grads": 4 * trained / (world if zero1 else 1), "adam": adam,
             "buffers": buffers, "activations": act, "comm_payload": comm,
             "total": 4 * P + grads + adam + buffers + act}
 
 
-def run_memory() -> dict:
+def run_memory(only=()) -> dict:
     from looped_lm.config import load_config
 
     work = Path(tempfile.mkdtemp(prefix="scaleout-"))
@@ -249,7 +253,7 @@ def run_memory() -> dict:
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     launcher = str(Path(sys.executable).parent / "deepspeed")
     results = {}
-    for setup in SETUPS:
+    for setup in [s for s in SETUPS if not only or s in only]:
         out = work / setup
         print(f"memory: {setup} ...", flush=True)
         t0 = time.time()
@@ -270,7 +274,7 @@ def run_memory() -> dict:
         if any(codes):
             raise SystemExit(f"{setup} failed: {codes}")
         results[setup] = {"ranks": ranks, "seconds": time.time() - t0}
-    cfg = load_config(str(work / "bp.yaml"))
+    cfg = load_config(str(next(work.glob("*.yaml"))))
     counts = _counts(cfg)
     shutil.rmtree(work, ignore_errors=True)
     return {"model": MEMORY_MODEL, "blocks": 2, "batch_per_rank": MEMORY_BATCH, "steps": MEMORY_STEPS,
@@ -468,9 +472,15 @@ def main(argv=None) -> int:
         return worker([a for a in argv if a != "worker"])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=("memory", "split", "table"))
+    p.add_argument("setups", nargs="*", help="memory: rerun only these set-ups (the others stay as measured)")
     args = p.parse_args(argv)
     if args.what == "memory":
-        _save("memory", run_memory())
+        fresh = run_memory(args.setups)
+        if args.setups and RESULTS.exists():  # keep the other set-ups, re-model every one
+            old = json.loads(RESULTS.read_text())["memory"]
+            fresh["setups"] = {s: {**old["setups"].get(s, {}), **fresh["setups"].get(s, {})} for s in SETUPS}
+            fresh["setups"] = {s: {**v, "analytic": analytic(s, fresh["counts"])} for s, v in fresh["setups"].items()}
+        _save("memory", fresh)
     elif args.what == "split":
         _save("split", run_split())
     data = json.loads(RESULTS.read_text())

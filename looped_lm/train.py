@@ -7,6 +7,10 @@ Every model kind trains through the same step (training.train_step, on models/co
     validation_loss(x, y, seed) -> loss                   held-out loss (DB models: at sigma_hi)
     checkpoint_state() / restore_state(saved)             metadata saved in the manifest (edges...)
 DeepSpeed owns the optimiser, gradient accumulation, clipping and ZeRO; the model knows nothing of it.
+`train.mode: block_parallel` (looped_lm/parallel.py): each rank builds the model with only its own blocks
+trainable, the engine's all-reduce is off, and `BlockParallel` exchanges and clips the gradients before
+the engine's optimiser step. Checkpoints keep the optimiser state by parameter name (optim.state_by_name),
+so a run resumes on another world size, ZeRO stage or mode.
 
 Before anything is built, `preflight.preflight` checks what the run reads and writes (rank 0; and
 `looped_lm train` before it starts the launcher).
