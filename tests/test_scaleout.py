@@ -110,11 +110,14 @@ class Replay:
         model = build_model(cfg, 257)
         model.load_state_dict(self.model.state_dict())
         torch.set_rng_state(self.rng[rank])
-        x, y = self.stream.get_batch(self.cfg.train.batch_size, self.cfg.train.seed, step, 0, rank)
-        loss, metrics = model.training_loss(x, y, step, self.cfg.train.seed)
-        loss.backward()
+        t, total = self.cfg.train, 0.0
+        for micro in range(t.grad_accum):  # accumulation: the mean of the micro-batches' gradients
+            x, y = self.stream.get_batch(t.batch_size, t.seed, step, micro, rank)
+            loss, metrics = model.training_loss(x, y, step, t.seed)
+            (loss / t.grad_accum).backward()
+            total += loss.item() / t.grad_accum
         self.rng[rank] = torch.get_rng_state()
-        return loss.item(), metrics["block"], {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        return total, metrics["block"], {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
     def step(self, step: int, mode: str) -> dict[int, float]:
         """One optimiser step; -> {block: loss} (block parallel) or {block: rank 0's loss} (data parallel)."""
@@ -148,10 +151,12 @@ class Replay:
         self.opt.step()
         return losses
 
-    def assert_weights(self, ckpt: Path, atol: float = 2e-6) -> None:
+    def assert_weights(self, ckpt: Path, atol: float = 1e-5) -> None:
+        """Within 1e-5 of the replay: 0.1% of one step's update at lr 1e-2 (Adam divides by the root of
+        tiny second moments, which magnifies summation-order rounding to a few 1e-6)."""
         saved = load_file(str(ckpt / "model.safetensors"))
         for name, tensor in self.model.state_dict().items():
-            torch.testing.assert_close(saved[name], tensor, atol=atol, rtol=0, msg=f"{ckpt.name} {name}")
+            torch.testing.assert_close(saved[name], tensor, atol=atol, rtol=0, msg=lambda m: f"{ckpt.name} {name}: {m}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -234,17 +239,18 @@ def test_block_parallel_exchange_is_exact(tmp_path, blocks_to_train):
 
 @pytest.fixture(scope="module")
 def bp_run(tmp_path_factory, write_config, clean_env):
-    """2 ranks, block parallel, the uneven split [3, 1]: (root, config, out dir, process)."""
+    """2 ranks, block parallel, the uneven split [3, 1], 2 micro-batches per step: (root, config, out dir,
+    process)."""
     root = tmp_path_factory.mktemp("bp")
-    cfg = db_config(write_config, root, "bp", train={"mode": "block_parallel", "max_steps": 3})
+    cfg = db_config(write_config, root, "bp", train={"mode": "block_parallel", "max_steps": 3, "grad_accum": 2})
     proc = launch(cfg, 2, root, clean_env)
     return root, cfg, root / "bp", proc
 
 
 def test_block_parallel_steps_match_one_rank_steps(bp_run):
     """Every block-parallel step changes each block exactly as a one-rank step of that block on the same
-    batch (noise stream, clipping), and the shared parameters by the mean of the ranks' gradients;
-    fp32, weights within 2e-6, losses within 1e-5."""
+    batch (noise stream, accumulation, clipping), and the shared parameters by the mean of the ranks'
+    gradients; fp32, weights and losses within 1e-5."""
     root, cfg_path, out, proc = bp_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "train loss b0 " in proc.stdout and " b1 " in proc.stdout  # both blocks' losses, every step
@@ -265,7 +271,7 @@ def test_block_parallel_steps_match_one_rank_steps(bp_run):
 
 def test_block_parallel_resumes_on_one_rank_in_data_parallel(bp_run, tmp_path):
     """A block-parallel 2-rank checkpoint resumes on 1 rank in data-parallel mode at ZeRO 1 (batch 8: the
-    same global batch): the next steps are the reference's from the saved weights, moments and steps."""
+    same global batch): the next step is the reference's from the saved weights, moments and step counts."""
     root, cfg_path, out, proc = bp_run
     assert proc.returncode == 0
     run = tmp_path / "dp"
