@@ -17,6 +17,7 @@ weights plus a manifest naming its sources (`merged_from`), no optimizer state: 
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 from looped_lm import checkpoint as ckpt_io
@@ -42,7 +43,7 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     if args.no_verify:
-        print(ckpt_io.no_verify_note())
+        print(ckpt_io.no_verify_note(), file=sys.stderr)
     out = merge(args.checkpoints, args.out, args.shared_from, verify=not args.no_verify)
     print(f"merged {len(args.checkpoints)} checkpoints -> {out}")
     return 0
