@@ -44,7 +44,7 @@ from looped_lm.data.bin_dataset import TokenStream
 from looped_lm.data.prepare import ensure_prepared
 from looped_lm.data.tokenizer import get_tokenizer
 from looped_lm.engine.generate import generate
-from looped_lm.engine.sampling import SamplingParams
+from looped_lm.sampling import SamplingParams
 from looped_lm.models import build_model
 from looped_lm.models.huginn import sample_recurrence
 from looped_lm.optim import BlockwiseAdamW, cosine_with_warmup, param_groups
