@@ -1,4 +1,4 @@
-"""`looped_lm {prepare,train,eval,generate,export,serve}`: one verb per job; each verb only routes.
+"""`looped_lm {prepare,train,eval,generate,export,merge,serve}`: one verb per job; each verb only routes.
 
 Bad input (a UserError anywhere below) prints one line, `error: ...`, and exits with code 2. A verb's
 module is imported only when that verb runs (or shows its --help): `looped_lm --help` and a mistyped
@@ -25,7 +25,13 @@ def add_train_arguments(p) -> None:
 
     trainer.add_arguments(p)
     p.add_argument("--nproc", type=int, default=0,
-                   help="processes on this node (GPUs; on CPU, gloo ranks); 0 = all GPUs, or 1 on CPU")
+                   help="processes on this node (GPUs; on CPU, gloo ranks); 0 = all GPUs, or 1 on CPU; with "
+                        "--hostfile, processes per node (0 = each node's slots)")
+    p.add_argument("--hostfile", default=None, metavar="FILE",
+                   help="DeepSpeed hostfile (`host slots=N` per line): run on every node it lists, over ssh "
+                        "(README: multi-node)")
+    p.add_argument("--master-port", type=int, default=0, help="rendezvous port (default: a free one; 29500 "
+                   "with --hostfile)")
 
 
 def run_train(args) -> int:
@@ -42,19 +48,21 @@ def run_train(args) -> int:
         raise UserError(f"--nproc must be >= 0 (got {args.nproc})")
     if args.no_verify:
         print(ckpt_io.no_verify_note(), file=sys.stderr)
-    # config, data, out_dir and the checkpoint to resume: checked here, before the launcher starts
-    plan = preflight.preflight(cfg, verify=not args.no_verify)
     import torch
 
-    nproc = args.nproc or (torch.cuda.device_count() or 1)
-    if plan.manifest is not None:
-        plan.notes += preflight.check_resume(plan.manifest, cfg, plan.vocab_size, nproc, Path(plan.resume))
+    if args.hostfile:  # every node's slots, capped by --nproc
+        nproc, world = args.nproc, launch.hostfile_slots(args.hostfile, args.nproc)
+    else:
+        nproc = world = args.nproc or (torch.cuda.device_count() or 1)
+    # config, world size, data, out_dir and the checkpoint to resume: checked here, before the launcher starts
+    plan = preflight.preflight(cfg, verify=not args.no_verify, world_size=world)
     for note in plan.notes:
         print(f"note: {note}", flush=True)
     if preflight.nothing_to_train(plan, cfg):
         print(preflight.nothing_to_train(plan, cfg))
         return 0
-    cmd = launch.command(nproc, trainer._free_port(), trainer.forward_args(args), args.verbose)
+    port = args.master_port or (29500 if args.hostfile else trainer._free_port())
+    cmd = launch.command(nproc, port, trainer.forward_args(args), args.verbose, args.hostfile)
     env = {**os.environ, trainer.PREFLIGHT_DONE: "1", "PYTHONUNBUFFERED": "1"}
     if not torch.cuda.is_available():
         env.setdefault("DS_ACCELERATOR", "cpu")
@@ -151,6 +159,8 @@ VERBS = {
     "generate": ("continue a prompt from a checkpoint", "looped_lm.cli", "add_generate_arguments", "run_generate"),
     "export": ("write a Hugging Face directory (transformers / vLLM) from a checkpoint", "looped_lm.export",
                "add_arguments", "run"),
+    "merge": ("join independently trained DiffusionBlocks block jobs into one checkpoint", "looped_lm.merge",
+              "add_arguments", "run"),
     "serve": ("OpenAI-compatible HTTP server (completions, chat, streaming, K per request)", "looped_lm.serve.cli",
               "add_arguments", "run"),
 }
@@ -160,7 +170,7 @@ def build_parser(argv=()) -> argparse.ArgumentParser:
     """The parser, with the arguments of the verb named in argv only (the others list their help line)."""
     verb = next((a for a in argv if not a.startswith("-")), None)
     parser = argparse.ArgumentParser(prog="looped_lm", description="DiffusionBlocks language models: "
-                                     "prepare data, train, evaluate, generate, export, serve.")
+                                     "prepare data, train, evaluate, generate, export, merge block jobs, serve.")
     parser.add_argument("--version", action="version", version=f"looped_lm {__version__}")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="{" + ",".join(VERBS) + "}")
     for name, (helptext, module, add, run) in VERBS.items():

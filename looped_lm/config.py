@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import difflib
 import sys
+import types
 import typing
 from pathlib import Path
 from typing import Annotated, Literal
@@ -79,6 +80,7 @@ Source = Literal["bible", "shakespeare", "files", "hf", "bin", "digits", "cifar1
 MaskSchedule = Literal["linear", "cosine"]
 Tokenizer = Literal["gpt2", "byte"]
 ResumeChanges = Literal["refuse", "allow"]
+TrainMode = Literal["data_parallel", "block_parallel"]
 
 
 class ModelConfig(_Section):
@@ -112,6 +114,9 @@ class ModelConfig(_Section):
 
 class DiffusionConfig(_Section):
     num_blocks: int = _f(4, "B: blocks that each own one interval of noise levels")
+    layers_per_block: int | list[int] = _f(0, "db_ar: the layers of each block, instead of num_blocks: N (every block N "
+                                           "deep, num_blocks = n_layers / N) or one count per block from block 0 "
+                                           "(highest noise) down, e.g. [3, 1]; 0 = n_layers / num_blocks each")
     partition: Partition = _f("equi_probability", "block edges: equal noise mass (equi_probability) or equal ln-width")
     curve_every: int = _f(200, "block_sampling loss_share: re-measure held-out CE(sigma) every N steps")
     curve_until: int = _f(0, "stop re-measuring (freeze the block shares) after this step; 0 = never")
@@ -139,9 +144,11 @@ class DiffusionConfig(_Section):
     loss_weight: LossWeight = _f("none", "CE weight per sample: none, edm (normalised w(sigma)) or batch_mean")
     target_scale: TargetScale = _f("unit", "noisy targets are unit-norm embeddings (unit) or per-dim RMS sigma_data")
     target_fraction: Float = _f(1.0, "share of noisy slots trained per sequence (clean stream stays whole)")
-    blocks_to_train: list[int] = _f([], "train only these blocks (others frozen, no optimiser state); [] = all")
+    blocks_to_train: list[int] = _f([], "train only these blocks (others frozen, no optimiser state; the checkpoint "
+                                    "records them, and `looped_lm merge` joins such jobs); [] = all")
     block_sampling: BlockSampling = _f("loss_share", "which block a step trains: uniform (paper), round_robin, or loss_share "
-                             "(in proportion to each block's share of the CE drop)")
+                             "(in proportion to each block's share of the CE drop); train.mode block_parallel: "
+                             "which of its own blocks a rank trains (uniform or round_robin)")
     bridge: Bridge = _f("sample", "logits -> denoised embedding between steps: soft (expectation), hard (argmax), "
                      "or sample (a token drawn from the logits)")
     num_iterations: int = _f(0, "default K denoising steps per token at inference; 0 = num_blocks")
@@ -174,6 +181,9 @@ class DataConfig(_Section):
 
 
 class TrainConfig(_Section):
+    mode: TrainMode = _f("data_parallel", "data_parallel: every rank trains the step's block on its own batch, "
+                         "gradients averaged; block_parallel (db_ar, ZeRO 0): each rank trains its own block every "
+                         "step, keeps optimiser state for it only, and exchanges only the shared parameters' gradients")
     max_steps: int = _f(1000, "optimiser steps")
     batch_size: int = _f(8, "sequences per micro-batch per rank")
     grad_accum: int = _f(1, "micro-batches per optimiser step")
@@ -199,7 +209,9 @@ class TrainConfig(_Section):
 
 class DeepSpeedConfig(_Section):
     zero_stage: int = _f(0, "ZeRO stage 0, 1 or 2")
-    bf16: bool = _f(False, "bf16 mixed precision (GPUs); fp32 when false")
+    bf16: bool = _f(False, "bf16 mixed precision (GPUs); fp32 when false. ZeRO 0: DeepSpeed's bf16 weights and "
+                    "Adam state; ZeRO 1/2: fp32 master copies; train.mode block_parallel: bf16 compute under autocast, "
+                    "fp32 weights and optimizer state")
 
 
 class EvalConfig(_Section):
@@ -303,6 +315,8 @@ def _message(err: dict) -> str:
         return f"unknown config key '{key}'{_suggest(str(loc[1]), SECTIONS[loc[0]].model_fields)}"
     if len(loc) == 1:  # the section itself
         return f"config section '{loc[0]}' must be a mapping, got {type(value).__name__}"
+    if len(loc) > 2 and loc[2] in ("int", "list[int]"):  # a field that takes an integer or a list of them
+        return f"{'.'.join(str(p) for p in loc[:2])} must be an integer or a list of integers, got {value!r}"
     if kind == "literal_error":
         field = SECTIONS[loc[0]].model_fields[loc[1]]
         return f"{key} must be one of {', '.join(typing.get_args(field.annotation))} (got '{value}')"
@@ -365,8 +379,10 @@ def validate(cfg: Config) -> None:
 
     _require(d.num_blocks >= 1, f"diffusion.num_blocks must be >= 1 (got {d.num_blocks})")
     if m.kind == "db_ar":
-        _require(m.n_layers % d.num_blocks == 0,
-                 f"diffusion.num_blocks ({d.num_blocks}) must divide model.n_layers ({m.n_layers})")
+        _resolve_layers_per_block(cfg)
+    else:
+        _require(d.layers_per_block in (0, []), f"diffusion.layers_per_block applies to model.kind db_ar only "
+                                                f"(got {d.layers_per_block!r} with {m.kind})")
     _require(0.0 <= d.overlap <= 0.5, f"diffusion.overlap must be in [0, 0.5] (got {d.overlap})")
     _require(0 < d.sigma_min < d.sigma_max,
              f"diffusion.sigma_min ({d.sigma_min}) must be > 0 and below diffusion.sigma_max ({d.sigma_max})")
@@ -387,6 +403,18 @@ def validate(cfg: Config) -> None:
         _require(0 <= b < n_blocks, f"diffusion.blocks_to_train has {b}, outside 0..{n_blocks - 1}")
     _require(len(set(d.blocks_to_train)) == len(d.blocks_to_train),
              f"diffusion.blocks_to_train has duplicates: {d.blocks_to_train}")
+
+    if t.mode == "block_parallel":
+        _require(m.kind == "db_ar", f"train.mode block_parallel trains DiffusionBlocks blocks apart: it needs model.kind "
+                                    f"db_ar (got {m.kind})")
+        _require(cfg.deepspeed.zero_stage == 0,
+                 f"train.mode block_parallel needs deepspeed.zero_stage 0 (got {cfg.deepspeed.zero_stage}): each rank "
+                 "already keeps optimiser state for its own block only, and ZeRO would partition it over ranks that "
+                 "train other blocks")
+        _require(d.block_sampling != "loss_share",
+                 "diffusion.block_sampling loss_share picks one block per step for every rank, but train.mode "
+                 "block_parallel trains every block every step: set diffusion.block_sampling to uniform or "
+                 "round_robin (which of its own blocks a rank trains when it owns several)")
 
     for key in ("max_steps", "batch_size", "grad_accum"):
         _require(getattr(t, key) >= 1, f"train.{key} must be >= 1 (got {getattr(t, key)})")
@@ -453,6 +481,42 @@ def validate_module(cfg: Config) -> None:
         _require(d.cfg_scale >= 0, f"diffusion.cfg_scale must be >= 0 (got {d.cfg_scale})")
 
 
+def _resolve_layers_per_block(cfg: Config) -> None:
+    """db_ar: check diffusion.layers_per_block against model.n_layers, and set num_blocks from it (a
+    num_blocks given in the same config must agree)."""
+    m, d = cfg.model, cfg.diffusion
+    lpb = d.layers_per_block
+    if lpb in (0, []):
+        _require(m.n_layers % d.num_blocks == 0,
+                 f"diffusion.num_blocks ({d.num_blocks}) must divide model.n_layers ({m.n_layers})")
+        return
+    if isinstance(lpb, list):
+        _require(all(n >= 1 for n in lpb), f"diffusion.layers_per_block must list counts >= 1 (got {lpb})")
+        _require(sum(lpb) == m.n_layers, f"diffusion.layers_per_block {lpb} sums to {sum(lpb)}, but model.n_layers "
+                                         f"is {m.n_layers}")
+        blocks = len(lpb)
+    else:
+        _require(lpb >= 1, f"diffusion.layers_per_block must be >= 1, a list, or 0 for n_layers / num_blocks (got {lpb})")
+        _require(m.n_layers % lpb == 0, f"diffusion.layers_per_block ({lpb}) must divide model.n_layers ({m.n_layers})")
+        blocks = m.n_layers // lpb
+    if "num_blocks" in d.model_fields_set and d.num_blocks != blocks:
+        raise UserError(f"diffusion.num_blocks ({d.num_blocks}) contradicts diffusion.layers_per_block {lpb!r} "
+                        f"({blocks} blocks); give one of them")
+    d.num_blocks = blocks
+
+
+def block_layers(cfg: Config) -> list[int]:
+    """The layers of each block, block 0 (highest noise) first: db_ar's split of model.n_layers;
+    looped_db's one weight-tied core."""
+    m, d = cfg.model, cfg.diffusion
+    if m.kind != "db_ar":
+        return [m.n_layers]
+    if isinstance(d.layers_per_block, list) and d.layers_per_block:
+        return list(d.layers_per_block)
+    per = d.layers_per_block or m.n_layers // d.num_blocks
+    return [per] * (m.n_layers // per)
+
+
 def describe_fields() -> str:
     """Every config field with its type, default and doc: the text of `--help-config`."""
     lines = []
@@ -460,7 +524,9 @@ def describe_fields() -> str:
         lines.append(f"{section}:")
         for name, f in typ.model_fields.items():
             default = f.get_default(call_default_factory=True)
-            lines.append(f"  {name} ({type(default).__name__}, default {default!r}): {f.description}")
+            kinds = typing.get_args(f.annotation) if isinstance(f.annotation, types.UnionType) else ()
+            typ = " or ".join(getattr(k, "__name__", str(k)) for k in kinds) or type(default).__name__
+            lines.append(f"  {name} ({typ}, default {default!r}): {f.description}")
     return "\n".join(lines)
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from looped_lm import checkpoint as ckpt_io
 from looped_lm import cli
 from looped_lm import train as trainer
 
@@ -132,15 +133,19 @@ def test_blocks_to_train_keeps_no_optimizer_state_for_frozen_blocks(tmp_path, wr
     cfg = db_config(write_config, tmp_path, diffusion={"blocks_to_train": [1]}, train={"max_steps": 2})
     assert trainer.main(["--config", str(cfg)]) == 0
     ckpt = tmp_path / "run" / "step_0000002"
-    state = torch.load(ckpt / "optimizer" / "ds" / "mp_rank_00_model_states.pt", weights_only=False)
-    groups = state["optimizer"]["param_groups"]
-    assert {g["unit"] for g in groups} == {"shared", "block1"}
-    n_state = len(state["optimizer"]["state"])
+    assert sorted(p.name for p in (ckpt / "optimizer").iterdir()) == ["block1.safetensors", "shared.safetensors"]
     from looped_lm.config import load_config
     from looped_lm.models import build_model
 
     model = build_model(load_config(str(cfg)), 257)
-    assert n_state == sum(1 for p in model.parameters() if p.requires_grad)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    saved = set()
+    for unit in ("shared", "block1"):
+        _, tensors = ckpt_io.read_unit_state(ckpt, unit)
+        saved |= {k.split("/", 1)[1] for k in tensors}
+        assert {k.split("/", 1)[0] for k in tensors} == {"exp_avg", "exp_avg_sq"}
+    assert saved == trained and not any(n.startswith("blocks.0.") for n in saved)
+    assert json.loads((ckpt / "manifest.json").read_text())["ownership"] == {"blocks": [1]}
 
 
 def test_looped_db_and_huginn_train_and_eval(tmp_path, write_config, capsys):

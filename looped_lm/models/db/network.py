@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from looped_lm import diffusion as dm
-from looped_lm.config import Config
+from looped_lm.config import Config, block_layers
 from looped_lm.errors import UserError
 from looped_lm.models.layers import (RotaryEmbedding, TransformerLayer, TransposedCopy, chunked, ffn_width,
                                      init_weights, positions_after)
@@ -66,12 +66,12 @@ class DBNetwork(nn.Module):
         self.target_scale = 1.0 if d.target_scale == "unit" else d.sigma_data * math.sqrt(m.d_model)
 
         ffn = ffn_width(m.d_model, m.ffn_hidden)
-        per_block = m.n_layers // num_blocks
+        depths = block_layers(cfg)  # per block, block 0 first (diffusion.layers_per_block: may be uneven)
         self.tok_emb = nn.Embedding(vocab_size, m.d_model)
         self.prelude = nn.ModuleList(TransformerLayer(m.d_model, m.n_heads, ffn, m.norm_eps) for _ in range(m.n_prelude))
         self.blocks = nn.ModuleList(
-            nn.ModuleList(TwoStreamLayer(m.d_model, m.n_heads, ffn, m.norm_eps) for _ in range(per_block))
-            for _ in range(num_blocks))
+            nn.ModuleList(TwoStreamLayer(m.d_model, m.n_heads, ffn, m.norm_eps) for _ in range(depth))
+            for depth in depths)
         # shared coda: more two-stream layers after whichever block ran (looped_db: after the core)
         self.coda = nn.ModuleList(TwoStreamLayer(m.d_model, m.n_heads, ffn, m.norm_eps) for _ in range(m.n_coda))
         self.noise_emb = NoiseEmbedding(m.d_model)
@@ -79,7 +79,7 @@ class DBNetwork(nn.Module):
         self.rope = RotaryEmbedding(m.d_model // m.n_heads, self.max_positions + 1, m.rope_theta)
         if self.cosine_head:  # logits = exp(log_scale) * cos(norm(h), y_v); starts at sqrt(d), a unit-variance logit
             self.log_scale = nn.Parameter(torch.tensor(0.5 * math.log(m.d_model)))
-        init_weights(self, m.init_std, per_block + m.n_prelude + m.n_coda)
+        init_weights(self, m.init_std, max(depths) + m.n_prelude + m.n_coda)
         # inference: contiguous transposes of the head and of the target table (faster products)
         self.head_t, self.targets_t = TransposedCopy(), TransposedCopy(self._normalized)
         for layer in [*self.coda, *(layer for block in self.blocks for layer in block)]:  # adaLN-Zero
