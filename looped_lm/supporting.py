@@ -92,11 +92,12 @@ def evaluate(model, cfg, manifest: dict, args) -> int:
             parts.append((part, len(windows[i:i + args.batch_size])))
         n = len(windows)
         per_block = [sum(p["per_block"][b] * k for p, k in parts) / n for b in range(len(parts[0][0]["per_block"]))]
-        bpc = sum(per_block)
+        bpc, edges = sum(per_block), parts[0][0]["t_edges"]  # per_block: block 0 (the highest t) first
         rep = {"model_kind": cfg.model.kind, "bpc": bpc, "upper_bound": True,
                "bound": "negative ELBO: an upper bound on the bits per character",
                "per_block": per_block, "share": [b / bpc if bpc else 0.0 for b in per_block],
-               "t_edges": parts[0][0]["t_edges"], "characters": n * model.seq_len, "windows": n,
+               "t_intervals": [[edges[-2 - b], edges[-1 - b]] for b in range(len(per_block))],  # of per_block
+               "characters": n * model.seq_len, "windows": n,
                "samples_per_block": args.draws, "data": source, "split": args.split}
         shares = " + ".join(f"{b:.3f} ({s:.0%})" for b, s in zip(per_block, rep["share"]))
         summary = f"bits per character <= {bpc:.4f} (negative ELBO, an upper bound) on {n * model.seq_len:,} " \
