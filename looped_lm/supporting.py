@@ -4,8 +4,9 @@ The verbs load the checkpoint as for a language model and hand it here when it i
 runs depends on the capability the model offers (models/contract.py):
 
     eval      Classifier (vit)      top-1 accuracy on the held-out images, K steps      -> JSON on stdout
-              ImageGenerator (dit)  Frechet distance of samples to the held-out images in the features of
-                                    a vit checkpoint (--features; NOT FID: no Inception network)
+              ImageGenerator (dit)  Frechet distance of samples to the training images in the features of
+                                    a vit checkpoint (--features; NOT FID: no Inception network), beside
+                                    the held-out images' own distance (the floor)      -> JSON on stdout
               TextDiffusion (mdm)   bits per character from the negative ELBO (an upper bound), with
                                     each block's t-interval's share                      -> JSON on stdout
     generate  ImageGenerator (dit)  a PNG grid of class-conditional samples (--out), guidance per call
@@ -63,15 +64,13 @@ def evaluate(model, cfg, manifest: dict, args) -> int:
 
     if args.max_tokens < 0:
         raise UserError(f"--max-tokens must be >= 0 (got {args.max_tokens})")
-    if args.draws < 1:
-        raise UserError(f"--draws must be >= 1 (got {args.draws})")
+    if args.draws < 1 or args.batch_size < 1:
+        raise UserError(f"--draws and --batch-size must be >= 1 (got {args.draws} and {args.batch_size})")
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
     if isinstance(model, Classifier):
         data, source = module_data(cfg, manifest, args.data)
         n = args.max_tokens or len(data.test_y)
         images, labels = data.test_x[:n], data.test_y[:n]
-        if not torch.is_tensor(images):  # latents: memory-mapped shards
-            images = torch.from_numpy(images.take(range(min(n, len(labels)))))
         rep = model.accuracy(images.to(args.device), labels.to(args.device), single_k(args.num_iterations),
                              generator=gen)
         rep = {"model_kind": cfg.model.kind, **rep, "data": source, "split": "test (held out)"}

@@ -159,6 +159,7 @@ def test_module_eval_errors_are_one_line(runs, capsys, one_line_error):
             (["--checkpoint", str(runs["vit"]), "--data", "cifar10:/nowhere"], ("cifar-10-python.tar.gz",)),
             (["--checkpoint", str(runs["mdm"]), "--num-iterations", "2"], ("does not apply",)),
             (["--checkpoint", str(runs["mdm"]), "--max-tokens", "10"], ("less than one window",)),
+            (["--checkpoint", str(runs["mdm"]), "--batch-size", "0"], ("--batch-size must be >= 1",)),
             (["--checkpoint", str(runs["dit"])], ("--features VIT_CHECKPOINT",)),
             (["--checkpoint", str(runs["dit"]), "--features", str(runs["mdm"])], ("mdm checkpoint, not a classifier",)),
             (["--checkpoint", str(runs["dit"]), "--features", str(runs["vit"]), "--num-iterations", "1"],
