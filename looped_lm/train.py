@@ -31,7 +31,7 @@ from pathlib import Path
 
 from looped_lm import checkpoint as ckpt_io
 from looped_lm import parallel
-from looped_lm.config import Config, describe_fields, load_config
+from looped_lm.config import MODULE_KINDS, Config, describe_fields, load_config
 from looped_lm.errors import UserError
 from looped_lm.preflight import Plan, data_source_string, describe_os_error, nothing_to_train, preflight
 
@@ -136,6 +136,12 @@ def on_rank0(fn):
     return box[0]
 
 
+def bf16_autocast(cfg: Config) -> bool:
+    """bf16 as autocast over fp32 weights (not DeepSpeed's pure-bf16 weights): block parallel, and the
+    supporting modules, whose float inputs (images, noise levels) meet the weights directly."""
+    return cfg.deepspeed.bf16 and (cfg.train.mode == "block_parallel" or cfg.model.kind in MODULE_KINDS)
+
+
 def deepspeed_config(cfg: Config, world_size: int) -> dict:
     t = cfg.train
     return {
@@ -146,9 +152,9 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
         "gradient_clipping": 0.0 if t.mode == "block_parallel" else t.grad_clip,
         "zero_optimization": {"stage": cfg.deepspeed.zero_stage},
         # bf16 at ZeRO 0 is DeepSpeed's pure-bf16 path (bf16 weights and Adam state); block parallel (always
-        # ZeRO 0) runs bf16 compute under autocast instead: fp32 weights, gradients and optimizer state
-        "bf16": {"enabled": cfg.deepspeed.bf16 and t.mode != "block_parallel"},
-        "torch_autocast": {"enabled": cfg.deepspeed.bf16 and t.mode == "block_parallel", "dtype": "bfloat16"},
+        # ZeRO 0) and the modules run bf16 compute under autocast instead: fp32 weights, gradients, optimizer state
+        "bf16": {"enabled": cfg.deepspeed.bf16 and not bf16_autocast(cfg)},
+        "torch_autocast": {"enabled": bf16_autocast(cfg), "dtype": "bfloat16"},
         "steps_per_print": 10 ** 9,  # our own logging
         "wall_clock_breakdown": False,
         # BlockwiseAdamW is torch AdamW plus per-unit skipping; ZeRO 1/2 keep its group dicts
@@ -468,8 +474,8 @@ def save(engine, model, optimizer, cfg: Config, plan: Plan, out_dir: Path, step:
             tmp.mkdir(parents=True)
         dist.barrier()
         zero = engine.optimizer if cfg.deepspeed.zero_stage > 0 else None
-        # fp32 master weights beside bf16 ones: ZeRO's partitions, or block parallel's fp32 weights under autocast
-        master = cfg.deepspeed.bf16 and (zero is not None or cfg.train.mode == "block_parallel")
+        # fp32 master weights beside bf16 ones: ZeRO's partitions, or the fp32 weights under autocast
+        master = cfg.deepspeed.bf16 and (zero is not None or bf16_autocast(cfg))
         states = state_by_name(model, optimizer, zero, dist, master=master)
         writers = parallel.unit_writers(cfg, world)
         for unit, (unit_step, tensors) in states.items():

@@ -6,6 +6,7 @@ bad input is one line and exit 2, with nothing half-written."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -300,3 +301,19 @@ def test_export_and_serve_refuse_module_checkpoints_in_one_line(runs, tmp_path, 
     code, out = main(["serve", "--checkpoint", str(runs["mdm"])], capsys)
     assert code == 2
     one_line_error(out, "looped_lm serve is for language models", "mdm checkpoint")
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_modules_train_in_bf16_under_autocast(tmp_path, zero):
+    """deepspeed.bf16 (the paper recipes): images and noise levels are float inputs, so the modules run
+    bf16 compute under autocast over fp32 weights; a resume continues from the saved state."""
+    from safetensors.torch import load_file
+
+    cfg = module_config(tmp_path / "run.yaml", "dit", tmp_path / "out", deepspeed={"bf16": True, "zero_stage": zero},
+                        train={"max_steps": 3, "eval_every": 0})
+    assert run_trainer(["--config", str(cfg), "--stop-after", "2"]) == 0
+    assert run_trainer(["--config", str(cfg)]) == 0
+    weights = load_file(tmp_path / "out" / "step_0000003" / "model.safetensors")
+    assert all(w.dtype == torch.float32 for w in weights.values())
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in rows)
