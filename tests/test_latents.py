@@ -149,3 +149,17 @@ def test_prepare_encodes_then_dit_trains_and_generate_decodes(tmp_path, tiny_vae
     assert cli.main([*gen, "--vae", str(tiny_vae)]) == 0, capsys.readouterr().err
     picture = np.asarray(Image.open(tmp_path / "s.png"))
     assert picture.shape == (2 * 18, 2 * (3 * 17 + 1), 3)  # three decoded 16x16 RGB samples in a row, shown 2x
+
+
+def test_prepare_without_diffusers_names_the_extra(tmp_path, monkeypatch, capsys, one_line_error):
+    import sys
+
+    src = image_folder(tmp_path / "imgs")
+    vae = tmp_path / "vae"
+    vae.mkdir()
+    (vae / "config.json").write_text("{}")
+    (vae / "diffusion_pytorch_model.safetensors").write_bytes(b"")
+    monkeypatch.setitem(sys.modules, "diffusers", None)  # `import diffusers` now raises ImportError
+    assert cli.main(["prepare", "--vae", str(vae), "--source", f"imagefolder:{src}", "--out", str(tmp_path / "lat")]) == 2
+    one_line_error(capsys.readouterr(), "pip install 'looped_lm[latents]'")
+    assert not (tmp_path / "lat").exists()
