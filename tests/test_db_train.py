@@ -59,6 +59,7 @@ def test_idle_block_is_bit_identical_across_a_step(tmp_path, write_config, zero_
                    if model.param_unit(n) == f"block{trained}")
 
 
+@pytest.mark.slow
 def test_db_run_logs_loss_per_block_and_saves_edges(db_run):
     cfg, ckpt = db_run
     rows = [json.loads(line) for line in (ckpt.parent / "metrics.jsonl").read_text().splitlines()]
@@ -80,6 +81,7 @@ def test_resume_with_other_blocks_is_refused(db_run, tmp_path, capsys, one_line_
     one_line_error(capsys.readouterr(), "diffusion.num_blocks")
 
 
+@pytest.mark.slow
 def test_eval_reports_ppl_at_k(db_run, tmp_path, capsys):
     _, ckpt = db_run
     out = tmp_path / "ppl.json"
@@ -148,6 +150,7 @@ def test_blocks_to_train_keeps_no_optimizer_state_for_frozen_blocks(tmp_path, wr
     assert json.loads((ckpt / "manifest.json").read_text())["ownership"] == {"blocks": [1]}
 
 
+@pytest.mark.slow
 def test_looped_db_and_huginn_train_and_eval(tmp_path, write_config, capsys):
     for kind, extra in (("looped_db", {"diffusion": {"num_blocks": 1}}),
                         ("huginn", {"model": {"mean_recurrence": 3, "backprop_depth": 2}})):
@@ -169,6 +172,7 @@ def test_looped_db_and_huginn_train_and_eval(tmp_path, write_config, capsys):
     capsys.readouterr()
 
 
+@pytest.mark.slow
 def test_measured_curve_resumes_exactly(tmp_path, write_config):
     """loss_share re-measures a CE curve during training: a killed and resumed run matches an uninterrupted
     one, curve included."""

@@ -64,6 +64,7 @@ def test_one_block_per_step_only_that_block_and_shared_parts_get_gradients():
         assert {"patch_embed.weight", "out.weight", "label_emb.weight"} <= got
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("end_to_end", [False, True])
 def test_loss_decreases_on_a_fixed_batch(end_to_end):
     model = tiny(perturb=False, end_to_end=end_to_end, block_sampling="round_robin")

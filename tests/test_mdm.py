@@ -141,6 +141,7 @@ def test_elbo_is_seeded():
     assert a["bpc"] != model.elbo_bpc(x, 2, torch.Generator().manual_seed(6))["bpc"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("end_to_end", [False, True])
 def test_loss_decreases_on_a_fixed_batch(end_to_end):
     model = tiny(perturb=False, end_to_end=end_to_end, block_sampling="round_robin")

@@ -247,6 +247,7 @@ def bp_run(tmp_path_factory, write_config, clean_env):
     return root, cfg, root / "bp", proc
 
 
+@pytest.mark.slow
 def test_block_parallel_steps_match_one_rank_steps(bp_run):
     """Every block-parallel step changes each block exactly as a one-rank step of that block on the same
     batch (noise stream, accumulation, clipping), and the shared parameters by the mean of the ranks'
@@ -286,6 +287,7 @@ def test_block_parallel_resumes_on_one_rank_in_data_parallel(bp_run, tmp_path):
     replay.assert_weights(run / "step_0000003")
 
 
+@pytest.mark.slow
 def test_data_parallel_checkpoint_resumes_in_block_parallel_on_two_ranks(tmp_path, write_config, clean_env):
     """The reverse: a 1-rank data-parallel checkpoint (blocks stepped unevenly by the sampling) goes on in
     block-parallel mode on 2 ranks (batch 2 per rank: the same global batch)."""
@@ -339,6 +341,7 @@ def test_resume_into_an_incompatible_mode_is_refused(tmp_path, write_config, cap
 # a kill during a save
 
 
+@pytest.mark.slow
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path, write_config, clean_env, capsys):
     """SIGKILL while step 4 is being saved (its optimizer and RNG files written, the weights and manifest
     not yet): step 2 still loads and resumes, and the restart clears the half-written directory."""

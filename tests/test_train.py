@@ -142,6 +142,7 @@ def test_resume_is_exact(tmp_path, write_config, capsys):
 # (2) gradient accumulation
 
 
+@pytest.mark.slow
 def test_grad_accum_matches_reference_and_loss_decreases(tmp_path, write_config):
     out = tmp_path / "out"
     cfg = write_config(tmp_path / "ga.yaml", {
@@ -219,6 +220,7 @@ def two_rank_run(request, tmp_path_factory, write_config, clean_env):
     return cfg, out, request.param, proc
 
 
+@pytest.mark.slow
 def test_the_terminal_shows_what_a_user_reads(two_rank_run):
     """Quiet by default: the trainer's lines, none of the launcher's log; --verbose brings it back."""
     cfg, out, zero_stage, proc = two_rank_run
@@ -380,6 +382,7 @@ def test_smoothed_loss_is_per_block_and_debiased():
     assert g.values() == {"": pytest.approx((0.5 * 2.0 * 0.5 + 0.5 * 1.0) / 0.75)} and str(g) == "1.3333"
 
 
+@pytest.mark.slow
 def test_zero0_resume_on_more_ranks_continues_the_optimizer(tmp_path, write_config, clean_env):
     """ZeRO 0 keeps the optimizer state whole: a 1-rank checkpoint resumes on 2 ranks (the changed global
     batch allowed), and the optimizer continues from its saved moments (AdamW's step count goes on)."""
