@@ -78,20 +78,30 @@ def add_generate_arguments(p) -> None:
     p.add_argument("--checkpoint", required=True,
                    help="checkpoint directory, or a run directory (its newest complete checkpoint)")
     add_verify_argument(p)
-    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--prompt", default=None, help="text to continue (language models)")
     p.add_argument("--max-tokens", type=int, default=100)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-iterations", type=int, default=None,
-                   help="DiffusionBlocks / looped models: K denoising steps per token (default: the config's)")
+                   help="DiffusionBlocks / looped models: K denoising steps per token (default: the config's); "
+                   "dit / mdm: sampler steps, split across the blocks (at least one per block)")
     p.add_argument("--bridge", choices=("soft", "hard", "sample"), default=None,
                    help="DB models: logits -> embedding between steps (expectation, argmax, or a sampled token)")
     p.add_argument("--exit-threshold", type=float, default=None,
                    help="looped_db: stop a token's iterations once KL(p_k || p_k-1) < this")
     p.add_argument("--exit-criterion", default=None, help="looped_db: kl:<eps> or argmax-stable:<m>")
     p.add_argument("--device", default="cpu")
+    m = p.add_argument_group("dit / mdm checkpoints (samples from noise; no prompt)")
+    m.add_argument("--out", default=None, help="dit: the PNG grid of samples to write")
+    m.add_argument("--labels", default=None, help="dit: comma-separated class ids, one sample each "
+                   "(default: --num-samples cycling through the classes)")
+    m.add_argument("--cfg-scale", type=float, default=None,
+                   help="dit: classifier-free guidance scale (1 = none; default: the config's)")
+    m.add_argument("--num-samples", type=int, default=None, help="samples to draw (dit: 4 per class, mdm: 4)")
+    m.add_argument("--length", type=int, default=None, help="mdm: characters per sample (default: model.seq_len)")
+    m.add_argument("--vae", default=None, help="dit on latents: the local AutoencoderKL directory that decodes them")
 
 
 def run_generate(args) -> int:
@@ -100,7 +110,7 @@ def run_generate(args) -> int:
     from looped_lm.checkpoint import load_checkpoint, no_verify_note, resolve_checkpoint
     from looped_lm.data.tokenizer import get_tokenizer
     from looped_lm.engine.generate import generate
-    from looped_lm.models.contract import Iterative
+    from looped_lm.models.contract import CachedDecoding, Iterative
     from looped_lm.sampling import SamplingParams
     from looped_lm.settings import ExitRule, resolve_settings, skipped_blocks_note
 
@@ -108,6 +118,12 @@ def run_generate(args) -> int:
         print(no_verify_note(), file=sys.stderr)
     model, cfg, manifest = load_checkpoint(resolve_checkpoint(args.checkpoint), args.device,
                                            verify=not args.no_verify)
+    if not isinstance(model, CachedDecoding):  # dit, mdm: samples from noise (looped_lm.supporting)
+        from looped_lm.supporting import generate as generate_module
+
+        return generate_module(model, cfg, manifest, args)
+    if args.prompt is None:
+        raise UserError("give --prompt TEXT: the text to continue")
     tok = get_tokenizer(manifest["tokenizer"])
     ids = tok.encode(args.prompt) or [tok.eot_id]
     limits = model.iteration_limits() if isinstance(model, Iterative) else None

@@ -5,9 +5,9 @@ reason (its pydantic `description`, printed by `looped_lm train --help-config` a
 configs/README.md by `python -m looped_lm.config`). Unknown keys, wrong types, repeated keys and
 impossible values raise `UserError` naming the key, so a bad run fails in its first second.
 
-    model:      what network to build
+    model:      what network to build (language models; vit / dit / mdm: the supporting modules)
     diffusion:  DiffusionBlocks noise schedule, partition, training and sampling knobs
-    data:       where tokens come from
+    data:       where tokens (images, characters) come from
     train:      optimisation, logging, checkpoints
     deepspeed:  ZeRO stage and precision
     eval:       perplexity protocol
@@ -59,9 +59,13 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-MODEL_KINDS = ("gpt", "db_ar", "looped_db", "huginn")
+MODEL_KINDS = ("gpt", "db_ar", "looped_db", "huginn", "vit", "dit", "mdm")
+MODULE_KINDS = ("vit", "dit", "mdm")  # the supporting modules: not language models (method.md §7)
+# which data.source each module reads (the language models read the others)
+MODULE_SOURCES = {"vit": ("digits", "cifar10", "cifar100"), "dit": ("digits", "cifar10", "cifar100", "latents"),
+                  "mdm": ("bible", "text8")}
 # the choices of each choice field
-ModelKind = Literal["gpt", "db_ar", "looped_db", "huginn"]
+ModelKind = Literal["gpt", "db_ar", "looped_db", "huginn", "vit", "dit", "mdm"]
 Partition = Literal["equi_probability", "uniform"]
 Parameterization = Literal["edm", "likelihood"]
 NoisyInput = Literal["noise", "prev_token"]
@@ -72,14 +76,16 @@ TargetScale = Literal["unit", "sigma_data"]
 BlockSampling = Literal["uniform", "round_robin", "loss_share"]
 Bridge = Literal["soft", "hard", "sample"]
 LastCall = Literal["edge", "sigma_min"]
-Source = Literal["bible", "shakespeare", "files", "hf", "bin"]
+Source = Literal["bible", "shakespeare", "files", "hf", "bin", "digits", "cifar10", "cifar100", "text8", "latents"]
+MaskSchedule = Literal["linear", "cosine"]
 Tokenizer = Literal["gpt2", "byte"]
 ResumeChanges = Literal["refuse", "allow"]
 TrainMode = Literal["data_parallel", "block_parallel"]
 
 
 class ModelConfig(_Section):
-    kind: ModelKind = _f("gpt", "gpt (end-to-end), db_ar (DiffusionBlocks AR), looped_db, huginn")
+    kind: ModelKind = _f("gpt", "gpt (end-to-end), db_ar (DiffusionBlocks AR), looped_db, huginn; supporting "
+                         "modules: vit (classifier), dit (image denoiser), mdm (masked diffusion over characters)")
     n_layers: int = _f(4, "decoder layers (db_ar: split into diffusion.num_blocks blocks; looped: the core)")
     d_model: int = _f(128, "residual width")
     n_heads: int = _f(4, "attention heads (d_model must divide by it)")
@@ -97,6 +103,13 @@ class ModelConfig(_Section):
     loss_chunk: int = _f(0, "training: head + CE in chunks of this many positions, recomputed in backward, so "
                          "the (tokens, vocab) logits are never stored (0 = off; e.g. 128 with a 50257 vocab)")
     max_iterations: int = _f(64, "looped models: the largest K accepted at inference")
+    end_to_end: bool = _f(False, "vit / dit / mdm: the same network trained end-to-end over the whole noise range "
+                          "(the baseline), instead of diffusion.num_blocks blocks")
+    image_size: int = _f(32, "vit / dit: side of the (square) images or latents; must match the data")
+    channels: int = _f(3, "vit / dit: image (or latent) channels; must match the data")
+    patch: int = _f(4, "vit / dit: patch side; image_size must divide by it (the paper: vit 4, dit 2)")
+    num_classes: int = _f(10, "vit: classes; dit: classes it is conditioned on (0 = unconditional); must match "
+                          "the data")
 
 
 class DiffusionConfig(_Section):
@@ -143,15 +156,28 @@ class DiffusionConfig(_Section):
                         "(edge, paper) or sigma_min itself (with parameterization likelihood an exact read-back "
                         "of the last bridge's token, so K = B samples what block 0 drew)")
     sample_top_quantile: Float = _f(0.999, "chains start at this quantile of block 0's training sigma law "
-                                    "instead of sigma_max, where block 0 never trains; 1 = sigma_max (paper)")
+                                    "instead of sigma_max, where block 0 never trains; 1 = sigma_max (paper; dit "
+                                    "always starts at sigma_max, as EDM's sampler does)")
+    label_dropout: Float = _f(0.1, "dit: share of training labels replaced by the null class (classifier-free "
+                              "guidance)")
+    cfg_scale: Float = _f(2.0, "dit: default classifier-free guidance scale of generate and eval (1 = none)")
+    sample_steps: int = _f(0, "dit: default Euler steps of generate / eval (0 = 50, the paper's); mdm: unmasking "
+                           "steps (0 = model.seq_len)")
+    schedule: MaskSchedule = _f("linear", "mdm: the masking schedule alpha(t) (linear: 1 - t; cosine); its "
+                                "partition is t_b = alpha^-1(1 - b/B)")
 
 
 class DataConfig(_Section):
-    source: Source = _f("bible", "bible / shakespeare (embedded corpora), files, hf, or bin")
-    path: Str = _f("", "files: .txt/.jsonl/.parquet path; hf: dataset name; bin: dir with train.bin/val.bin")
+    source: Source = _f("bible", "bible / shakespeare (embedded corpora), files, hf, or bin; vit / dit: digits "
+                        "(bundled), cifar10, cifar100, latents (dit); mdm: bible (in text8's alphabet), text8")
+    path: Str = _f("", "files: .txt/.jsonl/.parquet path; hf: dataset name; bin: dir with train.bin/val.bin; "
+                   "cifar10 / cifar100: the python-pickle archive or its folder; text8: the text8 file; "
+                   "latents: the directory `looped_lm prepare --vae` wrote")
     tokenizer: Tokenizer = _f("gpt2", "gpt2 (byte-level BPE, 50257) or byte (257, for tiny tests)")
     val_fraction: Float = _f(0.05, "share of documents held out for validation")
     cache_dir: Str = _f("data_cache", "where tokenized corpora are cached as train.bin / val.bin")
+    augment: bool = _f(True, "vit / dit on images: random crop (padding 1/8 of the side) and horizontal flip of "
+                       "training images (digits: never flipped)")
 
 
 class TrainConfig(_Section):
@@ -372,7 +398,7 @@ def validate(cfg: Config) -> None:
     if m.kind == "looped_db":
         _require(d.num_blocks == 1, f"looped_db has one weight-tied core: diffusion.num_blocks must be 1 "
                                     f"(got {d.num_blocks})")
-    n_blocks = d.num_blocks if m.kind == "db_ar" else 1
+    n_blocks = d.num_blocks if m.kind == "db_ar" or (m.kind in MODULE_KINDS and not m.end_to_end) else 1
     for b in d.blocks_to_train:
         _require(0 <= b < n_blocks, f"diffusion.blocks_to_train has {b}, outside 0..{n_blocks - 1}")
     _require(len(set(d.blocks_to_train)) == len(d.blocks_to_train),
@@ -401,13 +427,58 @@ def validate(cfg: Config) -> None:
     _require(t.out_dir != "", "train.out_dir must not be empty")
 
     _require(cfg.deepspeed.zero_stage in (0, 1, 2), f"deepspeed.zero_stage must be 0, 1 or 2 (got {cfg.deepspeed.zero_stage})")
-    if cfg.data.source in ("files", "hf", "bin"):
+    if cfg.data.source in ("files", "hf", "bin", "cifar10", "cifar100", "text8", "latents"):
         _require(cfg.data.path != "", f"data.path is required when data.source is {cfg.data.source}")
+    validate_module(cfg)
     _require(0 < cfg.data.val_fraction < 1, f"data.val_fraction must be in (0, 1) (got {cfg.data.val_fraction})")
     e = cfg.eval
     for key in ("block_size", "stride", "max_tokens"):
         _require(getattr(e, key) >= 0, f"eval.{key} must be >= 0 (got {getattr(e, key)})")
     _require(e.draws >= 1, f"eval.draws must be >= 1 (got {e.draws})")
+
+
+def validate_module(cfg: Config) -> None:
+    """The supporting modules (vit / dit / mdm): their data source, block layout and the options they
+    implement; a language model may not name a module's data source."""
+    m, d, source = cfg.model, cfg.diffusion, cfg.data.source
+    if m.kind not in MODULE_KINDS:
+        readers = [k for k, sources in MODULE_SOURCES.items() if source in sources]
+        _require(source == "bible" or not readers, f"data.source {source} is read by model.kind "
+                 f"{' / '.join(readers)}, not {m.kind}")
+        return
+    _require(source in MODULE_SOURCES[m.kind], f"model.kind {m.kind} reads data.source "
+             f"{' / '.join(MODULE_SOURCES[m.kind])} (got {source})")
+    if not m.end_to_end:
+        _require(d.num_blocks <= m.n_layers, f"diffusion.num_blocks ({d.num_blocks}) is larger than model.n_layers "
+                 f"({m.n_layers}): every block needs at least one layer")
+        _require(m.n_layers % d.num_blocks == 0,
+                 f"diffusion.num_blocks ({d.num_blocks}) must divide model.n_layers ({m.n_layers})")
+    _require(d.block_sampling in ("uniform", "round_robin"), f"diffusion.block_sampling {d.block_sampling} (the "
+             f"default) is for the language models; set diffusion.block_sampling: uniform (the paper) or round_robin "
+             f"for {m.kind}")
+    blocks = 1 if m.end_to_end else d.num_blocks
+    if d.num_iterations:
+        _require(d.num_iterations >= blocks, f"diffusion.num_iterations ({d.num_iterations}) must be >= the number of "
+                 f"blocks ({blocks}): {m.kind} runs at least one step per block")
+    if d.sample_steps:
+        _require(d.sample_steps >= blocks, f"diffusion.sample_steps ({d.sample_steps}) must be >= the number of "
+                 f"blocks ({blocks}): {m.kind} runs at least one step per block")
+    _require(d.sample_steps >= 0, f"diffusion.sample_steps must be >= 0 (got {d.sample_steps})")
+    if m.kind == "mdm":
+        return
+    for key in ("image_size", "channels", "patch"):
+        _require(getattr(m, key) >= 1, f"model.{key} must be >= 1 (got {getattr(m, key)})")
+    _require(m.image_size % m.patch == 0, f"model.image_size ({m.image_size}) is not divisible by model.patch "
+             f"({m.patch})")
+    if m.kind == "vit":
+        _require(m.num_classes >= 2, f"model.num_classes must be >= 2 for vit (got {m.num_classes})")
+        _require(d.loss_weight in ("none", "edm"), f"diffusion.loss_weight {d.loss_weight} is for the language "
+                 "models; vit takes none or edm")
+    else:
+        _require(m.num_classes >= 0, f"model.num_classes must be >= 0 for dit, 0 = unconditional (got "
+                 f"{m.num_classes})")
+        _require(0 <= d.label_dropout < 1, f"diffusion.label_dropout must be in [0, 1) (got {d.label_dropout})")
+        _require(d.cfg_scale >= 0, f"diffusion.cfg_scale must be >= 0 (got {d.cfg_scale})")
 
 
 def _resolve_layers_per_block(cfg: Config) -> None:

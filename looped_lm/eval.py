@@ -30,18 +30,28 @@ def add_arguments(p) -> None:
                    help="checkpoint directory (out/step_XXXXXXX), or a run directory (its newest complete checkpoint)")
     p.add_argument("--no-verify", action="store_true", help=NO_VERIFY_HELP)
     p.add_argument("--data", default=None, help="nanoGPT val.bin, or a .txt / .jsonl file (tokenized with the "
-                   "checkpoint's tokenizer); default: the run's val.bin")
+                   "checkpoint's tokenizer); default: the run's val.bin (vit / mdm: a data source such as "
+                   "cifar100:PATH or text8:PATH; default: the run's)")
     p.add_argument("--block-size", type=int, default=0, help="window length; 0 = the model's seq_len")
     p.add_argument("--stride", type=int, default=0, help="0 = disjoint blocks; S = sliding windows")
-    p.add_argument("--max-tokens", type=int, default=0, help="score only the first N tokens; 0 = all")
+    p.add_argument("--max-tokens", type=int, default=0, help="score only the first N tokens (vit: images, mdm: "
+                   "characters); 0 = all")
+    p.add_argument("--split", choices=("val", "test"), default="val",
+                   help="mdm: the text split scored (text8: 5M characters each); vit scores the held-out images")
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
     p.add_argument("--num-iterations", default=None,
-                   help="comma-separated K grid (huginn: exact PPL per K; DB models: ppl@k)")
+                   help="comma-separated K grid (huginn: exact PPL per K; DB models: ppl@k); vit: one K >= B")
     p.add_argument("--draws", type=int, default=4,
-                   help="DB models: independent estimates averaged per token (their spread gives the standard error)")
+                   help="DB models: independent estimates averaged per token (their spread gives the standard "
+                   "error); mdm: masking times drawn per block interval")
     p.add_argument("--candidates", type=int, default=2,
                    help="DB models: first-step tokens the estimator enumerates (plus the target and one draw)")
     p.add_argument("--seed", type=int, default=0, help="seed of the DB noise draws")
+    p.add_argument("--features", default=None, metavar="VIT_CHECKPOINT",
+                   help="dit: the classifier in whose features samples are compared with the held-out images "
+                   "(a Frechet distance, not FID)")
+    p.add_argument("--cfg-scale", type=float, default=None, help="dit: guidance scale of the samples (default: "
+                   "the config's)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--no-progress", action="store_true")
@@ -181,12 +191,17 @@ def run(args) -> int:
     import tempfile
 
     from looped_lm.checkpoint import load_checkpoint, no_verify_note, resolve_checkpoint
+    from looped_lm.models.contract import Scorable
     from looped_lm.settings import ScoreSettings
 
     if args.no_verify:
         print(no_verify_note(), file=sys.stderr)
     model, cfg, manifest = load_checkpoint(resolve_checkpoint(args.checkpoint), args.device,
                                            verify=not args.no_verify)
+    if not isinstance(model, Scorable):  # vit, mdm: accuracy, bits per character (looped_lm.supporting)
+        from looped_lm.supporting import evaluate
+
+        return evaluate(model, cfg, manifest, args)
     data = args.data
     if data is None:
         if "dir" not in manifest.get("data", {}):

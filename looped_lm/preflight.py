@@ -1,7 +1,8 @@
 """What a run checks before a process group, a model or a launcher exists (no torch needed).
 
 `preflight(cfg)` checks what the run reads and writes: the tokenizer, the data (tokenized once into the
-cache, both token files checked against the model), train.out_dir (created, writable), and the
+cache, both token files checked against the model; a module's images or characters loaded and checked
+against model.*), train.out_dir (created, writable), and the
 checkpoint a resume continues from: every file verified, its model and optimizer layout the same, and
 a changed seed, global batch, grad_accum, data or tokenizer refused with the list of differences unless
 train.resume_changes: allow (world size, ZeRO stage and train.mode may change: the optimizer state is
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from looped_lm import checkpoint as ckpt_io
-from looped_lm.config import Config, block_layers
+from looped_lm.config import MODULE_KINDS, Config, block_layers
 from looped_lm.errors import UserError
 from looped_lm.parallel import check_world
 
@@ -44,38 +45,37 @@ def data_source_string(cfg: Config) -> str:
             "bin": d.path}[d.source]
 
 
-def prepare_data(cfg: Config, vocab_size: int) -> Path:
-    """Tokenize the corpus once into the cache and check both token files against the model."""
+def prepare_data(cfg: Config, vocab_size: int) -> str:
+    """Where the run's data is, checked against the model: a language model's corpus tokenized once
+    into the cache (its absolute directory); a module's images, latents or characters (their source
+    string, `data.batches.module_source`)."""
+    from looped_lm.data.batches import check_module_data
     from looped_lm.data.bin_dataset import TokenStream
     from looped_lm.data.prepare import ensure_prepared
 
+    if cfg.model.kind in MODULE_KINDS:
+        return check_module_data(cfg)
     if cfg.data.source == "bin":
         root = Path(cfg.data.path)
         for split in ("train.bin", "val.bin"):
             if not (root / split).is_file():
                 raise UserError(f"data.path {root} has no {split} (expected nanoGPT's train.bin / val.bin)")
     data_dir = Path(ensure_prepared(data_source_string(cfg), cfg.data.cache_dir, cfg.data.tokenizer,
-                                    cfg.data.val_fraction, cfg.train.seed))
+                                    cfg.data.val_fraction, cfg.train.seed)).resolve()
     for split in ("train.bin", "val.bin"):
         TokenStream(str(data_dir / split), cfg.model.seq_len, vocab_size)
-    return data_dir
+    return str(data_dir)
 
 
 def preflight(cfg: Config, verify: bool = True, world_size: int | None = None) -> Plan:
     """Check the run (world_size None: the checks that depend on it wait for the launcher's count)."""
-    from looped_lm.data.tokenizer import get_tokenizer
-
-    tokenizer = get_tokenizer(cfg.data.tokenizer)
-    vocab_size = cfg.model.vocab_size or tokenizer.vocab_size
-    if vocab_size < tokenizer.vocab_size:
-        raise UserError(f"model.vocab_size ({vocab_size}) is smaller than the {tokenizer.name} tokenizer's "
-                        f"{tokenizer.vocab_size}")
+    vocab_size, tokenizer = run_vocab(cfg)
     out_dir = Path(cfg.train.out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"train.out_dir {out_dir} is a file, not a directory")
     if world_size is not None:
         check_world(cfg, world_size)
-    plan = Plan(vocab_size, tokenizer.name, "")
+    plan = Plan(vocab_size, tokenizer, "")
     resume = find_resume(cfg, out_dir)
     try:  # cheap checks first (the manifest against this config), the files' hashes after the data
         if resume is not None:
@@ -84,7 +84,7 @@ def preflight(cfg: Config, verify: bool = True, world_size: int | None = None) -
             plan.notes += notes
             plan.changes = [c for n in notes if n.startswith(RESUMING_WITH)
                             for c in n.removeprefix(f"{RESUMING_WITH}: ").split("; ")]
-        plan.data_dir = str(prepare_data(cfg, vocab_size))
+        plan.data_dir = prepare_data(cfg, vocab_size)
         if resume is not None:
             ckpt_io.verify_checkpoint(resume, verify, ranks=world_size)
     except UserError as e:
@@ -94,6 +94,22 @@ def preflight(cfg: Config, verify: bool = True, world_size: int | None = None) -
     ensure_writable(out_dir)
     plan.notes += tidy_out_dir(out_dir)
     return plan
+
+
+def run_vocab(cfg: Config) -> tuple[int, str]:
+    """(output vocabulary, tokenizer name) of the run: the tokenizer's (or model.vocab_size, padded), or a
+    module's classes / characters."""
+    from looped_lm.data.batches import module_vocab
+    from looped_lm.data.tokenizer import get_tokenizer
+
+    if cfg.model.kind in MODULE_KINDS:
+        return module_vocab(cfg)
+    tokenizer = get_tokenizer(cfg.data.tokenizer)
+    vocab_size = cfg.model.vocab_size or tokenizer.vocab_size
+    if vocab_size < tokenizer.vocab_size:
+        raise UserError(f"model.vocab_size ({vocab_size}) is smaller than the {tokenizer.name} tokenizer's "
+                        f"{tokenizer.vocab_size}")
+    return vocab_size, tokenizer.name
 
 
 def find_resume(cfg: Config, out_dir: Path) -> Path | None:

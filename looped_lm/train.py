@@ -31,7 +31,7 @@ from pathlib import Path
 
 from looped_lm import checkpoint as ckpt_io
 from looped_lm import parallel
-from looped_lm.config import Config, describe_fields, load_config
+from looped_lm.config import MODULE_KINDS, Config, describe_fields, load_config
 from looped_lm.errors import UserError
 from looped_lm.preflight import Plan, data_source_string, describe_os_error, nothing_to_train, preflight
 
@@ -136,6 +136,12 @@ def on_rank0(fn):
     return box[0]
 
 
+def bf16_autocast(cfg: Config) -> bool:
+    """bf16 as autocast over fp32 weights (not DeepSpeed's pure-bf16 weights): block parallel, and the
+    supporting modules, whose float inputs (images, noise levels) meet the weights directly."""
+    return cfg.deepspeed.bf16 and (cfg.train.mode == "block_parallel" or cfg.model.kind in MODULE_KINDS)
+
+
 def deepspeed_config(cfg: Config, world_size: int) -> dict:
     t = cfg.train
     return {
@@ -146,9 +152,9 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
         "gradient_clipping": 0.0 if t.mode == "block_parallel" else t.grad_clip,
         "zero_optimization": {"stage": cfg.deepspeed.zero_stage},
         # bf16 at ZeRO 0 is DeepSpeed's pure-bf16 path (bf16 weights and Adam state); block parallel (always
-        # ZeRO 0) runs bf16 compute under autocast instead: fp32 weights, gradients and optimizer state
-        "bf16": {"enabled": cfg.deepspeed.bf16 and t.mode != "block_parallel"},
-        "torch_autocast": {"enabled": cfg.deepspeed.bf16 and t.mode == "block_parallel", "dtype": "bfloat16"},
+        # ZeRO 0) and the modules run bf16 compute under autocast instead: fp32 weights, gradients, optimizer state
+        "bf16": {"enabled": cfg.deepspeed.bf16 and not bf16_autocast(cfg)},
+        "torch_autocast": {"enabled": bf16_autocast(cfg), "dtype": "bfloat16"},
         "steps_per_print": 10 ** 9,  # our own logging
         "wall_clock_breakdown": False,
         # BlockwiseAdamW is torch AdamW plus per-unit skipping; ZeRO 1/2 keep its group dicts
@@ -186,8 +192,8 @@ def refresh_curve(model, val_stream, cfg: Config, device, rank: int, step: int) 
     if rank == 0:
         was_training = model.training
         model.eval()
-        x, y = val_stream.get_batch(cfg.train.batch_size, cfg.train.seed, -2, 0, 0)
-        curve[0] = model.measure_curve(x.to(device), y.to(device), seed=cfg.train.seed + step)
+        x, y = on_device(val_stream.get_batch(cfg.train.batch_size, cfg.train.seed, -2, 0, 0), device)
+        curve[0] = model.measure_curve(x, y, seed=cfg.train.seed + step)
         model.train(was_training)
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(curve, src=0)
@@ -217,7 +223,7 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
     import deepspeed.comm as dist
     import torch
 
-    from looped_lm.data.bin_dataset import TokenStream
+    from looped_lm.data.batches import open_batches
     from looped_lm.models import build_model
     from looped_lm.optim import BlockwiseAdamW, cosine_with_warmup, load_state_by_name, param_groups
     from looped_lm.training import TrainingModule, train_step
@@ -234,9 +240,8 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
         if rank == 0 and not os.environ.get(PREFLIGHT_DONE):
             print(nothing_to_train(plan, cfg), flush=True)
         return Path(plan.resume)
-    data_dir = Path(plan.data_dir)
-    train_stream = TokenStream(str(data_dir / "train.bin"), cfg.model.seq_len)
-    val_stream = TokenStream(str(data_dir / "val.bin"), cfg.model.seq_len)
+    train_stream = open_batches(cfg, plan.data_dir, "train")  # tokens, images or characters: see data/batches
+    val_stream = open_batches(cfg, plan.data_dir, "val")
 
     block_parallel = t.mode == "block_parallel"
     torch.manual_seed(t.seed)  # identical init on every rank
@@ -295,16 +300,16 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
     logger = MetricsLogger(out_dir, rank, start_step) if rank == 0 else None
     if logger is not None and plan.changes:
         logger.log(start_step, {"resume_changes": plan.changes})
-    tokens_per_step = t.batch_size * t.grad_accum * world * cfg.model.seq_len
+    tokens_per_step = t.batch_size * t.grad_accum * world * train_stream.units_per_example
     end_step = t.max_steps if stop_after <= 0 else min(t.max_steps, start_step + stop_after)
-    report = Report(cfg, start_step, tokens_per_step) if rank == 0 else None
+    report = Report(cfg, start_step, tokens_per_step, train_stream.unit) if rank == 0 else None
     last_ckpt = Path(plan.resume) if plan.resume else None
     t0 = time.perf_counter()
     try:
         for step in range(start_step, end_step):
             lr = schedule.get_last_lr()[0]  # this step's (engine.step advances the schedule)
             batches = (train_stream.get_batch(t.batch_size, t.seed, step, micro, rank) for micro in range(t.grad_accum))
-            result = train_step(model, optimizer, runner, ((x.to(device), y.to(device)) for x, y in batches),
+            result = train_step(model, optimizer, runner, (on_device(batch, device) for batch in batches),
                                 step, t.seed)
             loss_sum, metrics = result.loss, result.metrics
             if exchange is not None:  # every block trained this step: log each one's loss
@@ -349,6 +354,12 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
     return last_ckpt
 
 
+def on_device(batch, device):
+    """(x, y) moved to the device; y may be None (mdm: the targets are x)."""
+    x, y = batch
+    return x.to(device), (None if y is None else y.to(device))
+
+
 class SmoothedLoss:
     """Moving averages of the training loss, one per block: DiffusionBlocks steps alternate blocks whose
     losses differ by an order of magnitude, so one average (or the last value) jumps between them.
@@ -379,8 +390,8 @@ class Report:
     """What rank 0 prints: a progress bar with the smoothed loss per block, and plain lines for
     validation, saves and the end of the run (nanoGPT's `step N: train loss X, val loss Y`)."""
 
-    def __init__(self, cfg: Config, start_step: int, tokens_per_step: int):
-        self.cfg, self.start, self.tokens_per_step = cfg, start_step, tokens_per_step
+    def __init__(self, cfg: Config, start_step: int, tokens_per_step: int, unit: str = "tokens"):
+        self.cfg, self.start, self.tokens_per_step, self.unit = cfg, start_step, tokens_per_step, unit
         self.loss, self.val, self.done = SmoothedLoss(), None, start_step
         self.t0 = time.perf_counter()
         self.bar = None
@@ -396,7 +407,8 @@ class Report:
         self.loss.update(loss, metrics)
         self.done += 1
         if self.bar is not None:
-            self.bar.set_postfix_str(f"loss {self.loss}, {self.tokens_per_s():,.0f} tok/s", refresh=False)
+            rate = "tok" if self.unit == "tokens" else self.unit
+            self.bar.set_postfix_str(f"loss {self.loss}, {self.tokens_per_s():,.0f} {rate}/s", refresh=False)
             self.bar.update(1)
 
     def line(self, text: str) -> None:
@@ -416,7 +428,7 @@ class Report:
         stopped = "" if end_step >= self.cfg.train.max_steps else \
             f" (stopped at {end_step} of {self.cfg.train.max_steps}: the same command resumes)"
         self.line(f"done: steps {self.start}-{end_step} in {minutes}m{secs:02d}s, "
-                  f"{self.tokens_per_s():,.0f} tokens/s; train loss {self.loss}{val}; checkpoint {last_ckpt}"
+                  f"{self.tokens_per_s():,.0f} {self.unit}/s; train loss {self.loss}{val}; checkpoint {last_ckpt}"
                   f"{stopped}")
 
     def close(self) -> None:
@@ -434,8 +446,8 @@ def evaluate_loss(model, stream, cfg: Config, device, rank: int) -> float:
     losses = []
     with torch.no_grad():
         for i in range(cfg.train.eval_batches):
-            x, y = stream.get_batch(cfg.train.batch_size, cfg.train.seed, -1, i, rank)
-            losses.append(model.validation_loss(x.to(device), y.to(device), seed=cfg.train.seed + i).item())
+            x, y = on_device(stream.get_batch(cfg.train.batch_size, cfg.train.seed, -1, i, rank), device)
+            losses.append(model.validation_loss(x, y, seed=cfg.train.seed + i).item())
     model.train(was_training)
     value = torch.tensor(sum(losses) / len(losses), dtype=torch.float64)
     if dist.get_world_size() > 1:
@@ -462,8 +474,8 @@ def save(engine, model, optimizer, cfg: Config, plan: Plan, out_dir: Path, step:
             tmp.mkdir(parents=True)
         dist.barrier()
         zero = engine.optimizer if cfg.deepspeed.zero_stage > 0 else None
-        # fp32 master weights beside bf16 ones: ZeRO's partitions, or block parallel's fp32 weights under autocast
-        master = cfg.deepspeed.bf16 and (zero is not None or cfg.train.mode == "block_parallel")
+        # fp32 master weights beside bf16 ones: ZeRO's partitions, or the fp32 weights under autocast
+        master = cfg.deepspeed.bf16 and (zero is not None or bf16_autocast(cfg))
         states = state_by_name(model, optimizer, zero, dist, master=master)
         writers = parallel.unit_writers(cfg, world)
         for unit, (unit_step, tensors) in states.items():
@@ -474,7 +486,7 @@ def save(engine, model, optimizer, cfg: Config, plan: Plan, out_dir: Path, step:
         if rank == 0:
             manifest = {"config": cfg.to_dict(), "model_kind": cfg.model.kind, "vocab_size": plan.vocab_size,
                         "tokenizer": plan.tokenizer, "model_state": model.checkpoint_state(),
-                        "data": {"dir": str(Path(plan.data_dir).resolve()),
+                        "data": {"dir": plan.data_dir,
                                  "position": {"step": step, "tokens_seen": tokens},
                                  "sampling": "stateless: batch(seed, step, micro_step, rank)"},
                         "world_size": world, "optimizer_layout": "units"}

@@ -73,6 +73,7 @@ def run(args) -> int:
     from looped_lm.checkpoint import load_checkpoint, no_verify_note, resolve_checkpoint
     from looped_lm.data.tokenizer import get_tokenizer
     from looped_lm.engine.engine import Engine
+    from looped_lm.models.contract import CachedDecoding
 
     if args.threads is not None:
         if args.threads < 1:
@@ -88,6 +89,9 @@ def run(args) -> int:
         print(no_verify_note(), file=sys.stderr)
     checkpoint = resolve_checkpoint(args.checkpoint)
     model, cfg, manifest = load_checkpoint(checkpoint, args.device, verify=not args.no_verify)
+    if not isinstance(model, CachedDecoding):  # vit / dit / mdm
+        raise UserError(f"looped_lm serve is for language models; a {cfg.model.kind} checkpoint is used through "
+                        "looped_lm eval and looped_lm generate")
     tok = get_tokenizer(manifest["tokenizer"])
     name = args.served_model_name or default_name(checkpoint)
     if "@" in name:

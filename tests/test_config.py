@@ -20,7 +20,7 @@ NON_DEFAULT = {
         "kind": "db_ar", "n_layers": 6, "d_model": 96, "n_heads": 3, "seq_len": 64, "vocab_size": 300,
         "ffn_hidden": 200, "rope_theta": 500000.0, "norm_eps": 1.0e-6, "init_std": 0.01, "n_prelude": 2,
         "n_coda": 2, "mean_recurrence": 16, "backprop_depth": 20, "allow_full_backprop": True, "loss_chunk": 64,
-        "max_iterations": 32,
+        "max_iterations": 32, "end_to_end": True, "image_size": 16, "channels": 1, "patch": 2, "num_classes": 5,
     },
     "diffusion": {
         "num_blocks": 3, "layers_per_block": [3, 2, 1], "partition": "uniform", "overlap": 0.25, "p_mean": -0.5, "p_std": 1.5,
@@ -30,10 +30,10 @@ NON_DEFAULT = {
         "curve_every": 50, "curve_until": 500, "noisy_input": "noise", "posterior_input": "topk",
         "posterior_topk": 16, "head": "cosine",
         "clean_lm_weight": 0.3, "sample_top_quantile": 0.99, "parameterization": "edm", "last_call": "sigma_min",
-        "noisy_self": True,
+        "noisy_self": True, "label_dropout": 0.2, "cfg_scale": 1.5, "sample_steps": 10, "schedule": "cosine",
     },
     "data": {"source": "files", "path": "corpus.txt", "tokenizer": "byte", "val_fraction": 0.1,
-             "cache_dir": "cache"},
+             "cache_dir": "cache", "augment": False},
     "train": {
         "max_steps": 50, "batch_size": 3, "grad_accum": 4, "lr": 0.003, "min_lr": 0.0003, "warmup_steps": 7,
         "weight_decay": 0.05, "beta1": 0.8, "beta2": 0.99, "grad_clip": 0.5, "seed": 7, "out_dir": "runs/x",

@@ -140,7 +140,7 @@ def test_frechet_distance_against_hand_computed_values():
 def test_bad_input_raises_one_clear_line():
     model = tiny()
     x, y = batch()
-    with pytest.raises(UserError, match=r"steps \(1\) must be >= the number of blocks \(2\)"):
+    with pytest.raises(UserError, match=r"num_iterations \(sampler steps\) \(1\) must be >= the number of blocks \(2\)"):
         model.sample(y, steps=1)
     with pytest.raises(UserError, match="label id 12 is out of range"):
         model.sample(torch.tensor([12]), steps=4)

@@ -215,5 +215,10 @@ def write_png_grid(images: torch.Tensor, path, nrow: int = 10, scale: int = 1) -
         picture = picture.resize((picture.width * scale, picture.height * scale), Image.NEAREST)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    picture.save(path)
+    tmp = path.with_name(f".{path.name}.tmp")  # renamed when complete: never a half-written PNG
+    try:
+        picture.save(tmp, format="PNG")
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path

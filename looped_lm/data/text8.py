@@ -105,7 +105,7 @@ def load_text8(path) -> CharSplits:
     ids = _LOOKUP[np.frombuffer(data, dtype=np.uint8)]
     bad = np.flatnonzero(ids == 255)
     if len(bad):
-        raise UserError(f"text8 file {path} has byte {data[bad[0]]!r} at offset {int(bad[0])}, outside text8's "
+        raise UserError(f"text8 file {path} has byte {bytes([data[bad[0]]])!r} at offset {int(bad[0])}, outside text8's "
                         f"alphabet (a-z and space)")
     return split_ids("text8", ids)
 

@@ -4,8 +4,11 @@
   adaLN-Zero from a conditioning vector (the noise level, a label, a masking time).
 - `Blockwise`: the `Trainable` half every such module has in common. `self.blocks` holds B untied
   denoisers (DiffusionBlocks) or one stack of all layers (the end-to-end baseline, B = 1); a training
-  step runs one block, chosen from (step, seed) by the same rule as `models/dblm.py`, and only that
-  block's parameter unit plus "shared" are stepped by the optimiser.
+  step runs one block, chosen from (step, seed) by the same rule as `models/db` (among
+  `diffusion.blocks_to_train` when given: the others are frozen), and only that block's parameter unit
+  plus "shared" are stepped by the optimiser.
+- `finish_build`: what every module's `build(cfg, vocab_size, state)` (the registry's entry) does once
+  the network exists: freeze the blocks it does not train, check a checkpoint's saved partition.
 
 Shapes: N batch, T tokens (patches or characters), C model width.
 """
@@ -90,13 +93,15 @@ class Blockwise(Trainable):
     blocks: nn.ModuleList
     edges: list[float]
     block_sampling: str = "uniform"
+    trainable_blocks: list[int] | None = None  # None: all (diffusion.blocks_to_train)
 
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
 
     def choose_block(self, step: int, seed: int) -> int:
-        return choose_block(step, seed, self.num_blocks, self.block_sampling)
+        pool = self.trainable_blocks or range(self.num_blocks)
+        return pool[choose_block(step, seed, len(pool), self.block_sampling)]
 
     def step_units(self, step: int, seed: int) -> set[str] | None:
         if self.num_blocks == 1:
@@ -108,6 +113,31 @@ class Blockwise(Trainable):
 
     def checkpoint_state(self) -> dict:
         return {"edges": [float(e) for e in self.edges], "num_blocks": self.num_blocks}
+
+
+def finish_build(model: Blockwise, cfg, state: dict | None):
+    """Freeze the blocks outside `diffusion.blocks_to_train` (before any optimiser exists), and check the
+    partition a checkpoint saved against the one this config builds (ValueError naming the difference)."""
+    chosen = list(cfg.diffusion.blocks_to_train)
+    if chosen and model.num_blocks > 1:
+        model.trainable_blocks = sorted(chosen)
+        for b, block in enumerate(model.blocks):
+            block.requires_grad_(b in chosen)
+    if state:
+        mine = model.checkpoint_state()
+        for key, value in state.items():
+            if key in mine and mine[key] != value:
+                raise ValueError(f"the saved {key} {value} differs from this config's {mine[key]}")
+    return model
+
+
+def noise_schedule(cfg):
+    """The `diffusion.*` noise settings as the pure functions take them."""
+    from looped_lm.diffusion import NoiseSchedule
+
+    d = cfg.diffusion
+    return NoiseSchedule(p_mean=d.p_mean, p_std=d.p_std, sigma_min=d.sigma_min, sigma_max=d.sigma_max,
+                         sigma_data=d.sigma_data)
 
 
 # --- images -------------------------------------------------------------------------------------

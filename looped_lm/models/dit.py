@@ -17,11 +17,14 @@ Sampling (`sample`) runs `steps` Euler steps on the equal-probability sigma grid
 sigma_min, each routed to the block that owns sigma_k: on the equi-probability partition every block
 gets the same number of steps (steps/B when B divides steps). Guidance: D = D_null + s*(D_label - D_null).
 
-Public API (what phase-2 callers use):
+Public API:
+    build(cfg, vocab_size, state)  the registry's entry (`model.kind: dit`)
     DiffusionDiT(DiTSettings)
     training_loss(images, labels, step, seed) -> (loss, metrics)      one block per step (Trainable)
     validation_loss(images, labels, seed) -> the EDM loss at sigmas drawn per block (deterministic)
-    sample(labels, steps=50, cfg_scale=2.0, generator=None) -> images (N, C, H, W) in [-1, 1]
+    sample(labels, steps=None, cfg_scale=None, generator=None) -> images (N, C, H, W) in [-1, 1]
+        (latents: unclipped)
+        (defaults: the settings' sample_steps 50 and cfg_scale 2.0, the paper's)
     frechet_distance(features_a, features_b) -> float   (FID's formula; `looped_lm.data.images.
         write_png_grid` writes samples as a PNG grid with Pillow)
 """
@@ -38,7 +41,9 @@ from looped_lm import diffusion as dm
 from looped_lm.errors import UserError
 from looped_lm.models.adaln import (BLOCK_SAMPLING, AdaLNLayer, Blockwise, check_blocks, check_choice,
                                     check_image_size, check_images, check_iterations, check_labels,
-                                    check_positive_ints, check_width, patchify, unpatchify)
+                                    check_positive_ints, check_width, finish_build, noise_schedule, patchify,
+                                    unpatchify)
+from looped_lm.models.contract import ImageGenerator
 from looped_lm.models.layers import ffn_width, init_weights
 from looped_lm.models.two_stream import NoiseEmbedding, modulate
 
@@ -62,6 +67,9 @@ class DiTSettings:
     partition: str = "equi_probability"
     block_sampling: str = "uniform"
     label_dropout: float = 0.1  # share of training labels replaced by the null class (for CFG)
+    sample_steps: int = 50  # default Euler steps of `sample`
+    cfg_scale: float = 2.0  # default guidance scale of `sample`
+    clip_samples: bool = True  # samples clipped to [-1, 1] (pixels); latents are not bounded
     noise: dm.NoiseSchedule = field(default_factory=dm.NoiseSchedule)
     norm_eps: float = 1e-6
     init_std: float = 0.02
@@ -83,7 +91,7 @@ class DiTSettings:
         return self
 
 
-class DiffusionDiT(nn.Module, Blockwise):
+class DiffusionDiT(nn.Module, Blockwise, ImageGenerator):
     def __init__(self, settings: DiTSettings):
         super().__init__()
         s = self.settings = settings.validate()
@@ -113,6 +121,10 @@ class DiffusionDiT(nn.Module, Blockwise):
 
     @property
     def null_label(self) -> int:
+        return self.settings.num_classes
+
+    @property
+    def num_classes(self) -> int:
         return self.settings.num_classes
 
     # --- the denoiser -----------------------------------------------------------------------------
@@ -180,11 +192,13 @@ class DiffusionDiT(nn.Module, Blockwise):
     # --- sampling -------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def sample(self, labels: torch.Tensor, steps: int = 50, cfg_scale: float = 2.0,
+    def sample(self, labels: torch.Tensor, steps: int | None = None, cfg_scale: float | None = None,
                generator: torch.Generator | None = None) -> torch.Tensor:
         """Images (N, C, H, W) in [-1, 1] for `labels` (N,): `steps` routed Euler steps from pure noise.
         cfg_scale 1 = plain conditional sampling (one pass per step); > 1 adds the null-label pass."""
-        check_iterations(steps, self.num_blocks, "steps")
+        steps = self.settings.sample_steps if steps is None else steps
+        cfg_scale = self.settings.cfg_scale if cfg_scale is None else cfg_scale
+        check_iterations(steps, self.num_blocks, "num_iterations (sampler steps)")
         if isinstance(cfg_scale, bool) or not isinstance(cfg_scale, (int, float)) or cfg_scale < 0:
             raise UserError(f"cfg_scale must be a number >= 0 (got {cfg_scale!r})")
         s, device = self.settings, labels.device
@@ -205,7 +219,7 @@ class DiffusionDiT(nn.Module, Blockwise):
                 cond, uncond = D.chunk(2)
                 D = uncond + cfg_scale * (cond - uncond)
             z = dm.euler_step(z, D, sigmas[k], sigmas[k + 1])
-        return z.clamp(-1, 1)
+        return z.clamp(-1, 1) if s.clip_samples else z
 
     def steps_per_block(self, steps: int) -> list[int]:
         """How many of `steps` sampling steps each block runs (block 0 first)."""
@@ -233,3 +247,16 @@ def frechet_distance(a: torch.Tensor, b: torch.Tensor) -> float:
     inner = root_a @ cov_b @ root_a
     cross = torch.linalg.eigvalsh((inner + inner.T) / 2).clamp_min(0).sqrt().sum()
     return float((mu_a - mu_b).pow(2).sum() + cov_a.trace() + cov_b.trace() - 2 * cross)
+
+
+def build(cfg, vocab_size: int = 0, state: dict | None = None) -> DiffusionDiT:
+    """`model.kind: dit` from the run config (model.* shape, diffusion.* blocks, noise and sampling)."""
+    m, d = cfg.model, cfg.diffusion
+    settings = DiTSettings(
+        image_size=m.image_size, channels=m.channels, num_classes=m.num_classes, patch=m.patch, n_layers=m.n_layers,
+        d_model=m.d_model, n_heads=m.n_heads, ffn_hidden=m.ffn_hidden, num_blocks=d.num_blocks, overlap=d.overlap,
+        end_to_end=m.end_to_end, partition=d.partition, block_sampling=d.block_sampling,
+        label_dropout=d.label_dropout, sample_steps=d.sample_steps or 50, cfg_scale=d.cfg_scale,
+        clip_samples=cfg.data.source != "latents",
+        noise=noise_schedule(cfg), norm_eps=m.norm_eps, init_std=m.init_std)
+    return finish_build(DiffusionDiT(settings), cfg, state)

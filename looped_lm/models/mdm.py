@@ -22,11 +22,12 @@ t -> s runs the block that owns t, and each still-masked character is revealed w
 `elbo_bpc` estimates the NELBO in bits per character, block interval by block interval: an upper
 bound on the model's true negative log-likelihood, with each interval's share reported.
 
-Public API (what phase-2 callers use):
+Public API:
+    build(cfg, vocab_size, state)  the registry's entry (`model.kind: mdm`)
     MaskedDiffusionLM(MDMSettings)
     training_loss(x, y, step, seed) -> (loss, metrics)   x: ids (N, T) < vocab_size; y unused
     validation_loss(x, y, seed) -> NELBO in nats per character (deterministic for a seed)
-    sample(n, length, steps, generator=None) -> ids (n, length)
+    sample(n, length, steps=None, generator=None) -> ids (n, length)   (steps default: sample_steps or length)
     elbo_bpc(x, samples_per_block=8, generator=None) -> {"bpc", "per_block", "share", ...}
 """
 
@@ -42,7 +43,9 @@ import torch.nn.functional as F
 
 from looped_lm.errors import UserError
 from looped_lm.models.adaln import (BLOCK_SAMPLING, AdaLNLayer, Blockwise, check_blocks, check_choice,
-                                    check_iterations, check_labels, check_positive_ints, check_width)
+                                    check_iterations, check_labels, check_positive_ints, check_width,
+                                    finish_build)
+from looped_lm.models.contract import TextDiffusion
 from looped_lm.models.layers import RotaryEmbedding, ffn_width, init_weights
 from looped_lm.models.two_stream import NoiseEmbedding
 
@@ -66,6 +69,7 @@ class MDMSettings:
     schedule: str = "linear"
     block_sampling: str = "uniform"
     rope_theta: float = 10000.0
+    sample_steps: int = 0  # default unmasking steps of `sample`; 0 = the sample's length
     norm_eps: float = 1e-6
     init_std: float = 0.02
 
@@ -138,7 +142,7 @@ def masked_nelbo(logits: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, weig
     return weight * torch.where(mask, ce, torch.zeros_like(ce)).sum(1) / T
 
 
-class MaskedDiffusionLM(nn.Module, Blockwise):
+class MaskedDiffusionLM(nn.Module, Blockwise, TextDiffusion):
     def __init__(self, settings: MDMSettings):
         super().__init__()
         s = self.settings = settings.validate()
@@ -165,6 +169,10 @@ class MaskedDiffusionLM(nn.Module, Blockwise):
 
     def checkpoint_state(self) -> dict:
         return {**super().checkpoint_state(), "schedule": self.settings.schedule}
+
+    @property
+    def seq_len(self) -> int:
+        return self.settings.seq_len
 
     # --- the denoiser -----------------------------------------------------------------------------
 
@@ -248,10 +256,14 @@ class MaskedDiffusionLM(nn.Module, Blockwise):
     # --- sampling -------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def sample(self, n: int, length: int, steps: int, generator: torch.Generator | None = None,
+    def sample(self, n: int, length: int, steps: int | None = None, generator: torch.Generator | None = None,
                device=None) -> torch.Tensor:
-        """n sequences of `length` character ids, unmasked over `steps` steps (at least one per block)."""
-        check_iterations(steps, self.num_blocks, "steps")
+        """n sequences of `length` character ids, unmasked over `steps` steps (at least one per block;
+        default: the settings' sample_steps, else one step per character)."""
+        steps = (self.settings.sample_steps or length) if steps is None else steps
+        check_iterations(steps, self.num_blocks, "num_iterations (sampler steps)")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise UserError(f"the number of samples must be an integer >= 1 (got {n!r})")
         if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= self.settings.seq_len:
             raise UserError(f"length must be an integer in 1 .. {self.settings.seq_len} (got {length!r})")
         device = device or self.head.weight.device
@@ -268,3 +280,24 @@ class MaskedDiffusionLM(nn.Module, Blockwise):
             u = torch.rand(n, length, generator=generator, device=gen_device).to(device)
             x = torch.where((x == self.mask_id) & (u < reveal), draw, x)
         return x
+
+    def steps_per_block(self, steps: int) -> list[int]:
+        """How many of `steps` unmasking steps each block runs (block 0, the highest t, first)."""
+        counts = [0] * self.num_blocks
+        for k in range(steps):
+            counts[route_time((steps - k) / steps, self.edges)] += 1
+        return counts
+
+
+def build(cfg, vocab_size: int = 0, state: dict | None = None) -> MaskedDiffusionLM:
+    """`model.kind: mdm` from the run config: characters in text8's 27-symbol alphabet (model.* shape,
+    diffusion.* blocks and masking schedule)."""
+    from looped_lm.data.text8 import VOCAB_SIZE
+
+    m, d = cfg.model, cfg.diffusion
+    settings = MDMSettings(
+        vocab_size=VOCAB_SIZE, seq_len=m.seq_len, n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads,
+        ffn_hidden=m.ffn_hidden, num_blocks=d.num_blocks, overlap=d.overlap, end_to_end=m.end_to_end,
+        schedule=d.schedule, block_sampling=d.block_sampling, rope_theta=m.rope_theta, sample_steps=d.sample_steps,
+        norm_eps=m.norm_eps, init_std=m.init_std)
+    return finish_build(MaskedDiffusionLM(settings), cfg, state)
