@@ -40,6 +40,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -47,16 +48,20 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from looped_lm.config import config_from_dict
 from looped_lm.data.bin_dataset import TokenStream
 from looped_lm.data.prepare import ensure_prepared
+from looped_lm.engine.generate import generate
 from looped_lm.models import build_model
+from looped_lm.models.contract import Iterative
 from looped_lm.models.huginn import sample_recurrence
 from looped_lm.optim import BlockwiseAdamW, cosine_with_warmup, param_groups
-from looped_lm.settings import ExitRule, ScoreSettings
+from looped_lm.sampling import GREEDY, PLAIN, SamplingParams
+from looped_lm.settings import ExitRule, ScoreSettings, resolve_settings
 from looped_lm.training import TorchRunner, train_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -70,6 +75,7 @@ LR, MIN_LR, WARMUP_SHARE, WD = 3e-3, 3e-4, 0.025, 0.1
 BUDGET_GPT_STEPS = 2000
 N_PROBES = 10
 PROBE_WINDOWS, FINAL_WINDOWS = 16, 32
+LOOPED_WINDOWS, LOOPED_KS = 16, (1, 2, 4, 8, 16, 32)  # the looped models' K grid: huginn and looped_db alike
 CURVE_SIGMAS = 24
 
 SHAPE = {"d_model": 128, "n_heads": 4, "seq_len": SEQ}
@@ -85,13 +91,25 @@ class Run:
     model: dict
     diffusion: dict = field(default_factory=dict)
     budget: float = 1.0  # share of the study's FLOP budget
-    steps: int | None = None  # a fixed step count instead of a FLOP budget
+    steps: int | str | None = None  # a fixed step count, or "updates:<run>:<block>" of a powered run's seed
     seeds: tuple = (0, 1, 2)
     what: str = ""
+    score: str = "full"  # "short": no K = 4B (the 64-draw estimate is the expensive part)
 
 
-def db_ar(B: int, what: str = "", seeds=(0, 1, 2), budget: float = 1.0, **diffusion) -> Run:
-    return Run({"kind": "db_ar", "n_layers": 4}, {"num_blocks": B, **PROJECT, **diffusion}, budget, None, seeds, what)
+def db_ar(B: int, what: str = "", seeds=(0, 1, 2), budget: float = 1.0, score: str = "full", **diffusion) -> Run:
+    return Run({"kind": "db_ar", "n_layers": 4}, {"num_blocks": B, **PROJECT, **diffusion}, budget, None, seeds, what,
+               score)
+
+
+def tax(what: str, **diffusion) -> Run:
+    """A B = 2 ablation of the denoising tax: two seeds, no K = 4B."""
+    return db_ar(2, what, seeds=(0, 1), score="short", **diffusion)
+
+
+def chains(what: str, **diffusion) -> Run:
+    """A B = 2 ablation of the chains: two seeds, the whole K grid."""
+    return db_ar(2, what, seeds=(0, 1), **diffusion)
 
 
 def looped_db(what: str = "", seeds=(0, 1, 2), budget: float = 1.0, **diffusion) -> Run:
@@ -110,6 +128,31 @@ STUDIES: dict[str, dict[str, Run]] = {
         "db_ar_b4": db_ar(4, "4 layers in B = 4 blocks, the project's layout"),
         "huginn": Run(HUGINN, what="prelude 1 + core 2 (r ~ mean 8, backprop through 4) + coda 1"),
         "looped_db": looped_db("prelude 1 + one weight-tied two-stream core 2 + coda 1"),
+        # the depth-matched gpt trained for exactly as many steps as db_ar_b2's block 0 got updates (same seed)
+        "gpt_depth2_updates": Run({"kind": "gpt", "n_layers": 2}, steps="updates:db_ar_b2:0",
+                                  what="end-to-end, 2 layers, as many steps as db_ar_b2's block 0 had updates"),
+        "looped_db_quarter": replace(looped_db("looped_db at 1/4 of the budget", budget=0.25), score="short"),
+    },
+    # section 5: the scorer of generated text, larger and longer-trained than every studied model
+    "scorer": {
+        "gpt_big": Run({"kind": "gpt", "n_layers": 6, "d_model": 256, "n_heads": 8}, steps=4000, seeds=(0,),
+                       what="end-to-end, 6 layers of d 256, 4000 steps (12x the study's budget in FLOPs)"),
+    },
+    # sections 2 and 3: one change each against db_ar_b2 of "powered" (same seeds)
+    "ablations": {
+        "target_fraction_0.25": tax("a quarter of the slots trained per sequence (cheaper steps: more of them)",
+                                    target_fraction=0.25),
+        "clean_lm_0.5": tax("+ the clean stream's own next-token CE, weight 0.5", clean_lm_weight=0.5),
+        "cosine_head": tax("cosine head, the likelihood folded into its product", head="cosine"),
+        "posterior_detached": tax("the noisy input's posterior embedding without gradient", posterior_input="detached"),
+        "noise_input": tax("noisy input: z's posterior embedding alone (no previous-token embedding)",
+                           noisy_input="noise"),
+        "sigma_high": tax("sigma law concentrated high in each block: partition uniform (edge 0.41), p_mean 1.0",
+                          partition="uniform", p_mean=1.0),
+        "loss_edm": chains("loss weight edm (more weight at low sigma)", loss_weight="edm"),
+        "uniform_blocks": chains("block_sampling uniform (block 1 gets half the updates)", block_sampling="uniform"),
+        "overlap_0.3": chains("each block trains on its interval widened by 0.3 of its ln-width (was 0.1)",
+                              overlap=0.3),
     },
 }
 
@@ -227,6 +270,10 @@ def budget_flops() -> float:
 def plan_steps(model, cfg, spec: Run, book: FlopBook, budget: float, curve_cost: float) -> int:
     """Steps that fit the budget: the shapes' FLOPs summed along the run, plus the CE(sigma) curves
     measured every curve_every steps (DB blocks of one run cost the same whichever is chosen)."""
+    if isinstance(spec.steps, str):  # "updates:<run>:<block>": that powered run's updates of the block
+        _, run, block = spec.steps.split(":")
+        other = json.loads(run_path("powered", run, cfg.train.seed, False).read_text())
+        return other["block_updates"][block]
     if spec.steps is not None:
         return spec.steps
     total, step = 0.0, 0
@@ -246,17 +293,19 @@ def kind_of(model) -> str:
     return model.cfg.model.kind if hasattr(model, "cfg") and hasattr(model.cfg, "model") else "gpt"
 
 
-def k_plan(model, final: bool) -> dict[int, int]:
+def k_plan(model, final: bool, score: str = "full") -> dict[int, int]:
     """{K: draws} scored besides ppl@0. The estimator converges within its standard error by 16 draws
     for K <= 2B; at K = 4B it still drifts with the draw count, so 64 there."""
     kind = kind_of(model)
     if kind == "db_ar":
         B = len(model.blocks)
-        return {1: 16, B: 16, 2 * B: 16, 4 * B: 64} if final else {B: 4}
-    if kind == "looped_db":
-        return {1: 16, 2: 16, 4: 16, 8: 16, 16: 16, 32: 16} if final else {4: 4}
+        if not final:
+            return {B: 4}
+        return {1: 16, B: 16, 2 * B: 16, **({4 * B: 64} if score == "full" else {})}
+    if kind == "looped_db":  # K >= 8 on the LOOPED_WINDOWS only (final_scores): the estimator's cost grows with K
+        return {1: 16, 2: 16, 4: 16} if final else {4: 4}
     if kind == "huginn":
-        return {k: 1 for k in (1, 2, 4, 8, 16, 32)} if final else {model.mean_recurrence: 1}
+        return {k: 1 for k in LOOPED_KS} if final else {model.mean_recurrence: 1}
     return {}
 
 
@@ -387,7 +436,7 @@ def train_run(study: str, name: str, seed: int, smoke: bool, log) -> dict:
         model.eval()
         curve_cost = counted(lambda: model.measure_curve(x0, y0, seed=0))
         model.train()
-    steps = plan_steps(model, cfg, spec, book, budget, curve_cost) if not (smoke and spec.steps) else min(spec.steps, 20)
+    steps = plan_steps(model, cfg, spec, book, budget, curve_cost) if not (smoke and spec.steps) else 20
     warmup = max(1, round(WARMUP_SHARE * steps))
     probe_at = sorted({max(1, round(steps * (i + 1) / N_PROBES)) for i in range(N_PROBES)})
     xp, yp = val_windows(val, 4 if smoke else PROBE_WINDOWS, offset=0.5)
@@ -455,14 +504,16 @@ def train_run(study: str, name: str, seed: int, smoke: bool, log) -> dict:
            "flops_per_step": {str(k): v for k, v in book.cache.items()}, **state}
     log(f"{name} s{seed}: final scoring")
     t0 = time.process_time()
-    out.update(final_scores(model, val, seed, smoke))
+    out.update(final_scores(model, val, seed, smoke, spec.score))
     out["score_cpu_s"] = time.process_time() - t0
     return out
 
 
-def final_scores(model, val, seed: int, smoke: bool) -> dict:
+def final_scores(model, val, seed: int, smoke: bool, score: str = "full") -> dict:
     x, y = val_windows(val, 4 if smoke else FINAL_WINDOWS)
-    plan = k_plan(model, final=True)
+    plan = k_plan(model, final=True, score=score)
+    if kind_of(model) == "looped_db" and score == "short":
+        plan = {k: d for k, d in plan.items() if k <= 8}
     if smoke:
         plan = {k: min(d, 2) for k, d in plan.items()}
     out = {"final": score_model(model, x, y, plan, seed=100 + seed), "final_tokens": y.numel()}
@@ -472,12 +523,18 @@ def final_scores(model, val, seed: int, smoke: bool) -> dict:
         out["edges"] = list(model.edges)
     if kind in ("huginn", "looped_db"):
         out["kv_bytes_per_token"] = kv_bytes(model)
-    if kind == "looped_db":  # adaptive exit: mean iterations and ppl under a KL rule, K up to 32
+        # PPL vs K on fewer windows (the same for both kinds): 16 draws per K up to K = 32
+        xl, yl = val_windows(val, 2 if smoke else LOOPED_WINDOWS)
+        ks = LOOPED_KS if score == "full" else (1, 2, 4, 8)
+        plan = {k: (2 if smoke else 16) for k in ks} if kind == "looped_db" else {k: 1 for k in ks}
+        out["looped"] = score_model(model, xl, yl, plan, seed=300 + seed)
+        out["looped_tokens"] = yl.numel()
+    if kind == "looped_db" and score == "full":  # adaptive exit: mean iterations and ppl under a KL rule, K up to 32
         out["adaptive_exit"] = {}
         for eps in (1e-2, 1e-3):
-            s = ScoreSettings(k_grid=(32,), draws=2 if smoke else 8, exit_rule=ExitRule(kl_threshold=eps))
-            scores = model.score(x, y, s, torch.Generator().manual_seed(200 + seed))
-            out["adaptive_exit"][str(eps)] = {**summarise(scores[32], y.numel()), "mean_iterations": s.stats[32]}
+            s = ScoreSettings(k_grid=(32,), draws=2 if smoke else 4, exit_rule=ExitRule(kl_threshold=eps))
+            scores = model.score(xl, yl, s, torch.Generator().manual_seed(200 + seed))
+            out["adaptive_exit"][str(eps)] = {**summarise(scores[32], yl.numel()), "mean_iterations": s.stats[32]}
     return out
 
 
@@ -485,10 +542,10 @@ def final_scores(model, val, seed: int, smoke: bool) -> dict:
 # decode-time variants of finished runs: no training
 
 
-DECODE_VARIANTS = {  # name -> (diffusion changes of the loaded model, ScoreSettings changes)
-    "sigma_min": ({"last_call": "sigma_min"}, {}),
-    "hard": ({}, {"bridge": "hard"}),
-    "soft": ({}, {"bridge": "soft"}),
+DECODE_VARIANTS = {  # name -> (diffusion changes of the loaded model, ScoreSettings changes, {K/B: draws})
+    "sigma_min": ({"last_call": "sigma_min"}, {}, {1: 16, 2: 16, 4: 64}),  # K = 1 does not depend on it
+    "hard": ({}, {"bridge": "hard"}, {1: 16, 2: 16}),
+    "soft": ({}, {"bridge": "soft"}, {1: 16, 2: 16}),
 }
 
 
@@ -497,16 +554,99 @@ def decode_run(study: str, name: str, seed: int, smoke: bool, log) -> dict:
     _, val = data_streams()
     x, y = val_windows(val, 4 if smoke else FINAL_WINDOWS)
     out = {"run": name, "study": study, "seed": seed, "commit": git_commit(), "variants": {}}
-    for variant, (changes, settings) in DECODE_VARIANTS.items():
+    for variant, (changes, settings, per_b) in DECODE_VARIANTS.items():
         model, _ = load_trained(study, name, seed, smoke, **changes)
         if kind_of(model) != "db_ar":
             return out
-        plan = k_plan(model, final=True)
-        if smoke:
-            plan = {k: min(d, 2) for k, d in plan.items()}
+        B = len(model.blocks)
+        plan = {m * B: (min(d, 2) if smoke else d) for m, d in per_b.items()}
         out["variants"][variant] = {"changes": {**changes, **settings},
                                     "final": score_model(model, x, y, plan, 100 + seed, settings)}
         log(f"{name} s{seed} {variant}: {out['variants'][variant]['final']}")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# the paper's protocol: generated text scored by a larger gpt (generative PPL, distinct-n, MAUVE)
+
+GEN_PROMPT, GEN_NEW, GEN_SAMPLES = 32, 96, 400
+
+
+def decodings(model) -> list[tuple[str, dict]]:
+    """(label, resolve_settings arguments) of every decoding compared: the paper's (AR top-p 0.95, DB
+    greedy with 4 steps) and the models' own distributions (temperature 1, K = B and 2B)."""
+    kind = kind_of(model)
+    top_p = SamplingParams(1.0, top_p=0.95)
+    if kind in ("gpt", "huginn"):
+        return [("greedy", {"sampling": GREEDY}), ("top-p 0.95", {"sampling": top_p}), ("sampled", {"sampling": PLAIN})]
+    B = len(model.blocks) if kind == "db_ar" else 4  # looped_db: K = 4 and 8
+    out = [("greedy, K = 4", {"sampling": GREEDY, "num_iterations": 4})]
+    for K in sorted({B, 2 * B}):
+        out.append((f"sampled, K = {K}", {"sampling": PLAIN, "num_iterations": K}))
+    out.append((f"top-p 0.95, K = {B}", {"sampling": top_p, "num_iterations": B}))
+    return out
+
+
+def distinct(texts: list[list]) -> float:
+    """Distinct n-grams / n-grams over all samples together (n given by the tuples' length)."""
+    grams = [g for t in texts for g in t]
+    return len(set(grams)) / max(1, len(grams))
+
+
+def text_stats(rows: list[list[int]]) -> dict:
+    words = [bytes(b for b in r if b < 256).decode("utf-8", "replace").split() for r in rows]
+    out = {}
+    for n in (1, 2, 3):
+        out[f"word_distinct_{n}"] = distinct([[tuple(w[i:i + n]) for i in range(len(w) - n + 1)] for w in words])
+    out["byte_distinct_4"] = distinct([[tuple(r[i:i + 4]) for i in range(len(r) - 3)] for r in rows])
+    # repetition within a sample: share of its 4-byte grams seen earlier in the same sample
+    reps = [1 - len({tuple(r[i:i + 4]) for i in range(len(r) - 3)}) / max(1, len(r) - 3) for r in rows]
+    out["self_repetition_4"] = statistics.fmean(reps)
+    return out
+
+
+@torch.no_grad()
+def scorer_view(scorer, tokens: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row NLL (mean over the continuation) and the feature MAUVE compares: the scorer's last hidden
+    state averaged over the continuation."""
+    h = scorer.hidden(tokens[:, :-1])
+    logits = scorer.logits(h)
+    nll = F.cross_entropy(logits[:, start - 1:].flatten(0, 1).float(), tokens[:, start:].flatten(), reduction="none")
+    feats = scorer.norm(h[:, start - 1:]).mean(1)
+    return nll.view(tokens.shape[0], -1).mean(1), feats
+
+
+def generation_run(seed: int, smoke: bool, log) -> dict:
+    import mauve
+
+    torch.set_num_threads(1)
+    _, val = data_streams()
+    n = 8 if smoke else GEN_SAMPLES
+    x, _ = val_windows(val, n, seq=GEN_PROMPT + GEN_NEW)
+    human = torch.cat([x, val_windows(val, n, seq=GEN_PROMPT + GEN_NEW)[1][:, -1:]], dim=1)  # prompt + truth
+    prompts = human[:, :GEN_PROMPT]
+    scorer, _ = load_trained("scorer", "gpt_big", 0, smoke)
+    out = {"seed": seed, "commit": git_commit(), "prompt_tokens": GEN_PROMPT, "new_tokens": GEN_NEW, "samples": n,
+           "scorer": {"run": "scorer/gpt_big", "seed": 0}, "rows": {}}
+    nll, p_feats = scorer_view(scorer, human, GEN_PROMPT)
+    out["human"] = {"gen_ppl": math.exp(float(nll.mean())), **text_stats(human[:, GEN_PROMPT:].tolist())}
+    for name in ("gpt", "huginn", "db_ar_b2", "db_ar_b4", "looped_db"):
+        model, _ = load_trained("powered", name, seed, smoke)
+        limits = model.iteration_limits() if isinstance(model, Iterative) else None
+        for label, kw in decodings(model):
+            t0 = time.process_time()
+            tokens = generate(model, prompts, GEN_NEW, resolve_settings(limits, **kw), seed=1000 + seed)
+            seconds = time.process_time() - t0
+            nll, q_feats = scorer_view(scorer, tokens, GEN_PROMPT)
+            m = mauve.compute_mauve(p_features=p_feats.numpy(), q_features=q_feats.numpy(), device_id=-1,
+                                    verbose=False, seed=25, num_buckets=max(2, n // 10))
+            key = f"{name} | {label}"
+            out["rows"][key] = {"run": name, "decoding": label, "gen_ppl": math.exp(float(nll.mean())),
+                                "mauve": float(m.mauve), **text_stats(tokens[:, GEN_PROMPT:].tolist()),
+                                "cpu_s": seconds,
+                                "examples": [bytes(b for b in r if b < 256).decode("utf-8", "replace")
+                                             for r in tokens[:3].tolist()]}
+            log(f"{key}: gen ppl {out['rows'][key]['gen_ppl']:.2f} mauve {m.mauve:.3f}")
     return out
 
 
@@ -577,7 +717,7 @@ def one(mode: str, study: str, name: str, seed: int, smoke: bool) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=["run", "decode", "report", "_one"])
+    p.add_argument("command", choices=["run", "decode", "generate", "report", "_one"])
     p.add_argument("rest", nargs="*")
     p.add_argument("--seeds", help="comma-separated seeds (default: each run's own)")
     p.add_argument("--only", help="comma-separated run names")
@@ -587,6 +727,12 @@ def main() -> None:
     if args.command == "_one":
         mode, study, name, seed = args.rest
         one(mode, study, name, int(seed), args.smoke)
+        return
+    if args.command == "generate":  # one process: the paper's protocol on the powered runs of each seed
+        for seed in ([int(s) for s in args.seeds.split(",")] if args.seeds else [0]):
+            path = RESULTS / ("generation" + ("_smoke" if args.smoke else "")) / f"generation__s{seed}.json"
+            if not path.exists():
+                write_json(generation_run(seed, args.smoke, lambda s: print(s, flush=True)), path)
         return
     if args.command == "report":
         import quality_report
