@@ -64,7 +64,7 @@ def primary_label(r: dict) -> str:
 
 def scores(r: dict, where: str = "final") -> dict:
     """final (the final windows), looped (the looped K grid's windows) or a decode variant's scores."""
-    if where in ("final", "looped"):
+    if where in ("final", "looped", "k4b"):
         return r.get(where, {})
     return r.get("decode", {}).get(where, {}).get("final", {})
 
@@ -77,6 +77,21 @@ def nll(r: dict, label: str | None = None, where: str = "final") -> float | None
 def se(r: dict, label: str | None = None, where: str = "final") -> float:
     entry = scores(r, where).get(label or primary_label(r))
     return entry.get("se", 0.0) if entry else 0.0
+
+
+def nll_on(r: dict, label: str, n_windows: int, where: str = "final") -> float | None:
+    """Mean nll over the first `n_windows`-window set, read from a score kept on a larger set of the
+    same spacing (val_windows(val, n) is every (N/n)-th window of val_windows(val, N))."""
+    entry = scores(r, where).get(label)
+    if entry is None or "per_window" not in entry or len(entry["per_window"]) % n_windows:
+        return None
+    step = len(entry["per_window"]) // n_windows
+    return statistics.fmean(entry["per_window"][::step])
+
+
+def window_se(r: dict, label: str | None = None, where: str = "final") -> float:
+    entry = scores(r, where).get(label or primary_label(r))
+    return entry.get("window_se", 0.0) if entry else 0.0
 
 
 def mean_sd(values: list[float]) -> tuple[float, float]:
@@ -130,8 +145,8 @@ def seeds_text(seeds) -> str:
 
 
 def main_table(runs: dict, ref: str = "gpt") -> list[str]:
-    lines = ["| run | what | seeds | params | steps | TFLOPs | train CPU-s | PPL at equal FLOPs | × gpt |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| run | what | seeds | params | steps | TFLOPs | train CPU-s | PPL at equal FLOPs | windows (se) | × gpt |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, by_seed in runs.items():
         rs = list(by_seed.values())
         r0 = rs[0]
@@ -141,14 +156,16 @@ def main_table(runs: dict, ref: str = "gpt") -> list[str]:
             f"| `{name}` | {r0['what']}{metric} | {seeds_text(by_seed)} | {r0['params'] / 1e6:.2f} M | "
             f"{statistics.fmean(r['steps'] for r in rs):.0f} | {statistics.fmean(r['flops'] for r in rs) / 1e12:.1f} | "
             f"{statistics.fmean(r['cpu_s'] for r in rs):.0f} | {fmt_ppl([nll(r) for r in rs], [se(r) for r in rs])} | "
+            f"{r0.get('final_windows', '-')} ({math.exp(statistics.fmean(nll(r) for r in rs)) * statistics.fmean(window_se(r) for r in rs):.2f}) | "
             f"{fmt_ratio(ratio_per_seed(runs, name, ref)) if name != ref else '1'} |")
     return lines
 
 
 def chain_table(runs: dict, variant: str | None = None) -> list[str]:
     """ppl@k of every DiffusionBlocks run: K = 0 (one call), 1, B, 2B, 4B, and chain / ppl@0 at K = B."""
-    lines = ["| run | seeds | ppl@0 | K = 1 | K = B | K = 2B | K = 4B | K = B / ppl@0 | K = 4B / K = B |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| run | seeds | ppl@0 | K = 1 | K = B | K = 2B | K = B / ppl@0 | few windows: ppl@0 / K = B / 2B / 4B | "
+             "K = 2B / K = B | K = 4B / K = B |",
+             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
     for name, by_seed in runs.items():
         rs = [r for r in by_seed.values() if kind(r) == "db_ar" and (variant is None or variant in r.get("decode", {}))]
         if not rs:
@@ -159,16 +176,22 @@ def chain_table(runs: dict, variant: str | None = None) -> list[str]:
         def col(k):
             return fmt_ppl([nll(r, str(k), where) for r in rs], [se(r, str(k), where) for r in rs])
 
-        def rel(k1, k0):
+        def rel(k1, k0, at=where):
             out = []
             for r in rs:
-                a, b = nll(r, str(k1), where), nll(r, str(k0), where)
+                a, b = nll(r, str(k1), at), nll(r, str(k0), at)
                 if a is not None and b is not None:
                     out.append(math.exp(a - b))
             return fmt_ratio(out)
 
+        few = "-"
+        if variant is None and any("k4b" in r for r in rs):
+            few = f"{rs[0].get('k4b_windows')} windows: " + " / ".join(
+                fmt_ppl([nll(r, str(k), "k4b") for r in rs], [se(r, str(k), "k4b") for r in rs])
+                for k in (0, B, 2 * B, 4 * B))
+        trend = (rel(2 * B, B, "k4b"), rel(4 * B, B, "k4b")) if few != "-" else (rel(2 * B, B), rel(4 * B, B))
         lines.append(f"| `{name}` (B = {B}) | {seeds_text(s for s, r in by_seed.items() if r in rs)} | {col(0)} | "
-                     f"{col(1)} | {col(B)} | {col(2 * B)} | {col(4 * B)} | {rel(B, 0)} | {rel(4 * B, B)} |")
+                     f"{col(1)} | {col(B)} | {col(2 * B)} | {rel(B, 0)} | {few} | {trend[0]} | {trend[1]} |")
     return lines
 
 
@@ -255,6 +278,55 @@ def updates_table(runs: dict, db: str, ref: str) -> list[str]:
     return lines
 
 
+def tax_from_probes(runs: dict, db: str = "db_ar_b2", ref: str = "gpt_depth2") -> list[str]:
+    """Block 0 (db's ppl@0 at its last probe) against the depth-matched gpt's probe at the step equal
+    to block 0's updates, both on the probe windows. The gpt's value is read mid-schedule (higher lr than
+    at the end of a run that length), so the ratio flatters the DiffusionBlocks run."""
+    if db not in runs or ref not in runs:
+        return []
+    lines = ["| seed | block 0 updates (of steps) | block-0 ppl@0 (probe) | gpt_depth2 probe PPL at that step | ratio |",
+             "|---|---:|---:|---:|---:|"]
+    ratios = []
+    for seed, r in sorted(runs[db].items()):
+        g = runs[ref].get(seed)
+        if g is None:
+            continue
+        updates = r["block_updates"].get("0", 0)
+        a, b = r["probes"][-1]["val"]["0"], probe_at(g, "step", updates)
+        if b is None:
+            continue
+        ratios.append(math.exp(a - b))
+        lines.append(f"| {seed} | {updates} ({r['steps']}) | {math.exp(a):.3f} | {math.exp(b):.3f} | {ratios[-1]:.3f} |")
+    lines.append(f"| mean ± sd | | | | {fmt_ratio(ratios)} |")
+    return lines
+
+
+def looped_equal_flops(runs: dict) -> list[str]:
+    """looped_db's final ppl@k against huginn's final PPL at K = its mean recurrence, on the windows both
+    scored (looped_db's final set is a subset of huginn's)."""
+    if "huginn" not in runs or "looped_db" not in runs:
+        return []
+    lines = ["| seed | windows | huginn K = 8 | looped_db ppl@0 | K = 1 | K = 2 | K = 4 | best looped_db / huginn |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    ratios = []
+    for seed, r in sorted(runs["looped_db"].items()):
+        h = runs["huginn"].get(seed)
+        if h is None:
+            continue
+        n = r.get("final_windows", 16)
+        hv = nll_on(h, primary_label(h), n)
+        vals = {k: nll(r, k) for k in ("0", "1", "2", "4")}
+        if hv is None:
+            continue
+        best = min(v for v in vals.values() if v is not None)
+        ratios.append(math.exp(best - hv))
+        lines.append(f"| {seed} | {n} | {math.exp(hv):.3f} | " +
+                     " | ".join(f"{math.exp(v):.3f}" if v is not None else "-" for v in vals.values()) +
+                     f" | {ratios[-1]:.3f} |")
+    lines.append(f"| mean ± sd | | | | | | | {fmt_ratio(ratios)} |")
+    return lines
+
+
 # ------------------------------------------------------------------------------------------------
 # plots
 
@@ -301,7 +373,15 @@ def plot_ppl_vs_k(runs: dict, path: Path) -> None:
             xs.append(k)
             ys.append(math.exp(statistics.fmean(vals)))
             errs.append(ys[-1] * (statistics.stdev(vals) if len(vals) > 1 else 0))
-        ax.errorbar(xs, ys, yerr=errs, marker="o", capsize=3, label=name)
+        line = ax.errorbar(xs, ys, yerr=errs, marker="o", capsize=3, label=name)
+        for where in ("k4b", "looped"):  # the long chains, on fewer windows: dotted
+            rk = [r for r in rs if where in r]
+            if not rk or kind(rk[0]) == "huginn":
+                continue
+            ks = sorted(int(k) for k in rk[0][where])
+            ys = [math.exp(statistics.fmean(nll(r, str(k), where) for r in rk)) for k in ks]
+            ax.plot(ks, ys, ":", marker="x", color=line[0].get_color(),
+                    label=f"{name} ({rk[0].get(where + '_windows', 2)} windows)")
     ax.set_xscale("symlog", linthresh=1)
     ax.set_yscale("log")
     ax.set_xlabel("K (0 = ppl@0: one call at sigma_top; huginn: iterations)")
@@ -362,6 +442,14 @@ def report(study_dir: Path) -> None:
         wc = wallclock_table(runs, ["huginn", "looped_db"])
         if wc:
             lines += ["### Equal training time (probe windows, read at the shorter run's CPU seconds)", "", *wc, ""]
+    tax = tax_from_probes(runs)
+    if tax:
+        lines += ["## Block 0 against the depth-matched gpt at equal updates (from the main runs' probes)", "",
+                  "Probe windows; gpt_depth2 read at the step equal to db_ar_b2's block-0 updates (mid-schedule, "
+                  "so the ratio flatters block 0).", "", *tax, ""]
+    leq = looped_equal_flops(runs)
+    if leq:
+        lines += ["## looped_db against huginn at equal FLOPs (shared final windows)", "", *leq, ""]
     if "db_ar_b2" in runs and "gpt_depth2_updates" in runs:
         lines += ["## Block 0 against the depth-matched gpt at equal updates", "",
                   *updates_table(runs, "db_ar_b2", "gpt_depth2_updates"), ""]
