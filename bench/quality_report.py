@@ -24,6 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "quality"
 NEW_STUDIES = ("powered", "ablations", "scorer", "generation")
+UNRESOLVED = 0.25  # nats: an estimate whose standard error is this large ranks nothing
 
 
 # ------------------------------------------------------------------------------------------------
@@ -131,6 +132,10 @@ def ratio_per_seed(runs: dict, a: str, b: str, label_a: str | None = None, label
         if rb is None:
             continue
         na, nb = nll(ra, label_a), nll(rb, label_b)
+        wa, wb = ra.get("final_windows", 32), rb.get("final_windows", 32)
+        if wa != wb:  # compare on the smaller set, which the larger one contains
+            n = min(wa, wb)
+            na, nb = nll_on(ra, label_a or primary_label(ra), n), nll_on(rb, label_b or primary_label(rb), n)
         if na is not None and nb is not None:
             out.append(math.exp(na - nb))
     return out
@@ -174,7 +179,10 @@ def chain_table(runs: dict, variant: str | None = None) -> list[str]:
         where = variant or "final"
 
         def col(k):
-            return fmt_ppl([nll(r, str(k), where) for r in rs], [se(r, str(k), where) for r in rs])
+            ses = [se(r, str(k), where) for r in rs]
+            if ses and statistics.fmean(ses) > UNRESOLVED:
+                return f"unresolved (se {statistics.fmean(ses):.2f} nats)"
+            return fmt_ppl([nll(r, str(k), where) for r in rs], ses)
 
         def rel(k1, k0, at=where):
             out = []
@@ -190,8 +198,13 @@ def chain_table(runs: dict, variant: str | None = None) -> list[str]:
                 fmt_ppl([nll(r, str(k), "k4b") for r in rs], [se(r, str(k), "k4b") for r in rs])
                 for k in (0, B, 2 * B, 4 * B))
         trend = (rel(2 * B, B, "k4b"), rel(4 * B, B, "k4b")) if few != "-" else (rel(2 * B, B), rel(4 * B, B))
+        if variant is not None:  # the run's own setting (edge, sample bridge) on the variant's windows
+            n = len(scores(rs[0], where)["0"]["per_window"])
+            own = [nll_on(r, str(B), n) for r in rs]
+            few = f"{n} windows: run's own K = B {fmt_ppl(own)}" if None not in own else "-"
+        ratio = rel(B, 0) if not col(B).startswith("unresolved") else "-"
         lines.append(f"| `{name}` (B = {B}) | {seeds_text(s for s, r in by_seed.items() if r in rs)} | {col(0)} | "
-                     f"{col(1)} | {col(B)} | {col(2 * B)} | {rel(B, 0)} | {few} | {trend[0]} | {trend[1]} |")
+                     f"{col(1)} | {col(B)} | {col(2 * B)} | {ratio} | {few} | {trend[0]} | {trend[1]} |")
     return lines
 
 
@@ -298,6 +311,30 @@ def tax_from_probes(runs: dict, db: str = "db_ar_b2", ref: str = "gpt_depth2") -
         ratios.append(math.exp(a - b))
         lines.append(f"| {seed} | {updates} ({r['steps']}) | {math.exp(a):.3f} | {math.exp(b):.3f} | {ratios[-1]:.3f} |")
     lines.append(f"| mean ± sd | | | | {fmt_ratio(ratios)} |")
+    return lines
+
+
+def gap_vs_flops(runs: dict, ref: str = "gpt") -> list[str]:
+    """PPL / ref's PPL at each probe (a tenth of the budget apart: equal FLOPs at every probe), mean over
+    the seeds both have: does the gap grow or shrink with training?"""
+    if ref not in runs:
+        return []
+    n = min(len(r["probes"]) for bs in runs.values() for r in bs.values())
+    cols = list(range(0, n, max(1, n // 5))) + ([n - 1] if (n - 1) % max(1, n // 5) else [])
+    lines = ["| run | seeds | " + " | ".join(f"{(i + 1) / n:.0%} of budget" for i in cols) + " |",
+             "|---|---|" + "---:|" * len(cols)]
+    for name, by_seed in runs.items():
+        if name == ref:
+            continue
+        seeds = [s for s in by_seed if s in runs[ref]]
+        if not seeds:
+            continue
+        cells = []
+        for i in cols:
+            ratios = [math.exp(by_seed[s]["probes"][i]["val"][primary_label(by_seed[s])] -
+                               runs[ref][s]["probes"][i]["val"]["exact"]) for s in seeds]
+            cells.append(fmt_ratio(ratios))
+        lines.append(f"| `{name}` | {seeds_text(seeds)} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -431,11 +468,15 @@ def report(study_dir: Path) -> None:
              "PPL = exp(mean held-out NLL) over the final windows; `a ± b (se c)`: mean over seeds ± sd over "
              "seeds, and the estimator's standard error (DiffusionBlocks ppl@k; 0 where exact).", ""]
     lines += ["## Runs at equal training FLOPs", "", *main_table(runs), ""]
+    gap = gap_vs_flops(runs)
+    if gap:
+        lines += ["## The gap to gpt along training (probe windows, PPL / gpt's PPL at the same FLOPs)", "", *gap, ""]
     lines += ["## DiffusionBlocks chains (ppl@k, the K-step sampler; K = 4B with 64 draws, others 16)", "",
               *chain_table(runs), ""]
     variants = sorted({v for bs in runs.values() for r in bs.values() for v in r.get("decode", {})})
     for v in variants:
-        lines += [f"### Decode variant `{v}` on the same checkpoints", "", *chain_table(runs, v), ""]
+        lines += [f"### Decode variant `{v}` on the same checkpoints (16 windows: every other final window)", "",
+                  *chain_table(runs, v), ""]
     looped = looped_table(runs)
     if len(looped) > 2:
         lines += ["## Looped models: PPL vs K", "", *looped, ""]
