@@ -55,7 +55,8 @@ def write_checkpoint(root: Path, model_cfg: dict, tokenizer: str) -> Path:
     vocab = get_tokenizer(tokenizer).vocab_size
     model = build_model(cfg, vocab)
     write_rank_files(tmp_dir_for(root, 1), 0)
-    manifest = {"config": cfg.to_dict(), "vocab_size": vocab, "tokenizer": tokenizer, "model_state": {}}
+    manifest = {"config": cfg.to_dict(), "vocab_size": vocab, "tokenizer": tokenizer, "model_state": {},
+                "world_size": 1}
     return finalize(root, 1, model, manifest, keep_last=1)
 
 
@@ -65,7 +66,7 @@ def prompts(batch: int, vocab: int) -> torch.Tensor:
 
 def engine_run(model, ids: torch.Tensor) -> tuple[float, list]:
     from looped_lm.engine.engine import Engine, Request
-    from looped_lm.engine.sampling import SamplingParams
+    from looped_lm.sampling import SamplingParams
 
     engine = Engine(model, ids.shape[0], max_len=PROMPT + NEW)
     reqs = [Request(row.tolist(), NEW, SamplingParams(0.0)) for row in ids]

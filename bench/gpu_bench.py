@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from looped_lm.config import config_from_dict
 from looped_lm.engine.generate import generate
-from looped_lm.engine.sampling import SamplingParams
+from looped_lm.sampling import SamplingParams
 from looped_lm.models import build_model
 from looped_lm.optim import BlockwiseAdamW, param_groups
 from looped_lm.training import TorchRunner, train_step
@@ -79,14 +79,19 @@ def measure_training(model, batch, steps, warmup, loss_fn=None):
 
 
 @torch.no_grad()
-def measure_decode(model, batch, new_tokens, **kw):
+def measure_decode(model, batch, new_tokens, num_iterations=None):
+    from looped_lm.models.contract import Iterative
+    from looped_lm.settings import resolve_settings
+
     model.eval()
+    limits = model.iteration_limits() if isinstance(model, Iterative) else None
+    settings = resolve_settings(limits, num_iterations=num_iterations, sampling=SamplingParams(0.0))
     prompt = torch.randint(0, model.vocab_size, (batch, 16), device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        generate(model, prompt, 8, SamplingParams(0.0), seed=0, **kw)  # warm-up
+        generate(model, prompt, 8, settings, seed=0)  # warm-up
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        generate(model, prompt, new_tokens, SamplingParams(0.0), seed=0, **kw)
+        generate(model, prompt, new_tokens, settings, seed=0)
         torch.cuda.synchronize()
     model.train()
     return batch * new_tokens / (time.perf_counter() - t0)

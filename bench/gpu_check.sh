@@ -2,6 +2,7 @@
 # The prepared GPU check (one H200, run through the device tool with `carry: [".whl"]`):
 #   1. the trainer under DeepSpeed on CUDA (NCCL, bf16, ZeRO 1) for every model kind, 20 steps each,
 #      then eval and generate from the checkpoint on the GPU;
+#      and quickstart_db once more in block-parallel mode;
 #   2. bench/gpu_bench.py: training cost (GPT vs DB-AR at 12 x 768, seq 1024; Huginn vs looped_db)
 #      and decode speed, side by side.
 # Wheels the GPU image lacks (deepspeed, hjson, pydantic) travel in .whl/ (see bench/README.md).
@@ -41,6 +42,12 @@ python3 -m looped_lm.train --config configs/quickstart_looped.yaml $common --set
   --set model.mean_recurrence=8 --set model.backprop_depth=4 --set train.out_dir=/tmp/runs/huginn \
   > "$OUT/train_huginn.log" 2>&1 || { status=1; tail -20 "$OUT/train_huginn.log"; }
 tail -1 /tmp/runs/huginn/metrics.jsonl
+
+echo "== train quickstart_db in block-parallel mode (cuda, bf16, ZeRO 0, one rank owning both blocks)"
+python3 -m looped_lm.train --config configs/quickstart_db.yaml $common --set train.mode=block_parallel \
+  --set deepspeed.zero_stage=0 --set diffusion.block_sampling=round_robin --set train.out_dir=/tmp/runs/bp \
+  > "$OUT/train_bp.log" 2>&1 || { status=1; tail -20 "$OUT/train_bp.log"; }
+tail -1 /tmp/runs/bp/metrics.jsonl
 
 echo "== bench/gpu_bench.py"
 python3 bench/gpu_bench.py --json "$OUT/gpu_bench.json" || status=1

@@ -49,6 +49,7 @@ SHAPES = {  # configs/quickstart.yaml and configs/quickstart_looped.yaml; gpt_me
     "gpt_medium": {"kind": "gpt", "n_layers": 8, "d_model": 512, "n_heads": 8, "seq_len": 128},
     "looped_db": {"kind": "looped_db", "n_prelude": 1, "n_layers": 2, "n_coda": 1, "d_model": 128, "n_heads": 4,
                   "seq_len": 128},
+    "db_ar": {"kind": "db_ar", "n_layers": 4, "d_model": 128, "n_heads": 4, "seq_len": 128},  # quickstart_db
 }
 
 
@@ -64,6 +65,8 @@ def build_untrained(kind: str):
     raw = {"model": SHAPES[kind], "data": {"tokenizer": "byte"}}
     if kind == "looped_db":
         raw["diffusion"] = {"num_blocks": 1}
+    if kind == "db_ar":
+        raw["diffusion"] = {"num_blocks": 2}  # the project's DB defaults otherwise: sample bridge, K = B
     torch.manual_seed(0)
     model = build_model(config_from_dict(raw), 257).eval()
     with torch.no_grad():
@@ -91,8 +94,10 @@ def serve_worker(spec: dict) -> None:
     else:
         model, tok_name = build_untrained(spec["kind"])
     tok = get_tokenizer(tok_name)
-    engine = Engine.from_memory_budget(model, 1.0, max_slots=64, vocab_size=tok.vocab_size, max_iterations=16
-                                       if hasattr(model, "inference_kwargs") else None)
+    from looped_lm.models.contract import Iterative
+
+    engine = Engine.from_memory_budget(model, 1.0, max_slots=64, vocab_size=tok.vocab_size,
+                                       max_iterations=16 if isinstance(model, Iterative) else None)
     uvicorn.run(build_app(engine, tok, "bench"), host="127.0.0.1", port=spec["port"], log_level="warning")
 
 
@@ -179,7 +184,7 @@ def engine_only(kind: str, clients: int, rounds: int, threads: int) -> float:
     import torch
 
     from looped_lm.engine.engine import Engine, Request
-    from looped_lm.engine.sampling import SamplingParams
+    from looped_lm.sampling import SamplingParams
 
     torch.set_num_threads(threads)
     model, _ = build_untrained(kind)
@@ -266,6 +271,20 @@ def main() -> None:
     rows, engine = concurrency_table(kind, args.checkpoint, args.threads, rounds, repeats)
     k_rows = [] if args.medium else k_table(args.looped_checkpoint, args.threads, repeats)
     latency = print_tables(rows, engine, k_rows)
+    db = None
+    if not args.medium and not args.checkpoint:  # DiffusionBlocks requests batch too: the same table, db_ar
+        db_rows, db_engine = concurrency_table("db_ar", None, args.threads, rounds, repeats)
+        print("\ndb_ar (B = 2, K = 2, sample bridge):")
+        print_tables(db_rows, db_engine, [])
+
+        def ratio(rs):
+            return next(r for r in rs if r["clients"] == 16)["tokens_per_s"] / rs[0]["tokens_per_s"]
+
+        db = {"concurrency": [{k: v for k, v in r.items() if k not in ("ttft", "itl")} for r in db_rows],
+              "engine_only_tokens_per_s": db_engine, "http_16_over_1": ratio(db_rows),
+              "gpt_http_16_over_1": ratio(rows), "vs_gpt_ratio": ratio(db_rows) / ratio(rows)}
+        print(f"\n16 streams / 1 stream over HTTP: db_ar {db['http_16_over_1']:.1f}x, gpt {db['gpt_http_16_over_1']:.1f}x "
+              f"(db_ar / gpt = {db['vs_gpt_ratio']:.2f}, target >= 0.8)")
     summary = {
         "setup": {"model": args.checkpoint or SHAPES[kind],
                   "looped_model": args.looped_checkpoint or SHAPES["looped_db"],
@@ -276,6 +295,7 @@ def main() -> None:
         "engine_only_tokens_per_s": engine,
         "latency_16_streams_ms": latency,
         "looped_k": k_rows,
+        "db_ar": db,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / ("serve_medium.json" if args.medium else "serve.json")).write_text(json.dumps(summary, indent=2))

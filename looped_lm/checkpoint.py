@@ -1,12 +1,17 @@
-"""Checkpoints: `model.safetensors` + `optimizer/` (DeepSpeed's files) + `rng/` + `manifest.json`.
+"""Checkpoints: `model.safetensors` + `optimizer/` + `rng/` + `manifest.json`.
 
 Layout of one checkpoint, `out_dir/step_0000500/`:
     model.safetensors   full model weights (what eval, generate, serve and export read)
-    optimizer/          DeepSpeed engine state (optimizer moments, LR schedule), for resume only
+    optimizer/<unit>.safetensors   AdamW moments by parameter name and the step count of each optimiser
+                        unit ("shared", "block0", ...; optim.state_by_name), for resume only: whole
+                        tensors, so any ZeRO stage, world size or train.mode resumes them (the LR follows
+                        from the step). Checkpoints written before this layout hold DeepSpeed's own files
+                        (`optimizer/ds/`, `optimizer_layout` absent): those resume at their own stage.
     rng/rank{r}.pt      torch / numpy / python RNG states of each rank
-    manifest.json       config, tokenizer, step, data position, model metadata (edges...), and the
-                        integrity record: every other file with its size and sha256, then the sha256
-                        of the manifest's own content (`manifest_sha256`); written LAST
+    manifest.json       config, tokenizer, step, data position, model metadata (edges...), the blocks this
+                        run trained (`ownership`: what `looped_lm merge` joins), and the integrity record:
+                        every other file with its size and sha256, then the sha256 of the manifest's own
+                        content (`manifest_sha256`); written LAST
 
 Every rank writes into `out_dir/.tmp-step_0000500/`, then rank 0 writes the manifest and renames the
 directory. A step directory without a manifest is not a checkpoint. Reading verifies: resume checks
@@ -34,6 +39,7 @@ from looped_lm.errors import UserError
 
 MANIFEST = "manifest.json"
 WEIGHTS = "model.safetensors"
+OPTIMIZER_DIR = "optimizer"
 FORMAT_VERSION = 2  # 1: a hash of the weights only (read for inference; resumed only without verification)
 NO_VERIFY_HELP = ("skip the sha256 of the checkpoint's files and of its manifest (slow on big checkpoints); "
                   "presence, sizes, step and shapes are still checked")
@@ -102,6 +108,40 @@ def write_rank_files(tmp: Path, rank: int) -> None:
 
     (tmp / "rng").mkdir(parents=True, exist_ok=True)
     torch.save(rng_state(), tmp / "rng" / f"rank{rank}.pt")
+
+
+def unit_path(root: Path, unit: str) -> Path:
+    """optimizer/<unit>.safetensors: one optimiser unit's state by parameter name (optim.state_by_name)."""
+    return Path(root) / OPTIMIZER_DIR / f"{unit}.safetensors"
+
+
+def write_unit_state(tmp: Path, unit: str, step: int, tensors: dict) -> None:
+    """The state of one unit ("shared", "block0", ...): AdamW moments per parameter name, its step count."""
+    from safetensors.torch import save_file
+
+    path = unit_path(tmp, unit)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path),
+              metadata={"unit": unit, "step": str(step)})
+
+
+def read_unit_state(ckpt: Path, unit: str) -> tuple[int, dict]:
+    """(step, tensors) of one unit of a verified checkpoint (`optimizer_layout` units)."""
+    from safetensors import safe_open
+
+    path = unit_path(ckpt, unit)
+    if not path.is_file():
+        raise UserError(f"cannot resume from {ckpt}: it holds no optimizer state for {unit} ({OPTIMIZER_DIR}/"
+                        f"{path.name}): the run that wrote it did not train {unit}")
+    with safe_open(str(path), "pt") as f:
+        step = int((f.metadata() or {}).get("step", 0))
+        return step, {k: f.get_tensor(k) for k in f.keys()}
+
+
+def optimizer_layout(manifest: dict) -> str:
+    """units: optimiser state by parameter name (any ZeRO stage, world size or mode resumes it);
+    deepspeed: DeepSpeed's own engine files (older checkpoints: same stage and, at ZeRO >= 1, world size)."""
+    return manifest.get("optimizer_layout", "deepspeed")
 
 
 def save_weights(model, path: Path) -> None:
@@ -310,7 +350,7 @@ def verify_checkpoint(ckpt: str | Path, verify: bool = True, ranks: int | None =
         if f"rng/rank{r}.pt" not in files:
             raise _fail(ckpt / MANIFEST, f"does not list rng/rank{r}.pt (the RNG state of rank {r})")
     if not any(rel.startswith("optimizer/") for rel in files):
-        raise _fail(ckpt / MANIFEST, "lists no optimizer/ files (the DeepSpeed state a resume loads)")
+        raise _fail(ckpt / MANIFEST, "lists no optimizer/ files (the optimizer state a resume loads)")
     verify_files(ckpt, manifest, None, verify)
     extra = sorted(set(_names_on_disk(ckpt)) - set(files))
     if extra:
@@ -349,10 +389,20 @@ def check_weights_fit(path: Path, model) -> None:
                             f"{list(want[name])}")
 
 
-def load_checkpoint(ckpt: str | Path, device="cpu", verify: bool = True):
-    """Verified (model, config, manifest) from a checkpoint directory, in eval mode."""
+def load_weights(model, path: Path, device="cpu") -> None:
+    """Weights from a checked safetensors file into `model` (names and shapes must all match)."""
     from safetensors.torch import load_model
 
+    check_weights_fit(path, model)
+    try:
+        load_model(model, str(path), strict=True, device=str(device))
+    except RuntimeError as e:  # missing tensors: the shapes matched, the names did not all
+        raise UserError(f"{path} does not fit the model in its manifest: "
+                        f"{str(e).strip().splitlines()[-1].strip()}") from None
+
+
+def load_checkpoint(ckpt: str | Path, device="cpu", verify: bool = True):
+    """Verified (model, config, manifest) from a checkpoint directory, in eval mode."""
     from looped_lm.models import build_model
 
     ckpt = Path(ckpt)
@@ -363,10 +413,5 @@ def load_checkpoint(ckpt: str | Path, device="cpu", verify: bool = True):
         model = build_model(cfg, manifest["vocab_size"], manifest.get("model_state"))
     except (UserError, ValueError, TypeError) as e:  # model_state (edges...) that does not fit the model
         raise UserError(f"{ckpt / MANIFEST}: its model_state does not fit model.kind {cfg.model.kind}: {e}") from None
-    check_weights_fit(ckpt / WEIGHTS, model)
-    try:
-        load_model(model, str(ckpt / WEIGHTS), strict=True, device=str(device))
-    except RuntimeError as e:  # missing tensors: the shapes matched, the names did not all
-        raise UserError(f"{ckpt / WEIGHTS} does not fit the model in its manifest: "
-                        f"{str(e).strip().splitlines()[-1].strip()}") from None
+    load_weights(model, ckpt / WEIGHTS, device)
     return model.to(device).eval(), cfg, manifest

@@ -1,4 +1,4 @@
-"""`looped_lm {prepare,train,eval,generate,export,serve}`: one verb per job; each verb only routes.
+"""`looped_lm {prepare,train,eval,generate,export,merge,serve}`: one verb per job; each verb only routes.
 
 Bad input (a UserError anywhere below) prints one line, `error: ...`, and exits with code 2. A verb's
 module is imported only when that verb runs (or shows its --help): `looped_lm --help` and a mistyped
@@ -25,7 +25,13 @@ def add_train_arguments(p) -> None:
 
     trainer.add_arguments(p)
     p.add_argument("--nproc", type=int, default=0,
-                   help="processes on this node (GPUs; on CPU, gloo ranks); 0 = all GPUs, or 1 on CPU")
+                   help="processes on this node (GPUs; on CPU, gloo ranks); 0 = all GPUs, or 1 on CPU; with "
+                        "--hostfile, processes per node (0 = each node's slots)")
+    p.add_argument("--hostfile", default=None, metavar="FILE",
+                   help="DeepSpeed hostfile (`host slots=N` per line): run on every node it lists, over ssh "
+                        "(README: multi-node)")
+    p.add_argument("--master-port", type=int, default=0, help="rendezvous port (default: a free one; 29500 "
+                   "with --hostfile)")
 
 
 def run_train(args) -> int:
@@ -42,19 +48,21 @@ def run_train(args) -> int:
         raise UserError(f"--nproc must be >= 0 (got {args.nproc})")
     if args.no_verify:
         print(ckpt_io.no_verify_note(), file=sys.stderr)
-    # config, data, out_dir and the checkpoint to resume: checked here, before the launcher starts
-    plan = preflight.preflight(cfg, verify=not args.no_verify)
     import torch
 
-    nproc = args.nproc or (torch.cuda.device_count() or 1)
-    if plan.manifest is not None:
-        plan.notes += preflight.check_resume(plan.manifest, cfg, plan.vocab_size, nproc, Path(plan.resume))
+    if args.hostfile:  # every node's slots, capped by --nproc
+        nproc, world = args.nproc, launch.hostfile_slots(args.hostfile, args.nproc)
+    else:
+        nproc = world = args.nproc or (torch.cuda.device_count() or 1)
+    # config, world size, data, out_dir and the checkpoint to resume: checked here, before the launcher starts
+    plan = preflight.preflight(cfg, verify=not args.no_verify, world_size=world)
     for note in plan.notes:
         print(f"note: {note}", flush=True)
     if preflight.nothing_to_train(plan, cfg):
         print(preflight.nothing_to_train(plan, cfg))
         return 0
-    cmd = launch.command(nproc, trainer._free_port(), trainer.forward_args(args), args.verbose)
+    port = args.master_port or (29500 if args.hostfile else trainer._free_port())
+    cmd = launch.command(nproc, port, trainer.forward_args(args), args.verbose, args.hostfile)
     env = {**os.environ, trainer.PREFLIGHT_DONE: "1", "PYTHONUNBUFFERED": "1"}
     if not torch.cuda.is_available():
         env.setdefault("DS_ACCELERATOR", "cpu")
@@ -70,20 +78,30 @@ def add_generate_arguments(p) -> None:
     p.add_argument("--checkpoint", required=True,
                    help="checkpoint directory, or a run directory (its newest complete checkpoint)")
     add_verify_argument(p)
-    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--prompt", default=None, help="text to continue (language models)")
     p.add_argument("--max-tokens", type=int, default=100)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-iterations", type=int, default=None,
-                   help="DiffusionBlocks / looped models: K denoising steps per token (default: the config's)")
+                   help="DiffusionBlocks / looped models: K denoising steps per token (default: the config's); "
+                   "dit / mdm: sampler steps, split across the blocks (at least one per block)")
     p.add_argument("--bridge", choices=("soft", "hard", "sample"), default=None,
                    help="DB models: logits -> embedding between steps (expectation, argmax, or a sampled token)")
     p.add_argument("--exit-threshold", type=float, default=None,
                    help="looped_db: stop a token's iterations once KL(p_k || p_k-1) < this")
     p.add_argument("--exit-criterion", default=None, help="looped_db: kl:<eps> or argmax-stable:<m>")
     p.add_argument("--device", default="cpu")
+    m = p.add_argument_group("dit / mdm checkpoints (samples from noise; no prompt)")
+    m.add_argument("--out", default=None, help="dit: the PNG grid of samples to write")
+    m.add_argument("--labels", default=None, help="dit: comma-separated class ids, one sample each "
+                   "(default: --num-samples cycling through the classes)")
+    m.add_argument("--cfg-scale", type=float, default=None,
+                   help="dit: classifier-free guidance scale (1 = none; default: the config's)")
+    m.add_argument("--num-samples", type=int, default=None, help="samples to draw (dit: 4 per class, mdm: 4)")
+    m.add_argument("--length", type=int, default=None, help="mdm: characters per sample (default: model.seq_len)")
+    m.add_argument("--vae", default=None, help="dit on latents: the local AutoencoderKL directory that decodes them")
 
 
 def run_generate(args) -> int:
@@ -92,7 +110,7 @@ def run_generate(args) -> int:
     from looped_lm.checkpoint import load_checkpoint, no_verify_note, resolve_checkpoint
     from looped_lm.data.tokenizer import get_tokenizer
     from looped_lm.engine.generate import generate
-    from looped_lm.models.contract import Iterative
+    from looped_lm.models.contract import CachedDecoding, Iterative
     from looped_lm.sampling import SamplingParams
     from looped_lm.settings import ExitRule, resolve_settings, skipped_blocks_note
 
@@ -100,6 +118,12 @@ def run_generate(args) -> int:
         print(no_verify_note(), file=sys.stderr)
     model, cfg, manifest = load_checkpoint(resolve_checkpoint(args.checkpoint), args.device,
                                            verify=not args.no_verify)
+    if not isinstance(model, CachedDecoding):  # dit, mdm: samples from noise (looped_lm.supporting)
+        from looped_lm.supporting import generate as generate_module
+
+        return generate_module(model, cfg, manifest, args)
+    if args.prompt is None:
+        raise UserError("give --prompt TEXT: the text to continue")
     tok = get_tokenizer(manifest["tokenizer"])
     ids = tok.encode(args.prompt) or [tok.eot_id]
     limits = model.iteration_limits() if isinstance(model, Iterative) else None
@@ -135,6 +159,8 @@ VERBS = {
     "generate": ("continue a prompt from a checkpoint", "looped_lm.cli", "add_generate_arguments", "run_generate"),
     "export": ("write a Hugging Face directory (transformers / vLLM) from a checkpoint", "looped_lm.export",
                "add_arguments", "run"),
+    "merge": ("join independently trained DiffusionBlocks block jobs into one checkpoint", "looped_lm.merge",
+              "add_arguments", "run"),
     "serve": ("OpenAI-compatible HTTP server (completions, chat, streaming, K per request)", "looped_lm.serve.cli",
               "add_arguments", "run"),
 }
@@ -144,7 +170,7 @@ def build_parser(argv=()) -> argparse.ArgumentParser:
     """The parser, with the arguments of the verb named in argv only (the others list their help line)."""
     verb = next((a for a in argv if not a.startswith("-")), None)
     parser = argparse.ArgumentParser(prog="looped_lm", description="DiffusionBlocks language models: "
-                                     "prepare data, train, evaluate, generate, export, serve.")
+                                     "prepare data, train, evaluate, generate, export, merge block jobs, serve.")
     parser.add_argument("--version", action="version", version=f"looped_lm {__version__}")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="{" + ",".join(VERBS) + "}")
     for name, (helptext, module, add, run) in VERBS.items():

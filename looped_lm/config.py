@@ -5,9 +5,9 @@ reason (its pydantic `description`, printed by `looped_lm train --help-config` a
 configs/README.md by `python -m looped_lm.config`). Unknown keys, wrong types, repeated keys and
 impossible values raise `UserError` naming the key, so a bad run fails in its first second.
 
-    model:      what network to build
+    model:      what network to build (language models; vit / dit / mdm: the supporting modules)
     diffusion:  DiffusionBlocks noise schedule, partition, training and sampling knobs
-    data:       where tokens come from
+    data:       where tokens (images, characters) come from
     train:      optimisation, logging, checkpoints
     deepspeed:  ZeRO stage and precision
     eval:       perplexity protocol
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import difflib
 import sys
+import types
 import typing
 from pathlib import Path
 from typing import Annotated, Literal
@@ -58,9 +59,13 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-MODEL_KINDS = ("gpt", "db_ar", "looped_db", "huginn")
+MODEL_KINDS = ("gpt", "db_ar", "looped_db", "huginn", "vit", "dit", "mdm")
+MODULE_KINDS = ("vit", "dit", "mdm")  # the supporting modules: not language models (method.md §7)
+# which data.source each module reads (the language models read the others)
+MODULE_SOURCES = {"vit": ("digits", "cifar10", "cifar100"), "dit": ("digits", "cifar10", "cifar100", "latents"),
+                  "mdm": ("bible", "text8")}
 # the choices of each choice field
-ModelKind = Literal["gpt", "db_ar", "looped_db", "huginn"]
+ModelKind = Literal["gpt", "db_ar", "looped_db", "huginn", "vit", "dit", "mdm"]
 Partition = Literal["equi_probability", "uniform"]
 Parameterization = Literal["edm", "likelihood"]
 NoisyInput = Literal["noise", "prev_token"]
@@ -71,13 +76,16 @@ TargetScale = Literal["unit", "sigma_data"]
 BlockSampling = Literal["uniform", "round_robin", "loss_share"]
 Bridge = Literal["soft", "hard", "sample"]
 LastCall = Literal["edge", "sigma_min"]
-Source = Literal["bible", "shakespeare", "files", "hf", "bin"]
+Source = Literal["bible", "shakespeare", "files", "hf", "bin", "digits", "cifar10", "cifar100", "text8", "latents"]
+MaskSchedule = Literal["linear", "cosine"]
 Tokenizer = Literal["gpt2", "byte"]
 ResumeChanges = Literal["refuse", "allow"]
+TrainMode = Literal["data_parallel", "block_parallel"]
 
 
 class ModelConfig(_Section):
-    kind: ModelKind = _f("gpt", "gpt (end-to-end), db_ar (DiffusionBlocks AR), looped_db, huginn")
+    kind: ModelKind = _f("gpt", "gpt (end-to-end), db_ar (DiffusionBlocks AR), looped_db, huginn; supporting "
+                         "modules: vit (classifier), dit (image denoiser), mdm (masked diffusion over characters)")
     n_layers: int = _f(4, "decoder layers (db_ar: split into diffusion.num_blocks blocks; looped: the core)")
     d_model: int = _f(128, "residual width")
     n_heads: int = _f(4, "attention heads (d_model must divide by it)")
@@ -95,10 +103,20 @@ class ModelConfig(_Section):
     loss_chunk: int = _f(0, "training: head + CE in chunks of this many positions, recomputed in backward, so "
                          "the (tokens, vocab) logits are never stored (0 = off; e.g. 128 with a 50257 vocab)")
     max_iterations: int = _f(64, "looped models: the largest K accepted at inference")
+    end_to_end: bool = _f(False, "vit / dit / mdm: the same network trained end-to-end over the whole noise range "
+                          "(the baseline), instead of diffusion.num_blocks blocks")
+    image_size: int = _f(32, "vit / dit: side of the (square) images or latents; must match the data")
+    channels: int = _f(3, "vit / dit: image (or latent) channels; must match the data")
+    patch: int = _f(4, "vit / dit: patch side; image_size must divide by it (the paper: vit 4, dit 2)")
+    num_classes: int = _f(10, "vit: classes; dit: classes it is conditioned on (0 = unconditional); must match "
+                          "the data")
 
 
 class DiffusionConfig(_Section):
     num_blocks: int = _f(4, "B: blocks that each own one interval of noise levels")
+    layers_per_block: int | list[int] = _f(0, "db_ar: the layers of each block, instead of num_blocks: N (every block N "
+                                           "deep, num_blocks = n_layers / N) or one count per block from block 0 "
+                                           "(highest noise) down, e.g. [3, 1]; 0 = n_layers / num_blocks each")
     partition: Partition = _f("equi_probability", "block edges: equal noise mass (equi_probability) or equal ln-width")
     curve_every: int = _f(200, "block_sampling loss_share: re-measure held-out CE(sigma) every N steps")
     curve_until: int = _f(0, "stop re-measuring (freeze the block shares) after this step; 0 = never")
@@ -126,9 +144,11 @@ class DiffusionConfig(_Section):
     loss_weight: LossWeight = _f("none", "CE weight per sample: none, edm (normalised w(sigma)) or batch_mean")
     target_scale: TargetScale = _f("unit", "noisy targets are unit-norm embeddings (unit) or per-dim RMS sigma_data")
     target_fraction: Float = _f(1.0, "share of noisy slots trained per sequence (clean stream stays whole)")
-    blocks_to_train: list[int] = _f([], "train only these blocks (others frozen, no optimiser state); [] = all")
+    blocks_to_train: list[int] = _f([], "train only these blocks (others frozen, no optimiser state; the checkpoint "
+                                    "records them, and `looped_lm merge` joins such jobs); [] = all")
     block_sampling: BlockSampling = _f("loss_share", "which block a step trains: uniform (paper), round_robin, or loss_share "
-                             "(in proportion to each block's share of the CE drop)")
+                             "(in proportion to each block's share of the CE drop); train.mode block_parallel: "
+                             "which of its own blocks a rank trains (uniform or round_robin)")
     bridge: Bridge = _f("sample", "logits -> denoised embedding between steps: soft (expectation), hard (argmax), "
                      "or sample (a token drawn from the logits)")
     num_iterations: int = _f(0, "default K denoising steps per token at inference; 0 = num_blocks")
@@ -136,18 +156,34 @@ class DiffusionConfig(_Section):
                         "(edge, paper) or sigma_min itself (with parameterization likelihood an exact read-back "
                         "of the last bridge's token, so K = B samples what block 0 drew)")
     sample_top_quantile: Float = _f(0.999, "chains start at this quantile of block 0's training sigma law "
-                                    "instead of sigma_max, where block 0 never trains; 1 = sigma_max (paper)")
+                                    "instead of sigma_max, where block 0 never trains; 1 = sigma_max (paper; dit "
+                                    "always starts at sigma_max, as EDM's sampler does)")
+    label_dropout: Float = _f(0.1, "dit: share of training labels replaced by the null class (classifier-free "
+                              "guidance)")
+    cfg_scale: Float = _f(2.0, "dit: default classifier-free guidance scale of generate and eval (1 = none)")
+    sample_steps: int = _f(0, "dit: default Euler steps of generate / eval (0 = 50, the paper's); mdm: unmasking "
+                           "steps (0 = model.seq_len)")
+    schedule: MaskSchedule = _f("linear", "mdm: the masking schedule alpha(t) (linear: 1 - t; cosine); its "
+                                "partition is t_b = alpha^-1(1 - b/B)")
 
 
 class DataConfig(_Section):
-    source: Source = _f("bible", "bible / shakespeare (embedded corpora), files, hf, or bin")
-    path: Str = _f("", "files: .txt/.jsonl/.parquet path; hf: dataset name; bin: dir with train.bin/val.bin")
+    source: Source = _f("bible", "bible / shakespeare (embedded corpora), files, hf, or bin; vit / dit: digits "
+                        "(bundled), cifar10, cifar100, latents (dit); mdm: bible (in text8's alphabet), text8")
+    path: Str = _f("", "files: .txt/.jsonl/.parquet path; hf: dataset name; bin: dir with train.bin/val.bin; "
+                   "cifar10 / cifar100: the python-pickle archive or its folder; text8: the text8 file; "
+                   "latents: the directory `looped_lm prepare --vae` wrote")
     tokenizer: Tokenizer = _f("gpt2", "gpt2 (byte-level BPE, 50257) or byte (257, for tiny tests)")
     val_fraction: Float = _f(0.05, "share of documents held out for validation")
     cache_dir: Str = _f("data_cache", "where tokenized corpora are cached as train.bin / val.bin")
+    augment: bool = _f(True, "vit / dit on images: random crop (padding 1/8 of the side) and horizontal flip of "
+                       "training images (digits: never flipped)")
 
 
 class TrainConfig(_Section):
+    mode: TrainMode = _f("data_parallel", "data_parallel: every rank trains the step's block on its own batch, "
+                         "gradients averaged; block_parallel (db_ar, ZeRO 0): each rank trains its own block every "
+                         "step, keeps optimiser state for it only, and exchanges only the shared parameters' gradients")
     max_steps: int = _f(1000, "optimiser steps")
     batch_size: int = _f(8, "sequences per micro-batch per rank")
     grad_accum: int = _f(1, "micro-batches per optimiser step")
@@ -173,7 +209,9 @@ class TrainConfig(_Section):
 
 class DeepSpeedConfig(_Section):
     zero_stage: int = _f(0, "ZeRO stage 0, 1 or 2")
-    bf16: bool = _f(False, "bf16 mixed precision (GPUs); fp32 when false")
+    bf16: bool = _f(False, "bf16 mixed precision (GPUs); fp32 when false. ZeRO 0: DeepSpeed's bf16 weights and "
+                    "Adam state; ZeRO 1/2: fp32 master copies; train.mode block_parallel: bf16 compute under autocast, "
+                    "fp32 weights and optimizer state")
 
 
 class EvalConfig(_Section):
@@ -277,6 +315,8 @@ def _message(err: dict) -> str:
         return f"unknown config key '{key}'{_suggest(str(loc[1]), SECTIONS[loc[0]].model_fields)}"
     if len(loc) == 1:  # the section itself
         return f"config section '{loc[0]}' must be a mapping, got {type(value).__name__}"
+    if len(loc) > 2 and loc[2] in ("int", "list[int]"):  # a field that takes an integer or a list of them
+        return f"{'.'.join(str(p) for p in loc[:2])} must be an integer or a list of integers, got {value!r}"
     if kind == "literal_error":
         field = SECTIONS[loc[0]].model_fields[loc[1]]
         return f"{key} must be one of {', '.join(typing.get_args(field.annotation))} (got '{value}')"
@@ -339,8 +379,10 @@ def validate(cfg: Config) -> None:
 
     _require(d.num_blocks >= 1, f"diffusion.num_blocks must be >= 1 (got {d.num_blocks})")
     if m.kind == "db_ar":
-        _require(m.n_layers % d.num_blocks == 0,
-                 f"diffusion.num_blocks ({d.num_blocks}) must divide model.n_layers ({m.n_layers})")
+        _resolve_layers_per_block(cfg)
+    else:
+        _require(d.layers_per_block in (0, []), f"diffusion.layers_per_block applies to model.kind db_ar only "
+                                                f"(got {d.layers_per_block!r} with {m.kind})")
     _require(0.0 <= d.overlap <= 0.5, f"diffusion.overlap must be in [0, 0.5] (got {d.overlap})")
     _require(0 < d.sigma_min < d.sigma_max,
              f"diffusion.sigma_min ({d.sigma_min}) must be > 0 and below diffusion.sigma_max ({d.sigma_max})")
@@ -356,11 +398,23 @@ def validate(cfg: Config) -> None:
     if m.kind == "looped_db":
         _require(d.num_blocks == 1, f"looped_db has one weight-tied core: diffusion.num_blocks must be 1 "
                                     f"(got {d.num_blocks})")
-    n_blocks = d.num_blocks if m.kind == "db_ar" else 1
+    n_blocks = d.num_blocks if m.kind == "db_ar" or (m.kind in MODULE_KINDS and not m.end_to_end) else 1
     for b in d.blocks_to_train:
         _require(0 <= b < n_blocks, f"diffusion.blocks_to_train has {b}, outside 0..{n_blocks - 1}")
     _require(len(set(d.blocks_to_train)) == len(d.blocks_to_train),
              f"diffusion.blocks_to_train has duplicates: {d.blocks_to_train}")
+
+    if t.mode == "block_parallel":
+        _require(m.kind == "db_ar", f"train.mode block_parallel trains DiffusionBlocks blocks apart: it needs model.kind "
+                                    f"db_ar (got {m.kind})")
+        _require(cfg.deepspeed.zero_stage == 0,
+                 f"train.mode block_parallel needs deepspeed.zero_stage 0 (got {cfg.deepspeed.zero_stage}): each rank "
+                 "already keeps optimiser state for its own block only, and ZeRO would partition it over ranks that "
+                 "train other blocks")
+        _require(d.block_sampling != "loss_share",
+                 "diffusion.block_sampling loss_share picks one block per step for every rank, but train.mode "
+                 "block_parallel trains every block every step: set diffusion.block_sampling to uniform or "
+                 "round_robin (which of its own blocks a rank trains when it owns several)")
 
     for key in ("max_steps", "batch_size", "grad_accum"):
         _require(getattr(t, key) >= 1, f"train.{key} must be >= 1 (got {getattr(t, key)})")
@@ -373,13 +427,94 @@ def validate(cfg: Config) -> None:
     _require(t.out_dir != "", "train.out_dir must not be empty")
 
     _require(cfg.deepspeed.zero_stage in (0, 1, 2), f"deepspeed.zero_stage must be 0, 1 or 2 (got {cfg.deepspeed.zero_stage})")
-    if cfg.data.source in ("files", "hf", "bin"):
+    if cfg.data.source in ("files", "hf", "bin", "cifar10", "cifar100", "text8", "latents"):
         _require(cfg.data.path != "", f"data.path is required when data.source is {cfg.data.source}")
+    validate_module(cfg)
     _require(0 < cfg.data.val_fraction < 1, f"data.val_fraction must be in (0, 1) (got {cfg.data.val_fraction})")
     e = cfg.eval
     for key in ("block_size", "stride", "max_tokens"):
         _require(getattr(e, key) >= 0, f"eval.{key} must be >= 0 (got {getattr(e, key)})")
     _require(e.draws >= 1, f"eval.draws must be >= 1 (got {e.draws})")
+
+
+def validate_module(cfg: Config) -> None:
+    """The supporting modules (vit / dit / mdm): their data source, block layout and the options they
+    implement; a language model may not name a module's data source."""
+    m, d, source = cfg.model, cfg.diffusion, cfg.data.source
+    if m.kind not in MODULE_KINDS:
+        readers = [k for k, sources in MODULE_SOURCES.items() if source in sources]
+        _require(source == "bible" or not readers, f"data.source {source} is read by model.kind "
+                 f"{' / '.join(readers)}, not {m.kind}")
+        return
+    _require(source in MODULE_SOURCES[m.kind], f"model.kind {m.kind} reads data.source "
+             f"{' / '.join(MODULE_SOURCES[m.kind])} (got {source})")
+    if not m.end_to_end:
+        _require(d.num_blocks <= m.n_layers, f"diffusion.num_blocks ({d.num_blocks}) is larger than model.n_layers "
+                 f"({m.n_layers}): every block needs at least one layer")
+        _require(m.n_layers % d.num_blocks == 0,
+                 f"diffusion.num_blocks ({d.num_blocks}) must divide model.n_layers ({m.n_layers})")
+    _require(d.block_sampling in ("uniform", "round_robin"), f"diffusion.block_sampling {d.block_sampling} (the "
+             f"default) is for the language models; set diffusion.block_sampling: uniform (the paper) or round_robin "
+             f"for {m.kind}")
+    blocks = 1 if m.end_to_end else d.num_blocks
+    if d.num_iterations:
+        _require(d.num_iterations >= blocks, f"diffusion.num_iterations ({d.num_iterations}) must be >= the number of "
+                 f"blocks ({blocks}): {m.kind} runs at least one step per block")
+    if d.sample_steps:
+        _require(d.sample_steps >= blocks, f"diffusion.sample_steps ({d.sample_steps}) must be >= the number of "
+                 f"blocks ({blocks}): {m.kind} runs at least one step per block")
+    _require(d.sample_steps >= 0, f"diffusion.sample_steps must be >= 0 (got {d.sample_steps})")
+    if m.kind == "mdm":
+        return
+    for key in ("image_size", "channels", "patch"):
+        _require(getattr(m, key) >= 1, f"model.{key} must be >= 1 (got {getattr(m, key)})")
+    _require(m.image_size % m.patch == 0, f"model.image_size ({m.image_size}) is not divisible by model.patch "
+             f"({m.patch})")
+    if m.kind == "vit":
+        _require(m.num_classes >= 2, f"model.num_classes must be >= 2 for vit (got {m.num_classes})")
+        _require(d.loss_weight in ("none", "edm"), f"diffusion.loss_weight {d.loss_weight} is for the language "
+                 "models; vit takes none or edm")
+    else:
+        _require(m.num_classes >= 0, f"model.num_classes must be >= 0 for dit, 0 = unconditional (got "
+                 f"{m.num_classes})")
+        _require(0 <= d.label_dropout < 1, f"diffusion.label_dropout must be in [0, 1) (got {d.label_dropout})")
+        _require(d.cfg_scale >= 0, f"diffusion.cfg_scale must be >= 0 (got {d.cfg_scale})")
+
+
+def _resolve_layers_per_block(cfg: Config) -> None:
+    """db_ar: check diffusion.layers_per_block against model.n_layers, and set num_blocks from it (a
+    num_blocks given in the same config must agree)."""
+    m, d = cfg.model, cfg.diffusion
+    lpb = d.layers_per_block
+    if lpb in (0, []):
+        _require(m.n_layers % d.num_blocks == 0,
+                 f"diffusion.num_blocks ({d.num_blocks}) must divide model.n_layers ({m.n_layers})")
+        return
+    if isinstance(lpb, list):
+        _require(all(n >= 1 for n in lpb), f"diffusion.layers_per_block must list counts >= 1 (got {lpb})")
+        _require(sum(lpb) == m.n_layers, f"diffusion.layers_per_block {lpb} sums to {sum(lpb)}, but model.n_layers "
+                                         f"is {m.n_layers}")
+        blocks = len(lpb)
+    else:
+        _require(lpb >= 1, f"diffusion.layers_per_block must be >= 1, a list, or 0 for n_layers / num_blocks (got {lpb})")
+        _require(m.n_layers % lpb == 0, f"diffusion.layers_per_block ({lpb}) must divide model.n_layers ({m.n_layers})")
+        blocks = m.n_layers // lpb
+    if "num_blocks" in d.model_fields_set and d.num_blocks != blocks:
+        raise UserError(f"diffusion.num_blocks ({d.num_blocks}) contradicts diffusion.layers_per_block {lpb!r} "
+                        f"({blocks} blocks); give one of them")
+    d.num_blocks = blocks
+
+
+def block_layers(cfg: Config) -> list[int]:
+    """The layers of each block, block 0 (highest noise) first: db_ar's split of model.n_layers;
+    looped_db's one weight-tied core."""
+    m, d = cfg.model, cfg.diffusion
+    if m.kind != "db_ar":
+        return [m.n_layers]
+    if isinstance(d.layers_per_block, list) and d.layers_per_block:
+        return list(d.layers_per_block)
+    per = d.layers_per_block or m.n_layers // d.num_blocks
+    return [per] * (m.n_layers // per)
 
 
 def describe_fields() -> str:
@@ -389,7 +524,9 @@ def describe_fields() -> str:
         lines.append(f"{section}:")
         for name, f in typ.model_fields.items():
             default = f.get_default(call_default_factory=True)
-            lines.append(f"  {name} ({type(default).__name__}, default {default!r}): {f.description}")
+            kinds = typing.get_args(f.annotation) if isinstance(f.annotation, types.UnionType) else ()
+            typ = " or ".join(getattr(k, "__name__", str(k)) for k in kinds) or type(default).__name__
+            lines.append(f"  {name} ({typ}, default {default!r}): {f.description}")
     return "\n".join(lines)
 
 

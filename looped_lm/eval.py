@@ -19,27 +19,39 @@ import json
 import math
 from pathlib import Path
 
-import torch
-
+from looped_lm.checkpoint import NO_VERIFY_HELP
 from looped_lm.errors import UserError
-from looped_lm.settings import ScoreSettings
+
+# torch and the model stack are imported where they are used: `looped_lm eval --help` stays instant
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory (out/step_XXXXXXX)")
+    p.add_argument("--checkpoint", required=True,
+                   help="checkpoint directory (out/step_XXXXXXX), or a run directory (its newest complete checkpoint)")
+    p.add_argument("--no-verify", action="store_true", help=NO_VERIFY_HELP)
     p.add_argument("--data", default=None, help="nanoGPT val.bin, or a .txt / .jsonl file (tokenized with the "
-                   "checkpoint's tokenizer); default: the run's val.bin")
+                   "checkpoint's tokenizer); default: the run's val.bin (vit / mdm: a data source such as "
+                   "cifar100:PATH or text8:PATH; default: the run's)")
     p.add_argument("--block-size", type=int, default=0, help="window length; 0 = the model's seq_len")
     p.add_argument("--stride", type=int, default=0, help="0 = disjoint blocks; S = sliding windows")
-    p.add_argument("--max-tokens", type=int, default=0, help="score only the first N tokens; 0 = all")
+    p.add_argument("--max-tokens", type=int, default=0, help="score only the first N tokens (vit: images, mdm: "
+                   "characters); 0 = all")
+    p.add_argument("--split", choices=("val", "test"), default="val",
+                   help="mdm: the text split scored (text8: 5M characters each); vit scores the held-out images")
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
     p.add_argument("--num-iterations", default=None,
-                   help="comma-separated K grid (huginn: exact PPL per K; DB models: ppl@k)")
+                   help="comma-separated K grid (huginn: exact PPL per K; DB models: ppl@k); vit: one K >= B")
     p.add_argument("--draws", type=int, default=4,
-                   help="DB models: independent estimates averaged per token (their spread gives the standard error)")
+                   help="DB models: independent estimates averaged per token (their spread gives the standard "
+                   "error); mdm: masking times drawn per block interval")
     p.add_argument("--candidates", type=int, default=2,
                    help="DB models: first-step tokens the estimator enumerates (plus the target and one draw)")
     p.add_argument("--seed", type=int, default=0, help="seed of the DB noise draws")
+    p.add_argument("--features", default=None, metavar="VIT_CHECKPOINT",
+                   help="dit: the classifier in whose features samples are compared with the held-out images "
+                   "(a Frechet distance, not FID)")
+    p.add_argument("--cfg-scale", type=float, default=None, help="dit: guidance scale of the samples (default: "
+                   "the config's)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--no-progress", action="store_true")
@@ -57,15 +69,17 @@ def parse_k_grid(text: str | None) -> list[int] | None:
     return ks
 
 
-@torch.no_grad()
 def perplexity(model, data_path: str, block_size: int, stride: int = 0, max_tokens: int = 0,
-               batch_size: int = 8, settings: ScoreSettings = ScoreSettings(), seed: int = 0,
-               device: str = "cpu", progress: bool = True):
+               batch_size: int = 8, settings=None, seed: int = 0, device: str = "cpu", progress: bool = True):
     """Score `data_path`: ({label: summed NLL}, {label: summed NLL variance}, scored tokens).
     Strided windows score their tail only."""
+    import torch
     from tqdm import tqdm
 
     from looped_lm.data.bin_dataset import TokenStream
+    from looped_lm.settings import ScoreSettings
+
+    settings = settings or ScoreSettings()
 
     if block_size < 1:
         raise UserError(f"--block-size must be >= 1 (got {block_size})")
@@ -89,7 +103,9 @@ def perplexity(model, data_path: str, block_size: int, stride: int = 0, max_toke
         scored = torch.zeros_like(y, dtype=torch.bool)
         for row, (_, _, n) in enumerate(chunk):
             scored[row, y.shape[1] - n:] = True
-        for label, s in model.score(x, y, settings, gen).items():
+        with torch.no_grad():
+            scores = model.score(x, y, settings, gen)
+        for label, s in scores.items():
             sums[label] = sums.get(label, 0.0) + float(s.nll[scored].double().sum())
             if s.nll_var is not None:
                 variances[label] = variances.get(label, 0.0) + float(s.nll_var[scored].double().sum())
@@ -100,7 +116,7 @@ def perplexity(model, data_path: str, block_size: int, stride: int = 0, max_toke
 
 
 def report(sums: dict, variances: dict, tokens: int, block_size: int, stride: int, tokenizer: str, data: str,
-           settings: ScoreSettings, kind: str) -> dict:
+           settings, kind: str) -> dict:
     """PPL per label; for estimated ones, `ppl_se`: the standard error of the ppl from the estimates'
     spread (var(mean NLL) = sum of the per-token jackknife variances / tokens^2)."""
     ppl = {label: math.exp(s / tokens) for label, s in sums.items()}
@@ -171,11 +187,21 @@ def data_tokens(data: str, tokenizer_name: str, workdir: str) -> str:
 
 
 def run(args) -> int:
+    import sys
     import tempfile
 
-    from looped_lm.checkpoint import load_checkpoint
+    from looped_lm.checkpoint import load_checkpoint, no_verify_note, resolve_checkpoint
+    from looped_lm.models.contract import Scorable
+    from looped_lm.settings import ScoreSettings
 
-    model, cfg, manifest = load_checkpoint(args.checkpoint, args.device)
+    if args.no_verify:
+        print(no_verify_note(), file=sys.stderr)
+    model, cfg, manifest = load_checkpoint(resolve_checkpoint(args.checkpoint), args.device,
+                                           verify=not args.no_verify)
+    if not isinstance(model, Scorable):  # vit, mdm: accuracy, bits per character (looped_lm.supporting)
+        from looped_lm.supporting import evaluate
+
+        return evaluate(model, cfg, manifest, args)
     data = args.data
     if data is None:
         if "dir" not in manifest.get("data", {}):

@@ -125,6 +125,7 @@ def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, num
 
     from looped_lm.checkpoint import load_checkpoint
     from looped_lm.data.tokenizer import get_tokenizer
+    from looped_lm.models.contract import CachedDecoding
 
     if format not in FORMATS:
         raise UserError(f"--format must be one of {', '.join(FORMATS)} (got '{format}')")
@@ -134,6 +135,9 @@ def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, num
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise UserError(f"--out {out} is not empty; pass --overwrite to replace it")
     model, cfg, manifest = load_checkpoint(checkpoint, verify=verify)
+    if not isinstance(model, CachedDecoding):  # vit / dit / mdm
+        raise UserError(f"looped_lm export is for language models; a {cfg.model.kind} checkpoint is used through "
+                        "looped_lm eval and looped_lm generate")
     kind = cfg.model.kind
     if format == "auto":
         format = "llama" if kind == "gpt" else "looped_lm"

@@ -33,9 +33,33 @@ def find_launcher() -> str:
     return found
 
 
-def command(nproc: int, port: int, trainer_argv: list[str], verbose: bool) -> list[str]:
-    return [find_launcher(), "--num_gpus", str(nproc), "--master_port", str(port),
-            "--log_level", "info" if verbose else "error", "--module", "looped_lm.train", *trainer_argv]
+def command(nproc: int, port: int, trainer_argv: list[str], verbose: bool, hostfile: str | None = None) -> list[str]:
+    """The launcher's command: `nproc` processes on this node, or with a hostfile one process per slot on
+    every node it lists (`nproc` > 0 caps the processes per node), reached over ssh by DeepSpeed."""
+    where = (["--hostfile", hostfile] if hostfile else []) + (["--num_gpus", str(nproc)] if nproc or not hostfile else [])
+    return [find_launcher(), *where, "--master_port", str(port), "--log_level", "info" if verbose else "error",
+            "--module", "looped_lm.train", *trainer_argv]
+
+
+def hostfile_slots(path: str, per_node: int = 0) -> int:
+    """Processes a DeepSpeed hostfile asks for: the sum of its `host slots=N` lines (# starts a comment),
+    each capped at `per_node` (the launcher's --num_gpus) if given."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise UserError(f"cannot read hostfile {path}: {e.strerror}") from None
+    total = 0
+    for n, line in enumerate(lines, 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        m = re.fullmatch(r"\S+\s+slots=(\d+)", line)
+        if m is None:
+            raise UserError(f"hostfile {path} line {n}: expected `hostname slots=N`, got {line!r}")
+        total += min(int(m.group(1)), per_node) if per_node else int(m.group(1))
+    if total == 0:
+        raise UserError(f"hostfile {path} lists no slots")
+    return total
 
 
 def is_noise(line: str) -> bool:

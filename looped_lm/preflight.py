@@ -1,10 +1,12 @@
 """What a run checks before a process group, a model or a launcher exists (no torch needed).
 
 `preflight(cfg)` checks what the run reads and writes: the tokenizer, the data (tokenized once into the
-cache, both token files checked against the model), train.out_dir (created, writable), and the
+cache, both token files checked against the model; a module's images or characters loaded and checked
+against model.*), train.out_dir (created, writable), and the
 checkpoint a resume continues from: every file verified, its model and optimizer layout the same, and
 a changed seed, global batch, grad_accum, data or tokenizer refused with the list of differences unless
-train.resume_changes: allow. It never starts over silently: step directories it cannot use are named.
+train.resume_changes: allow (world size, ZeRO stage and train.mode may change: the optimizer state is
+stored by parameter name). It never starts over silently: step directories it cannot use are named.
 Then it removes what interrupted saves left, and says so. `looped_lm train` runs it before starting the
 launcher, and the trainer's rank 0 again, so a bad run fails in seconds with one line.
 """
@@ -17,8 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from looped_lm import checkpoint as ckpt_io
-from looped_lm.config import Config
+from looped_lm.config import MODULE_KINDS, Config, block_layers
 from looped_lm.errors import UserError
+from looped_lm.parallel import check_world
 
 RESUMING_WITH = "resuming with changes (train.resume_changes: allow)"
 
@@ -42,36 +45,37 @@ def data_source_string(cfg: Config) -> str:
             "bin": d.path}[d.source]
 
 
-def prepare_data(cfg: Config, vocab_size: int) -> Path:
-    """Tokenize the corpus once into the cache and check both token files against the model."""
+def prepare_data(cfg: Config, vocab_size: int) -> str:
+    """Where the run's data is, checked against the model: a language model's corpus tokenized once
+    into the cache (its absolute directory); a module's images, latents or characters (their source
+    string, `data.batches.module_source`)."""
+    from looped_lm.data.batches import check_module_data
     from looped_lm.data.bin_dataset import TokenStream
     from looped_lm.data.prepare import ensure_prepared
 
+    if cfg.model.kind in MODULE_KINDS:
+        return check_module_data(cfg)
     if cfg.data.source == "bin":
         root = Path(cfg.data.path)
         for split in ("train.bin", "val.bin"):
             if not (root / split).is_file():
                 raise UserError(f"data.path {root} has no {split} (expected nanoGPT's train.bin / val.bin)")
     data_dir = Path(ensure_prepared(data_source_string(cfg), cfg.data.cache_dir, cfg.data.tokenizer,
-                                    cfg.data.val_fraction, cfg.train.seed))
+                                    cfg.data.val_fraction, cfg.train.seed)).resolve()
     for split in ("train.bin", "val.bin"):
         TokenStream(str(data_dir / split), cfg.model.seq_len, vocab_size)
-    return data_dir
+    return str(data_dir)
 
 
 def preflight(cfg: Config, verify: bool = True, world_size: int | None = None) -> Plan:
     """Check the run (world_size None: the checks that depend on it wait for the launcher's count)."""
-    from looped_lm.data.tokenizer import get_tokenizer
-
-    tokenizer = get_tokenizer(cfg.data.tokenizer)
-    vocab_size = cfg.model.vocab_size or tokenizer.vocab_size
-    if vocab_size < tokenizer.vocab_size:
-        raise UserError(f"model.vocab_size ({vocab_size}) is smaller than the {tokenizer.name} tokenizer's "
-                        f"{tokenizer.vocab_size}")
+    vocab_size, tokenizer = run_vocab(cfg)
     out_dir = Path(cfg.train.out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"train.out_dir {out_dir} is a file, not a directory")
-    plan = Plan(vocab_size, tokenizer.name, "")
+    if world_size is not None:
+        check_world(cfg, world_size)
+    plan = Plan(vocab_size, tokenizer, "")
     resume = find_resume(cfg, out_dir)
     try:  # cheap checks first (the manifest against this config), the files' hashes after the data
         if resume is not None:
@@ -80,7 +84,7 @@ def preflight(cfg: Config, verify: bool = True, world_size: int | None = None) -
             plan.notes += notes
             plan.changes = [c for n in notes if n.startswith(RESUMING_WITH)
                             for c in n.removeprefix(f"{RESUMING_WITH}: ").split("; ")]
-        plan.data_dir = str(prepare_data(cfg, vocab_size))
+        plan.data_dir = prepare_data(cfg, vocab_size)
         if resume is not None:
             ckpt_io.verify_checkpoint(resume, verify, ranks=world_size)
     except UserError as e:
@@ -90,6 +94,22 @@ def preflight(cfg: Config, verify: bool = True, world_size: int | None = None) -
     ensure_writable(out_dir)
     plan.notes += tidy_out_dir(out_dir)
     return plan
+
+
+def run_vocab(cfg: Config) -> tuple[int, str]:
+    """(output vocabulary, tokenizer name) of the run: the tokenizer's (or model.vocab_size, padded), or a
+    module's classes / characters."""
+    from looped_lm.data.batches import module_vocab
+    from looped_lm.data.tokenizer import get_tokenizer
+
+    if cfg.model.kind in MODULE_KINDS:
+        return module_vocab(cfg)
+    tokenizer = get_tokenizer(cfg.data.tokenizer)
+    vocab_size = cfg.model.vocab_size or tokenizer.vocab_size
+    if vocab_size < tokenizer.vocab_size:
+        raise UserError(f"model.vocab_size ({vocab_size}) is smaller than the {tokenizer.name} tokenizer's "
+                        f"{tokenizer.vocab_size}")
+    return vocab_size, tokenizer.name
 
 
 def find_resume(cfg: Config, out_dir: Path) -> Path | None:
@@ -125,25 +145,41 @@ def check_resume(manifest: dict, cfg: Config, vocab_size: int, world_size: int |
                  path: Path) -> list[str]:
     """Refuse a checkpoint this run cannot continue exactly; return notes on allowed changes.
 
-    The model, vocabulary and optimizer layout must match. A changed seed, global batch, grad_accum,
-    data or tokenizer is refused unless train.resume_changes is allow. world_size None: the caller
-    does not know it yet (checked again by the trainer)."""
+    The model (layer split included), vocabulary and precision must match. A changed seed, global batch,
+    grad_accum, data or tokenizer is refused unless train.resume_changes is allow. World size, ZeRO stage
+    and train.mode may change: the optimizer state is stored by parameter name (checkpoints from before
+    that layout: same stage, data parallel, and at ZeRO >= 1 the same world size). world_size None: the
+    caller does not know it yet (checked again by the trainer)."""
+    if "merged_from" in manifest:
+        raise UserError(f"cannot resume from {path}: it is a merge of block jobs (`looped_lm merge`): weights only, "
+                        "no optimizer state")
     saved, mine = manifest["config"], cfg.to_dict()
     saved_world = manifest.get("world_size", 1)
+    layout = ckpt_io.optimizer_layout(manifest)
     for section in ("model", "diffusion"):
         for key, value in saved.get(section, {}).items():
             if key not in _FREE_TO_CHANGE[section] and mine[section].get(key) != value:
                 raise UserError(f"cannot resume from checkpoint: {section}.{key} is {value!r} there but "
                                 f"{mine[section].get(key)!r} in this config")
+    split = block_layers(ckpt_io.config_of(manifest, path))
+    if cfg.model.kind == "db_ar" and split != block_layers(cfg):
+        raise UserError(f"cannot resume from checkpoint: its blocks have {split} layers, this config "
+                        f"{block_layers(cfg)} (diffusion.layers_per_block)")
     if manifest["vocab_size"] != vocab_size:
         raise UserError(f"cannot resume: the checkpoint's vocab_size {manifest['vocab_size']} differs from this "
                         f"run's {vocab_size}")
+    # optimizer state by parameter name (layout units) resumes at any ZeRO stage and world size; DeepSpeed's
+    # own files (older checkpoints) only at their own stage, and at ZeRO >= 1 their own world size
     for key, why in (("zero_stage", "their optimizer files differ"), ("bf16", "its optimizer keeps other state")):
         was, now = saved.get("deepspeed", {}).get(key), mine["deepspeed"][key]
-        if was != now:
+        if was != now and (key == "bf16" or layout == "deepspeed"):
             raise UserError(f"cannot resume: the checkpoint was written with deepspeed.{key} {was}, this run uses "
                             f"{now} ({why})")
-    if world_size is not None and mine["deepspeed"]["zero_stage"] > 0 and saved_world != world_size:
+    if layout == "deepspeed" and mine["train"]["mode"] != "data_parallel":
+        raise UserError(f"cannot resume {path} in train.mode {mine['train']['mode']}: it holds DeepSpeed's own "
+                        "optimizer files, which only resume in data_parallel mode at the same ZeRO stage")
+    if world_size is not None and layout == "deepspeed" and mine["deepspeed"]["zero_stage"] > 0 \
+            and saved_world != world_size:
         raise UserError(f"cannot resume: the checkpoint's ZeRO optimizer state is partitioned over {saved_world} "
                         f"ranks, this run has world size {world_size}")
     st, t = saved.get("train", {}), cfg.train
@@ -165,9 +201,18 @@ def check_resume(manifest: dict, cfg: Config, vocab_size: int, world_size: int |
         raise UserError(f"cannot resume from {path}: this run changes {'; '.join(changes)}; set "
                         "train.resume_changes: allow to go on with them, or train.resume: never to start over")
     notes = [f"{RESUMING_WITH}: {'; '.join(changes)}"] if changes else []
+    switched = []
     if world_size is not None and world_size != saved_world:
-        notes.append(f"world size {saved_world} -> {world_size}: the optimizer state is whole (ZeRO 0), "
-                     "ranks without a saved RNG state start theirs from the seed")
+        switched.append(f"world size {saved_world} -> {world_size}")
+    for key in ("zero_stage",):
+        if saved.get("deepspeed", {}).get(key) != mine["deepspeed"][key]:
+            switched.append(f"deepspeed.{key} {saved.get('deepspeed', {}).get(key)} -> {mine['deepspeed'][key]}")
+    if st.get("mode", "data_parallel") != t.mode:
+        switched.append(f"train.mode {st.get('mode', 'data_parallel')} -> {t.mode}")
+    if switched:
+        whole = "re-sharded by parameter name" if layout == "units" else "whole (ZeRO 0)"
+        notes.append(f"{', '.join(switched)}: the optimizer state is {whole}; ranks without a saved RNG state "
+                     "start theirs from the seed")
     return notes
 
 

@@ -7,6 +7,10 @@ Every model kind trains through the same step (training.train_step, on models/co
     validation_loss(x, y, seed) -> loss                   held-out loss (DB models: at sigma_hi)
     checkpoint_state() / restore_state(saved)             metadata saved in the manifest (edges...)
 DeepSpeed owns the optimiser, gradient accumulation, clipping and ZeRO; the model knows nothing of it.
+`train.mode: block_parallel` (looped_lm/parallel.py): each rank builds the model with only its own blocks
+trainable, the engine's all-reduce is off, and `BlockParallel` exchanges and clips the gradients before
+the engine's optimiser step. Checkpoints keep the optimiser state by parameter name (optim.state_by_name),
+so a run resumes on another world size, ZeRO stage or mode.
 
 Before anything is built, `preflight.preflight` checks what the run reads and writes (rank 0; and
 `looped_lm train` before it starts the launcher).
@@ -26,7 +30,8 @@ import warnings
 from pathlib import Path
 
 from looped_lm import checkpoint as ckpt_io
-from looped_lm.config import Config, describe_fields, load_config
+from looped_lm import parallel
+from looped_lm.config import MODULE_KINDS, Config, describe_fields, load_config
 from looped_lm.errors import UserError
 from looped_lm.preflight import Plan, data_source_string, describe_os_error, nothing_to_train, preflight
 
@@ -131,15 +136,25 @@ def on_rank0(fn):
     return box[0]
 
 
+def bf16_autocast(cfg: Config) -> bool:
+    """bf16 as autocast over fp32 weights (not DeepSpeed's pure-bf16 weights): block parallel, and the
+    supporting modules, whose float inputs (images, noise levels) meet the weights directly."""
+    return cfg.deepspeed.bf16 and (cfg.train.mode == "block_parallel" or cfg.model.kind in MODULE_KINDS)
+
+
 def deepspeed_config(cfg: Config, world_size: int) -> dict:
     t = cfg.train
     return {
         "train_micro_batch_size_per_gpu": t.batch_size,
         "gradient_accumulation_steps": t.grad_accum,
         "train_batch_size": t.batch_size * t.grad_accum * world_size,
-        "gradient_clipping": t.grad_clip,
+        # block parallel: parallel.BlockParallel clips each block's gradient before the shared average
+        "gradient_clipping": 0.0 if t.mode == "block_parallel" else t.grad_clip,
         "zero_optimization": {"stage": cfg.deepspeed.zero_stage},
-        "bf16": {"enabled": cfg.deepspeed.bf16},
+        # bf16 at ZeRO 0 is DeepSpeed's pure-bf16 path (bf16 weights and Adam state); block parallel (always
+        # ZeRO 0) and the modules run bf16 compute under autocast instead: fp32 weights, gradients, optimizer state
+        "bf16": {"enabled": cfg.deepspeed.bf16 and not bf16_autocast(cfg)},
+        "torch_autocast": {"enabled": bf16_autocast(cfg), "dtype": "bfloat16"},
         "steps_per_print": 10 ** 9,  # our own logging
         "wall_clock_breakdown": False,
         # BlockwiseAdamW is torch AdamW plus per-unit skipping; ZeRO 1/2 keep its group dicts
@@ -149,10 +164,11 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
 
 class DeepSpeedRunner:
     """train_step's runner under DeepSpeed: the engine scales for accumulation, clips, reduces across
-    ranks and steps the optimiser at the accumulation boundary."""
+    ranks and steps the optimiser at the accumulation boundary. `before_update` runs just before that
+    optimiser step (block parallel: the gradient exchange that replaces the engine's all-reduce)."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engine, before_update=None):
+        self.engine, self.before_update = engine, before_update
 
     def loss(self, x, y, step: int):
         loss = self.engine(x, y, step)
@@ -162,6 +178,8 @@ class DeepSpeedRunner:
         self.engine.backward(loss)
 
     def micro_step(self) -> None:
+        if self.before_update is not None and self.engine.is_gradient_accumulation_boundary():
+            self.before_update()
         self.engine.step()
 
 
@@ -174,8 +192,8 @@ def refresh_curve(model, val_stream, cfg: Config, device, rank: int, step: int) 
     if rank == 0:
         was_training = model.training
         model.eval()
-        x, y = val_stream.get_batch(cfg.train.batch_size, cfg.train.seed, -2, 0, 0)
-        curve[0] = model.measure_curve(x.to(device), y.to(device), seed=cfg.train.seed + step)
+        x, y = on_device(val_stream.get_batch(cfg.train.batch_size, cfg.train.seed, -2, 0, 0), device)
+        curve[0] = model.measure_curve(x, y, seed=cfg.train.seed + step)
         model.train(was_training)
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(curve, src=0)
@@ -205,9 +223,9 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
     import deepspeed.comm as dist
     import torch
 
-    from looped_lm.data.bin_dataset import TokenStream
+    from looped_lm.data.batches import open_batches
     from looped_lm.models import build_model
-    from looped_lm.optim import BlockwiseAdamW, cosine_with_warmup, param_groups
+    from looped_lm.optim import BlockwiseAdamW, cosine_with_warmup, load_state_by_name, param_groups
     from looped_lm.training import TrainingModule, train_step
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -222,12 +240,14 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
         if rank == 0 and not os.environ.get(PREFLIGHT_DONE):
             print(nothing_to_train(plan, cfg), flush=True)
         return Path(plan.resume)
-    data_dir = Path(plan.data_dir)
-    train_stream = TokenStream(str(data_dir / "train.bin"), cfg.model.seq_len)
-    val_stream = TokenStream(str(data_dir / "val.bin"), cfg.model.seq_len)
+    train_stream = open_batches(cfg, plan.data_dir, "train")  # tokens, images or characters: see data/batches
+    val_stream = open_batches(cfg, plan.data_dir, "val")
 
+    block_parallel = t.mode == "block_parallel"
     torch.manual_seed(t.seed)  # identical init on every rank
-    model = build_model(cfg, plan.vocab_size)  # edges from the config: a resume must agree with them
+    # block parallel: every rank builds the whole model, with only its own blocks trainable
+    model = build_model(parallel.rank_config(cfg, rank, world) if block_parallel else cfg, plan.vocab_size)
+    layout = ckpt_io.optimizer_layout(manifest) if manifest is not None else "units"
     if manifest is not None:
         try:
             with torch.device("meta"):  # the saved state must build this model (edges per block...): free
@@ -236,26 +256,43 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
         except (UserError, ValueError, TypeError) as e:  # edges or curve that do not fit this model
             msg = str(e) if str(e).startswith("cannot resume") else f"cannot resume from {plan.resume}: {e}"
             raise UserError(msg) from None
+        if layout == "units":
+            ckpt_io.load_weights(model, Path(plan.resume) / ckpt_io.WEIGHTS)
     torch.manual_seed(t.seed + 1 + rank)  # noise draws (sigma, z, slots) differ across ranks
 
+    start_step = manifest["step"] if manifest is not None else 0
     optimizer = BlockwiseAdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
                                eps=1e-8, fused=False, foreach=False)
+    for group in optimizer.param_groups:
+        group["initial_lr"] = t.lr
+    # the schedule is a function of the step: a resume starts it where the checkpoint stopped
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: cosine_with_warmup(s, t.warmup_steps, t.max_steps, t.lr, t.min_lr) / t.lr)
+        optimizer, lambda s: cosine_with_warmup(s, t.warmup_steps, t.max_steps, t.lr, t.min_lr) / t.lr,
+        last_epoch=start_step - 1)
     engine, _, _, _ = deepspeed.initialize(model=TrainingModule(model, t.seed), optimizer=optimizer,
                                            lr_scheduler=schedule, config=deepspeed_config(cfg, world),
                                            dist_init_required=False)
-    runner = DeepSpeedRunner(engine)  # ZeRO wraps our optimiser: train_step keeps the handle on ours
+    exchange = None
+    if block_parallel:
+        engine.enable_backward_allreduce = False  # the engine's all-reduce would mix different blocks
+        exchange = parallel.BlockParallel(cfg, model, dist)
+    # ZeRO wraps our optimiser: train_step keeps the handle on ours (the units it updates)
+    runner = DeepSpeedRunner(engine, (lambda: exchange.reduce(optimizer.active_units)) if exchange else None)
+    zero = engine.optimizer if cfg.deepspeed.zero_stage > 0 else None
 
-    start_step, tokens_seen = 0, 0
+    tokens_seen = 0
     if manifest is not None:
         resume_from = Path(plan.resume)
-        engine.load_checkpoint(str(resume_from / "optimizer"), tag="ds", load_optimizer_states=True,
-                               load_lr_scheduler_states=True)
+        if layout == "units":
+            states = {unit: ckpt_io.read_unit_state(resume_from, unit)
+                      for unit in sorted({g["unit"] for g in optimizer.param_groups})}
+            load_state_by_name(model, optimizer, states, zero)
+        else:  # DeepSpeed's own files: the same ZeRO stage and world size (preflight checked)
+            engine.load_checkpoint(str(resume_from / "optimizer"), tag="ds", load_optimizer_states=True,
+                                   load_lr_scheduler_states=True)
         rng_file = resume_from / "rng" / f"rank{rank}.pt"
-        if rng_file.is_file():  # verified on rank 0; absent only for ranks a ZeRO-0 run added
+        if rng_file.is_file():  # verified on rank 0; absent for ranks the saving run did not have
             ckpt_io.set_rng_state(torch.load(rng_file, weights_only=False))
-        start_step = manifest["step"]
         tokens_seen = manifest.get("data", {}).get("position", {}).get("tokens_seen", 0)
         if rank == 0:
             print(f"resumed from {resume_from} at step {start_step}", flush=True)
@@ -263,18 +300,22 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
     logger = MetricsLogger(out_dir, rank, start_step) if rank == 0 else None
     if logger is not None and plan.changes:
         logger.log(start_step, {"resume_changes": plan.changes})
-    tokens_per_step = t.batch_size * t.grad_accum * world * cfg.model.seq_len
+    tokens_per_step = t.batch_size * t.grad_accum * world * train_stream.units_per_example
     end_step = t.max_steps if stop_after <= 0 else min(t.max_steps, start_step + stop_after)
-    report = Report(cfg, start_step, tokens_per_step) if rank == 0 else None
+    report = Report(cfg, start_step, tokens_per_step, train_stream.unit) if rank == 0 else None
     last_ckpt = Path(plan.resume) if plan.resume else None
     t0 = time.perf_counter()
     try:
         for step in range(start_step, end_step):
             lr = schedule.get_last_lr()[0]  # this step's (engine.step advances the schedule)
             batches = (train_stream.get_batch(t.batch_size, t.seed, step, micro, rank) for micro in range(t.grad_accum))
-            result = train_step(model, optimizer, runner, ((x.to(device), y.to(device)) for x, y in batches),
+            result = train_step(model, optimizer, runner, (on_device(batch, device) for batch in batches),
                                 step, t.seed)
             loss_sum, metrics = result.loss, result.metrics
+            if exchange is not None:  # every block trained this step: log each one's loss
+                per_block = exchange.block_losses(loss_sum, metrics["block"], device)
+                loss_sum = sum(per_block.values()) / len(per_block)
+                metrics = {"blocks": sorted(per_block), **{f"loss_block{b}": v for b, v in per_block.items()}}
             done = step + 1
             tokens = tokens_seen + (done - start_step) * tokens_per_step
             if logger is not None and (done % t.log_every == 0 or done == end_step):
@@ -285,6 +326,10 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
             if report is not None:
                 report.step(loss_sum, metrics)
             d = cfg.diffusion
+            reads_all = (t.eval_every and done % t.eval_every == 0) or (t.save_every and done % t.save_every == 0) \
+                or done == end_step
+            if exchange is not None and reads_all:  # each block's weights from the rank that trains it
+                exchange.sync_blocks()
             if model.uses_curve() and done % d.curve_every == 0 and \
                     (d.curve_until == 0 or done <= d.curve_until):
                 curve = refresh_curve(model, val_stream, cfg, device, rank, done)
@@ -296,7 +341,7 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
                     logger.log(done, {"val_loss": val})
                     report.validation(done, val)
             if (t.save_every and done % t.save_every == 0) or done == end_step:
-                last_ckpt = save(engine, model, cfg, plan, out_dir, done, tokens, rank)
+                last_ckpt = save(engine, model, optimizer, cfg, plan, out_dir, done, tokens, rank)
                 if report is not None:
                     report.line(f"step {done}: saved {last_ckpt}")
         if report is not None:
@@ -309,6 +354,12 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
     return last_ckpt
 
 
+def on_device(batch, device):
+    """(x, y) moved to the device; y may be None (mdm: the targets are x)."""
+    x, y = batch
+    return x.to(device), (None if y is None else y.to(device))
+
+
 class SmoothedLoss:
     """Moving averages of the training loss, one per block: DiffusionBlocks steps alternate blocks whose
     losses differ by an order of magnitude, so one average (or the last value) jumps between them.
@@ -318,7 +369,13 @@ class SmoothedLoss:
         self.beta, self.sums, self.counts = beta, {}, {}
 
     def update(self, loss: float, metrics: dict) -> None:
-        key = f"b{metrics['block']}" if "block" in metrics else ""
+        if "blocks" in metrics:  # block parallel: every block's loss of this step
+            for b in metrics["blocks"]:
+                self._add(f"b{b}", metrics[f"loss_block{b}"])
+        else:
+            self._add(f"b{metrics['block']}" if "block" in metrics else "", loss)
+
+    def _add(self, key: str, loss: float) -> None:
         self.sums[key] = self.beta * self.sums.get(key, 0.0) + (1 - self.beta) * loss
         self.counts[key] = self.counts.get(key, 0) + 1
 
@@ -333,8 +390,8 @@ class Report:
     """What rank 0 prints: a progress bar with the smoothed loss per block, and plain lines for
     validation, saves and the end of the run (nanoGPT's `step N: train loss X, val loss Y`)."""
 
-    def __init__(self, cfg: Config, start_step: int, tokens_per_step: int):
-        self.cfg, self.start, self.tokens_per_step = cfg, start_step, tokens_per_step
+    def __init__(self, cfg: Config, start_step: int, tokens_per_step: int, unit: str = "tokens"):
+        self.cfg, self.start, self.tokens_per_step, self.unit = cfg, start_step, tokens_per_step, unit
         self.loss, self.val, self.done = SmoothedLoss(), None, start_step
         self.t0 = time.perf_counter()
         self.bar = None
@@ -350,7 +407,8 @@ class Report:
         self.loss.update(loss, metrics)
         self.done += 1
         if self.bar is not None:
-            self.bar.set_postfix_str(f"loss {self.loss}, {self.tokens_per_s():,.0f} tok/s", refresh=False)
+            rate = "tok" if self.unit == "tokens" else self.unit
+            self.bar.set_postfix_str(f"loss {self.loss}, {self.tokens_per_s():,.0f} {rate}/s", refresh=False)
             self.bar.update(1)
 
     def line(self, text: str) -> None:
@@ -370,7 +428,7 @@ class Report:
         stopped = "" if end_step >= self.cfg.train.max_steps else \
             f" (stopped at {end_step} of {self.cfg.train.max_steps}: the same command resumes)"
         self.line(f"done: steps {self.start}-{end_step} in {minutes}m{secs:02d}s, "
-                  f"{self.tokens_per_s():,.0f} tokens/s; train loss {self.loss}{val}; checkpoint {last_ckpt}"
+                  f"{self.tokens_per_s():,.0f} {self.unit}/s; train loss {self.loss}{val}; checkpoint {last_ckpt}"
                   f"{stopped}")
 
     def close(self) -> None:
@@ -388,8 +446,8 @@ def evaluate_loss(model, stream, cfg: Config, device, rank: int) -> float:
     losses = []
     with torch.no_grad():
         for i in range(cfg.train.eval_batches):
-            x, y = stream.get_batch(cfg.train.batch_size, cfg.train.seed, -1, i, rank)
-            losses.append(model.validation_loss(x.to(device), y.to(device), seed=cfg.train.seed + i).item())
+            x, y = on_device(stream.get_batch(cfg.train.batch_size, cfg.train.seed, -1, i, rank), device)
+            losses.append(model.validation_loss(x, y, seed=cfg.train.seed + i).item())
     model.train(was_training)
     value = torch.tensor(sum(losses) / len(losses), dtype=torch.float64)
     if dist.get_world_size() > 1:
@@ -398,29 +456,42 @@ def evaluate_loss(model, stream, cfg: Config, device, rank: int) -> float:
     return float(value)
 
 
-def save(engine, model, cfg: Config, plan: Plan, out_dir: Path, step: int, tokens: int, rank: int) -> Path:
-    """Every rank writes its part into a temp dir; rank 0 adds the weights and manifest and renames it.
-    A failed save removes its temp dir and ends the run with one line (exit 1)."""
+def save(engine, model, optimizer, cfg: Config, plan: Plan, out_dir: Path, step: int, tokens: int, rank: int) -> Path:
+    """Every rank writes its part into a temp dir (its RNG state, the optimiser units it is the writer of);
+    rank 0 adds the weights and manifest and renames it. A failed save removes its temp dir and ends the
+    run with one line (exit 1); a killed one leaves the temp dir, which the next start removes."""
     import deepspeed.comm as dist
+
+    from looped_lm.optim import state_by_name
 
     tmp = ckpt_io.tmp_dir_for(out_dir, step)
     final = out_dir / ckpt_io.step_dir_name(step)
+    world = dist.get_world_size()
     try:
         if rank == 0:
             if tmp.exists():  # left by a crash during an earlier save of this step
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         dist.barrier()
-        engine.save_checkpoint(str(tmp / "optimizer"), tag="ds")
+        zero = engine.optimizer if cfg.deepspeed.zero_stage > 0 else None
+        # fp32 master weights beside bf16 ones: ZeRO's partitions, or the fp32 weights under autocast
+        master = cfg.deepspeed.bf16 and (zero is not None or bf16_autocast(cfg))
+        states = state_by_name(model, optimizer, zero, dist, master=master)
+        writers = parallel.unit_writers(cfg, world)
+        for unit, (unit_step, tensors) in states.items():
+            if writers.get(unit, 0) == rank:
+                ckpt_io.write_unit_state(tmp, unit, unit_step, tensors)
         ckpt_io.write_rank_files(tmp, rank)
         dist.barrier()
         if rank == 0:
             manifest = {"config": cfg.to_dict(), "model_kind": cfg.model.kind, "vocab_size": plan.vocab_size,
                         "tokenizer": plan.tokenizer, "model_state": model.checkpoint_state(),
-                        "data": {"dir": str(Path(plan.data_dir).resolve()),
+                        "data": {"dir": plan.data_dir,
                                  "position": {"step": step, "tokens_seen": tokens},
                                  "sampling": "stateless: batch(seed, step, micro_step, rank)"},
-                        "world_size": dist.get_world_size()}
+                        "world_size": world, "optimizer_layout": "units"}
+            if cfg.model.kind == "db_ar":  # which blocks' weights this run trained (looped_lm merge reads it)
+                manifest["ownership"] = {"blocks": parallel.trained_blocks(cfg)}
             final = ckpt_io.finalize(out_dir, step, model, manifest, cfg.train.keep_last)
     except Exception as e:
         if rank == 0:

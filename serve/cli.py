@@ -33,6 +33,9 @@ def add_arguments(p) -> None:
                    help="tokens per sequence, prompt + completion (default: the trained context, model.seq_len; "
                         "longer, up to the model's positions, with a warning)")
     p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill forward")
+    p.add_argument("--logprob-draws", type=int, default=4,
+                   help="DiffusionBlocks models: independent estimates averaged for each log-prob (the sampler's "
+                        "marginal, as `looped_lm eval --draws`; more draws, less noise, more compute)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
@@ -70,6 +73,7 @@ def run(args) -> int:
     from looped_lm.checkpoint import load_checkpoint, no_verify_note, resolve_checkpoint
     from looped_lm.data.tokenizer import get_tokenizer
     from looped_lm.engine.engine import Engine
+    from looped_lm.models.contract import CachedDecoding
 
     if args.threads is not None:
         if args.threads < 1:
@@ -85,14 +89,20 @@ def run(args) -> int:
         print(no_verify_note(), file=sys.stderr)
     checkpoint = resolve_checkpoint(args.checkpoint)
     model, cfg, manifest = load_checkpoint(checkpoint, args.device, verify=not args.no_verify)
+    if not isinstance(model, CachedDecoding):  # vit / dit / mdm
+        raise UserError(f"looped_lm serve is for language models; a {cfg.model.kind} checkpoint is used through "
+                        "looped_lm eval and looped_lm generate")
     tok = get_tokenizer(manifest["tokenizer"])
     name = args.served_model_name or default_name(checkpoint)
     if "@" in name:
         raise UserError(f"--served-model-name must not contain '@' (it marks K aliases): {name!r}")
+    from looped_lm.settings import ScoreSettings
+
     max_len = served_context(cfg.model.seq_len, model.max_positions, args.max_model_len)
     engine = Engine.from_memory_budget(model, args.kv_memory_gb, max_slots=args.max_slots, max_len=max_len,
                                        max_iterations=args.max_iterations, default_iterations=args.default_iterations,
-                                       prefill_chunk=args.prefill_chunk, vocab_size=tok.vocab_size)
+                                       prefill_chunk=args.prefill_chunk, vocab_size=tok.vocab_size,
+                                       score_settings=ScoreSettings(draws=args.logprob_draws))
     app = build_app(engine, tok, name, api_key=args.api_key)
     k = f", K default {engine.default_iterations} (max {engine.max_iterations})" if engine.max_iterations else ""
     print(f"serving {name} ({cfg.model.kind}{k}) at http://{args.host}:{args.port}/v1 with "

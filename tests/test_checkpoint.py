@@ -34,7 +34,7 @@ def test_checkpoint_layout_and_integrity_record(two_step_run):
     _, out = two_step_run
     assert [p.name for p in ckpt_io.list_checkpoints(out)] == ["step_0000001", "step_0000002"]
     ckpt = out / "step_0000002"
-    for rel in ("model.safetensors", "manifest.json", "rng/rank0.pt", "optimizer/ds/mp_rank_00_model_states.pt"):
+    for rel in ("model.safetensors", "manifest.json", "rng/rank0.pt", "optimizer/shared.safetensors"):
         assert (ckpt / rel).is_file(), rel
     assert not list(out.glob(".tmp-*"))
     manifest = json.loads((ckpt / "manifest.json").read_text())
@@ -60,12 +60,12 @@ def test_load_checkpoint_round_trips_weights_bit_exactly(two_step_run, tmp_path)
     for name, tensor in on_disk.items():
         assert tensor.dtype == torch.float32
         assert torch.equal(state[name], tensor), name
-    # the weights are those DeepSpeed's engine held at the same step (its own module state file)
-    ds = torch.load(ckpt / "optimizer" / "ds" / "mp_rank_00_model_states.pt", weights_only=False, map_location="cpu")
-    module = {k.removeprefix("model."): v for k, v in ds["module"].items()}
-    assert set(module) == set(state)
-    for name, tensor in module.items():
-        assert torch.equal(state[name], tensor), name
+    # the optimizer state is kept under the same names: both moments of every parameter, at step 2
+    step, moments = ckpt_io.read_unit_state(ckpt, "shared")
+    assert step == 2
+    assert set(moments) == {f"{k}/{n}" for n, _ in model.named_parameters() for k in ("exp_avg", "exp_avg_sq")}
+    assert all(moments[f"exp_avg_sq/{n}"].shape == p.shape and bool(moments[f"exp_avg_sq/{n}"].gt(0).any())
+               for n, p in model.named_parameters())
     # the two checkpoints differ (training moved the weights), so equality above is not vacuous
     older, _, _ = ckpt_io.load_checkpoint(out / "step_0000001")
     assert not torch.equal(older.state_dict()["tok_emb.weight"], state["tok_emb.weight"])
@@ -161,12 +161,12 @@ DAMAGE = {
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
 def test_resume_refuses_each_damaged_file(two_step_run, tmp_path, write_config, capsys, one_line_error, damage):
-    """Every file of the checkpoint in turn: the weights, DeepSpeed's model and optimizer states, its
-    `latest` tag and the RNG state. Exit 2, one line naming the file, nothing trained or written."""
+    """Every file of the checkpoint in turn: the weights, the optimizer state and the RNG state. Exit 2,
+    one line naming the file, nothing trained or written."""
     harm, needle = DAMAGE[damage]
     src = two_step_run[1] / "step_0000002"
     files = sorted(json.loads((src / "manifest.json").read_text())["files"])
-    assert {"model.safetensors", "optimizer/ds/mp_rank_00_model_states.pt", "rng/rank0.pt"} <= set(files)
+    assert {"model.safetensors", "optimizer/shared.safetensors", "rng/rank0.pt"} <= set(files)
     for rel in files:
         shutil.rmtree(tmp_path / "out", ignore_errors=True)
         ckpt = _copy_run(src, tmp_path)
@@ -179,15 +179,15 @@ def test_resume_refuses_each_damaged_file(two_step_run, tmp_path, write_config, 
 
 def test_resume_refuses_an_unlisted_file(two_step_run, tmp_path, write_config, capsys, one_line_error):
     ckpt = _copy_run(two_step_run[1] / "step_0000002", tmp_path)
-    (ckpt / "optimizer" / "ds" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"planted")
+    (ckpt / "optimizer" / "block9.safetensors").write_bytes(b"planted")
     assert _resume(write_config, tmp_path) == 2
-    one_line_error(capsys.readouterr(), "zero_pp_rank_0_mp_rank_00_optim_states.pt", "not in its checkpoint's manifest")
+    one_line_error(capsys.readouterr(), "block9.safetensors", "not in its checkpoint's manifest")
 
 
 def test_inference_verifies_what_it_loads(two_step_run, tmp_path, capsys, one_line_error):
     src = two_step_run[1] / "step_0000002"
     ckpt = _copy_run(src, tmp_path)
-    _flip(ckpt / "optimizer" / "ds" / "mp_rank_00_model_states.pt")  # not read by inference
+    _flip(ckpt / "optimizer" / "shared.safetensors")  # not read by inference
     ckpt_io.load_checkpoint(ckpt)
     for harm, needle in DAMAGE.values():
         shutil.rmtree(tmp_path / "out")

@@ -268,7 +268,8 @@ from looped_lm import cli
 heavy = ("torch", "deepspeed", "transformers")
 found = {{}}
 for argv in {[["--help"], ["fly"], ["train", "--help"], ["train", "--bogus"], ["generate", "--bogus"],
-              ["prepare", "--bogus"], ["export", "--bogus"], ["serve", "--bogus"],
+              ["prepare", "--bogus"], ["export", "--bogus"], ["serve", "--bogus"], ["eval", "--bogus"],
+              ["eval", "--help"],
               ["train", "--config", str(tmp_path / "missing.yaml")], ["train", "--set", "train.lrr=1"]]!r}:
     try:
         cli.main(argv)

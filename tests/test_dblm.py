@@ -312,6 +312,7 @@ def test_noisy_slots_without_self_key_use_plain_causal_attention():
     assert (slot_logits(model, x, 1) - causal).abs().max() > 1e-4
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_last_call_at_sigma_min_makes_the_k_equals_b_sampler_block_0s_distribution():
     model = make_model(parameterization="likelihood", last_call="sigma_min", bridge="sample")

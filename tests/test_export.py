@@ -182,6 +182,7 @@ def llama_exported(tmp_path_factory):
     return ckpt, root / "hf"
 
 
+@pytest.mark.slow
 def test_gpt_exports_as_a_stock_llama_that_loads_without_looped_lm(llama_exported, tmp_path, capsys):
     ckpt, hf = llama_exported
     config = json.loads((hf / "config.json").read_text())

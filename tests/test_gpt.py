@@ -153,6 +153,7 @@ def test_loss_with_targets_is_mean_cross_entropy():
         assert abs(float(fresh(x, y)[1]) - math.log(V)) < 0.05
 
 
+@pytest.mark.slow
 def test_loss_decreases_when_overfitting_a_fixed_batch():
     torch.manual_seed(0)
     model = GPT(2, 32, 2, 16, V).train()

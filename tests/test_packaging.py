@@ -34,6 +34,7 @@ def test_the_editable_install_maps_serve_to_looped_lm_serve(tmp_path, clean_env)
     assert plugins == ["looped_lm.serve.vllm_plugin:register"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("setuptools") is None, reason="building a wheel needs setuptools")
 def test_the_wheel_holds_looped_lm_serve_and_no_top_level_serve(tmp_path, clean_env):
     src = tmp_path / "src"  # build from a copy: the build leaves build/ beside the sources

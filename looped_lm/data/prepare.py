@@ -217,17 +217,38 @@ def _batches(items, size):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `looped_lm prepare`."""
     parser.add_argument("--source", required=True,
-                        help="bible | shakespeare | PATH (.txt/.jsonl/.parquet or a directory) | hf:NAME[:CONFIG][@SPLIT]")
+                        help="bible | shakespeare | PATH (.txt/.jsonl/.parquet or a directory) | hf:NAME[:CONFIG][@SPLIT]"
+                        " | imagefolder:PATH (with --vae)")
     parser.add_argument("--out", required=True, help="output directory for train.bin, val.bin and meta.json")
     parser.add_argument("--tokenizer", default="gpt2", choices=TOKENIZER_NAMES, help="tokenizer (default: gpt2)")
     parser.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION,
                         help=f"share of documents held out for validation (default: {DEFAULT_VAL_FRACTION})")
     parser.add_argument("--seed", type=int, default=0, help="seed of the document split (default: 0)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing prepared directory")
+    vae = parser.add_argument_group("VAE latents for dit (`--source imagefolder:PATH`, the latents extra)")
+    vae.add_argument("--vae", default=None, metavar="DIR",
+                     help="encode the images of --source imagefolder:PATH (train/<class>/*, val/<class>/*) with the "
+                     "diffusers AutoencoderKL saved in DIR (local files only) into latent shards in --out")
+    vae.add_argument("--image-size", type=int, default=256, help="center crop side before encoding (default: 256)")
+    vae.add_argument("--batch-size", type=int, default=32, help="images per VAE call (default: 32)")
+    vae.add_argument("--device", default="cpu", help="where the VAE runs (default: cpu)")
 
 
 def run(args: argparse.Namespace) -> int:
-    """`looped_lm prepare`: prepare, then print one line with the token counts."""
+    """`looped_lm prepare`: prepare, then print one line with the token (or latent) counts."""
+    if args.vae is not None or args.source.startswith("imagefolder:"):
+        from looped_lm.data.latents import prepare_latents
+
+        if args.vae is None:
+            raise UserError("--source imagefolder:PATH is encoded into VAE latents: pass --vae DIR (a local "
+                            "diffusers AutoencoderKL)")
+        if args.batch_size < 1:
+            raise UserError(f"--batch-size must be >= 1 (got {args.batch_size})")
+        meta = prepare_latents(args.source, args.out, args.vae, image_size=args.image_size,
+                               batch_size=args.batch_size, device=args.device, overwrite=args.overwrite)
+        print(f"prepared {args.source} as VAE latents {meta['shape']} in {args.out}: train "
+              f"{meta['splits']['train']:,}, val {meta['splits']['val']:,} images, {meta['num_classes']} classes")
+        return 0
     meta = prepare_dataset(args.source, args.out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
                            seed=args.seed, overwrite=args.overwrite)
     t, v = meta["splits"]["train"], meta["splits"]["val"]

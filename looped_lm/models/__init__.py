@@ -16,6 +16,10 @@ BUILDERS = {
     "db_ar": "looped_lm.models.db:build",
     "looped_db": "looped_lm.models.db:build",  # one block (the weight-tied core), prelude and coda around it
     "huginn": "looped_lm.models.huginn:build",
+    # the supporting modules (method.md §7): not language models, trained by the same trainer
+    "vit": "looped_lm.models.vit:build",
+    "dit": "looped_lm.models.dit:build",
+    "mdm": "looped_lm.models.mdm:build",
 }
 
 

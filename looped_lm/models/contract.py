@@ -8,6 +8,14 @@ A model kind is a `torch.nn.Module` that subclasses the capabilities it offers; 
     CachedDecoding   new_cache / forward_cached(idx, cache, rows, RowBatch) -> next-token logits
     Iterative        iteration_limits() -> IterationLimits: the model has a K (DiffusionBlocks, looped)
 
+The supporting modules (vit, dit, mdm) are Trainable, and offer what `eval` / `generate` ask of them:
+    Classifier       accuracy(images, labels, K) -> {"accuracy", "examples", "num_iterations"};
+                     features(images, K) -> (N, F)                                          (vit)
+    ImageGenerator   sample(labels, steps, cfg_scale) -> images; steps_per_block(steps)             (dit)
+    TextDiffusion    elbo_bpc(ids) -> {"bpc", "per_block", ...}; sample(n, length, steps) -> ids;
+                     steps_per_block(steps)                                                  (mdm)
+Their K (inference steps) is at least one per block; a smaller one is a UserError.
+
 Inference settings (K, bridge, exit rule, sampler) are built and validated once per request by
 `looped_lm.settings.resolve_settings(model.iteration_limits(), ...)` and passed down unchanged.
 
@@ -138,3 +146,56 @@ class Iterative(ABC):
     @abstractmethod
     def iteration_limits(self) -> IterationLimits:
         """Its default and largest K, block count, default bridge: the input of `resolve_settings`."""
+
+
+class Classifier(ABC):
+    """A classifier of labelled examples (vit): what `looped_lm eval` prints for it."""
+
+    @abstractmethod
+    def accuracy(self, images: torch.Tensor, labels: torch.Tensor, num_iterations: int | None = None,
+                 batch_size: int = 256, generator: torch.Generator | None = None) -> dict:
+        """Top-1 accuracy with K = num_iterations inference steps (None: the model's default) ->
+        {"accuracy", "examples", "num_iterations"}."""
+
+    @abstractmethod
+    def features(self, images: torch.Tensor, num_iterations: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """(N, F): the representation the prediction is read from (a feature space in which `eval`
+        measures the Frechet distance of a generator's images: the project's stand-in for FID)."""
+
+
+class ImageGenerator(ABC):
+    """A (class-conditional) image denoiser (dit): what `looped_lm generate` draws from."""
+
+    num_classes: int  # 0 = unconditional
+
+    @abstractmethod
+    def sample(self, labels: torch.Tensor, steps: int | None = None, cfg_scale: float | None = None,
+               generator: torch.Generator | None = None) -> torch.Tensor:
+        """Images (N, C, H, W) in the data's scale for labels (N,), `steps` sampler steps split across
+        the blocks, guidance scale `cfg_scale` (None: the model's defaults)."""
+
+    @abstractmethod
+    def steps_per_block(self, steps: int) -> list[int]:
+        """How many of `steps` sampler steps each block runs (block 0 first)."""
+
+
+class TextDiffusion(ABC):
+    """A diffusion model over character sequences (mdm): a likelihood bound for `eval`, samples for
+    `generate`."""
+
+    seq_len: int
+
+    @abstractmethod
+    def elbo_bpc(self, x: torch.Tensor, samples_per_block: int = 8, generator: torch.Generator | None = None) -> dict:
+        """The negative ELBO of ids x (N, T) in bits per character (an upper bound on the true NLL) ->
+        {"bpc", "per_block", "share", ...}: each block's interval's part of it."""
+
+    @abstractmethod
+    def sample(self, n: int, length: int, steps: int | None = None, generator: torch.Generator | None = None,
+               device=None) -> torch.Tensor:
+        """n sequences (n, length) of ids, `steps` denoising steps split across the blocks."""
+
+    @abstractmethod
+    def steps_per_block(self, steps: int) -> list[int]:
+        """How many of `steps` denoising steps each block runs (block 0 first)."""

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from looped_lm.errors import UserError
 from looped_lm.models.contract import CachedDecoding, Scorable, TokenScores, Trainable
-from looped_lm.models.layers import (KVCache, RotaryEmbedding, TransformerLayer, chunked, ffn_width, init_weights,
-                                     positions_after, token_cross_entropy)
+from looped_lm.models.layers import (KVCache, RotaryEmbedding, TransformerLayer, TransposedCopy, chunked, ffn_width,
+                                     init_weights, positions_after, token_cross_entropy)
 
 
 class GPT(nn.Module, Trainable, Scorable, CachedDecoding):
@@ -31,9 +31,12 @@ class GPT(nn.Module, Trainable, Scorable, CachedDecoding):
         self.rope = RotaryEmbedding(d_model // n_heads, self.max_positions, rope_theta)
         init_weights(self, init_std, n_layers)
         # the head is the token embedding, transposed (tied): no separate lm_head parameter
+        self.head_t = TransposedCopy()  # inference only
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.norm(h), self.tok_emb.weight)
+        if torch.is_grad_enabled():
+            return F.linear(self.norm(h), self.tok_emb.weight)
+        return self.norm(h) @ self.head_t(self.tok_emb.weight)
 
     def hidden(self, idx: torch.Tensor) -> torch.Tensor:
         """idx (B, T) -> the last layer's output (B, T, C), before the final norm."""

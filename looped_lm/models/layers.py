@@ -212,6 +212,24 @@ class TransformerLayer(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+class TransposedCopy:
+    """A contiguous (d, V) copy of a (V, d) table (or of `fn(table)`), for inference products `x @ table.T`:
+    on CPU they run up to ~2.5x faster from a contiguous transpose than through F.linear at decode sizes
+    (bench/README.md). Rebuilt whenever the table changes (its storage or in-place version); costs one
+    extra copy of the table. Not a buffer: checkpoints never see it."""
+
+    def __init__(self, fn=None):
+        self.fn, self.key, self.value = fn, None, None
+
+    def __call__(self, table: torch.Tensor) -> torch.Tensor:
+        key = (table.data_ptr(), table._version, table.dtype, table.device)
+        if key != self.key:
+            with torch.no_grad():
+                self.value = (table if self.fn is None else self.fn(table)).T.contiguous()
+            self.key = key
+        return self.value
+
+
 def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """CE per token: logits (B, T, V), targets (B, T) -> (B, T), in fp32, on contiguous rows (a
     (B, V, T) transpose makes the softmax stride across memory and runs several times slower)."""

@@ -149,8 +149,15 @@ class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, Iterativ
     def token_logprobs(self, x, y, settings: ScoreSettings, num_iterations: int | None, generator=None):
         K = num_iterations or self.iteration_limits().default_iterations
         context, random = WindowContext(self, x), SharedGenerator(generator)
-        _, marginal, _ = self._estimates(context, y, K, settings, random, full=True)
-        return marginal.clamp_min(1e-30).log()
+        return self._logprobs(context, y, K, settings, random)
+
+    def _logprobs(self, context, y, K: int, settings: ScoreSettings, random) -> torch.Tensor:
+        """log of the estimated marginal (B, T, V); at the tokens y, the same jackknifed estimate `score`
+        reports, so an echo log-prob and `looped_lm eval` agree in expectation."""
+        estimates, marginal, _ = self._estimates(context, y, K, settings, random, full=True)
+        logp = marginal.clamp_min(1e-30).log()
+        nll, _ = jackknife_nll(estimates)
+        return logp.scatter(-1, y[..., None], (-nll).float()[..., None])
 
     # --- CachedDecoding ---------------------------------------------------------------------------------
 
@@ -190,8 +197,7 @@ class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, Iterativ
             context = CachedContext(self, cache, sel[idx])
             y = tokens[idx][:, None]
             sub = _SubRandom(batch.random, idx)
-            _, marginal, _ = self._estimates(context, y, K, settings, sub, full=True)
-            out[idx] = marginal[:, 0].clamp_min(1e-30).log()
+            out[idx] = self._logprobs(context, y, K, settings, sub)[:, 0]
         return out
 
 

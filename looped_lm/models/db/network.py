@@ -22,9 +22,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from looped_lm import diffusion as dm
-from looped_lm.config import Config
+from looped_lm.config import Config, block_layers
 from looped_lm.errors import UserError
-from looped_lm.models.layers import RotaryEmbedding, TransformerLayer, chunked, ffn_width, init_weights, positions_after
+from looped_lm.models.layers import (RotaryEmbedding, TransformerLayer, TransposedCopy, chunked, ffn_width,
+                                     init_weights, positions_after)
 from looped_lm.models.two_stream import NoiseEmbedding, TwoStreamLayer
 
 
@@ -65,12 +66,12 @@ class DBNetwork(nn.Module):
         self.target_scale = 1.0 if d.target_scale == "unit" else d.sigma_data * math.sqrt(m.d_model)
 
         ffn = ffn_width(m.d_model, m.ffn_hidden)
-        per_block = m.n_layers // num_blocks
+        depths = block_layers(cfg)  # per block, block 0 first (diffusion.layers_per_block: may be uneven)
         self.tok_emb = nn.Embedding(vocab_size, m.d_model)
         self.prelude = nn.ModuleList(TransformerLayer(m.d_model, m.n_heads, ffn, m.norm_eps) for _ in range(m.n_prelude))
         self.blocks = nn.ModuleList(
-            nn.ModuleList(TwoStreamLayer(m.d_model, m.n_heads, ffn, m.norm_eps) for _ in range(per_block))
-            for _ in range(num_blocks))
+            nn.ModuleList(TwoStreamLayer(m.d_model, m.n_heads, ffn, m.norm_eps) for _ in range(depth))
+            for depth in depths)
         # shared coda: more two-stream layers after whichever block ran (looped_db: after the core)
         self.coda = nn.ModuleList(TwoStreamLayer(m.d_model, m.n_heads, ffn, m.norm_eps) for _ in range(m.n_coda))
         self.noise_emb = NoiseEmbedding(m.d_model)
@@ -78,7 +79,9 @@ class DBNetwork(nn.Module):
         self.rope = RotaryEmbedding(m.d_model // m.n_heads, self.max_positions + 1, m.rope_theta)
         if self.cosine_head:  # logits = exp(log_scale) * cos(norm(h), y_v); starts at sqrt(d), a unit-variance logit
             self.log_scale = nn.Parameter(torch.tensor(0.5 * math.log(m.d_model)))
-        init_weights(self, m.init_std, per_block + m.n_prelude + m.n_coda)
+        init_weights(self, m.init_std, max(depths) + m.n_prelude + m.n_coda)
+        # inference: contiguous transposes of the head and of the target table (faster products)
+        self.head_t, self.targets_t = TransposedCopy(), TransposedCopy(self._normalized)
         for layer in [*self.coda, *(layer for block in self.blocks for layer in block)]:  # adaLN-Zero
             nn.init.zeros_(layer.ada.weight)
             nn.init.zeros_(layer.ada.bias)
@@ -97,14 +100,18 @@ class DBNetwork(nn.Module):
         """y = s * normalize(E[ids]): the clean points of the noisy stream (no gradient into E)."""
         return self.target_scale * F.normalize(self.tok_emb.weight[ids].detach().float(), dim=-1)
 
+    def _normalized(self, table: torch.Tensor) -> torch.Tensor:
+        return self.target_scale * F.normalize(table.float(), dim=-1)
+
     def target_table(self) -> torch.Tensor:
-        return self.target_scale * F.normalize(self.tok_emb.weight.detach().float(), dim=-1)
+        return self._normalized(self.tok_emb.weight.detach())
 
     def token_loglik(self, z, sigma):
         """log p(z | token v) up to a constant, for every v: <z, y_v> / sigma^2 (B, n, V), exact because
         every target has the same norm. Added to the logits with parameterization: likelihood (Bayes:
         posterior = context prior x likelihood), so no block has to read the token back from z."""
-        return (z.float() @ self.target_table().T) / sigma.float()[:, None, None] ** 2
+        table_t = self.targets_t(self.tok_emb.weight) if not torch.is_grad_enabled() else self.target_table().T
+        return (z.float() @ table_t) / sigma.float()[:, None, None] ** 2
 
     def posterior_embedding(self, loglik):
         """The embedding expected under z's likelihood: softmax(loglik) @ E, exactly (posterior_input full /
@@ -150,12 +157,18 @@ class DBNetwork(nn.Module):
                                     self.unit_table())
         if self.likelihood:
             loglik = self.token_loglik(z, sigma) if loglik is None else loglik
-            return F.linear(self.norm(h_noisy), self.tok_emb.weight).float() + loglik
+            return self.tied_head(h_noisy).float() + loglik
         c_skip, c_out, _, _ = (c.to(z.dtype)[:, None, None] for c in dm.edm_scalings(sigma, self.sched.sigma_data))
         h = c_out * self.target_scale * F.normalize(h_noisy, dim=-1) + c_skip * z
         if self.cosine_head:
             return self.cosine_state(h) @ self.unit_table().T
-        return F.linear(self.norm(h.to(self.tok_emb.weight.dtype)), self.tok_emb.weight)
+        return self.tied_head(h.to(self.tok_emb.weight.dtype))
+
+    def tied_head(self, h):
+        """norm(h) @ E^T: through a cached contiguous transpose at inference."""
+        if torch.is_grad_enabled():
+            return F.linear(self.norm(h), self.tok_emb.weight)
+        return self.norm(h) @ self.head_t(self.tok_emb.weight)
 
     def cosine_state(self, h):
         """The cosine head's side: exp(log_scale) * normalize(norm(h))."""

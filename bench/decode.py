@@ -1,0 +1,119 @@
+"""Decode speed and KV bytes per token, every model kind, beside the analytic floor.
+
+    python bench/decode.py [--quick]
+
+One thread, untrained models (speed does not depend on the weights), greedy, `generate` (the engine's
+loop without the server), side by side in one process, interleaved repeats, the fastest kept:
+  tokens/s     batch x 48 new tokens / CPU time of the decode loop (generate(49) - generate(1): the
+               prompt's prefill excluded)
+  floor        gpt cost / model cost per token from bench/cost_model.py, by matmul FLOPs and by bytes
+               read (weights + KV: the memory-bound floor of small-batch decode); measured/floor is the
+               share of the floor reached
+  KV bytes     per token of history, read off the real cache after decoding (DiffusionBlocks: every K;
+               Huginn: one cache per iteration, so it grows with K)
+Shapes: the quickstart's (4 layers, d 128, byte vocabulary) and the same with the GPT-2 vocabulary.
+Writes bench/results/decode.json and prints markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from looped_lm.config import config_from_dict
+from looped_lm.engine.generate import generate
+from looped_lm.models import build_model
+from looped_lm.models.contract import Iterative
+from looped_lm.sampling import GREEDY
+from looped_lm.settings import resolve_settings
+
+HERE = Path(__file__).resolve().parent
+_spec = importlib.util.spec_from_file_location("cost_model", HERE / "cost_model.py")
+cm = sys.modules.setdefault("cost_model", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(cm)
+
+PROMPT, NEW = 16, 48
+
+
+def build(kind: str, vocab: int, **extra):
+    model = {"kind": kind, "n_layers": 4, "d_model": 128, "n_heads": 4, "seq_len": 128}
+    diffusion = {}
+    if kind == "db_ar":
+        diffusion = {"num_blocks": 2}
+    if kind in ("looped_db", "huginn"):
+        model.update(n_layers=2, n_prelude=1, n_coda=1, mean_recurrence=8, backprop_depth=4)
+        diffusion = {"num_blocks": 1}
+    torch.manual_seed(0)
+    return build_model(config_from_dict({"model": model, "diffusion": diffusion}), vocab).eval()
+
+
+def tokens_per_s(model, batch: int, K: int | None) -> float:
+    limits = model.iteration_limits() if isinstance(model, Iterative) else None
+    settings = resolve_settings(limits, num_iterations=K, sampling=GREEDY)
+    prompt = torch.randint(0, model.vocab_size, (batch, PROMPT), generator=torch.Generator().manual_seed(1))
+    t = time.process_time()
+    generate(model, prompt, 1, settings)
+    one = time.process_time() - t
+    t = time.process_time()
+    generate(model, prompt, NEW + 1, settings)
+    return batch * NEW / max(time.process_time() - t - one, 1e-9)
+
+
+def kv_bytes(model, K: int | None) -> int:
+    """Bytes per token of the cache after decoding 8 tokens at K (every tensor the cache holds)."""
+    from looped_lm.engine.runner import kv_bytes_per_token
+
+    return kv_bytes_per_token(model, K)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="one repeat, one vocabulary")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    repeats = 1 if args.quick else args.repeats
+    out = {"new_tokens": NEW, "prompt": PROMPT, "speed": [], "kv": []}
+    for vocab in ((257,) if args.quick else (257, 50257)):
+        models = {"gpt": build("gpt", vocab), "db_ar": build("db_ar", vocab)}
+        shape = cm.Shape(d=128, layers=4, heads=4, vocab=vocab, seq=128, batch=1)
+        for batch in (1, 8):
+            cases = [("gpt", None), ("db_ar", 2), ("db_ar", 4)]
+            best = {c: 0.0 for c in cases}
+            for _ in range(repeats):
+                for kind, K in cases:
+                    best[(kind, K)] = max(best[(kind, K)], tokens_per_s(models[kind], batch, K))
+            gpt = best[("gpt", None)]
+            for (kind, K), tps in best.items():
+                row = {"vocab": vocab, "batch": batch, "kind": kind, "K": K, "tokens_per_s": tps,
+                       "vs_gpt": tps / gpt}
+                if kind == "db_ar":
+                    floor = cm.decode_ratio(shape, cm.DBLayout(blocks=2), K=K, context=PROMPT + NEW // 2, rows=batch)
+                    row.update(floor_flops=floor["flops_ratio"], floor_bytes=floor["bytes_ratio"],
+                               of_floor_bytes=(tps / gpt) / floor["bytes_ratio"])
+                out["speed"].append(row)
+                print(row, flush=True)
+    looped, huginn = build("looped_db", 257), build("huginn", 257)
+    for K in (1, 2, 4, 8, 16, 32):
+        out["kv"].append({"K": K, "looped_db": kv_bytes(looped, K), "huginn": kv_bytes(huginn, K)})
+    (HERE / "results" / "decode.json").write_text(json.dumps(out, indent=1))
+    lines = ["| vocab | batch | model | K | tokens/s (CPU) | / gpt | floor by bytes (FLOPs) | of the bytes floor |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in out["speed"]:
+        floor = f"{r['floor_bytes']:.2f} ({r['floor_flops']:.2f})" if "floor_bytes" in r else "-"
+        share = f"{r['of_floor_bytes']:.2f}" if "of_floor_bytes" in r else "-"
+        lines.append(f"| {r['vocab']} | {r['batch']} | {r['kind']} | {r['K'] or '-'} | {r['tokens_per_s']:.0f} | "
+                     f"{r['vs_gpt']:.2f} | {floor} | {share} |")
+    lines += ["", "| K | looped_db KV bytes/token | huginn KV bytes/token |", "|---|---|---|"]
+    lines += [f"| {r['K']} | {r['looped_db']} | {r['huginn']} |" for r in out["kv"]]
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,484 @@
+"""DiffusionBlocks vs end-to-end for the supporting modules (vit, dit, mdm) on CPU-sized settings.
+
+    python bench/modules.py                      # every module, both variants, seeds 0 1 2 (~1 h on 1 core)
+    python bench/modules.py --modules vit --seeds 0 --jobs 2
+    python bench/modules.py --retable            # reprint the table from bench/results/modules.json
+
+Per module, the same network trained end-to-end (`end_to_end: true`) and as B DiffusionBlocks, at
+EQUAL TRAINING FLOPs: the FLOPs of one training step (forward + backward) are counted with
+torch.utils.flop_counter for each variant (DB: the mean over its B blocks), the end-to-end run gets
+`e2e_steps` steps and the DB run round(e2e_steps * flops_e2e / flops_db) steps. Same optimiser
+(the trainer's BlockwiseAdamW: only the step's block and the shared parts move), same batch size,
+warm-up + cosine schedule over each run's own steps, grad-norm clip 1. One torch thread.
+
+Metrics (mean +- spread over seeds; spread = half the max - min range):
+  vit  top-1 accuracy on the held-out 20% of scikit-learn's digits, K = B (one step per block)
+  dit  Frechet distance between 1,000 samples (100 per class, 50 Euler steps, CFG 2.0) and the digits
+       training images, in the 64-d feature space of a small MLP classifier trained on the same data
+       (NOT FID: no Inception network); the held-out real images' distance is the floor
+  mdm  bits per character (the NELBO, an upper bound) on the Bible's validation split in text8's
+       alphabet, with the share of each t-interval
+Activation memory: the bytes autograd saves for backward in one training step (saved_tensors_hooks,
+deduplicated by storage, parameters excluded): one DB block's step vs the end-to-end network's, beside
+the layer-count floor 1/B.
+
+Writes bench/results/modules.json (every run: curves, metrics, FLOPs, memory) and modules.md (the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+sys.path.insert(0, str(ROOT))
+
+MODULES = {
+    "vit": {"settings": dict(image_size=8, channels=1, num_classes=10, patch=2, n_layers=6, d_model=64,
+                             n_heads=4, num_blocks=3),
+            "batch": 128, "lr": 2e-3, "e2e_steps": 600, "target": "DB within 1.5 points of end-to-end"},
+    "dit": {"settings": dict(image_size=8, channels=1, num_classes=10, patch=2, n_layers=6, d_model=64,
+                             n_heads=4, num_blocks=3),
+            "batch": 128, "lr": 2e-3, "e2e_steps": 600, "target": "DB <= end-to-end"},
+    "mdm": {"settings": dict(seq_len=64, n_layers=6, d_model=96, n_heads=4, num_blocks=3),
+            "batch": 32, "lr": 2e-3, "e2e_steps": 600, "target": "DB <= end-to-end"},
+}
+# variants: the end-to-end baseline, the paper's DiffusionBlocks, and (vit) the project's options
+VARIANTS = {
+    "vit": {"e2e": {"end_to_end": True}, "db": {},
+            "db_likelihood": {"parameterization": "likelihood", "loss_weight": "none", "bridge": "hard"}},
+    "dit": {"e2e": {"end_to_end": True}, "db": {}},
+    "mdm": {"e2e": {"end_to_end": True}, "db": {}},
+}
+CURVE_POINTS = 4  # evaluations along each run (at equal shares of its FLOPs)
+DIT_SAMPLES_PER_CLASS, DIT_STEPS, DIT_CFG = 100, 50, 2.0
+MDM_EVAL_WINDOWS, MDM_T_SAMPLES = 128, 8
+
+
+# ------------------------------------------------------------------------------------------------
+# building blocks
+
+
+def build(module: str, variant: str, overrides: dict | None = None):
+    from looped_lm.models.dit import DiffusionDiT, DiTSettings
+    from looped_lm.models.mdm import MaskedDiffusionLM, MDMSettings
+    from looped_lm.models.vit import DiffusionViT, ViTSettings
+
+    cls, settings = {"vit": (DiffusionViT, ViTSettings), "dit": (DiffusionDiT, DiTSettings),
+                     "mdm": (MaskedDiffusionLM, MDMSettings)}[module]
+    return cls(settings(**{**MODULES[module]["settings"], **VARIANTS[module].get(variant, {}), **(overrides or {})}))
+
+
+def load_data(module: str):
+    if module == "mdm":
+        from looped_lm.data.text8 import load_bible
+
+        return load_bible()
+    from looped_lm.data.images import load_digits
+
+    return load_digits()
+
+
+def make_batch(module: str, data, batch: int, g):
+    if module == "mdm":
+        return data.batch(batch, MODULES["mdm"]["settings"]["seq_len"], g), None
+    # digits are not augmented: at 8x8 even 1-pixel crops cost the e2e ViT 36 points of accuracy after
+    # 200 steps (0.54 vs 0.90, measured), and flips make other digits
+    return data.batch(batch, g, augmented=False)
+
+
+def step_flops(model, x, y, step: int) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        loss, _ = model.training_loss(x, y, step, seed=0)
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+def activation_bytes(model, x, y, step: int) -> int:
+    """Bytes autograd saves for backward in one training step (parameters and buffers excluded)."""
+    import torch
+
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    own |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in own:
+            seen.setdefault(s.data_ptr(), s.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss, _ = model.training_loss(x, y, step, seed=0)
+    del loss
+    return sum(seen.values())
+
+
+def flops_and_memory(module: str, variants, data) -> dict:
+    """Per-step FLOPs and activation bytes of each variant, on one fixed batch."""
+    import torch
+
+    out = {}
+    for variant in variants:
+        torch.manual_seed(0)
+        model = build(module, variant)
+        x, y = make_batch(module, data, MODULES[module]["batch"], torch.Generator().manual_seed(0))
+        block_of = [model.choose_block(s, 0) for s in range(64)]
+        picks = [block_of.index(b) for b in range(model.num_blocks)]  # a step that trains each block
+        flops = [step_flops(model, x, y, s) for s in picks]
+        acts = [activation_bytes(model, x, y, s) for s in picks]
+        out[variant] = {"flops_per_step": sum(flops) / len(flops), "flops_by_block": flops,
+                        "act_bytes": max(acts), "act_bytes_by_block": acts,
+                        "params": sum(p.numel() for p in model.parameters()), "num_blocks": model.num_blocks}
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# evaluation
+
+
+def feature_net(data, seed: int = 0):
+    """A small MLP classifier on the digits (64 -> 128 -> 64 -> 10); its 64-d hidden layer is the
+    feature space of the dit Frechet distance. Returns (features_fn, test accuracy)."""
+    import torch
+    import torch.nn as nn
+
+    torch.manual_seed(seed)
+    body = nn.Sequential(nn.Flatten(), nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU())
+    net = nn.Sequential(body, nn.Linear(64, 10))
+    opt = torch.optim.AdamW(net.parameters(), lr=2e-3, weight_decay=1e-2)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(1500):
+        x, y = data.batch(128, g, augmented=False)
+        loss = nn.functional.cross_entropy(net(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    net.eval()
+    with torch.no_grad():
+        acc = float((net(data.test_x).argmax(-1) == data.test_y).float().mean())
+    return (lambda images: body(images).detach()), acc
+
+
+def grid_to_hex(images) -> dict:
+    """Images in [-1, 1] -> {"shape", "uint8_hex"}: 8-bit pixels, compact in the JSON."""
+    pixels = ((images.clamp(-1, 1) + 1) * 127.5).round().to(dtype=__import__("torch").uint8)
+    return {"shape": list(images.shape), "uint8_hex": pixels.numpy().tobytes().hex()}
+
+
+def grid_from_hex(grid: dict):
+    import numpy as np
+    import torch
+
+    pixels = np.frombuffer(bytes.fromhex(grid["uint8_hex"]), dtype=np.uint8).reshape(grid["shape"])
+    return torch.from_numpy(pixels.astype(np.float32) / 127.5 - 1.0)
+
+
+def evaluate(module: str, model, data, seed: int, final: bool, features=None) -> dict:
+    import torch
+
+    model.eval()
+    g = torch.Generator().manual_seed(1000 + seed)
+    with torch.no_grad():
+        if module == "vit":
+            out = model.accuracy(data.test_x, data.test_y, generator=g)
+            if final and not model.end_to_end:  # where the chain gains or loses: block 0 alone, and K = 2B
+                twice = model.accuracy(data.test_x, data.test_y, 2 * model.num_blocks, generator=g)
+                out["accuracy_2B"] = twice["accuracy"]
+                patches, n = model.embed_patches(data.test_x), data.test_x.shape[0]
+                top = model.edges[-1]
+                z = top * torch.randn(n, model.settings.d_model, generator=g)
+                logits = model.block_logits(0, patches, z, torch.full((n,), top))
+                out["block0_accuracy"] = float((logits.argmax(-1) == data.test_y).float().mean())
+        elif module == "dit":
+            out = {"val_loss": float(model.validation_loss(data.test_x, data.test_y, seed=seed))}
+            if final:
+                from looped_lm.models.dit import frechet_distance
+
+                labels = torch.arange(10).repeat_interleave(DIT_SAMPLES_PER_CLASS)
+                t0 = time.process_time()
+                images = model.sample(labels, steps=DIT_STEPS, cfg_scale=DIT_CFG, generator=g)
+                out["sample_cpu_s"] = time.process_time() - t0
+                out["frechet_distance"] = frechet_distance(features(images), features(data.train_x))
+                grid = images.view(10, DIT_SAMPLES_PER_CLASS, *images.shape[1:])[:, :10]  # 10 per class
+                out["grid"] = grid_to_hex(grid.transpose(0, 1).reshape(100, *images.shape[1:]))
+        else:
+            windows = data.windows(MODULES["mdm"]["settings"]["seq_len"], "val", limit=MDM_EVAL_WINDOWS)
+            out = model.elbo_bpc(windows, samples_per_block=MDM_T_SAMPLES, generator=g)
+            if final:
+                from looped_lm.data.text8 import decode
+
+                ids = model.sample(4, MODULES["mdm"]["settings"]["seq_len"], steps=model.settings.seq_len, generator=g)
+                out["samples"] = [decode(row) for row in ids]
+    model.train()
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# one run
+
+
+def run(module: str, variant: str, seed: int, steps: int, overrides: dict | None = None,
+        only_block: int | None = None) -> dict:
+    """Train one variant for `steps` steps; `overrides` change its settings, `only_block` trains that block
+    alone (a diagnosis: how well one block learns from all of the updates)."""
+    import torch
+
+    from looped_lm.optim import BlockwiseAdamW, cosine_with_warmup, param_groups
+
+    torch.set_num_threads(1)
+    spec = MODULES[module]
+    data = load_data(module)
+    features = feature_net(data)[0] if module == "dit" else None
+    torch.manual_seed(seed)
+    model = build(module, variant, overrides)
+    if only_block is not None:
+        model.choose_block = lambda step, seed: only_block
+    model.train()
+    opt = BlockwiseAdamW(param_groups(model, 0.05), lr=spec["lr"], betas=(0.9, 0.99))
+    g = torch.Generator().manual_seed(seed)
+    warmup = max(1, steps // 20)
+    checkpoints = {round(steps * (i + 1) / CURVE_POINTS) - 1 for i in range(CURVE_POINTS)}
+    losses, curve, t0, cpu0 = [], [], time.perf_counter(), time.process_time()
+    for step in range(steps):
+        lr = cosine_with_warmup(step, warmup, steps, spec["lr"], spec["lr"] / 10)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        x, y = make_batch(module, data, spec["batch"], g)
+        opt.set_active_units(model.step_units(step, seed))
+        loss, _ = model.training_loss(x, y, step, seed)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+        if step in checkpoints:
+            final = step == steps - 1
+            point = {"step": step + 1, "share_of_flops": (step + 1) / steps,
+                     **evaluate(module, model, data, seed, final, features)}
+            curve.append(point)
+    return {"module": module, "variant": variant, "seed": seed, "steps": steps,
+            "train_cpu_s": time.process_time() - cpu0, "wall_s": time.perf_counter() - t0,
+            "loss_curve": [sum(losses[i:i + 25]) / len(losses[i:i + 25]) for i in range(0, steps, 25)],
+            "curve": curve, "final": curve[-1]}
+
+
+def run_job(args):
+    return run(*args)
+
+
+def diagnose_vit(out: Path, seed: int = 0) -> None:
+    """Why DiffusionBlocks' ViT trails at this budget: block 0 (2 layers) trained ALONE for the e2e run's
+    600 updates, scored from pure noise at sigma_max (the chain's first call), beside a 2-layer end-to-end
+    classifier with the same updates; and the whole DB chain with the `uniform` partition."""
+    steps = MODULES["vit"]["e2e_steps"]
+    cost = flops_and_memory("vit", ["e2e", "db"], load_data("vit"))
+    db_steps = round(steps * cost["e2e"]["flops_per_step"] / cost["db"]["flops_per_step"])
+    cases = [("e2e_2_layers", "e2e", {"n_layers": 2, "num_blocks": 1}, None),
+             ("block0_paper", "db", {}, 0),
+             ("block0_loss_weight_none", "db", {"loss_weight": "none"}, 0),
+             ("block0_p_mean_0", "db", {"noise": "p_mean_0"}, 0),
+             ("block0_uniform_partition", "db", {"partition": "uniform"}, 0),
+             ("chain_uniform_partition", "db", {"partition": "uniform"}, None)]
+    results = {}
+    for name, variant, overrides, only in cases:
+        if overrides.get("noise") == "p_mean_0":
+            from looped_lm.diffusion import NoiseSchedule
+
+            overrides = {**overrides, "noise": NoiseSchedule(p_mean=0.0)}
+        n = steps if only is not None or variant == "e2e" else db_steps
+        r = run("vit", variant, seed, n, overrides, only)
+        results[name] = {"steps": n, "seed": seed, "accuracy": r["final"]["accuracy"],
+                         "block0_accuracy": r["final"].get("block0_accuracy"), "train_cpu_s": r["train_cpu_s"]}
+        print(name, results[name], flush=True)
+        out.write_text(json.dumps(results, indent=1))
+
+
+# ------------------------------------------------------------------------------------------------
+# report
+
+
+METRIC = {"vit": ("accuracy", "top-1 accuracy (%)", 100.0, "higher"),
+          "dit": ("frechet_distance", "Frechet distance, MLP-classifier features (not FID)", 1.0, "lower"),
+          "mdm": ("bpc", "bits per character (NELBO, upper bound)", 1.0, "lower")}
+
+
+def mean_spread(values):
+    return sum(values) / len(values), (max(values) - min(values)) / 2
+
+
+def summarise(results: dict) -> str:
+    lines = ["DiffusionBlocks (DB) vs end-to-end (e2e) at equal training FLOPs (torch.utils.flop_counter), "
+             "written by `python bench/modules.py`: vit / dit on scikit-learn's 8x8 digits (6 layers, d 64, B = 3), "
+             "mdm on the Bible in text8's alphabet (6 layers, d 96, sequence 64, B = 3); spread = half the range "
+             "over seeds; activation memory = bytes autograd saves in one training step.", "",
+             "| module | metric | variant | result (mean ± spread, n seeds) | DB − e2e | target | met "
+             "| training steps | activation memory / e2e (floor 1/B) |", "|---|---|---|---:|---:|---|---|---:|---:|"]
+    for module, res in results.get("modules", {}).items():
+        key, label, scale, better = METRIC[module]
+        finals = {}
+        for r in res.get("runs", []):
+            finals.setdefault(r["variant"], []).append(r["final"][key] * scale)
+        if "e2e" not in finals:
+            continue
+        e2e_mean, _ = mean_spread(finals["e2e"])
+        for variant in [v for v in VARIANTS[module] if v in finals]:
+            mean, spread = mean_spread(finals[variant])
+            cost = res["cost"][variant]
+            memory = cost["act_bytes"] / res["cost"]["e2e"]["act_bytes"]
+            row = [module, label, variant, f"{mean:.2f} ± {spread:.2f} ({len(finals[variant])})"]
+            if variant == "e2e":
+                row += ["", "", "", str(res["steps"][variant]), "1.00"]
+            else:
+                diff = mean - e2e_mean
+                met = diff >= -1.5 if module == "vit" else diff <= 0
+                row += [f"{diff:+.2f}", MODULES[module]["target"], "yes" if met else "no", str(res["steps"][variant]),
+                        f"{memory:.2f} ({1 / cost['num_blocks']:.2f})"]
+            lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines + diagnostics(results))
+
+
+def diagnostics(results: dict) -> list[str]:
+    """Where the DiffusionBlocks numbers come from: vit's chain vs its first block, mdm's per-interval BPC,
+    dit's real-data floor."""
+    out, mods = [""], results.get("modules", {})
+    for r_variant in ("db", "db_likelihood"):
+        runs = [r for r in mods.get("vit", {}).get("runs", [])
+                if r["variant"] == r_variant and "block0_accuracy" in r["final"]]
+        if runs:
+            k_b, k_2b, first = (mean_spread([100 * r["final"][k] for r in runs])[0]
+                                for k in ("accuracy", "accuracy_2B", "block0_accuracy"))
+            out.append(f"- vit {r_variant}: accuracy K = B {k_b:.2f}, K = 2B {k_2b:.2f}, block 0 alone from pure "
+                       f"noise {first:.2f} (mean of {len(runs)} seeds)")
+    for variant in ("e2e", "db"):
+        runs = [r for r in mods.get("mdm", {}).get("runs", []) if r["variant"] == variant]
+        if runs:
+            shares = [mean_spread([r["final"]["per_block"][i] for r in runs])[0]
+                      for i in range(len(runs[0]["final"]["per_block"]))]
+            out.append(f"- mdm {variant}: BPC by t-interval (high t first) " + " + ".join(f"{v:.3f}" for v in shares))
+    if "real_test_vs_train_frechet" in mods.get("dit", {}):
+        d = mods["dit"]
+        out.append(f"- dit: held-out real digits vs the training digits: Frechet distance "
+                   f"{d['real_test_vs_train_frechet']:.2f} (the floor; the feature classifier's test accuracy "
+                   f"{100 * d['feature_net_test_accuracy']:.1f}%)")
+    diag = RESULTS / "modules_vit_diagnosis.json"
+    if diag.exists():  # written by --diagnose-vit
+        d = json.loads(diag.read_text())
+        parts = [f"{name} {100 * (r['block0_accuracy'] if r['block0_accuracy'] is not None else r['accuracy']):.1f}"
+                 for name, r in d.items() if name.startswith(("e2e", "block0"))]
+        out.append(f"- vit diagnosis (seed 0, {d['e2e_2_layers']['steps']} updates each; modules_vit_diagnosis.json): "
+                   f"accuracy from pure noise of block 0 trained alone vs a 2-layer end-to-end classifier: "
+                   + ", ".join(parts) + f"; the whole DB chain with the uniform partition "
+                   f"{100 * d['chain_uniform_partition']['accuracy']:.1f}")
+    return out if len(out) > 1 else []
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--modules", nargs="+", default=list(MODULES), choices=list(MODULES))
+    ap.add_argument("--variants", nargs="+", default=None, help="default: every variant of the module")
+    ap.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2], help="none: only re-measure costs and floors")
+    ap.add_argument("--jobs", type=int, default=1, help="runs in parallel, one thread each")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply every run's steps (quick checks: 0.1)")
+    ap.add_argument("--out", type=Path, default=RESULTS / "modules.json")
+    ap.add_argument("--retable", action="store_true")
+    ap.add_argument("--diagnose-vit", action="store_true", help="write modules_vit_diagnosis.json and stop")
+    args = ap.parse_args()
+    if args.diagnose_vit:
+        import torch
+
+        torch.set_num_threads(1)
+        diagnose_vit(args.out.parent / "modules_vit_diagnosis.json")
+        return
+    results = json.loads(args.out.read_text()) if args.out.exists() else {"modules": {}}
+    if args.retable:
+        print(summarise(results))
+        return
+    import torch
+
+    torch.set_num_threads(1)
+    jobs = []
+    for module in args.modules:
+        variants = [v for v in VARIANTS[module] if args.variants is None or v in args.variants]
+        cost = flops_and_memory(module, VARIANTS[module], load_data(module))
+        e2e_steps = max(CURVE_POINTS, round(MODULES[module]["e2e_steps"] * args.scale))
+        steps = {v: round(e2e_steps * cost["e2e"]["flops_per_step"] / cost[v]["flops_per_step"]) for v in cost}
+        entry = results["modules"].setdefault(module, {})
+        entry.update(cost=cost, steps=steps, settings=MODULES[module]["settings"], variants=VARIANTS[module],
+                     batch=MODULES[module]["batch"], lr=MODULES[module]["lr"])
+        entry["runs"] = [r for r in entry.get("runs", []) if (r["seed"], r["variant"]) not in
+                         {(s, v) for s in args.seeds for v in variants}]
+        print(f"{module}: flops/step " + ", ".join(f"{v} {c['flops_per_step']:.3g}" for v, c in cost.items())
+              + f" -> steps {steps}; activation bytes " + ", ".join(f"{v} {c['act_bytes']}" for v, c in cost.items()),
+              flush=True)
+        if module == "dit":  # the distance of real held-out digits: the floor a perfect sampler would reach
+            from looped_lm.models.dit import frechet_distance
+
+            data = load_data(module)
+            features, accuracy = feature_net(data)
+            entry["feature_net_test_accuracy"] = accuracy
+            entry["real_test_vs_train_frechet"] = frechet_distance(features(data.test_x), features(data.train_x))
+        jobs += [(module, v, s, steps[v]) for s in args.seeds for v in variants]
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        for res in pool.map(run_job, jobs):
+            results["modules"][res["module"]]["runs"].append(res)
+            key = METRIC[res["module"]][0]
+            print(f"{res['module']} {res['variant']} seed {res['seed']}: {key} {res['final'][key]:.4f} "
+                  f"({res['train_cpu_s']:.0f} s CPU)", flush=True)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(results, indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
+    table = summarise(results)
+    args.out.with_suffix(".md").write_text(table + "\n")
+    write_figures(results, args.out.parent / args.out.stem)
+    print(table)
+
+
+def write_figures(results: dict, stem: Path) -> None:
+    """{stem}_curves.png: each run's metric against its share of the training FLOPs; {stem}_dit_VARIANT.png:
+    10 samples per class (one column each) from the seed-0 run of each dit variant."""
+    import torch
+
+    from looped_lm.data.images import write_png_grid
+
+    for r in results["modules"].get("dit", {}).get("runs", []):
+        if r["seed"] == 0 and "grid" in r["final"]:
+            write_png_grid(grid_from_hex(r["final"]["grid"]), f"{stem}_dit_{r['variant']}.png", nrow=10, scale=4)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    modules = list(results["modules"])
+    fig, axes = plt.subplots(1, len(modules), figsize=(5 * len(modules), 3.6), squeeze=False)
+    for ax, module in zip(axes[0], modules):
+        key, label, scale, _ = METRIC[module]
+        key = "val_loss" if module == "dit" else key  # dit's curve: the EDM loss; its FD is measured at the end
+        for r in results["modules"][module]["runs"]:
+            colour = {"e2e": "tab:blue", "db": "tab:orange"}.get(r["variant"], "tab:green")
+            ax.plot([p["share_of_flops"] for p in r["curve"]], [p[key] * (scale if key != "val_loss" else 1)
+                                                                for p in r["curve"]],
+                    marker="o", color=colour, alpha=0.7, label=r["variant"] if r["seed"] == 0 else None)
+        ax.set_title(module)
+        ax.set_xlabel("share of the training FLOPs")
+        ax.set_ylabel("validation EDM loss" if module == "dit" else label)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(f"{stem}_curves.png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""The README's quickstart table, measured: train each CPU quickstart with the README's command, then
+score it with `looped_lm eval` and sample it with `looped_lm generate`, exactly as a user would.
+
+    python bench/quickstart.py                       # quickstart_db and quickstart (gpt); ~10 min here
+    python bench/quickstart.py --configs quickstart_looped --out-dir /tmp/qs
+
+Per config: wall time of `looped_lm train` (the launcher, DeepSpeed start-up and the whole run), the
+held-out numbers of `looped_lm eval --max-tokens 8192` (gpt: exact PPL; DiffusionBlocks: ppl@0 and
+ppl@k with the estimator's standard error, 16 draws, seed 0) and the text of `looped_lm generate` from
+"And God said" (seed 0, the generate defaults). Writes bench/results/quickstart.json. Wall times
+depend on the machine's load; the JSON records the load average beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+K_OF = {"quickstart_db": "1,2,4", "quickstart_looped": "1,4,16", "quickstart": ""}
+GEN_K = {"quickstart_db": 2, "quickstart_looped": 16}
+
+
+def run(cmd: list[str]) -> tuple[str, float]:
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    if done.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return done.stdout, seconds
+
+
+def measure(name: str, out_dir: Path) -> dict:
+    looped_lm = [sys.executable, "-m", "looped_lm"]
+    run_dir = out_dir / name
+    load_before = os.getloadavg()[0]
+    _, train_s = run(looped_lm + ["train", "--config", f"configs/{name}.yaml", "--set", f"train.out_dir={run_dir}"])
+    scores = out_dir / f"{name}_eval.json"
+    ev = looped_lm + ["eval", "--checkpoint", str(run_dir), "--max-tokens", "8192", "--json", str(scores),
+                      "--no-progress", "--seed", "0"]
+    if K_OF[name]:
+        ev += ["--num-iterations", K_OF[name], "--draws", "16"]
+    run(ev)
+    gen = looped_lm + ["generate", "--checkpoint", str(run_dir), "--prompt", "And God said", "--seed", "0"]
+    if name in GEN_K:
+        gen += ["--num-iterations", str(GEN_K[name])]
+    text, _ = run(gen)
+    return {"config": f"configs/{name}.yaml", "train_wall_s": round(train_s, 1),
+            "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
+            "eval": json.loads(scores.read_text()), "generate_k": GEN_K.get(name), "generated": text.strip()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="quickstart_db,quickstart")
+    ap.add_argument("--out-dir", default=str(ROOT / "bench" / "work" / "quickstart"))
+    ap.add_argument("--out", default=str(RESULTS / "quickstart.json"))
+    args = ap.parse_args()
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {"cpu_count": os.cpu_count(), "runs": {}}
+    for name in args.configs.split(","):
+        results["runs"][name] = measure(name, out_dir)
+        print(json.dumps({name: results["runs"][name]}, indent=1))
+        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

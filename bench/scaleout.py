@@ -1,0 +1,495 @@
+"""Scale-out evidence (bench/README.md, "Scale-out"): what block-parallel training and independent block jobs
+cost per rank, and what an uneven layer split buys.
+
+    python bench/scaleout.py memory    # 2 ranks: data parallel (ZeRO 0, 1) vs block parallel vs independent jobs
+    python bench/scaleout.py split     # ppl@0 of layers_per_block [3, 1] vs [2, 2] at equal counted FLOPs
+    python bench/scaleout.py table     # the markdown tables, from bench/results/scaleout.json
+
+`memory` runs the real trainer (`looped_lm.train` under the DeepSpeed launcher, gloo, one torch thread per
+rank) on a db_ar model of 12 layers, d 768, GPT-2 vocabulary, B = 2 (6 + 6 layers), seq 256, batch 2 per
+rank, fp32, 5 steps (the first 2 not timed), in four set-ups of 2 processes each:
+
+    dp_zero0    data parallel, ZeRO 0: both ranks train the step's block (round robin), all gradients averaged
+    dp_zero1    the same with ZeRO 1 (optimizer state partitioned over the 2 ranks)
+    bp          train.mode block_parallel: rank r trains block r every step; only shared gradients travel
+    independent two 1-rank jobs at once, diffusion.blocks_to_train [0] and [1]; nothing travels
+
+Each rank is instrumented from outside the product (`worker`): every torch.distributed collective's
+payload is counted (all-reduce: the tensor; reduce-scatter: its input; all-gather: its output; broadcast:
+the tensor; the wire carries 2 (W - 1) / W of an all-reduce's payload), `train_step` is timed (wall and
+CPU), VmHWM (peak resident memory) is read after every step, before the final save, and the optimiser's
+state tensors and the gradients it is handed are counted. Beside each measurement, the analytic model:
+
+    weights      4 P bytes (every rank holds the whole model)
+    gradients    4 x (parameters with a gradient after backward): P in data parallel at ZeRO 0 (DeepSpeed
+                 zero-fills the idle block's gradients to all-reduce them), S + P_b at ZeRO 1, in block
+                 parallel and in a job; the optimiser then steps with 4 P / W of them at ZeRO 1 (its partitions)
+    Adam state   8 x (parameters the rank's optimiser steps; ZeRO 1: / W)
+    activations  tokens x (layers of the block x a_layer + a_rest), a_layer and a_rest counted once by
+                 autograd's saved-tensor hooks (bytes saved for backward, by storage) on one micro-batch
+    buffers      what the exchange copies: DeepSpeed's flat all-reduce bucket (4 P, ZeRO 0), ZeRO 1's fp32
+                 partition (4 P / W), block parallel's flat shared gradients (4 S)
+    comm         payload per step: 4 P (data parallel's all-reduce; ZeRO 1: the reduction of the gradients
+                 that exist, 4 (S + P_b), + the all-gather of the updated weights, 4 P), 4 S (block parallel),
+                 0 (jobs)
+
+with P all parameters, S the shared ones (embedding, noise embedding, norm), P_b one block's.
+
+`split` trains byte-level db_ar models of the study setting (4 layers, d 128, seq 128, batch 16, V 257, the
+project's defaults, lr 3e-3 with 50 warm-up steps and cosine to 3e-4, wd 0.1, clip 1.0, loss_share with
+the curve re-measured every 100 steps) with layers_per_block [2, 2] for 300 steps and [3, 1] until it has
+spent the same counted FLOPs (torch's FlopCounterMode over one forward + backward of each block), 2 seeds,
+through `training.train_step` + `TorchRunner`; then ppl@0 (one call at the top of the noise range,
+`model.score`, 4 antithetic draws) on 48 fixed held-out windows, with the standard error of its estimate,
+and the per-window paired difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results" / "scaleout.json"
+MEMORY_MODEL = {"kind": "db_ar", "n_layers": 12, "d_model": 768, "n_heads": 12, "seq_len": 256}
+MEMORY_STEPS, MEMORY_WARMUP, MEMORY_BATCH = 5, 2, 2
+SETUPS = {
+    "dp_zero0": {"train": {"mode": "data_parallel"}, "deepspeed": {"zero_stage": 0}},
+    "dp_zero1": {"train": {"mode": "data_parallel"}, "deepspeed": {"zero_stage": 1}},
+    "bp": {"train": {"mode": "block_parallel"}, "deepspeed": {"zero_stage": 0}},
+    "independent": {"train": {"mode": "data_parallel"}, "deepspeed": {"zero_stage": 0}},
+}
+
+
+def _status(key: str) -> int:
+    """A /proc/self/status field in bytes (VmHWM: peak resident set; VmRSS: current)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# ------------------------------------------------------------------------------------------------
+# memory: one rank, instrumented (runs under the DeepSpeed launcher, or alone as an independent job)
+
+
+def _payload(name: str, args, kwargs) -> int:
+    def nbytes(t):
+        return t.numel() * t.element_size()
+
+    if name in ("all_reduce", "broadcast", "reduce"):
+        return nbytes(args[0] if args else kwargs["tensor"])
+    if name == "all_reduce_coalesced":
+        return sum(nbytes(t) for t in (args[0] if args else kwargs["tensors"]))
+    if name in ("reduce_scatter_tensor", "_reduce_scatter_base"):
+        return nbytes(args[1] if len(args) > 1 else kwargs.get("input", kwargs.get("input_tensor")))
+    if name == "reduce_scatter":
+        return sum(nbytes(t) for t in (args[1] if len(args) > 1 else kwargs["input_list"]))
+    if name in ("all_gather_into_tensor", "_all_gather_base"):
+        return nbytes(args[0] if args else kwargs.get("output_tensor"))
+    if name == "all_gather":
+        return sum(nbytes(t) for t in (args[0] if args else kwargs["tensor_list"]))
+    return 0
+
+
+def worker(argv) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--config")
+    p.add_argument("--out")
+    p.add_argument("--local_rank", type=int, default=0)
+    args, rest = p.parse_known_args(argv)
+    import torch
+    import torch.distributed as tdist
+
+    torch.set_num_threads(1)
+    import deepspeed  # noqa: F401  (its import-time RSS belongs to the baseline)
+
+    from looped_lm import optim, training
+    from looped_lm import train as trainer
+
+    baseline = _status("VmRSS")
+    sent = {"bytes": 0}
+    for name in ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+                 "_reduce_scatter_base", "all_gather", "all_gather_into_tensor", "_all_gather_base", "broadcast"):
+        if hasattr(tdist, name):
+            def counting(*a, _fn=getattr(tdist, name), _name=name, **k):
+                if tdist.get_world_size(k.get("group")) > 1:  # a group of one sends nothing
+                    sent["bytes"] += _payload(_name, a, k)
+                return _fn(*a, **k)
+            setattr(tdist, name, counting)
+    steps, seen = [], {}
+    step_fn = training.train_step
+
+    def timed_step(model, optimizer, *a, **k):
+        seen["model"], seen["optimizer"], seen["grad_bytes"] = model, optimizer, 0
+        b0, t0, c0 = sent["bytes"], time.perf_counter(), time.process_time()
+        result = step_fn(model, optimizer, *a, **k)
+        steps.append({"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
+                      "comm_bytes": sent["bytes"] - b0, "hwm": _status("VmHWM"), "loss": result.loss})
+        return result
+
+    training.train_step = timed_step
+    adam_step = optim.BlockwiseAdamW.step
+
+    def counted_step(self, closure=None):  # the gradients the optimiser is handed (before idle units drop theirs);
+        # ZeRO 1/2 call it once per parameter group, with that group's flat gradient partition
+        seen["grad_bytes"] += sum(q.grad.numel() * q.grad.element_size() for g in self.param_groups
+                                  for q in g["params"] if q.grad is not None)
+        return adam_step(self, closure)
+
+    optim.BlockwiseAdamW.step = counted_step
+    code = trainer.main(["--config", args.config, *rest])
+    model, optimizer = seen["model"], seen["optimizer"]
+    state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+                if torch.is_tensor(t) and t.dim() > 0)
+    rank = int(os.environ.get("RANK", 0))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps({
+        "code": code, "rank": rank, "baseline_rss": baseline, "steps": steps,
+        "optimizer_state_bytes": state, "grad_bytes": seen.get("grad_bytes", 0),
+        "weight_bytes": sum(q.numel() * q.element_size() for q in model.parameters())}))
+    return code
+
+
+# ------------------------------------------------------------------------------------------------
+# memory: the parent (configs, launches, the analytic model, the table)
+
+
+def _memory_config(path: Path, out_dir: Path, cache: str, setup: str, blocks=()) -> Path:
+    import yaml
+
+    raw = {"model": dict(MEMORY_MODEL),
+           "diffusion": {"num_blocks": 2, "block_sampling": "round_robin", "blocks_to_train": list(blocks)},
+           "data": {"source": "bible", "tokenizer": "gpt2", "cache_dir": cache},
+           "train": {"max_steps": MEMORY_STEPS, "batch_size": MEMORY_BATCH, "warmup_steps": 1, "save_every": 0,
+                     "eval_every": 0, "log_every": 1, "progress": False, "out_dir": str(out_dir), "resume": "never",
+                     **SETUPS[setup]["train"]},
+           "deepspeed": SETUPS[setup]["deepspeed"]}
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _counts(cfg) -> dict:
+    """Parameter counts (P, S, per block) and activation bytes per layer / rest, from the model itself."""
+    import torch
+    from torch.autograd.graph import saved_tensors_hooks
+
+    from looped_lm.models import build_model
+    from looped_lm.models.two_stream import TwoStreamLayer
+
+    torch.manual_seed(0)
+    model = build_model(cfg, 50257)
+    units: dict[str, int] = {}
+    for n, p in model.named_parameters():
+        units[model.param_unit(n)] = units.get(model.param_unit(n), 0) + p.numel()
+    where, saved = ["rest"], {}
+
+    def inside_layer(fn):
+        def run(*a, **k):
+            where.append("layer")
+            try:
+                return fn(*a, **k)
+            finally:
+                where.pop()
+        return run
+
+    for m in model.modules():
+        if isinstance(m, TwoStreamLayer):  # the objective calls its streams, not forward
+            m.clean, m.noisy = inside_layer(m.clean), inside_layer(m.noisy)
+
+    def pack(t):
+        if not isinstance(t, torch.nn.Parameter):
+            key = t.untyped_storage().data_ptr()
+            saved.setdefault(where[-1], {})[key] = t.untyped_storage().nbytes()
+        return t
+
+    x = torch.randint(0, 50257, (MEMORY_BATCH, cfg.model.seq_len))
+    out = {}
+    for b in range(cfg.diffusion.num_blocks):
+        saved.clear()
+        with saved_tensors_hooks(pack, lambda t: t):
+            loss, metrics = model.training_loss(x, x.roll(-1, 1), b, 0)  # round robin: step b trains block b
+        assert metrics["block"] == b
+        layers = len(model.blocks[b])
+        out[b] = {"layer": sum(saved.get("layer", {}).values()) / layers, "rest": sum(saved.get("rest", {}).values())}
+        del loss
+    return {"P": sum(units.values()), "S": units["shared"], "blocks": [units[f"block{b}"] for b in range(len(out))],
+            "layers": [len(b) for b in model.blocks], "act_layer": out[0]["layer"], "act_rest": out[0]["rest"],
+            "tokens": MEMORY_BATCH * cfg.model.seq_len}
+
+
+def analytic(setup: str, c: dict, world: int = 2) -> dict:
+    """Bytes per rank by the model of the module docstring (rank 0: block 0)."""
+    P, S, Pb = c["P"], c["S"], c["blocks"][0]
+    trained = P if setup.startswith("dp") else S + Pb
+    act = c["layers"][0] * c["act_layer"] + c["act_rest"]
+    zero1 = setup == "dp_zero1"
+    # in param.grad after backward: DeepSpeed's ZeRO 0 all-reduce zero-fills the idle block's, ZeRO 1 does not
+    grads = 4 * (S + Pb if zero1 else trained)
+    adam = 8 * trained / (world if zero1 else 1)
+    # what the exchange copies: DeepSpeed's flat all-reduce bucket (ZeRO 0) or fp32 partition (ZeRO 1), ours
+    buffers = {"dp_zero0": 4 * P, "dp_zero1": 4 * P / world, "bp": 4 * S, "independent": 0}[setup]
+    comm = {"dp_zero0": 4 * P, "dp_zero1": 4 * (S + Pb) + 4 * P, "bp": 4 * S, "independent": 0}[setup]
+    return {"weights": 4 * P, "grads": grads, "optimizer_grads": 4 * trained / (world if zero1 else 1), "adam": adam,
+            "buffers": buffers, "activations": act, "comm_payload": comm,
+            "total": 4 * P + grads + adam + buffers + act}
+
+
+def run_memory(only=()) -> dict:
+    from looped_lm.config import load_config
+
+    work = Path(tempfile.mkdtemp(prefix="scaleout-"))
+    cache = str(ROOT / "data_cache")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    launcher = str(Path(sys.executable).parent / "deepspeed")
+    results = {}
+    for setup in [s for s in SETUPS if not only or s in only]:
+        out = work / setup
+        print(f"memory: {setup} ...", flush=True)
+        t0 = time.time()
+        if setup == "independent":  # two 1-rank jobs at once, one per block
+            procs = []
+            for b in (0, 1):
+                cfg = _memory_config(work / f"{setup}{b}.yaml", work / f"run_{setup}{b}", cache, setup, [b])
+                procs.append(subprocess.Popen([sys.executable, __file__, "worker", "--config", str(cfg), "--out",
+                                               str(out / f"job{b}")], env=env, cwd=work))
+            codes = [p.wait() for p in procs]
+            ranks = [json.loads((out / f"job{b}" / "rank0.json").read_text()) for b in (0, 1)]
+        else:
+            cfg = _memory_config(work / f"{setup}.yaml", work / f"run_{setup}", cache, setup)
+            codes = [subprocess.run([launcher, "--num_gpus", "2", "--master_port", str(29500 + len(results)),
+                                     __file__, "worker", "--config", str(cfg), "--out", str(out)],
+                                    env=env, cwd=work).returncode]
+            ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+        if any(codes):
+            raise SystemExit(f"{setup} failed: {codes}")
+        results[setup] = {"ranks": ranks, "seconds": time.time() - t0}
+    cfg = load_config(str(next(work.glob("*.yaml"))))
+    counts = _counts(cfg)
+    shutil.rmtree(work, ignore_errors=True)
+    return {"model": MEMORY_MODEL, "blocks": 2, "batch_per_rank": MEMORY_BATCH, "steps": MEMORY_STEPS,
+            "timed_from_step": MEMORY_WARMUP + 1, "threads_per_rank": 1, "counts": counts,
+            "setups": {s: {**r, "analytic": analytic(s, counts)} for s, r in results.items()}}
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
+def memory_table(mem: dict) -> str:
+    GiB, MiB = 2 ** 30, 2 ** 20
+    c = mem["counts"]
+    lines = [f"P = {c['P'] / 1e6:.1f}M parameters: shared S = {c['S'] / 1e6:.1f}M ({c['S'] / c['P']:.0%}), blocks "
+             f"{' + '.join(f'{b / 1e6:.1f}M' for b in c['blocks'])}; activations {c['act_layer'] / MiB:.0f} MiB per "
+             f"layer + {c['act_rest'] / MiB:.0f} MiB rest per micro-batch of {c['tokens']} tokens (counted).", "",
+             "| set-up (2 processes) | peak RSS growth / rank, GiB (model) | Adam state / rank, MiB (model) | "
+             "gradients the optimiser steps with / rank, MiB (model) | payload sent / step / rank, MiB (model) | step s wall (CPU) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name, s in mem["setups"].items():
+        a, ranks = s["analytic"], s["ranks"]
+        timed = [st for r in ranks for st in r["steps"][mem["timed_from_step"] - 1:]]
+        growth = max(max(st["hwm"] for st in r["steps"]) - r["baseline_rss"] for r in ranks)
+        state = max(r["optimizer_state_bytes"] for r in ranks)
+        grads = max(r["grad_bytes"] for r in ranks)
+        comm = _median([st["comm_bytes"] for st in timed])
+        lines.append(f"| {name} | {growth / GiB:.2f} ({a['total'] / GiB:.2f}) | {state / MiB:.0f} ({a['adam'] / MiB:.0f}) | "
+                     f"{grads / MiB:.0f} ({a['optimizer_grads'] / MiB:.0f}) | {comm / MiB:.0f} ({a['comm_payload'] / MiB:.0f}) | "
+                     f"{_median([st['wall_s'] for st in timed]):.1f} ({_median([st['cpu_s'] for st in timed]):.1f}) |")
+    dp, bp = mem["setups"]["dp_zero0"], mem["setups"]["bp"]
+    ratio = max(r["optimizer_state_bytes"] for r in bp["ranks"]) / max(r["optimizer_state_bytes"] for r in dp["ranks"])
+    bound = 1 / mem["blocks"] + c["S"] / c["P"]
+    sent = int(_median([st["comm_bytes"] for r in bp["ranks"] for st in r["steps"][mem["timed_from_step"] - 1:]]))
+    lines += ["", f"- block-parallel Adam state per rank / data parallel's: {ratio:.3f} (target <= 1/B + S/P = "
+                  f"{bound:.3f}: {'met' if ratio <= bound else 'MISSED'})",
+              f"- block-parallel payload per step and rank: {sent:,} bytes; the shared parameters' fp32 gradients: "
+              f"{4 * c['S']:,} bytes ({'met' if sent <= 4 * c['S'] else 'MISSED'})"]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# split: ppl@0 of an uneven layer split at equal FLOPs
+
+
+SPLIT_STEPS, SPLIT_SEEDS, SPLIT_WINDOWS = 300, (0, 1), 48
+LR, MIN_LR, WARMUP, WD = 3e-3, 3e-4, 50, 0.1
+
+
+def _split_config(split, seed):
+    from looped_lm.config import config_from_dict
+
+    return config_from_dict({"model": {"kind": "db_ar", "n_layers": 4, "d_model": 128, "n_heads": 4, "seq_len": 128},
+                             "diffusion": {"layers_per_block": list(split), "curve_every": 100},
+                             "data": {"tokenizer": "byte"},
+                             "train": {"seed": seed, "batch_size": 16, "lr": LR, "min_lr": MIN_LR,
+                                       "warmup_steps": WARMUP, "weight_decay": WD, "grad_clip": 1.0}})
+
+
+def _block_flops(cfg, x, y, b: int) -> int:
+    """Counted FLOPs of one forward + backward of block b (a copy of the model that trains b only)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from looped_lm.models import build_model
+
+    one = cfg.model_copy(deep=True)
+    one.diffusion.blocks_to_train = [b]
+    model = build_model(one, 257)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        loss, metrics = model.training_loss(x, y, 0, 0)
+        loss.backward()
+    assert metrics["block"] == b
+    return counter.get_total_flops()
+
+
+def train_split(split, seed: int, budget: float | None):
+    """One run: SPLIT_STEPS steps, or (budget) as many as fit in `budget` counted FLOPs, the LR following
+    the spent share of it; -> (model, steps, FLOPs spent, FLOPs per step of each block, val stream)."""
+    import torch
+
+    from looped_lm.data.bin_dataset import TokenStream
+    from looped_lm.data.prepare import ensure_prepared
+    from looped_lm.models import build_model
+    from looped_lm.optim import BlockwiseAdamW, cosine_with_warmup, param_groups
+    from looped_lm.training import TorchRunner, train_step
+
+    cfg = _split_config(split, seed)
+    data = Path(ensure_prepared("bible", str(ROOT / "data_cache"), "byte", 0.05, seed, progress=False))
+    train, val = TokenStream(str(data / "train.bin"), 128), TokenStream(str(data / "val.bin"), 128)
+    x0, y0 = train.get_batch(16, seed, 0, 0, 0)
+    flops_of = {b: _block_flops(cfg, x0, y0, b) for b in range(len(split))}
+    torch.manual_seed(seed)
+    model = build_model(cfg, 257)
+    torch.manual_seed(seed + 1)
+    opt = BlockwiseAdamW(param_groups(model, WD), lr=LR, betas=(0.9, 0.95), foreach=False)
+    runner = TorchRunner(model, opt, grad_clip=1.0, seed=seed)
+    step, spent = 0, 0
+    while True:
+        if model.uses_curve() and step and step % cfg.diffusion.curve_every == 0:  # as the trainer's refresh_curve
+            model.eval()
+            xc, yc = val.get_batch(16, seed, -2, 0, 0)
+            model.apply_curve(model.measure_curve(xc, yc, seed=seed + step))
+            model.train()
+        cost = flops_of[model.choose_block(step, seed)]
+        if (budget is None and step == SPLIT_STEPS) or (budget is not None and spent + cost > budget):
+            break
+        progress = step if budget is None else int(spent / budget * SPLIT_STEPS)  # steps of the even run
+        for g in opt.param_groups:
+            g["lr"] = cosine_with_warmup(progress, WARMUP, SPLIT_STEPS, LR, MIN_LR)
+        train_step(model, opt, runner, [train.get_batch(16, seed, step, 0, 0)], step, seed)
+        spent += cost
+        step += 1
+    return model, step, spent, flops_of, val
+
+
+def score_windows(model, val):
+    """Per-window ppl@0 NLL sums and their estimate variances on SPLIT_WINDOWS fixed held-out windows."""
+    import torch
+
+    from looped_lm.settings import ScoreSettings
+
+    tokens = torch.from_numpy(val.tokens[:].astype("int64"))
+    starts = torch.linspace(0, len(tokens) - 130, SPLIT_WINDOWS).long()
+    rows = torch.stack([tokens[s:s + 129] for s in starts.tolist()])
+    model.eval()
+    nll, var = [], []
+    for i in range(0, SPLIT_WINDOWS, 16):
+        x, y = rows[i:i + 16, :-1], rows[i:i + 16, 1:]
+        g = torch.Generator().manual_seed(1234 + i)
+        s = model.score(x, y, ScoreSettings(k_grid=(), draws=4), g)[0]
+        nll += s.nll.double().sum(1).tolist()
+        var += s.nll_var.double().sum(1).tolist()
+    return nll, var
+
+
+def run_split() -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    runs = {}
+    for seed in SPLIT_SEEDS:
+        budget = None
+        for split in ((2, 2), (3, 1)):
+            t0 = time.time()
+            model, steps, spent, flops_of, val = train_split(split, seed, budget)
+            budget = budget or spent
+            nll, var = score_windows(model, val)
+            tokens = SPLIT_WINDOWS * 128
+            mean = sum(nll) / tokens
+            runs[f"{list(split)} seed {seed}"] = {
+                "split": list(split), "seed": seed, "steps": steps, "flops": spent,
+                "flops_per_block_step": flops_of, "ppl0": math.exp(mean),
+                "ppl0_se": math.exp(mean) * math.sqrt(sum(var)) / tokens, "window_nll": nll,
+                "block_steps": [sum(1 for s in range(steps) if model.choose_block(s, seed) == b)
+                                for b in range(len(split))], "seconds": time.time() - t0}
+            print(f"split {list(split)} seed {seed}: {steps} steps, ppl@0 {math.exp(mean):.3f}", flush=True)
+    return {"setting": "byte level, 4 layers, d 128, seq 128, batch 16, V 257, project defaults, curve_every 100",
+            "steps_of_even": SPLIT_STEPS, "windows": SPLIT_WINDOWS, "runs": runs}
+
+
+def split_table(split: dict) -> str:
+    lines = ["| split | seed | steps (block 0 / block 1) | counted GFLOPs | ppl@0 ± estimate SE |", "|---|---:|---:|---:|---:|"]
+    for r in split["runs"].values():
+        lines.append(f"| {r['split']} | {r['seed']} | {r['steps']} ({r['block_steps'][0]} / {r['block_steps'][1]}) | "
+                     f"{r['flops'] / 1e9:.0f} | {r['ppl0']:.3f} ± {r['ppl0_se']:.3f} |")
+    diffs = []
+    for seed in SPLIT_SEEDS:
+        even, uneven = split["runs"][f"[2, 2] seed {seed}"], split["runs"][f"[3, 1] seed {seed}"]
+        diffs += [(u - e) / 128 for u, e in zip(uneven["window_nll"], even["window_nll"])]
+    n = len(diffs)
+    mean = sum(diffs) / n
+    se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n)
+    lines += ["", f"[3, 1] - [2, 2], paired over {n} (window, seed) pairs: {mean:+.4f} ± {se:.4f} nats per token "
+                  f"(ppl@0 x{math.exp(mean):.3f})"]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def _save(key: str, value) -> None:
+    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    data[key] = value
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    tmp = RESULTS.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, RESULTS)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "worker" in argv[:2]:  # the DeepSpeed launcher puts --local_rank=N first
+        return worker([a for a in argv if a != "worker"])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=("memory", "split", "table"))
+    p.add_argument("setups", nargs="*", help="memory: rerun only these set-ups (the others stay as measured)")
+    args = p.parse_args(argv)
+    if args.what == "memory":
+        fresh = run_memory(args.setups)
+        if args.setups and RESULTS.exists():  # keep the other set-ups, re-model every one
+            old = json.loads(RESULTS.read_text())["memory"]
+            fresh["setups"] = {s: {**old["setups"].get(s, {}), **fresh["setups"].get(s, {})} for s in SETUPS}
+            fresh["setups"] = {s: {**v, "analytic": analytic(s, fresh["counts"])} for s, v in fresh["setups"].items()}
+        _save("memory", fresh)
+    elif args.what == "split":
+        _save("split", run_split())
+    data = json.loads(RESULTS.read_text())
+    if "memory" in data:
+        print(memory_table(data["memory"]))
+    if "split" in data:
+        print(split_table(data["split"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

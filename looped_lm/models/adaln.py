@@ -1,0 +1,195 @@
+"""Pieces the non-autoregressive DiffusionBlocks modules (vit, dit, mdm) share.
+
+- `AdaLNLayer`: a bidirectional transformer layer (the parts of `TransformerLayer`) modulated by
+  adaLN-Zero from a conditioning vector (the noise level, a label, a masking time).
+- `Blockwise`: the `Trainable` half every such module has in common. `self.blocks` holds B untied
+  denoisers (DiffusionBlocks) or one stack of all layers (the end-to-end baseline, B = 1); a training
+  step runs one block, chosen from (step, seed) by the same rule as `models/db` (among
+  `diffusion.blocks_to_train` when given: the others are frozen), and only that block's parameter unit
+  plus "shared" are stepped by the optimiser.
+- `finish_build`: what every module's `build(cfg, vocab_size, state)` (the registry's entry) does once
+  the network exists: freeze the blocks it does not train, check a checkpoint's saved partition.
+
+Shapes: N batch, T tokens (patches or characters), C model width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from looped_lm.errors import UserError
+from looped_lm.models.contract import Trainable
+from looped_lm.models.layers import TransformerLayer, apply_rope
+from looped_lm.models.two_stream import modulate
+
+BLOCK_SAMPLING = ("uniform", "round_robin")
+
+
+class AdaLNLayer(TransformerLayer):
+    """Pre-norm bidirectional attention + SwiGLU, each branch shifted, scaled and gated by adaLN-Zero
+    (DiT): the modulation is zero-initialised, so at init the layer is the identity."""
+
+    def __init__(self, d_model: int, n_heads: int, ffn_hidden: int, eps: float):
+        super().__init__(d_model, n_heads, ffn_hidden, eps)
+        self.ada = nn.Linear(d_model, 6 * d_model)
+        nn.init.zeros_(self.ada.weight)
+        nn.init.zeros_(self.ada.bias)
+
+    def forward(self, h, cond, cos=None, sin=None):
+        """h (N, T, C), cond (N, C) already through SiLU; cos/sin: RoPE tables, or None for none."""
+        shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(cond).unsqueeze(1).chunk(6, dim=-1)
+        x = modulate(self.norm1(h), shift1, scale1)
+        N, T, C = x.shape
+        q, k, v = self.attn.qkv(x).view(N, T, 3, self.attn.n_heads, self.attn.head_dim).permute(2, 0, 3, 1, 4)
+        if cos is not None:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        h = h + gate1 * self.attn.merge(F.scaled_dot_product_attention(q, k, v))
+        return h + gate2 * self.mlp(modulate(self.norm2(h), shift2, scale2))
+
+
+def check_blocks(n_layers: int, num_blocks: int, prefix: str) -> None:
+    """B must be an integer in [1, L] that divides L (blocks of equal depth)."""
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+        raise UserError(f"{prefix}.num_blocks must be an integer >= 1 (got {num_blocks!r})")
+    if num_blocks > n_layers:
+        raise UserError(f"{prefix}.num_blocks ({num_blocks}) is larger than {prefix}.n_layers ({n_layers}): "
+                        f"every block needs at least one layer")
+    if n_layers % num_blocks:
+        raise UserError(f"{prefix}.num_blocks ({num_blocks}) must divide {prefix}.n_layers ({n_layers})")
+
+
+def choose_block(step: int, seed: int, num_blocks: int, sampling: str = "uniform") -> int:
+    """The block trained at `step`: the rule of `DiffusionBlocksLM.choose_block` (uniform or round-robin),
+    so every rank of a data-parallel job agrees without talking."""
+    if sampling == "round_robin":
+        return step % num_blocks
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    return int(torch.randint(num_blocks, (1,), generator=g))
+
+
+def check_iterations(num_iterations, num_blocks: int, what: str = "num_iterations") -> None:
+    """These modules take one step per block at least: fewer would leave a block's interval unvisited."""
+    if isinstance(num_iterations, bool) or not isinstance(num_iterations, int):
+        raise UserError(f"{what} must be an integer (got {num_iterations!r})")
+    if num_iterations < num_blocks:
+        raise UserError(f"{what} ({num_iterations}) must be >= the number of blocks ({num_blocks}): "
+                        f"this module runs at least one step per block")
+
+
+def check_labels(labels: torch.Tensor, num_classes: int, what: str = "label") -> None:
+    if labels.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise UserError(f"{what} ids must be integers (got {labels.dtype})")
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
+        bad = int(labels.min()) if int(labels.min()) < 0 else int(labels.max())
+        raise UserError(f"{what} id {bad} is out of range: expected 0 .. {num_classes - 1}")
+
+
+class Blockwise(Trainable):
+    """Block choice, parameter units and the checkpointed partition for a model with `self.blocks`
+    (an nn.ModuleList of layer lists) and `self.edges` (ascending, B + 1 values)."""
+
+    blocks: nn.ModuleList
+    edges: list[float]
+    block_sampling: str = "uniform"
+    trainable_blocks: list[int] | None = None  # None: all (diffusion.blocks_to_train)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def choose_block(self, step: int, seed: int) -> int:
+        pool = self.trainable_blocks or range(self.num_blocks)
+        return pool[choose_block(step, seed, len(pool), self.block_sampling)]
+
+    def step_units(self, step: int, seed: int) -> set[str] | None:
+        if self.num_blocks == 1:
+            return None  # end-to-end: everything moves every step
+        return {"shared", f"block{self.choose_block(step, seed)}"}
+
+    def param_unit(self, name: str) -> str:
+        return f"block{name.split('.')[1]}" if name.startswith("blocks.") else "shared"
+
+    def checkpoint_state(self) -> dict:
+        return {"edges": [float(e) for e in self.edges], "num_blocks": self.num_blocks}
+
+
+def finish_build(model: Blockwise, cfg, state: dict | None):
+    """Freeze the blocks outside `diffusion.blocks_to_train` (before any optimiser exists), and check the
+    partition a checkpoint saved against the one this config builds (ValueError naming the difference)."""
+    chosen = list(cfg.diffusion.blocks_to_train)
+    if chosen and model.num_blocks > 1:
+        model.trainable_blocks = sorted(chosen)
+        for b, block in enumerate(model.blocks):
+            block.requires_grad_(b in chosen)
+    if state:
+        mine = model.checkpoint_state()
+        for key, value in state.items():
+            if key in mine and mine[key] != value:
+                raise ValueError(f"the saved {key} {value} differs from this config's {mine[key]}")
+    return model
+
+
+def noise_schedule(cfg):
+    """The `diffusion.*` noise settings as the pure functions take them."""
+    from looped_lm.diffusion import NoiseSchedule
+
+    d = cfg.diffusion
+    return NoiseSchedule(p_mean=d.p_mean, p_std=d.p_std, sigma_min=d.sigma_min, sigma_max=d.sigma_max,
+                         sigma_data=d.sigma_data)
+
+
+# --- images -------------------------------------------------------------------------------------
+
+
+def check_image_size(image_size: int, patch: int, prefix: str) -> None:
+    if patch < 1 or image_size < 1:
+        raise UserError(f"{prefix}.image_size ({image_size}) and {prefix}.patch ({patch}) must be >= 1")
+    if image_size % patch:
+        raise UserError(f"{prefix}.image_size ({image_size}) is not divisible by {prefix}.patch ({patch})")
+
+
+def check_images(images: torch.Tensor, channels: int, image_size: int) -> None:
+    """A batch must be float (N, channels, image_size, image_size): the shape the model was built for."""
+    want = (channels, image_size, image_size)
+    if images.dim() != 4 or tuple(images.shape[1:]) != want:
+        raise UserError(f"images must have shape (N, {channels}, {image_size}, {image_size}) "
+                        f"(got {tuple(images.shape)})")
+    if not images.is_floating_point():
+        raise UserError(f"images must be floating point, scaled to [-1, 1] (got {images.dtype})")
+
+
+def patchify(images: torch.Tensor, p: int) -> torch.Tensor:
+    """(N, C, H, W) -> (N, H/p * W/p, C*p*p), patches in row-major order."""
+    N, C, H, W = images.shape
+    x = images.reshape(N, C, H // p, p, W // p, p).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(N, (H // p) * (W // p), C * p * p)
+
+
+def unpatchify(patches: torch.Tensor, p: int, channels: int, image_size: int) -> torch.Tensor:
+    """The inverse of `patchify`: (N, T, C*p*p) -> (N, C, H, W)."""
+    N, g = patches.shape[0], image_size // p
+    x = patches.reshape(N, g, g, channels, p, p).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(N, channels, image_size, image_size)
+
+
+# --- settings checks ------------------------------------------------------------------------------
+
+
+def check_positive_ints(settings, prefix: str, names) -> None:
+    for name in names:
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"{prefix}.{name} must be an integer >= 1 (got {value!r})")
+
+
+def check_choice(value, choices, name: str) -> None:
+    if value not in choices:
+        raise UserError(f"{name} must be one of {', '.join(choices)} (got {value!r})")
+
+
+def check_width(d_model: int, n_heads: int, prefix: str) -> None:
+    if d_model % n_heads or (d_model // n_heads) % 2:
+        raise UserError(f"{prefix}.d_model ({d_model}) must be a multiple of {prefix}.n_heads ({n_heads}) "
+                        f"with an even head width")

@@ -1,0 +1,262 @@
+"""DiffusionBlocks DiT (method.md §7; the paper's §5.2) and its end-to-end baseline.
+
+A class-conditional EDM denoiser on image pixels (or VAE latents: any (C, H, W) array):
+
+    z = y + sigma*eps  ->  patches of c_in*z -> patch_embed + pos_emb
+    cond = silu(noise_emb(c_noise) + label_emb(label))      (label = num_classes: the null class)
+    block b (L/B AdaLN layers, untied) owns the sigma interval b (block 0 = highest sigma)
+    F = final adaLN + linear (zero init) -> unpatchify;  D = c_skip*z + c_out*F
+    loss = w(sigma) * mean((D - y)^2)                       (EDM: w = 1/c_out^2, so the loss is O(1))
+
+Training draws sigma from the block's widened interval and replaces 10% of the labels with the null
+class, so one network serves the conditional and unconditional halves of classifier-free guidance.
+`end_to_end: true` is the baseline: the same network as one block of all L layers over the whole
+sigma range (B = 1).
+
+Sampling (`sample`) runs `steps` Euler steps on the equal-probability sigma grid from sigma_max to
+sigma_min, each routed to the block that owns sigma_k: on the equi-probability partition every block
+gets the same number of steps (steps/B when B divides steps). Guidance: D = D_null + s*(D_label - D_null).
+
+Public API:
+    build(cfg, vocab_size, state)  the registry's entry (`model.kind: dit`)
+    DiffusionDiT(DiTSettings)
+    training_loss(images, labels, step, seed) -> (loss, metrics)      one block per step (Trainable)
+    validation_loss(images, labels, seed) -> the EDM loss at sigmas drawn per block (deterministic)
+    sample(labels, steps=None, cfg_scale=None, generator=None) -> images (N, C, H, W) in [-1, 1]
+        (latents: unclipped)
+        (defaults: the settings' sample_steps 50 and cfg_scale 2.0, the paper's)
+    frechet_distance(features_a, features_b) -> float   (FID's formula; `looped_lm.data.images.
+        write_png_grid` writes samples as a PNG grid with Pillow)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from looped_lm import diffusion as dm
+from looped_lm.errors import UserError
+from looped_lm.models.adaln import (BLOCK_SAMPLING, AdaLNLayer, Blockwise, check_blocks, check_choice,
+                                    check_image_size, check_images, check_iterations, check_labels,
+                                    check_positive_ints, check_width, finish_build, noise_schedule, patchify,
+                                    unpatchify)
+from looped_lm.models.contract import ImageGenerator
+from looped_lm.models.layers import ffn_width, init_weights
+from looped_lm.models.two_stream import NoiseEmbedding, modulate
+
+
+@dataclass
+class DiTSettings:
+    """DiT-S/2 on 32x32 RGB by default (12 layers, d 384, 6 heads, patch 2); B = 4 [ours: method.md
+    gives no B for DiT]. DiT-L/2 is n_layers 24, d_model 1024, n_heads 16."""
+
+    image_size: int = 32
+    channels: int = 3
+    num_classes: int = 10  # 0: unconditional
+    patch: int = 2
+    n_layers: int = 12
+    d_model: int = 384
+    n_heads: int = 6
+    ffn_hidden: int = 0
+    num_blocks: int = 4
+    overlap: float = 0.05
+    end_to_end: bool = False  # the baseline: one block of all layers over the whole sigma range
+    partition: str = "equi_probability"
+    block_sampling: str = "uniform"
+    label_dropout: float = 0.1  # share of training labels replaced by the null class (for CFG)
+    sample_steps: int = 50  # default Euler steps of `sample`
+    cfg_scale: float = 2.0  # default guidance scale of `sample`
+    clip_samples: bool = True  # samples clipped to [-1, 1] (pixels); latents are not bounded
+    noise: dm.NoiseSchedule = field(default_factory=dm.NoiseSchedule)
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+
+    def validate(self) -> "DiTSettings":
+        p = "dit"
+        check_positive_ints(self, p, ("image_size", "channels", "patch", "n_layers", "d_model", "n_heads"))
+        if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int) or self.num_classes < 0:
+            raise UserError(f"{p}.num_classes must be an integer >= 0 (got {self.num_classes!r})")
+        check_image_size(self.image_size, self.patch, p)
+        check_width(self.d_model, self.n_heads, p)
+        check_blocks(self.n_layers, self.num_blocks, p)
+        check_choice(self.partition, dm.PARTITION_KINDS, f"{p}.partition")
+        check_choice(self.block_sampling, BLOCK_SAMPLING, f"{p}.block_sampling")
+        if not 0 <= self.label_dropout < 1:
+            raise UserError(f"{p}.label_dropout must be in [0, 1) (got {self.label_dropout})")
+        self.noise.validate()
+        dm.widen([1.0, 2.0], self.overlap)
+        return self
+
+
+class DiffusionDiT(nn.Module, Blockwise, ImageGenerator):
+    def __init__(self, settings: DiTSettings):
+        super().__init__()
+        s = self.settings = settings.validate()
+        self.sched, self.block_sampling, self.end_to_end = s.noise, s.block_sampling, s.end_to_end
+        num_blocks = 1 if s.end_to_end else s.num_blocks
+        self.edges = dm.make_edges(s.partition, num_blocks, self.sched)
+        self.train_ranges = dm.widen(self.edges, s.overlap)
+        d, per_block = s.d_model, s.n_layers // num_blocks
+        ffn, patch_dim = ffn_width(d, s.ffn_hidden), s.channels * s.patch**2
+        self.patch_embed = nn.Linear(patch_dim, d)
+        self.pos_emb = nn.Parameter(torch.zeros(1, (s.image_size // s.patch) ** 2, d))
+        self.noise_emb = NoiseEmbedding(d)
+        self.label_emb = nn.Embedding(s.num_classes + 1, d) if s.num_classes else None  # last row: null
+        self.blocks = nn.ModuleList(nn.ModuleList(AdaLNLayer(d, s.n_heads, ffn, s.norm_eps) for _ in range(per_block))
+                                    for _ in range(num_blocks))
+        self.final_norm = nn.LayerNorm(d, elementwise_affine=False, eps=s.norm_eps)
+        self.final_ada = nn.Linear(d, 2 * d)  # shift, scale of the output layer
+        self.out = nn.Linear(d, patch_dim)
+        init_weights(self, s.init_std, s.n_layers)
+        nn.init.xavier_uniform_(self.patch_embed.weight)
+        for layer in (layer for block in self.blocks for layer in block):  # adaLN-Zero
+            nn.init.zeros_(layer.ada.weight)
+            nn.init.zeros_(layer.ada.bias)
+        for lin in (self.final_ada, self.out):  # DiT's zero output layer: F = 0, D = c_skip*z at init
+            nn.init.zeros_(lin.weight)
+            nn.init.zeros_(lin.bias)
+
+    @property
+    def null_label(self) -> int:
+        return self.settings.num_classes
+
+    @property
+    def num_classes(self) -> int:
+        return self.settings.num_classes
+
+    # --- the denoiser -----------------------------------------------------------------------------
+
+    def denoise(self, b: int, z, sigma, labels):
+        """Block b's D(z; sigma, label): z (N, C, H, W), sigma (N,), labels (N,) (null allowed)."""
+        s = self.settings
+        c_skip, c_out, c_in, c_noise = (c.to(z.dtype)[:, None, None, None]
+                                        for c in dm.edm_scalings(sigma, self.sched.sigma_data))
+        x = self.patch_embed(patchify(c_in * z, s.patch)) + self.pos_emb
+        cond = self.noise_emb(c_noise.flatten())
+        if self.label_emb is not None:
+            cond = cond + self.label_emb(labels)
+        cond = F.silu(cond)
+        for layer in self.blocks[b]:
+            x = layer(x, cond)
+        shift, scale = self.final_ada(cond).unsqueeze(1).chunk(2, dim=-1)
+        out = unpatchify(self.out(modulate(self.final_norm(x), shift, scale)), s.patch, s.channels, s.image_size)
+        return c_skip * z + c_out * out
+
+    def check_batch(self, images, labels):
+        check_images(images, self.settings.channels, self.settings.image_size)
+        if labels is not None and self.label_emb is not None:
+            check_labels(labels, self.settings.num_classes)
+
+    # --- training -------------------------------------------------------------------------------
+
+    def training_loss(self, x, y, step: int, seed: int):
+        """x: clean images (N, C, H, W) in [-1, 1]; y: labels (N,) (ignored when unconditional)."""
+        self.check_batch(x, y)
+        b = self.choose_block(step, seed)
+        N = x.shape[0]
+        sigma = dm.sample_sigma(N, *self.train_ranges[b], self.sched, device=x.device)
+        labels = self.drop_labels(y, N, x.device)
+        loss = self.edm_loss(b, x, sigma, torch.randn_like(x), labels)
+        metrics = {"block": b, f"loss_block{b}": float(loss.detach().mean()), "sigma_mean": float(sigma.mean())}
+        return loss.mean(), metrics
+
+    def drop_labels(self, y, N: int, device):
+        if self.label_emb is None:
+            return torch.zeros(N, dtype=torch.long, device=device)
+        keep = torch.rand(N, device=device) >= self.settings.label_dropout
+        return torch.where(keep, y, torch.full_like(y, self.null_label))
+
+    def edm_loss(self, b: int, x, sigma, noise, labels):
+        """Per-sample w(sigma) * mean((D - y)^2) -> (N,)."""
+        D = self.denoise(b, x + sigma[:, None, None, None] * noise, sigma, labels)
+        w = dm.edm_weight(sigma, self.sched.sigma_data).to(x.dtype)
+        return w * (D.float() - x).pow(2).flatten(1).mean(1)
+
+    @torch.no_grad()
+    def validation_loss(self, x, y, seed: int):
+        """The EDM loss with sigma drawn from each block's own interval in turn (equal shares), on a
+        seeded generator: the same number for the same weights and batch."""
+        self.check_batch(x, y)
+        g = torch.Generator(device=x.device).manual_seed(seed)
+        labels = y if self.label_emb is not None else torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+        total = 0.0
+        for b, (lo, hi) in enumerate(dm.block_intervals(self.edges)):
+            sigma = dm.sample_sigma(x.shape[0], lo, hi, self.sched, generator=g).to(x.device)
+            noise = torch.randn(x.shape, generator=g, device=g.device).to(x.device)
+            total = total + self.edm_loss(b, x, sigma, noise, labels).mean()
+        return total / self.num_blocks
+
+    # --- sampling -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def sample(self, labels: torch.Tensor, steps: int | None = None, cfg_scale: float | None = None,
+               generator: torch.Generator | None = None) -> torch.Tensor:
+        """Images (N, C, H, W) in [-1, 1] for `labels` (N,): `steps` routed Euler steps from pure noise.
+        cfg_scale 1 = plain conditional sampling (one pass per step); > 1 adds the null-label pass."""
+        steps = self.settings.sample_steps if steps is None else steps
+        cfg_scale = self.settings.cfg_scale if cfg_scale is None else cfg_scale
+        check_iterations(steps, self.num_blocks, "num_iterations (sampler steps)")
+        if isinstance(cfg_scale, bool) or not isinstance(cfg_scale, (int, float)) or cfg_scale < 0:
+            raise UserError(f"cfg_scale must be a number >= 0 (got {cfg_scale!r})")
+        s, device = self.settings, labels.device
+        if self.label_emb is not None:
+            check_labels(labels, s.num_classes)
+        N = labels.shape[0]
+        sigmas = dm.inference_sigmas(steps, self.sched, lo=self.edges[0], hi=self.edges[-1])
+        shape = (N, s.channels, s.image_size, s.image_size)
+        z = sigmas[0] * torch.randn(shape, generator=generator, device=generator.device if generator else None)
+        z = z.to(device)
+        guided = self.label_emb is not None and cfg_scale != 1
+        both = torch.cat([labels, torch.full_like(labels, self.null_label)]) if guided else labels
+        for k in range(steps):
+            b = dm.route_sigma(sigmas[k], self.edges)
+            zz = torch.cat([z, z]) if guided else z
+            D = self.denoise(b, zz, torch.full((zz.shape[0],), sigmas[k], device=device), both)
+            if guided:
+                cond, uncond = D.chunk(2)
+                D = uncond + cfg_scale * (cond - uncond)
+            z = dm.euler_step(z, D, sigmas[k], sigmas[k + 1])
+        return z.clamp(-1, 1) if s.clip_samples else z
+
+    def steps_per_block(self, steps: int) -> list[int]:
+        """How many of `steps` sampling steps each block runs (block 0 first)."""
+        counts = [0] * self.num_blocks
+        for b in dm.route_steps(steps, self.edges, self.sched):
+            counts[b] += 1
+        return counts
+
+
+def frechet_distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||mu_a - mu_b||^2 + tr(S_a + S_b - 2 (S_a^1/2 S_b S_a^1/2)^1/2) between Gaussians fitted to two
+    feature sets (n, f): FID's formula, in float64 through symmetric eigendecompositions."""
+    a, b = a.double(), b.double()
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1] or min(a.shape[0], b.shape[0]) < 2:
+        raise UserError(f"frechet_distance needs two (n >= 2, f) feature sets of equal width "
+                        f"(got {tuple(a.shape)} and {tuple(b.shape)})")
+    mu_a, mu_b = a.mean(0), b.mean(0)
+    cov_a, cov_b = torch.cov(a.T).reshape(a.shape[1], -1), torch.cov(b.T).reshape(b.shape[1], -1)
+
+    def sqrtm(m):
+        vals, vecs = torch.linalg.eigh((m + m.T) / 2)
+        return (vecs * vals.clamp_min(0).sqrt()) @ vecs.T
+
+    root_a = sqrtm(cov_a)
+    inner = root_a @ cov_b @ root_a
+    cross = torch.linalg.eigvalsh((inner + inner.T) / 2).clamp_min(0).sqrt().sum()
+    return float((mu_a - mu_b).pow(2).sum() + cov_a.trace() + cov_b.trace() - 2 * cross)
+
+
+def build(cfg, vocab_size: int = 0, state: dict | None = None) -> DiffusionDiT:
+    """`model.kind: dit` from the run config (model.* shape, diffusion.* blocks, noise and sampling)."""
+    m, d = cfg.model, cfg.diffusion
+    settings = DiTSettings(
+        image_size=m.image_size, channels=m.channels, num_classes=m.num_classes, patch=m.patch, n_layers=m.n_layers,
+        d_model=m.d_model, n_heads=m.n_heads, ffn_hidden=m.ffn_hidden, num_blocks=d.num_blocks, overlap=d.overlap,
+        end_to_end=m.end_to_end, partition=d.partition, block_sampling=d.block_sampling,
+        label_dropout=d.label_dropout, sample_steps=d.sample_steps or 50, cfg_scale=d.cfg_scale,
+        clip_samples=cfg.data.source != "latents",
+        noise=noise_schedule(cfg), norm_eps=m.norm_eps, init_std=m.init_std)
+    return finish_build(DiffusionDiT(settings), cfg, state)

@@ -1,0 +1,282 @@
+"""DiffusionBlocks ViT classifier (method.md §7; the paper's §5.1) and its end-to-end baseline.
+
+The label is the diffused variable. Its clean point is y = label_table[label] (fixed random unit
+vectors, one per class); training noises it, z = y + sigma*eps, and the noisy embedding c_in*z takes the
+[CLS] slot in front of the image patches. Every layer is modulated by adaLN-Zero from c_noise.
+
+    images (N, C, H, W) -> patches (N, P, C*p*p) -> patch_embed -> [slot | patches] + pos_emb
+    block b (L/B AdaLN layers, untied) owns the sigma interval b (block 0 = highest sigma)
+    h = c_out * normalize(F[slot]) + c_skip * z  ->  logits = head(norm(h))      (head: untied, zero init)
+    loss = CE(logits, label) * w(sigma) / E_block[w]                            (loss_weight: edm)
+
+Inference (`predict`) runs K >= B Euler steps from z ~ N(0, sigma_top^2 I) on the equal-probability
+sigma grid, each routed to the block that owns sigma_k; with K = B each block runs once, the cost of one
+pass through the whole network. The logits of the last call are the prediction. sigma_top is sigma_max
+(the paper; `sample_top_quantile` 1) or a high quantile of block 0's training law, as the language
+models start (method.md §5). Between steps the bridge maps the logits to a point among the label
+embeddings: soft (the expectation), hard (the argmax's), sample (a drawn label's).
+
+`end_to_end: true` is the paper's baseline: the same patches, layers and head, a learned [CLS] token
+in the slot, adaLN from a learned constant, all L layers in one pass, plain CE.
+
+Public API:
+    build(cfg, vocab_size, state)  the registry's entry (`model.kind: vit`)
+    DiffusionViT(ViTSettings)
+    training_loss(images, labels, step, seed) -> (loss, metrics)    one block per step (Trainable)
+    validation_loss(images, labels, seed) -> CE of predict(K = B)
+    predict(images, num_iterations=None, generator=None) -> logits (N, num_classes)
+    features(images, num_iterations=None, generator=None) -> (N, d_model) what the head reads
+    accuracy(images, labels, num_iterations=None, batch_size=256, generator=None)
+        -> {"accuracy", "examples", "num_iterations"}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from looped_lm import diffusion as dm
+from looped_lm.errors import UserError
+from looped_lm.models.adaln import (BLOCK_SAMPLING, AdaLNLayer, Blockwise, check_blocks, check_choice,
+                                    check_image_size, check_images, check_iterations, check_labels,
+                                    check_positive_ints, check_width, finish_build, noise_schedule, patchify)
+from looped_lm.models.contract import Classifier
+from looped_lm.models.layers import ffn_width, init_weights
+from looped_lm.models.two_stream import NoiseEmbedding
+
+
+@dataclass
+class ViTSettings:
+    """The paper's CIFAR-100 ViT by default (12 layers, patch 4, d 128, 4 heads, B = 3, overlap 0.05)."""
+
+    image_size: int = 32
+    channels: int = 3
+    num_classes: int = 100
+    patch: int = 4
+    n_layers: int = 12
+    d_model: int = 128
+    n_heads: int = 4
+    ffn_hidden: int = 0  # 0: SwiGLU's 8/3 d rule
+    num_blocks: int = 3
+    overlap: float = 0.05
+    end_to_end: bool = False  # the baseline: an ordinary ViT classifier over all layers
+    partition: str = "equi_probability"
+    block_sampling: str = "uniform"
+    loss_weight: str = "edm"  # edm: w(sigma) / E_block[w]; none: plain CE
+    bridge: str = "soft"  # inference: D = softmax(logits) @ label_table (soft), label_table[argmax] (hard), or
+    # the embedding of a label drawn from softmax(logits) (sample)
+    sample_top_quantile: float = 1.0  # chains start at this quantile of block 0's sigma law; 1 = sigma_max (paper)
+    num_iterations: int = 0  # default K of predict; 0 = num_blocks
+    parameterization: str = "edm"  # edm (the paper); likelihood: logits + <z, y_v>/sigma^2 (method.md §9) [ours]
+    noise: dm.NoiseSchedule = field(default_factory=dm.NoiseSchedule)
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+
+    def validate(self) -> "ViTSettings":
+        p = "vit"
+        check_positive_ints(self, p, ("image_size", "channels", "patch", "n_layers", "d_model", "n_heads"))
+        if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int) or self.num_classes < 2:
+            raise UserError(f"{p}.num_classes must be an integer >= 2 (got {self.num_classes!r})")
+        check_image_size(self.image_size, self.patch, p)
+        check_width(self.d_model, self.n_heads, p)
+        check_blocks(self.n_layers, self.num_blocks, p)
+        check_choice(self.partition, dm.PARTITION_KINDS, f"{p}.partition")
+        check_choice(self.block_sampling, BLOCK_SAMPLING, f"{p}.block_sampling")
+        check_choice(self.loss_weight, ("edm", "none"), f"{p}.loss_weight")
+        check_choice(self.bridge, ("soft", "hard", "sample"), f"{p}.bridge")
+        if not 0 < self.sample_top_quantile <= 1:
+            raise UserError(f"{p}.sample_top_quantile must be in (0, 1] (got {self.sample_top_quantile})")
+        check_choice(self.parameterization, ("edm", "likelihood"), f"{p}.parameterization")
+        if self.num_iterations and not self.end_to_end:
+            check_iterations(self.num_iterations, self.num_blocks, f"{p}.num_iterations")
+        self.noise.validate()
+        dm.widen([1.0, 2.0], self.overlap)  # checks the overlap's range
+        return self
+
+
+class DiffusionViT(nn.Module, Blockwise, Classifier):
+    def __init__(self, settings: ViTSettings):
+        super().__init__()
+        s = self.settings = settings.validate()
+        self.sched, self.block_sampling = s.noise, s.block_sampling
+        self.end_to_end = s.end_to_end
+        num_blocks = 1 if s.end_to_end else s.num_blocks
+        self.edges = dm.make_edges(s.partition, num_blocks, self.sched)
+        self.train_ranges = dm.widen(self.edges, s.overlap)  # by block, block 0 = highest sigma
+        d, per_block = s.d_model, s.n_layers // num_blocks
+        ffn = ffn_width(d, s.ffn_hidden)
+        self.patch_embed = nn.Linear(s.channels * s.patch**2, d)
+        self.pos_emb = nn.Parameter(torch.zeros(1, 1 + (s.image_size // s.patch) ** 2, d))
+        self.blocks = nn.ModuleList(nn.ModuleList(AdaLNLayer(d, s.n_heads, ffn, s.norm_eps) for _ in range(per_block))
+                                    for _ in range(num_blocks))
+        if s.end_to_end:
+            self.cls = nn.Parameter(torch.zeros(1, 1, d))
+            self.cond = nn.Parameter(torch.zeros(d))  # adaLN from a learned constant: no noise level here
+        else:
+            self.noise_emb = NoiseEmbedding(d)
+        # Clean label points: fixed random unit vectors (no gradient into the targets, as in dblm)
+        self.register_buffer("label_table", F.normalize(torch.randn(s.num_classes, d), dim=-1))
+        self.norm = nn.RMSNorm(d, eps=s.norm_eps)
+        self.head = nn.Linear(d, s.num_classes)
+        init_weights(self, s.init_std, s.n_layers)
+        nn.init.xavier_uniform_(self.patch_embed.weight)  # O(1) patch tokens from the first step (DiT's init)
+        for layer in (layer for block in self.blocks for layer in block):
+            nn.init.zeros_(layer.ada.weight)
+            nn.init.zeros_(layer.ada.bias)  # adaLN-Zero: every layer starts as the identity
+            if s.end_to_end:  # no noise level: start as an ordinary pre-norm layer (gates 1), or the
+                layer.ada.bias.data.view(6, d)[[2, 5]] = 1.0  # constant [CLS] slot never sees the image
+        nn.init.zeros_(self.head.weight)  # the zero-initialised, untied classifier
+        nn.init.zeros_(self.head.bias)
+
+    def checkpoint_state(self) -> dict:
+        return {**super().checkpoint_state(), "end_to_end": self.end_to_end}
+
+    # --- forward pieces -------------------------------------------------------------------------
+
+    def embed_patches(self, images):
+        check_images(images, self.settings.channels, self.settings.image_size)
+        return self.patch_embed(patchify(images, self.settings.patch))  # (N, P, C)
+
+    def run_layers(self, b: int, slot, patches, cond):
+        """[slot | patches] (+ positions) through block b's layers -> the slot's output (N, C)."""
+        x = torch.cat([slot[:, None], patches], dim=1) + self.pos_emb
+        cond = F.silu(cond)
+        for layer in self.blocks[b]:
+            x = layer(x, cond)
+        return x[:, 0]
+
+    def block_logits(self, b: int, patches, z, sigma, with_features: bool = False):
+        """Block b's denoised label at noise sigma (N,) from z (N, C) -> logits (N, num_classes), and with
+        `with_features` the (N, C) representation the head reads them from."""
+        c_skip, c_out, c_in, c_noise = (c.to(z.dtype)[:, None] for c in dm.edm_scalings(sigma, self.sched.sigma_data))
+        out = self.run_layers(b, c_in * z, patches, self.noise_emb(c_noise[:, 0]))
+        if self.settings.parameterization == "likelihood":
+            # the exact log-likelihood of z under each label (unit-norm targets): the network only has to
+            # supply the image's prior over labels, and what z already says is never lost
+            features = self.norm(out)
+            logits = self.head(features) + (z @ self.label_table.T) / sigma[:, None] ** 2
+        else:
+            features = self.norm(c_out * F.normalize(out, dim=-1) + c_skip * z)
+            logits = self.head(features)
+        return (logits, features) if with_features else logits
+
+    def classify(self, patches, with_features: bool = False):
+        """The end-to-end classifier: learned [CLS], all layers, one pass."""
+        N = patches.shape[0]
+        features = self.norm(self.run_layers(0, self.cls.expand(N, 1, -1)[:, 0], patches, self.cond.expand(N, -1)))
+        return (self.head(features), features) if with_features else self.head(features)
+
+    # --- training -------------------------------------------------------------------------------
+
+    def training_loss(self, x, y, step: int, seed: int):
+        """x: images (N, C, H, W) in [-1, 1]; y: labels (N,). One block per step (DB), or the whole
+        classifier (end_to_end)."""
+        check_labels(y, self.settings.num_classes)
+        patches = self.embed_patches(x)
+        if self.end_to_end:
+            ce = F.cross_entropy(self.classify(patches).float(), y, reduction="none")
+            return ce.mean(), {"block": 0, "loss_block0": float(ce.detach().mean())}
+        b = self.choose_block(step, seed)
+        sigma = dm.sample_sigma(x.shape[0], *self.train_ranges[b], self.sched, device=x.device)
+        z = self.label_table[y] + sigma[:, None] * torch.randn(x.shape[0], self.settings.d_model, device=x.device)
+        ce = F.cross_entropy(self.block_logits(b, patches, z, sigma).float(), y, reduction="none")
+        loss = (ce * self.loss_weights(sigma, b)).mean()
+        return loss, {"block": b, f"loss_block{b}": float(ce.detach().mean()), "sigma_mean": float(sigma.mean())}
+
+    def loss_weights(self, sigma, b: int):
+        if self.settings.loss_weight == "none":
+            return torch.ones_like(sigma)
+        w = dm.edm_weight(sigma, self.sched.sigma_data)
+        return (w / dm.edm_loss_weight_normaliser(*self.train_ranges[b], self.sched)).to(sigma.dtype)
+
+    @torch.no_grad()
+    def validation_loss(self, x, y, seed: int):
+        g = torch.Generator(device=x.device).manual_seed(seed)
+        check_labels(y, self.settings.num_classes)
+        return F.cross_entropy(self.predict(x, generator=g).float(), y)
+
+    # --- inference ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def predict(self, images, num_iterations: int | None = None, generator: torch.Generator | None = None,
+                with_features: bool = False, check: bool = True):
+        """Logits (N, num_classes). DB: K = num_iterations (default B, at least B) routed Euler steps
+        from pure noise; the end-to-end classifier ignores K. With `with_features`: (logits, features of
+        the last call, (N, d_model))."""
+        patches = self.embed_patches(images)
+        if self.end_to_end:
+            return self.classify(patches, with_features)
+        K = self.default_iterations() if num_iterations is None else num_iterations
+        if check:  # `features` alone runs one call (block 0)
+            check_iterations(K, self.num_blocks)
+        sigmas = dm.inference_sigmas(K, self.sched, lo=self.edges[0], hi=self.edges[-1])
+        sigmas[0] = self.sigma_top()
+        N, d = images.shape[0], self.settings.d_model
+        gen_device = generator.device if generator is not None else None
+        z = (sigmas[0] * torch.randn(N, d, generator=generator, device=gen_device)).to(images.device)
+        for k in range(K):
+            sigma = torch.full((N,), sigmas[k], device=images.device)
+            logits, features = self.block_logits(dm.route_sigma(sigmas[k], self.edges), patches, z, sigma, True)
+            if k + 1 < K:
+                z = dm.euler_step(z, self.bridge(logits, generator), sigmas[k], sigmas[k + 1])
+        return (logits, features) if with_features else logits
+
+    @torch.no_grad()
+    def features(self, images, num_iterations: int | None = None, generator: torch.Generator | None = None):
+        """(N, d_model): what the head reads from the image alone, a feature space for the Frechet distance
+        of generated images. End-to-end: the [CLS] slot's output. DB: block 0's at the top of the noise
+        range, where z says nothing of the label (later calls mostly read back the label the chain chose,
+        a 10-point cloud, not image features). K does not enter."""
+        if self.end_to_end:
+            return self.predict(images, with_features=True)[1]
+        return self.predict(images, 1, generator, with_features=True, check=False)[1]
+
+    def default_iterations(self) -> int:
+        return self.settings.num_iterations or self.num_blocks
+
+    def sigma_top(self) -> float:
+        """Where chains start: sigma_max, or the sample_top_quantile of block 0's training law."""
+        if self.settings.sample_top_quantile >= 1:
+            return float(self.edges[-1])
+        from looped_lm.diffusion.chain import top_of_block0
+
+        return top_of_block0(self.train_ranges[0], self.edges, self.settings.sample_top_quantile, self.sched)
+
+    def bridge(self, logits, generator: torch.Generator | None = None):
+        """Logits -> a denoised point among the label embeddings."""
+        if self.settings.bridge == "hard":
+            return self.label_table[logits.argmax(-1)]
+        probs = logits.float().softmax(-1)
+        if self.settings.bridge == "sample":
+            gen_device = generator.device if generator is not None else probs.device
+            drawn = torch.multinomial(probs.to(gen_device), 1, generator=generator).squeeze(-1)
+            return self.label_table[drawn.to(logits.device)]
+        return probs @ self.label_table
+
+    @torch.no_grad()
+    def accuracy(self, images, labels, num_iterations: int | None = None, batch_size: int = 256,
+                 generator: torch.Generator | None = None) -> dict:
+        """Top-1 accuracy over (images, labels), in batches: what `looped_lm eval` prints for vit."""
+        check_labels(labels, self.settings.num_classes)
+        K = self.default_iterations() if num_iterations is None else num_iterations
+        correct = 0
+        for i in range(0, images.shape[0], batch_size):
+            logits = self.predict(images[i:i + batch_size], K, generator)
+            correct += int((logits.argmax(-1) == labels[i:i + batch_size]).sum())
+        n = int(images.shape[0])
+        return {"accuracy": correct / max(n, 1), "examples": n, "num_iterations": 1 if self.end_to_end else K}
+
+
+def build(cfg, vocab_size: int = 0, state: dict | None = None) -> DiffusionViT:
+    """`model.kind: vit` from the run config (model.* shape, diffusion.* blocks, noise and inference)."""
+    m, d = cfg.model, cfg.diffusion
+    settings = ViTSettings(
+        image_size=m.image_size, channels=m.channels, num_classes=m.num_classes, patch=m.patch, n_layers=m.n_layers,
+        d_model=m.d_model, n_heads=m.n_heads, ffn_hidden=m.ffn_hidden, num_blocks=d.num_blocks, overlap=d.overlap,
+        end_to_end=m.end_to_end, partition=d.partition, block_sampling=d.block_sampling, loss_weight=d.loss_weight,
+        bridge=d.bridge, parameterization=d.parameterization, sample_top_quantile=d.sample_top_quantile,
+        num_iterations=d.num_iterations, noise=noise_schedule(cfg), norm_eps=m.norm_eps, init_std=m.init_std)
+    return finish_build(DiffusionViT(settings), cfg, state)

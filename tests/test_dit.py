@@ -1,0 +1,176 @@
+"""The DiffusionBlocks DiT denoiser and its end-to-end baseline (looped_lm/models/dit.py)."""
+
+import math
+
+import pytest
+import torch
+
+from looped_lm import diffusion as dm
+from looped_lm.errors import UserError
+from looped_lm.models.dit import DiffusionDiT, DiTSettings, frechet_distance
+
+TINY = dict(image_size=8, channels=1, num_classes=10, patch=2, n_layers=2, d_model=32, n_heads=2, num_blocks=2)
+
+
+def tiny(perturb: bool = True, **kw) -> DiffusionDiT:
+    """A 2-layer DiT; adaLN and the output layer start at zero, so `perturb` gives them weights."""
+    torch.manual_seed(0)
+    model = DiffusionDiT(DiTSettings(**{**TINY, **kw}))
+    if perturb:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "ada" in name or name.startswith("out."):
+                    p.normal_(0, 0.2)
+    return model
+
+
+def batch(n=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(n, 1, 8, 8, generator=g) * 2 - 1, torch.randint(10, (n,), generator=g)
+
+
+def test_defaults_are_dit_s2():
+    s = DiTSettings()
+    assert (s.n_layers, s.d_model, s.n_heads, s.patch, s.label_dropout, s.overlap) == (12, 384, 6, 2, 0.1, 0.05)
+
+
+def test_denoiser_is_the_edm_skip_at_init_and_shapes_hold():
+    model = tiny(perturb=False)
+    x, y = batch()
+    sigma = torch.full((6,), 0.7)
+    z = x + 0.7 * torch.randn_like(x)
+    c_skip = 0.25 / (0.49 + 0.25)
+    assert torch.allclose(model.denoise(0, z, sigma, y), c_skip * z)  # zero output layer: F = 0
+    assert tiny().denoise(1, z, sigma, y).shape == (6, 1, 8, 8)
+
+
+def test_one_block_per_step_only_that_block_and_shared_parts_get_gradients():
+    model = tiny()
+    x, y = batch()
+    for step in range(4):
+        b = model.choose_block(step, seed=1)
+        model.zero_grad(set_to_none=True)
+        loss, metrics = model.training_loss(x, y, step, seed=1)
+        loss.backward()
+        assert metrics["block"] == b and model.step_units(step, 1) == {"shared", f"block{b}"}
+        lo, hi = model.train_ranges[b]
+        assert lo <= metrics["sigma_mean"] <= hi
+        for name, p in model.named_parameters():
+            unit = model.param_unit(name)
+            if unit.startswith("block") and unit != f"block{b}":
+                assert p.grad is None, name
+        got = {name for name, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+        assert any(n.startswith(f"blocks.{b}.") for n in got)
+        assert {"patch_embed.weight", "out.weight", "label_emb.weight"} <= got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("end_to_end", [False, True])
+def test_loss_decreases_on_a_fixed_batch(end_to_end):
+    model = tiny(perturb=False, end_to_end=end_to_end, block_sampling="round_robin")
+    _, y = batch(16)
+    x = torch.linspace(-1, 1, 64).view(1, 1, 8, 8).expand(16, 1, 8, 8)  # one image to learn
+    start = float(model.validation_loss(x, y, seed=0))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(40):
+        loss, _ = model.training_loss(x, y, step, seed=0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert float(model.validation_loss(x, y, seed=0)) < 0.6 * start
+
+
+def test_label_dropout_uses_the_null_class():
+    model = tiny(label_dropout=0.5)
+    torch.manual_seed(0)
+    y = torch.zeros(4000, dtype=torch.long)
+    dropped = (model.drop_labels(y, 4000, "cpu") == model.null_label).float().mean()
+    assert abs(float(dropped) - 0.5) < 0.03
+    assert not (tiny(label_dropout=0.0).drop_labels(y, 4000, "cpu") == 10).any()
+
+
+def test_sampling_is_seeded_routed_and_guided(monkeypatch):
+    model = tiny()
+    y = torch.tensor([1, 2, 3])
+    g = lambda s: torch.Generator().manual_seed(s)  # noqa: E731
+    a = model.sample(y, steps=4, cfg_scale=2.0, generator=g(0))
+    assert a.shape == (3, 1, 8, 8) and a.abs().max() <= 1
+    assert torch.equal(a, model.sample(y, steps=4, cfg_scale=2.0, generator=g(0)))
+    assert not torch.equal(a, model.sample(y, steps=4, cfg_scale=2.0, generator=g(1)))
+    assert not torch.equal(a, model.sample(y, steps=4, cfg_scale=1.0, generator=g(0)))  # guidance matters
+    calls = []
+    inner = model.denoise
+    monkeypatch.setattr(model, "denoise", lambda b, z, s, l: calls.append((b, z.shape[0])) or inner(b, z, s, l))
+    model.sample(y, steps=4, cfg_scale=2.0)
+    assert calls == [(0, 6), (0, 6), (1, 6), (1, 6)]  # equal steps per block; cond + null in one batch
+    calls.clear()
+    model.sample(y, steps=2, cfg_scale=1.0)
+    assert calls == [(0, 3), (1, 3)]
+    assert model.steps_per_block(50) == [25, 25]
+    assert tiny(num_blocks=1).steps_per_block(50) == [50]
+
+
+def test_guidance_zero_is_the_unconditional_model():
+    model = tiny()
+    y = torch.tensor([1, 2])
+    a = model.sample(y, steps=2, cfg_scale=0.0, generator=torch.Generator().manual_seed(0))
+    b = model.sample(torch.tensor([7, 9]), steps=2, cfg_scale=0.0, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(a, b)  # scale 0 keeps only the null-label pass
+    c = model.sample(torch.tensor([7, 9]), steps=2, cfg_scale=1.0, generator=torch.Generator().manual_seed(0))
+    assert not torch.allclose(a, c)
+
+
+def test_end_to_end_baseline_is_one_block_over_the_whole_range():
+    model = tiny(end_to_end=True)
+    assert model.num_blocks == 1 and len(model.blocks[0]) == 2
+    assert model.edges == [0.002, 80.0] and model.step_units(3, 0) is None
+
+
+def test_frechet_distance_against_hand_computed_values():
+    a = torch.tensor([[0.0], [2.0]])  # mean 1, variance 2 (unbiased)
+    b = torch.tensor([[0.0], [4.0]])  # mean 2, variance 8
+    assert frechet_distance(a, b) == pytest.approx(1 + 2 + 8 - 2 * math.sqrt(16))
+    x = torch.randn(200, 5, generator=torch.Generator().manual_seed(0))
+    assert frechet_distance(x, x) == pytest.approx(0.0, abs=1e-6)
+    assert frechet_distance(x, x + 1) == pytest.approx(5.0, abs=1e-6)
+    with pytest.raises(UserError):
+        frechet_distance(x, torch.randn(10, 4))
+
+
+def test_bad_input_raises_one_clear_line():
+    model = tiny()
+    x, y = batch()
+    with pytest.raises(UserError, match=r"num_iterations \(sampler steps\) \(1\) must be >= the number of blocks \(2\)"):
+        model.sample(y, steps=1)
+    with pytest.raises(UserError, match="label id 12 is out of range"):
+        model.sample(torch.tensor([12]), steps=4)
+    with pytest.raises(UserError, match="label id 10"):
+        model.training_loss(x, torch.full((6,), 10), 0, 0)
+    with pytest.raises(UserError, match="not divisible by dit.patch"):
+        DiffusionDiT(DiTSettings(**{**TINY, "image_size": 9}))
+    with pytest.raises(UserError, match="larger than dit.n_layers"):
+        DiffusionDiT(DiTSettings(**{**TINY, "num_blocks": 3}))
+    with pytest.raises(UserError, match="label_dropout"):
+        DiffusionDiT(DiTSettings(**{**TINY, "label_dropout": 1.0}))
+    with pytest.raises(UserError, match="cfg_scale"):
+        model.sample(y, steps=2, cfg_scale=-1)
+
+
+def test_noise_intervals_come_from_the_shared_partition():
+    model = tiny(num_blocks=2)
+    assert model.edges == pytest.approx(dm.equi_probability_edges(2, dm.NoiseSchedule()))
+    assert model.train_ranges == dm.widen(model.edges, 0.05)
+
+
+def test_it_is_a_trainable_with_json_state():
+    import json
+
+    from looped_lm.models.contract import Trainable
+
+    model = tiny()
+    assert isinstance(model, Trainable)
+    state = json.loads(json.dumps(model.checkpoint_state()))
+    assert state["num_blocks"] == model.num_blocks and len(state["edges"]) == model.num_blocks + 1
+    model.restore_state(state)  # its own state is accepted
+    with pytest.raises(UserError, match="cannot resume"):
+        model.restore_state({**state, "num_blocks": 99})

@@ -1,0 +1,220 @@
+"""The DiffusionBlocks ViT classifier and its end-to-end baseline (looped_lm/models/vit.py)."""
+
+import pytest
+import torch
+
+from looped_lm import diffusion as dm
+from looped_lm.errors import UserError
+from looped_lm.models.adaln import choose_block
+from looped_lm.models.vit import DiffusionViT, ViTSettings
+from looped_lm.optim import BlockwiseAdamW, param_groups
+
+TINY = dict(image_size=8, channels=1, num_classes=10, patch=2, n_layers=3, d_model=32, n_heads=2, num_blocks=3)
+
+
+def tiny(perturb: bool = True, **kw) -> DiffusionViT:
+    """A 3-layer ViT; adaLN and the head start at zero, so `perturb` gives them weights (else the block
+    layers get no gradient and z does not reach the logits through them)."""
+    torch.manual_seed(0)
+    model = DiffusionViT(ViTSettings(**{**TINY, **kw}))
+    if perturb:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "ada" in name or name.startswith("head"):
+                    p.normal_(0, 0.2)
+    return model
+
+
+def batch(n=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(n, 1, 8, 8, generator=g) * 2 - 1, torch.randint(10, (n,), generator=g)
+
+
+def test_shapes_and_defaults():
+    s = ViTSettings()
+    assert (s.n_layers, s.patch, s.d_model, s.n_heads, s.num_blocks, s.overlap) == (12, 4, 128, 4, 3, 0.05)
+    model = tiny()
+    x, y = batch()
+    assert model.predict(x).shape == (6, 10)
+    assert model.predict(x, 6).shape == (6, 10)
+    assert model.num_blocks == 3 and all(len(block) == 1 for block in model.blocks)
+    assert model.edges == pytest.approx([0.002, 0.180, 0.505, 80.0], abs=1e-3)
+    out = model.accuracy(x, y, num_iterations=3, batch_size=4)
+    assert set(out) == {"accuracy", "examples", "num_iterations"} and out["examples"] == 6
+    assert out["num_iterations"] == 3
+
+
+def test_classifier_starts_at_zero_and_label_takes_the_cls_slot():
+    model = tiny(perturb=False)
+    x, y = batch()
+    assert torch.equal(model.predict(x), torch.zeros(6, 10))  # zero-initialised classifier
+    model = tiny()
+    patches = model.embed_patches(x)
+    sigma = torch.full((6,), 0.5)
+    z = model.label_table[y] + 0.5 * torch.randn(6, 32)
+    a = model.block_logits(1, patches, z, sigma)
+    b = model.block_logits(1, patches, z + 0.3, sigma)
+    assert not torch.allclose(a, b)  # the noisy label in the slot reaches the logits
+
+
+def test_likelihood_parameterization_adds_the_exact_label_likelihood():
+    model = tiny(perturb=False, parameterization="likelihood")  # zero head: only the likelihood term is left
+    x, y = batch()
+    patches = model.embed_patches(x)
+    sigma = torch.tensor([0.1, 0.2, 0.5, 1.0, 2.0, 80.0])
+    z = model.label_table[y] + sigma[:, None] * torch.randn(6, 32)
+    expected = (z @ model.label_table.T) / sigma[:, None] ** 2  # log N(z; y_v, sigma^2) + const (|y_v| = 1)
+    assert torch.allclose(model.block_logits(2, patches, z, sigma), expected, atol=1e-5)
+
+
+def test_one_block_per_step_only_that_block_and_shared_parts_get_gradients():
+    model = tiny()
+    x, y = batch()
+    for step in range(6):
+        b = model.choose_block(step, seed=3)
+        model.zero_grad(set_to_none=True)
+        loss, metrics = model.training_loss(x, y, step, seed=3)
+        loss.backward()
+        assert metrics["block"] == b
+        assert model.step_units(step, 3) == {"shared", f"block{b}"}
+        for name, p in model.named_parameters():
+            unit = model.param_unit(name)
+            if unit.startswith("block") and unit != f"block{b}":
+                assert p.grad is None, name
+        got = {name for name, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+        assert any(n.startswith(f"blocks.{b}.") for n in got)
+        assert {"patch_embed.weight", "head.weight", "pos_emb"} <= got
+        assert any(n.startswith("noise_emb.") for n in got)
+
+
+def test_optimiser_moves_only_the_chosen_block():
+    """Under DeepSpeed the idle blocks get zero gradients, not None: weight decay and momentum would move
+    them unless step_units / param_unit keep them out of the step."""
+    model = tiny()
+    opt = BlockwiseAdamW(param_groups(model, 0.1), lr=1e-2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x, y = batch()
+    b = model.choose_block(0, 0)
+    opt.set_active_units(model.step_units(0, 0))
+    loss, _ = model.training_loss(x, y, 0, 0)
+    loss.backward()
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    opt.step()
+    for name, p in model.named_parameters():
+        unit = model.param_unit(name)
+        moved = not torch.equal(p, before[name])
+        if unit.startswith("block"):
+            assert moved == (unit == f"block{b}"), name
+    assert {model.param_unit(n) for n, _ in model.named_parameters()} == {"shared", "block0", "block1", "block2"}
+
+
+def test_block_choice_is_the_language_models_rule():
+    from tiny_models import build_tiny
+
+    lm = build_tiny("db_ar", block_sampling="uniform")  # B = 2
+    for seed in (0, 7):
+        assert [lm.choose_block(s, seed) for s in range(40)] == [choose_block(s, seed, 2) for s in range(40)]
+    assert [choose_block(s, 0, 3, "round_robin") for s in range(4)] == [0, 1, 2, 0]
+
+
+@pytest.mark.parametrize("end_to_end", [False, True])
+def test_loss_decreases_on_a_fixed_batch(end_to_end):
+    """Every block's loss on the same batch, sigma and noise (the global RNG re-seeded) falls."""
+    model = tiny(perturb=False, end_to_end=end_to_end, block_sampling="round_robin")
+    _, y = batch(16)
+    patterns = torch.rand(10, 1, 8, 8, generator=torch.Generator().manual_seed(9)) * 2 - 1
+    x = patterns[y]  # one picture per class
+
+    def losses():
+        out = []
+        for step in range(model.num_blocks):  # round-robin: step b trains block b
+            torch.manual_seed(123)
+            out.append(float(model.training_loss(x, y, step, seed=0)[0].detach()))
+        return out
+
+    start = losses()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(45):
+        loss, _ = model.training_loss(x, y, step, seed=0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert all(after < 0.8 * before for after, before in zip(losses(), start)), (start, losses())
+
+
+def test_inference_runs_one_step_per_block_and_is_seeded(monkeypatch):
+    model = tiny()
+    x, _ = batch()
+    g = lambda s: torch.Generator().manual_seed(s)  # noqa: E731
+    assert torch.equal(model.predict(x, 3, g(1)), model.predict(x, 3, g(1)))
+    assert not torch.equal(model.predict(x, 3, g(1)), model.predict(x, 3, g(2)))
+    calls = []
+    inner = model.block_logits
+    monkeypatch.setattr(model, "block_logits", lambda b, *a: calls.append(b) or inner(b, *a))
+    model.predict(x, 3)
+    assert calls == [0, 1, 2]
+    calls.clear()
+    model.predict(x, 6)
+    assert calls == [0, 0, 1, 1, 2, 2]
+
+
+def test_end_to_end_baseline_is_one_pass_of_all_layers():
+    model = tiny(end_to_end=True)
+    assert model.num_blocks == 1 and len(model.blocks[0]) == 3
+    assert model.step_units(5, 0) is None
+    assert model.checkpoint_state()["end_to_end"] is True
+    x, y = batch()
+    assert model.accuracy(x, y)["num_iterations"] == 1
+    loss, metrics = model.training_loss(x, y, 0, 0)
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_edm_weight_normalised_per_block():
+    model = tiny()
+    sigma = torch.tensor([0.01, 0.1])
+    w = model.loss_weights(sigma, 2)
+    expected = dm.edm_weight(sigma, 0.5) / dm.edm_loss_weight_normaliser(*model.train_ranges[2], model.sched)
+    assert torch.allclose(w, expected.float())
+    assert torch.equal(tiny(loss_weight="none").loss_weights(sigma, 2), torch.ones(2))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(image_size=10, patch=4), "not divisible by vit.patch"),
+    (dict(num_blocks=4), "larger than vit.n_layers"),
+    (dict(num_blocks=2), "must divide"),
+    (dict(d_model=30), "multiple of vit.n_heads"),
+    (dict(bridge="magic"), "vit.bridge"),
+])
+def test_bad_settings_raise_one_clear_line(kw, match):
+    with pytest.raises(UserError, match=match):
+        DiffusionViT(ViTSettings(**{**TINY, **kw}))
+
+
+def test_bad_input_raises_one_clear_line():
+    model = tiny()
+    x, y = batch()
+    with pytest.raises(UserError, match="label id 10 is out of range"):
+        model.training_loss(x, torch.full((6,), 10), 0, 0)
+    with pytest.raises(UserError, match="label id -1"):
+        model.accuracy(x, torch.full((6,), -1))
+    with pytest.raises(UserError, match=r"num_iterations \(2\) must be >= the number of blocks \(3\)"):
+        model.predict(x, 2)
+    with pytest.raises(UserError, match=r"shape \(N, 1, 8, 8\)"):
+        model.predict(torch.zeros(2, 3, 8, 8))
+
+
+def test_it_is_a_trainable_with_json_state():
+    import json
+
+    from looped_lm.models.contract import Trainable
+
+    model = tiny()
+    assert isinstance(model, Trainable)
+    state = json.loads(json.dumps(model.checkpoint_state()))
+    assert state["num_blocks"] == model.num_blocks and len(state["edges"]) == model.num_blocks + 1
+    model.restore_state(state)  # its own state is accepted
+    with pytest.raises(UserError, match="cannot resume"):
+        model.restore_state({**state, "num_blocks": 99})
