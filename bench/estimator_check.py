@@ -1,6 +1,8 @@
 """ppl@k's estimator against plain Monte-Carlo of the real sampler, on a trained checkpoint.
 
     python bench/estimator_check.py --checkpoint out/quickstart_db/step_0000400 [--chains 2048] [--tokens 128]
+    python bench/estimator_check.py --run powered/db_ar_b4/0 --ks 4,8,16 --boosts 0.5,0.1 --draws 16,64 \
+        --last-calls edge --out bench/results/quality/estimator/db_ar_b4.json    # a quality-study checkpoint
 
 For each K and each `last_call` (`edge`, `sigma_min`; the checkpoint's weights with that setting):
   mc         plain Monte-Carlo: `--chains` runs per token of the very chain `generate` runs (temperature 1),
@@ -8,6 +10,8 @@ For each K and each `last_call` (`edge`, `sigma_min`; the checkpoint's weights w
   estimator  `model.score` (looped_lm/diffusion/estimator.py) at the eval defaults and at more draws,
              with its own standard error, and its cost in network calls
   naive      -log of the plain mean of 2 and 4 chains (what ppl@k used to be at K > B)
+With --boosts, the estimator runs once per importance-sampling boost (ScoreSettings.boost: the share of
+the later draws' proposal put on the target); it is unbiased for every boost, but its variance is not.
 
 Writes bench/results/estimator_check.json and prints a markdown table. One thread.
 """
@@ -31,6 +35,18 @@ from looped_lm.sampling import SharedGenerator
 from looped_lm.settings import InferenceSettings, ScoreSettings
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def study_model(run: str, last_call: str):
+    """A bench/quality.py run "study/name/seed" with `last_call`, and the validation windows' stream."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import quality
+
+    study, name, seed = run.split("/")
+    model, _ = quality.load_trained(study, name, int(seed), last_call=last_call)
+    _, val = quality.data_streams()
+    return model, val
 
 
 def with_last_call(model, cfg, manifest, last_call):
@@ -70,23 +86,37 @@ def ppl(nll_mean):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--checkpoint", help="a trainer checkpoint directory")
+    ap.add_argument("--run", help="or a bench/quality.py run: study/name/seed")
+    ap.add_argument("--boosts", default="0.5", help="estimator boosts to compare")
+    ap.add_argument("--draws", default="4,16", help="estimator draw counts to compare")
+    ap.add_argument("--last-calls", default="edge,sigma_min")
     ap.add_argument("--chains", type=int, default=2048)
     ap.add_argument("--tokens", type=int, default=128, help="held-out targets scored (windows of 64)")
     ap.add_argument("--ks", default="1,2,4,8")
     ap.add_argument("--out", default=str(RESULTS / "estimator_check.json"))
     args = ap.parse_args()
     torch.set_num_threads(1)
-    model, cfg, manifest = load_checkpoint(args.checkpoint)
-    stream = TokenStream(str(Path(manifest["data"]["dir"]) / "val.bin"), 64)
+    if (args.checkpoint is None) == (args.run is None):
+        ap.error("give --checkpoint or --run")
+    if args.checkpoint:
+        model, cfg, manifest = load_checkpoint(args.checkpoint)
+        stream = TokenStream(str(Path(manifest["data"]["dir"]) / "val.bin"), 64)
+        config, step = manifest["config"]["diffusion"], manifest["step"]
+    else:
+        model, stream = study_model(args.run, "edge")
+        stream = TokenStream(stream.path, 64)
+        config, step = model.cfg.diffusion.model_dump(), None
     windows = list(stream.iter_blocks(64, None, args.tokens))
     x = torch.stack([w[0] for w in windows])
     y = torch.stack([w[1] for w in windows])
     B = len(model.blocks)
-    rows, out = [], {"checkpoint": str(args.checkpoint), "step": manifest["step"], "tokens": int(y.numel()),
-                     "chains": args.chains, "blocks": B, "config": manifest["config"]["diffusion"], "results": []}
-    for last_call in ("edge", "sigma_min"):
-        m = with_last_call(model, cfg, manifest, last_call)
+    boosts = [float(b) for b in args.boosts.split(",")]
+    draw_counts = [int(d) for d in args.draws.split(",")]
+    rows, out = [], {"checkpoint": str(args.checkpoint or args.run), "step": step, "tokens": int(y.numel()),
+                     "chains": args.chains, "blocks": B, "config": config, "results": []}
+    for last_call in args.last_calls.split(","):
+        m = with_last_call(model, cfg, manifest, last_call) if args.checkpoint else study_model(args.run, last_call)[0]
         for K in [int(k) for k in args.ks.split(",")]:
             t = time.perf_counter()
             mean, var, _ = plain_chains(m, x, y, K, args.chains, seed=1)
@@ -99,21 +129,25 @@ def main():
                 naive[n] = ppl(float(-nm.clamp_min(1e-300).log().mean()))
             row = {"last_call": last_call, "K": K, "mc_ppl": ppl(mc_nll), "mc_se": ppl(mc_nll) * mc_se,
                    "mc_seconds": mc_time, "naive_2": naive[2], "naive_4": naive[4], "estimator": {}}
-            for draws in (4, 16):
-                t = time.perf_counter()
-                s = m.score(x, y, ScoreSettings(k_grid=(K,), draws=draws), torch.Generator().manual_seed(3))[K]
-                nll = float(s.nll.mean())
-                se = float(s.nll_var.sum().sqrt()) / y.numel() if s.nll_var is not None else 0.0
-                row["estimator"][draws] = {"ppl": ppl(nll), "se": ppl(nll) * se, "seconds": time.perf_counter() - t}
+            for boost in boosts:
+                for draws in draw_counts:
+                    t = time.perf_counter()
+                    s = m.score(x, y, ScoreSettings(k_grid=(K,), draws=draws, boost=boost),
+                                torch.Generator().manual_seed(3))[K]
+                    nll = float(s.nll.mean())
+                    se = float(s.nll_var.sum().sqrt()) / y.numel() if s.nll_var is not None else 0.0
+                    row["estimator"][f"{boost}/{draws}"] = {"boost": boost, "draws": draws, "ppl": ppl(nll),
+                                                            "se": ppl(nll) * se, "seconds": time.perf_counter() - t}
             out["results"].append(row)
-            e4, e16 = row["estimator"][4], row["estimator"][16]
-            rows.append(f"| {last_call} | {K} | {row['mc_ppl']:.3f} ± {row['mc_se']:.3f} | {e4['ppl']:.3f} ± {e4['se']:.3f} | "
-                        f"{e16['ppl']:.3f} ± {e16['se']:.3f} | {naive[2]:.2f} / {naive[4]:.2f} | "
-                        f"{mc_time:.0f} s / {e4['seconds']:.1f} s |")
+            est = " | ".join(f"{e['ppl']:.3f} ± {e['se']:.3f}" for e in row["estimator"].values())
+            rows.append(f"| {last_call} | {K} | {row['mc_ppl']:.3f} ± {row['mc_se']:.3f} | {est} | "
+                        f"{naive[2]:.2f} / {naive[4]:.2f} | {mc_time:.0f} s |")
             print(rows[-1], flush=True)
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(out, indent=1))
-    head = ["| last_call | K | plain Monte-Carlo (± se) | estimator, 4 draws | estimator, 16 draws | "
-            "naive mean of 2 / 4 chains | time MC / est. (4) |", "|---|---|---|---|---|---|---|"]
+    labels = [f"estimator, boost {b}, {d} draws" for b in boosts for d in draw_counts]
+    head = ["| last_call | K | plain Monte-Carlo (± se) | " + " | ".join(labels) +
+            " | naive mean of 2 / 4 chains | time MC |", "|---|---|---|" + "---|" * len(labels) + "---|---|"]
     print("\n".join(head + rows))
 
 

@@ -1,28 +1,37 @@
-"""The quality study (docs/results.md): what DiffusionBlocks costs in quality, and which choices fix it.
+"""The quality study (docs/results.md): DiffusionBlocks LMs against end-to-end and looped baselines,
+at equal training FLOPs, several seeds, scored with the unbiased ppl@k estimator.
 
-    python bench/quality.py main            # gpt, db_ar B=2 / B=4, huginn, looped_db on GPT-2 BPE, equal FLOPs
-    python bench/quality.py ablate          # db_ar switches of method.md §8 + the paper's knobs, byte level
-    python bench/quality.py main --lanes 2  # two runs at a time, one thread each (the default)
-    python bench/quality.py report          # tables + plots from the JSON already written
-    python bench/quality.py main --smoke    # a few steps of everything: checks the script, not the models
-    python bench/quality.py rescore ablate paper    # recompute a finished run's final scores
+    python bench/quality.py run powered                 # the main rows, 3 seeds, 2 lanes (~3 h on 2 cores)
+    python bench/quality.py run tax --seeds 0,1         # one study, some seeds
+    python bench/quality.py run powered --only gpt,huginn
+    python bench/quality.py decode powered              # re-score finished checkpoints with other
+                                                        # last_call / bridge settings (no training)
+    python bench/quality.py report                      # tables + plots from the JSON already written
+    python bench/quality.py run powered --smoke         # a few steps of everything: checks the script
 
-Protocol (every run, seeded): the embedded King James Bible, split by document (3 held-out books),
-`TokenStream` batches (the same sequence of batches for every model), plain `BlockwiseAdamW` (idle DB blocks
-untouched), lr 3e-3 (50 warm-up steps, cosine to 3e-4), wd 0.1, clip 1.0, fp32, ONE thread per run.
+Protocol (every run): the King James Bible embedded in the package, byte tokenizer (V = 257), split by
+document (3 held-out books); 4 layers of d 128 (4 heads), seq 128, batch 16, fp32; `BlockwiseAdamW`
+(idle DiffusionBlocks blocks untouched), lr 3e-3 with a linear warm-up over 2.5% of the run's steps and
+a cosine to 3e-4 at its last step, wd 0.1, clip 1.0; the batches of `TokenStream.get_batch(16, seed,
+step)`. One optimiser step is `looped_lm.training.train_step` with a `TorchRunner`. Seeds set the init,
+the data order, the blocks and the noise. One torch thread per process.
 
-Equal training FLOPs: every run trains until its counted FLOPs reach the study's budget (the reference
-gpt's FLOPs over its steps). FLOPs are COUNTED, not estimated: `torch.utils.flop_counter` over one real
-forward + backward for each distinct step shape (a DB block, a Huginn recurrence r), cached by shape.
-Equal wall-clock: read from the probe curves (val metric vs training seconds, probes not timed) at the
-shortest run's time. Runs in parallel lanes share the machine alike.
+Equal training FLOPs: a run takes as many steps as fit the budget (BUDGET_GPT_STEPS steps of the 4-layer
+gpt). FLOPs per step come from bench/cost_model.py (matmul FLOPs, attention counted over the pairs a
+causal mask lets through); every run first checks the model against torch's FlopCounterMode on its real
+step (dense attention on both sides) and records the check; a layout the cost model does not follow is
+counted from FlopCounterMode instead, with its attention corrected to the visible pairs. The CE(sigma)
+curves that steer `block_sampling: loss_share` are measured on a training batch and their forward FLOPs
+count in the budget. Training seconds (process CPU time, probes excluded) are a secondary axis.
 
-Val metric: exact next-token NLL (gpt; huginn at K = its mean recurrence) or ppl@0's NLL (DB: one call at
-sigma_hi, method.md §6), on fixed held-out windows. Final scoring adds ppl@k (K grid, 2 draws), both bridges,
-CE(sigma) with real and shuffled context, and (main) generated text scored by the study's gpt.
+Metric: held-out next-token NLL on fixed windows of the validation books. gpt exact; huginn exact
+after K iterations; DiffusionBlocks: ppl@0 (one call at sigma_top) and ppl@k, the probability that
+the K = k sampler emits the target, estimated without bias (looped_lm/diffusion/estimator.py) with a
+standard error per number. Probes every tenth of a run; final scoring on more windows and more draws.
 
-Resumable: each run checkpoints (model, optimiser, log, step) to --work at every probe, atomically; a run
-whose JSON exists is skipped. Writes bench/results/quality/<study>/<run>.json and the report's PNGs.
+Outputs: bench/results/quality/<study>/<run>__s<seed>.json, one per run and seed, with the run's full
+config; bench/quality_report.py turns them into report.md and plots. Checkpoints (resumable, every
+probe) live in bench/work/quality/ (not committed).
 """
 
 from __future__ import annotations
@@ -31,186 +40,363 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from looped_lm.config import config_from_dict
 from looped_lm.data.bin_dataset import TokenStream
 from looped_lm.data.prepare import ensure_prepared
-from looped_lm.data.tokenizer import get_tokenizer
 from looped_lm.engine.generate import generate
-from looped_lm.sampling import SamplingParams
 from looped_lm.models import build_model
+from looped_lm.models.contract import Iterative
 from looped_lm.models.huginn import sample_recurrence
 from looped_lm.optim import BlockwiseAdamW, cosine_with_warmup, param_groups
+from looped_lm.sampling import GREEDY, PLAIN, SamplingParams
+from looped_lm.settings import ExitRule, ScoreSettings, resolve_settings
+from looped_lm.training import TorchRunner, train_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import quality_report  # noqa: E402  (bench/ is not a package)
+import cost_model as cm  # noqa: E402  (bench/ is not a package)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "quality"
-SEED, BATCH, SEQ = 0, 16, 128
-LR, MIN_LR, WARMUP, WD = 3e-3, 3e-4, 50, 0.1
-N_PROBES = 16
+WORK = ROOT / "bench" / "work" / "quality"
+BATCH, SEQ, VOCAB = 16, 128, 257
+LR, MIN_LR, WARMUP_SHARE, WD = 3e-3, 3e-4, 0.025, 0.1
+BUDGET_GPT_STEPS = 2000
+N_PROBES = 10
+PROBE_WINDOWS, FINAL_WINDOWS = 16, 32
+# The estimator's cost grows with K x draws: a run's final scoring is held to ~2 CPU-minutes by scoring
+# the expensive settings on fewer windows. val_windows(val, n) for n dividing 32 is a subset of the
+# 32 final windows (every 32/n-th), and every score keeps its per-window nll, so shared windows compare.
+DB_WINDOWS = {2: 32, 4: 16}  # db_ar: K in {0, 1, B, 2B} at 16 draws, by B
+K4B_WINDOWS = 2  # db_ar: K in {0, B, 2B} at 16 draws and K = 4B at 64 on these
+LOOPED_WINDOWS, LOOPED_KS = 2, (1, 2, 4, 8, 16, 32)  # the looped models' K grid: huginn and looped_db alike
+LOOPED_DB_WINDOWS = 16  # looped_db's final K in {0, 1, 2, 4}
+CURVE_SIGMAS = 24
 
-# ------------------------------------------------------------------------------------------------
-# the studies: run name -> (model section, diffusion section)
+SHAPE = {"d_model": 128, "n_heads": 4, "seq_len": SEQ}
+LOOPED_SHAPE = {"n_prelude": 1, "n_layers": 2, "n_coda": 1}  # 4 layers, like the others
+# The project's DiffusionBlocks layout, spelled out so a later change of the config defaults does not
+# change what a run measures (the JSON keeps the whole config).
+PROJECT = {"parameterization": "likelihood", "noisy_input": "prev_token", "noisy_self": False, "bridge": "sample",
+           "block_sampling": "loss_share", "last_call": "edge"}
 
-MAIN_SHAPE = {"d_model": 128, "n_heads": 4, "seq_len": SEQ}
-LOOPED = {"n_prelude": 1, "n_layers": 2, "n_coda": 1}  # 4 layers, like the others
-LIK = {"parameterization": "likelihood", "noisy_input": "prev_token", "bridge": "sample", "noisy_self": True,
-       "block_sampling": "uniform",
-       "last_call": "edge"}  # the layout when the main study ran (docs/results.md)
-MAIN = {
-    "tokenizer": "gpt2", "ref": "gpt", "ref_steps": 120,  # the 50257-way head: a gpt step ~2-3 s on one core, DB ~2x
-    "runs": {
-        "gpt": ({"kind": "gpt", "n_layers": 4}, {}),
-        "db_ar_b2": ({"kind": "db_ar", "n_layers": 4}, {"num_blocks": 2, **LIK}),
-        "db_ar_b4": ({"kind": "db_ar", "n_layers": 4}, {"num_blocks": 4, **LIK}),
-        "huginn": ({"kind": "huginn", **LOOPED, "mean_recurrence": 8, "backprop_depth": 4}, {}),
-        "looped_db": ({"kind": "looped_db", **LOOPED}, {"num_blocks": 1, **LIK}),
+
+@dataclass(frozen=True)
+class Run:
+    model: dict
+    diffusion: dict = field(default_factory=dict)
+    budget: float = 1.0  # share of the study's FLOP budget
+    steps: int | str | None = None  # a fixed step count, or "updates:<run>:<block>" of a powered run's seed
+    seeds: tuple = (0, 1, 2)
+    what: str = ""
+    score: str = "full"  # "short": no K = 4B (the 64-draw estimate is the expensive part)
+
+
+def db_ar(B: int, what: str = "", seeds=(0, 1, 2), budget: float = 1.0, score: str = "full", **diffusion) -> Run:
+    return Run({"kind": "db_ar", "n_layers": 4}, {"num_blocks": B, **PROJECT, **diffusion}, budget, None, seeds, what,
+               score)
+
+
+def tax(what: str, **diffusion) -> Run:
+    """A B = 2 ablation of the denoising tax: two seeds, no K = 4B."""
+    return db_ar(2, what, seeds=(0, 1), score="short", **diffusion)
+
+
+def chains(what: str, **diffusion) -> Run:
+    """A B = 2 ablation of the chains: two seeds, the whole K grid."""
+    return db_ar(2, what, seeds=(0, 1), **diffusion)
+
+
+def looped_db(what: str = "", seeds=(0, 1, 2), budget: float = 1.0, **diffusion) -> Run:
+    return Run({"kind": "looped_db", **LOOPED_SHAPE}, {"num_blocks": 1, **PROJECT, **diffusion}, budget, None,
+               seeds, what)
+
+
+HUGINN = {"kind": "huginn", **LOOPED_SHAPE, "mean_recurrence": 8, "backprop_depth": 4}
+
+STUDIES: dict[str, dict[str, Run]] = {
+    # section 1: the main rows
+    "powered": {
+        "gpt": Run({"kind": "gpt", "n_layers": 4}, what="end-to-end, 4 layers"),
+        "gpt_depth2": Run({"kind": "gpt", "n_layers": 2}, what="end-to-end, 2 layers (one B = 2 block's depth)"),
+        "db_ar_b2": db_ar(2, "4 layers in B = 2 blocks, the project's layout"),
+        "db_ar_b4": db_ar(4, "4 layers in B = 4 blocks, the project's layout"),
+        "huginn": Run(HUGINN, what="prelude 1 + core 2 (r ~ mean 8, backprop through 4) + coda 1"),
+        "looped_db": looped_db("prelude 1 + one weight-tied two-stream core 2 + coda 1"),
+        # the depth-matched gpt trained for exactly as many steps as db_ar_b2's block 0 got updates (same seed)
+        "gpt_depth2_updates": Run({"kind": "gpt", "n_layers": 2}, steps="updates:db_ar_b2:0",
+                                  what="end-to-end, 2 layers, as many steps as db_ar_b2's block 0 had updates"),
+        "looped_db_quarter": replace(looped_db("looped_db at 1/4 of the budget", budget=0.25), score="short"),
+    },
+    # section 5: the scorer of generated text, larger and longer-trained than every studied model
+    "scorer": {
+        "gpt_big": Run({"kind": "gpt", "n_layers": 6, "d_model": 256, "n_heads": 8}, steps=4000, seeds=(0,),
+                       what="end-to-end, 6 layers of d 256, 4000 steps (12x the study's budget in FLOPs)"),
+    },
+    # sections 2 and 3: one change each against db_ar_b2 of "powered" (same seeds)
+    "ablations": {
+        "target_fraction_0.25": tax("a quarter of the slots trained per sequence (cheaper steps: more of them)",
+                                    target_fraction=0.25),
+        "clean_lm_0.5": tax("+ the clean stream's own next-token CE, weight 0.5", clean_lm_weight=0.5),
+        "cosine_head": tax("cosine head, the likelihood folded into its product", head="cosine"),
+        "posterior_detached": tax("the noisy input's posterior embedding without gradient", posterior_input="detached"),
+        "noise_input": tax("noisy input: z's posterior embedding alone (no previous-token embedding)",
+                           noisy_input="noise"),
+        "sigma_high": tax("sigma law concentrated high in each block: partition uniform (edge 0.41), p_mean 1.0",
+                          partition="uniform", p_mean=1.0),
+        "loss_edm": chains("loss weight edm (more weight at low sigma)", loss_weight="edm"),
+        "uniform_blocks": chains("block_sampling uniform (block 1 gets half the updates)", block_sampling="uniform"),
+        "overlap_0.3": chains("each block trains on its interval widened by 0.3 of its ln-width (was 0.1)",
+                              overlap=0.3),
     },
 }
 
-AB = {"kind": "db_ar", "n_layers": 4}  # the quickstart's shape: 4 layers d 128 byte level, B = 2
-# Every DB run states its whole layout: the paper's (method.md §4-5) or the project's defaults (OURS),
-# plus one switch, so a change of the config defaults never changes what a run measures.
-PAPER = {"num_blocks": 2, "parameterization": "edm", "noisy_input": "noise", "noisy_self": True,
-         "bridge": "hard", "last_call": "edge"}
-OURS = {"num_blocks": 2, "parameterization": "likelihood", "noisy_input": "prev_token", "noisy_self": False,
-        "bridge": "sample", "last_call": "edge"}
-ABLATE = {
-    "tokenizer": "byte", "ref": "gpt", "ref_steps": 300,
-    "runs": {
-        "gpt": ({"kind": "gpt", "n_layers": 4}, {}),
-        "gpt_depth2": ({"kind": "gpt", "n_layers": 2}, {}),  # depth-matched: L/B layers
-        "paper": (AB, PAPER),
-        # method.md §8's switches and the paper's knobs, each on the paper's layout
-        "prev_token": (AB, {**PAPER, "noisy_input": "prev_token"}),
-        "equi_entropy": (AB, {**PAPER, "partition": "equi_entropy", "curve_every": 100}),
-        "adaptive": (AB, {**PAPER, "noise": "adaptive", "curve_every": 100}),
-        "stacked": (AB, {**PAPER, "context": "stacked"}),
-        "loss_share": (AB, {**PAPER, "block_sampling": "loss_share", "curve_every": 100}),
-        "clean_lm": (AB, {**PAPER, "clean_lm_weight": 0.5}),
-        "p_mean_0": (AB, {**PAPER, "p_mean": 0.0}),
-        "target_sigma_data": (AB, {**PAPER, "target_scale": "sigma_data"}),
-        "loss_edm": (AB, {**PAPER, "loss_weight": "edm"}),
-        "overlap_0": (AB, {**PAPER, "overlap": 0.0}),
-        "overlap_0.05": (AB, {**PAPER, "overlap": 0.05}),
-        # the likelihood parameterization (docs/notes.md), built up to the project's defaults
-        "likelihood": (AB, {**PAPER, "parameterization": "likelihood"}),
-        "likelihood_prev": (AB, {**PAPER, "parameterization": "likelihood", "noisy_input": "prev_token"}),
-        "likelihood_prev_noself": (AB, OURS),
-        "ours_loss_share": (AB, {**OURS, "block_sampling": "loss_share", "curve_every": 100}),
-        "ours_stacked": (AB, {**OURS, "context": "stacked"}),
-    },
-}
-STUDIES = {"main": MAIN, "ablate": ABLATE}
 
-
-def run_config(study: dict, name: str):
-    model, diffusion = study["runs"][name]
-    raw = {"model": {**MAIN_SHAPE, **model}, "data": {"tokenizer": study["tokenizer"]}}
-    if diffusion:
-        raw["diffusion"] = diffusion
+def run_config(spec: Run, seed: int):
+    raw = {"model": {**SHAPE, **spec.model}, "data": {"tokenizer": "byte"}, "train": {"seed": seed}}
+    if spec.diffusion:
+        raw["diffusion"] = spec.diffusion
     return config_from_dict(raw)
 
 
-def build(cfg, vocab: int):
-    torch.manual_seed(SEED)
-    model = build_model(cfg, vocab)
-    model._study_kind = cfg.model.kind  # gpt / huginn keep no config
-    return model
-
-
-def load_run(study: dict, name: str, work: Path, vocab: int):
-    """A finished (or interrupted) run's model from its checkpoint in `work`, in eval mode."""
-    model = build(run_config(study, name), vocab)
-    saved = torch.load(work / f"{name}.pt", weights_only=False)
-    model.load_state_dict(saved["model"])
-    if saved.get("curve") is not None:
-        model.apply_curve(saved["curve"])
-    return model.eval()
-
-
-def vocab_of(study: dict, train: TokenStream) -> int:
-    return 50257 if study["tokenizer"] == "gpt2" else int(train.tokens.max()) + 1
-
-
-def data_streams(tokenizer: str):
-    path = ensure_prepared("bible", str(ROOT / "data_cache"), tokenizer, 0.05, 0, progress=False)
+def data_streams():
+    path = ensure_prepared("bible", str(ROOT / "data_cache"), "byte", 0.05, 0, progress=False)
     return TokenStream(f"{path}/train.bin", SEQ), TokenStream(f"{path}/val.bin", SEQ)
 
 
-def val_windows(val: TokenStream, n: int, seq: int = SEQ):
-    """n disjoint windows spread evenly over val.bin: (x, y) int64 (n, seq)."""
+def val_windows(val: TokenStream, n: int, offset: float = 0.0, seq: int = SEQ):
+    """n disjoint windows spread evenly over val.bin (shifted by `offset` of a spacing): x, y (n, seq)."""
     tokens = torch.from_numpy(val.tokens[:].astype("int64"))
-    starts = torch.linspace(0, len(tokens) - seq - 2, n).long()
-    rows = torch.stack([tokens[s:s + seq + 1] for s in starts.tolist()])
+    span = (len(tokens) - seq - 2) / n
+    starts = [int(span * (i + offset)) for i in range(n)]
+    rows = torch.stack([tokens[s:s + seq + 1] for s in starts])
     return rows[:, :-1], rows[:, 1:]
 
 
 # ------------------------------------------------------------------------------------------------
-# FLOPs per step, counted
+# FLOPs per step: the cost model, checked against FlopCounterMode on the real step
 
 
-def step_key(model, step: int):
-    """What decides a step's shape: the DB block trained, Huginn's recurrence r, or nothing."""
-    if hasattr(model, "choose_block"):
-        return model.choose_block(step, SEED)
-    if hasattr(model, "mean_recurrence"):
-        return sample_recurrence(model.mean_recurrence, torch.Generator().manual_seed(SEED * 1_000_003 + step))
+def cm_shape(cfg) -> cm.Shape:
+    m = cfg.model
+    return cm.Shape(d=m.d_model, layers=m.n_layers, heads=m.n_heads, vocab=VOCAB, seq=SEQ, batch=BATCH,
+                    ffn=m.ffn_hidden, prelude=m.n_prelude, coda=m.n_coda)
+
+
+def cm_step(cfg, key, attention: str) -> cm.Ledger:
+    """The cost model's ledger of one training step whose shape is `key` (DB block / huginn r)."""
+    m, d, s = cfg.model, cfg.diffusion, cm_shape(cfg)
+    if m.kind == "gpt":
+        return cm.gpt_train(s, m.loss_chunk, attention)
+    if m.kind == "huginn":
+        return cm.huginn_train(s, key, m.backprop_depth, attention)
+    lay = cm.DBLayout(blocks=1 if m.kind == "looped_db" else d.num_blocks, target_fraction=d.target_fraction,
+                      parameterization=d.parameterization, noisy_self=d.noisy_self, loss_chunk=m.loss_chunk,
+                      clean_lm=d.clean_lm_weight > 0,
+                      fold_likelihood=d.head == "cosine" and d.parameterization == "likelihood",
+                      posterior={"full": "full", "detached": "no_grad", "topk": "topk"}[d.posterior_input],
+                      topk=d.posterior_topk)
+    return cm.db_train(s, lay, key, attention)
+
+
+def step_key(model, cfg, step: int, seed: int):
+    """What decides a step's cost: the DB block trained, huginn's recurrence r, or nothing (gpt)."""
+    if cfg.model.kind == "huginn":
+        return sample_recurrence(cfg.model.mean_recurrence, torch.Generator().manual_seed(seed * 1_000_003 + step))
+    if cfg.model.kind in ("db_ar", "looped_db"):
+        return model.choose_block(step, seed)
     return 0
 
 
-def counted_flops(model, step: int, x, y) -> int:
-    """FLOPs of one forward + backward of `step`'s shape (gradients discarded)."""
+def counted(fn) -> int:
     counter = FlopCounterMode(display=False)
-    with counter:
-        loss, _ = model.training_loss(x, y, step, SEED)
-        loss.backward()
-    model.zero_grad(set_to_none=True)
+    with sdpa_kernel(SDPBackend.MATH), counter:
+        fn()
     return counter.get_total_flops()
 
 
-def mean_flops_per_step(model, train: TokenStream, cache: dict, n: int = 64) -> float:
-    """The mean counted FLOPs over the first n steps' shapes (DB blocks, Huginn's r draws)."""
-    x, y = train.get_batch(BATCH, SEED, 0, 0, 0)
-    total = 0
-    for step in range(n):
-        key = step_key(model, step)
-        if key not in cache:
-            cache[key] = counted_flops(model, step, x, y)
-        total += cache[key]
-    return total / n
+class FlopBook:
+    """FLOPs per step shape: the cost model's visible-attention count where its dense count equals
+    FlopCounterMode's on the real step, else the counter's with its attention corrected."""
+
+    def __init__(self, model, cfg, x, y):
+        self.model, self.cfg, self.x, self.y = model, cfg, x, y
+        self.cache: dict = {}
+        self.checks: dict = {}
+
+    def __call__(self, key) -> float:
+        if key not in self.cache:
+            visible, dense = cm_step(self.cfg, key, "visible"), cm_step(self.cfg, key, "dense")
+            if len(self.checks) < 4:  # check the first shapes against the real step
+                step = self._step_with(key)
+                rng = torch.get_rng_state()  # the check must not move the training's random stream
+
+                def fwd_bwd():
+                    loss, _ = self.model.training_loss(self.x, self.y, step, self.cfg.train.seed)
+                    loss.backward()
+
+                measured = counted(fwd_bwd)
+                self.model.zero_grad(set_to_none=True)
+                torch.set_rng_state(rng)
+                rel = abs(measured - dense.total()) / measured
+                self.checks[str(key)] = {"counter_dense": measured, "cost_model_dense": dense.total(),
+                                         "relative_difference": rel}
+                if rel > 1e-3:  # the cost model does not follow this layout: trust the counter
+                    attn = dense.total(("attn_scores",)) - visible.total(("attn_scores",))
+                    self.cache[key] = measured - attn
+                    self.checks[str(key)]["used"] = "counter, attention corrected to visible pairs"
+                    return self.cache[key]
+            self.cache[key] = visible.total()
+        return self.cache[key]
+
+    def _step_with(self, key) -> int:
+        """A step index whose shape is `key` (the DB block chosen / the r drawn at that step)."""
+        for step in range(10_000):
+            if step_key(self.model, self.cfg, step, self.cfg.train.seed) == key:
+                return step
+        raise RuntimeError(f"no step with shape {key}")
+
+
+def budget_flops() -> float:
+    gpt = run_config(STUDIES["powered"]["gpt"], 0)
+    return cm_step(gpt, 0, "visible").total() * BUDGET_GPT_STEPS
+
+
+def plan_steps(model, cfg, spec: Run, book: FlopBook, budget: float, curve_cost: float) -> int:
+    """Steps that fit the budget: the shapes' FLOPs summed along the run, plus the CE(sigma) curves
+    measured every curve_every steps (DB blocks of one run cost the same whichever is chosen)."""
+    if isinstance(spec.steps, str):  # "updates:<run>:<block>": that powered run's updates of the block
+        _, run, block = spec.steps.split(":")
+        other = json.loads(run_path("powered", run, cfg.train.seed, False).read_text())
+        return other["block_updates"][block]
+    if spec.steps is not None:
+        return spec.steps
+    total, step = 0.0, 0
+    while total < budget * spec.budget:
+        total += book(step_key(model, cfg, step, cfg.train.seed)) if cfg.model.kind == "huginn" else book(0)
+        if curve_cost and step % cfg.diffusion.curve_every == 0:
+            total += curve_cost
+        step += 1
+    return step
 
 
 # ------------------------------------------------------------------------------------------------
-# training one run
+# scoring
+
+
+def kind_of(model) -> str:
+    return model.cfg.model.kind if hasattr(model, "cfg") and hasattr(model.cfg, "model") else "gpt"
+
+
+def k_plan(model, final: bool, score: str = "full") -> dict[int, int]:
+    """{K: draws} scored besides ppl@0. The estimator converges within its standard error by 16 draws
+    for K <= 2B; at K = 4B it still drifts with the draw count, so 64 there."""
+    kind = kind_of(model)
+    if kind == "db_ar":
+        B = len(model.blocks)
+        if not final:
+            return {B: 4}
+        return {1: 16, B: 16, 2 * B: 16}  # K = 4B: on fewer windows (final_scores)
+    if kind == "looped_db":  # K >= 8 on the LOOPED_WINDOWS only (final_scores): the estimator's cost grows with K
+        return {1: 16, 2: 16, 4: 16} if final else {4: 4}
+    if kind == "huginn":
+        return {k: 1 for k in LOOPED_KS} if final else {model.mean_recurrence: 1}
+    return {}
+
+
+def summarise(scores, n: int) -> dict:
+    """nll, its estimator standard error (draws; 0 where p is exact), and the windows' own spread:
+    per_window (mean nll of each window, so runs can be compared on shared windows) and window_se."""
+    nll = float(scores.nll.double().mean())
+    se = float(scores.nll_var.sum().sqrt()) / n if scores.nll_var is not None else 0.0
+    rows = scores.nll.double().mean(1)
+    window_se = float(rows.std() / math.sqrt(len(rows))) if len(rows) > 1 else 0.0
+    return {"nll": nll, "se": se, "ppl": math.exp(nll), "window_se": window_se, "per_window": rows.tolist()}
 
 
 @torch.no_grad()
-def val_nll(model, x, y, k_grid=None, draws: int = 1) -> dict:
-    """{k: mean NLL}: exact for gpt / huginn (k = iterations), ppl@k's NLL for DB models (k = 0: ppl@0)."""
+def score_model(model, x, y, plan: dict[int, int], seed: int, settings: dict | None = None) -> dict:
+    """{label: {nll, se, ppl, draws}}: "exact" (gpt), K (huginn), "0" and K (DiffusionBlocks)."""
     model.eval()
-    g = torch.Generator().manual_seed(1)
-    kind = model._study_kind
+    n = y.numel()
+    kind = kind_of(model)
+    out = {}
     if kind == "gpt":
-        out = {0: float(model(x, y)[1])}
-    elif kind == "huginn":  # k = 0: at the mean recurrence (the probes' number)
-        ks = k_grid or []
-        nll = model.eval_nll(x, y, sorted({*ks, model.mean_recurrence}), generator=g)
-        out = {0: float(nll[model.mean_recurrence].mean()), **{k: float(nll[k].mean()) for k in ks}}
+        out["exact"] = summarise(model.score(x, y, ScoreSettings())["exact"], n)
+    elif kind == "huginn":
+        scores = model.score(x, y, ScoreSettings(k_grid=tuple(plan)), torch.Generator().manual_seed(seed))
+        out = {str(k): summarise(v, n) for k, v in scores.items()}
     else:
-        out = {k: float(v.mean()) for k, v in model.eval_nll(x, y, k_grid=k_grid or [], draws=draws,
-                                                               generator=g).items()}
+        by_draws: dict[int, list[int]] = {}
+        for k, d in plan.items():
+            by_draws.setdefault(d, []).append(k)
+        by_draws.setdefault(16, [])  # ppl@0 with 16 draws at least
+        for d, ks in sorted(by_draws.items()):
+            s = ScoreSettings(k_grid=tuple(ks), draws=d, **(settings or {}))
+            scores = model.score(x, y, s, torch.Generator().manual_seed(seed + d))
+            for k, v in scores.items():
+                if k == 0 and "0" in out and out["0"]["draws"] >= d:
+                    continue
+                out[str(k)] = {**summarise(v, n), "draws": d}
     model.train()
     return out
+
+
+def probe_nll(model, x, y, seed: int) -> dict:
+    kind = kind_of(model)
+    plan = k_plan(model, final=False)
+    model.eval()
+    with torch.no_grad():
+        if kind in ("db_ar", "looped_db"):
+            out = {}
+            for k, v in model.score(x, y, ScoreSettings(k_grid=tuple(plan), draws=4),
+                                    torch.Generator().manual_seed(seed)).items():
+                out[str(k)] = float(v.nll.mean())
+        else:
+            out = {k: v["nll"] for k, v in score_model(model, x, y, plan, seed).items()}
+    model.train()
+    return out
+
+
+@torch.no_grad()
+def ce_curves(model, x, y) -> dict:
+    """CE(sigma) with the real context and with another window's (how much each sigma uses context)."""
+    model.eval()
+    obj = model.objective
+    out = {"real": obj.measure_curve(x, y, seed=3, n_sigma=CURVE_SIGMAS),
+           "shuffled": obj.measure_curve(x.roll(1, dims=0), y, seed=3, n_sigma=CURVE_SIGMAS)}
+    model.train()
+    return out
+
+
+@torch.no_grad()
+def kv_bytes(model, ks=(1, 2, 4, 8, 16, 32)) -> dict:
+    """Decode-cache bytes per token of history, at each K (huginn keeps a cache per iteration)."""
+    out = {}
+    for K in ks:
+        cache = model.new_cache(1, 8)
+        model.reserve(cache, K)
+        out[str(K)] = model.kv_bytes_per_token(cache)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# one run
+
+
+def run_path(study: str, name: str, seed: int, smoke: bool) -> Path:
+    return RESULTS / (study + ("_smoke" if smoke else "")) / f"{name}__s{seed}.json"
 
 
 def save_atomic(obj, path: Path) -> None:
@@ -219,278 +405,367 @@ def save_atomic(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def train_run(study_name: str, name: str, work: Path, smoke: bool, log) -> dict:
-    study = STUDIES[study_name]
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
+def build(spec: Run, seed: int):
+    cfg = run_config(spec, seed)
+    torch.manual_seed(seed)
+    return build_model(cfg, VOCAB), cfg
+
+
+def load_trained(study: str, name: str, seed: int, smoke: bool = False, **diffusion_changes):
+    """A finished run's model (eval mode), optionally with decode-time settings changed (last_call...)."""
+    spec = STUDIES[study][name]
+    if diffusion_changes:
+        spec = replace(spec, diffusion={**spec.diffusion, **diffusion_changes})
+    model, cfg = build(spec, seed)
+    saved = torch.load(work_dir(study, smoke) / f"{name}__s{seed}.pt", weights_only=False)
+    model.load_state_dict(saved["model"])
+    if saved.get("curve") is not None:
+        model.apply_curve(saved["curve"])
+    return model.eval(), saved
+
+
+def train_run(study: str, name: str, seed: int, smoke: bool, log) -> dict:
+    spec = STUDIES[study][name]
     torch.set_num_threads(1)
-    cfg = run_config(study, name)
-    train, val = data_streams(study["tokenizer"])
-    model = build(cfg, vocab_of(study, train))
+    train, val = data_streams()
+    model, cfg = build(spec, seed)
     n_params = sum(p.numel() for p in model.parameters())
-    flops_cache: dict = {}
-    budget = budget_flops(study_name, train, work, smoke)
-    per_step = mean_flops_per_step(model, train, flops_cache)
-    steps = max(2, round(budget / per_step))
-    probe_every = max(1, steps // N_PROBES)
-    xv, yv = val_windows(val, 8 if smoke else 32)
+    x0, y0 = train.get_batch(BATCH, seed, 0, 0, 0)
+    book = FlopBook(model, cfg, x0, y0)
+    budget = budget_flops() * (0.01 if smoke else 1.0)
+    uses_curve = model.uses_curve() if hasattr(model, "uses_curve") else False
+    curve_cost = 0.0
+    if uses_curve:  # one measurement's forward FLOPs (its own generator: the random stream is untouched)
+        model.eval()
+        curve_cost = counted(lambda: model.measure_curve(x0, y0, seed=0))
+        model.train()
+    steps = plan_steps(model, cfg, spec, book, budget, curve_cost) if not (smoke and spec.steps) else 20
+    warmup = max(1, round(WARMUP_SHARE * steps))
+    probe_at = sorted({max(1, round(steps * (i + 1) / N_PROBES)) for i in range(N_PROBES)})
+    xp, yp = val_windows(val, 4 if smoke else PROBE_WINDOWS, offset=0.5)
     opt = BlockwiseAdamW(param_groups(model, WD), lr=LR, betas=(0.9, 0.95))
-    ckpt = work / f"{name}.pt"
-    state = {"step": 0, "flops": 0, "train_s": 0.0, "probes": [], "edges": []}
-    if ckpt.exists():  # resume
+    runner = TorchRunner(model, opt, grad_clip=1.0, seed=seed)
+    curve_every = cfg.diffusion.curve_every
+    ckpt = work_dir(study, smoke) / f"{name}__s{seed}.pt"
+    state = {"step": 0, "flops": 0.0, "curve_flops": 0.0, "cpu_s": 0.0, "wall_s": 0.0, "probes": [],
+             "block_updates": {}, "curves": []}
+    torch.manual_seed(seed + 7919)  # the training's own stream (noise, slots, sigma)
+    if ckpt.exists():
         saved = torch.load(ckpt, weights_only=False)
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
         state = saved["state"]
         if saved.get("curve") is not None:
             model.apply_curve(saved["curve"])
-        log(f"{name}: resumed at step {state['step']}")
-    uses_curve = getattr(model, "uses_curve", lambda: False)()
-    curve_every = cfg.diffusion.curve_every
+        torch.set_rng_state(saved["rng"])
+        log(f"{name} s{seed}: resumed at step {state['step']}")
+
+    def checkpoint():
+        save_atomic({"model": model.state_dict(), "opt": opt.state_dict(), "state": state, "rng": torch.get_rng_state(),
+                     "curve": getattr(getattr(model, "objective", None), "curve", None)}, ckpt)
+
     model.train()
     while state["step"] < steps:
         step = state["step"]
-        if step % probe_every == 0:
-            state["probes"].append({"step": step, "flops": state["flops"], "train_s": state["train_s"],
-                                    "tokens": step * BATCH * SEQ, "val_nll": val_nll(model, xv, yv)[0]})
-            save_atomic({"model": model.state_dict(), "opt": opt.state_dict(), "state": state,
-                         "curve": getattr(model, "curve", None)}, ckpt)
-            log(f"{name}: step {step}/{steps} val {state['probes'][-1]['val_nll']:.3f} ({state['train_s']:.0f}s)")
-        if uses_curve and step % curve_every == 0:  # as train.py's refresh_curve (not timed)
+        if uses_curve and step % curve_every == 0:  # as the trainer does, on a training batch
+            xc, yc = train.get_batch(BATCH, seed + 1_000, step, 0, 0)
             model.eval()
-            xc, yc = val.get_batch(BATCH, SEED, -2, 0, 0)
-            model.apply_curve(model.measure_curve(xc, yc, seed=step))
-            state["edges"].append({"step": step, "edges": list(model.edges)})
+            curve_box = {}
+            flops = counted(lambda: curve_box.update(c=model.measure_curve(xc, yc, seed=step)))
+            model.apply_curve(curve_box["c"])
             model.train()
-        t0 = time.perf_counter()
+            state["curve_flops"] += flops
+            state["flops"] += flops
+            state["curves"].append({"step": step, "ce": curve_box["c"]["ce"]})
         for group in opt.param_groups:
-            group["lr"] = cosine_with_warmup(step, WARMUP, steps, LR, MIN_LR)
-        if hasattr(model, "step_units"):
-            opt.set_active_units(model.step_units(step, SEED))
-        x, y = train.get_batch(BATCH, SEED, step, 0, 0)
-        loss, _ = model.training_loss(x, y, step, SEED)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        state["train_s"] += time.perf_counter() - t0
-        key = step_key(model, step)
-        if key not in flops_cache:
-            flops_cache[key] = counted_flops(model, step, x, y)
-        state["flops"] += flops_cache[key]
+            group["lr"] = cosine_with_warmup(step, warmup, steps, LR, MIN_LR)
+        key = step_key(model, cfg, step, seed)
+        x, y = train.get_batch(BATCH, seed, step, 0, 0)
+        t0, c0 = time.perf_counter(), time.process_time()
+        result = train_step(model, opt, runner, [(x, y)], step, seed)
+        state["cpu_s"] += time.process_time() - c0
+        state["wall_s"] += time.perf_counter() - t0
+        state["flops"] += book(key)
+        if cfg.model.kind in ("db_ar", "looped_db"):
+            b = str(result.metrics["block"])
+            state["block_updates"][b] = state["block_updates"].get(b, 0) + 1
         state["step"] += 1
-    state["probes"].append({"step": state["step"], "flops": state["flops"], "train_s": state["train_s"],
-                            "tokens": state["step"] * BATCH * SEQ, "val_nll": val_nll(model, xv, yv)[0]})
-    save_atomic({"model": model.state_dict(), "opt": opt.state_dict(), "state": state,
-                 "curve": getattr(model, "curve", None)}, ckpt)
-    result = {"run": name, "study": study_name, "config": cfg_summary(cfg), "params": n_params,
-              "steps": steps, "flops_budget": budget, "flops_per_step": per_step, **state}
-    result.update(final_scores(model, val, smoke))
-    return result
-
-
-def cfg_summary(cfg) -> dict:
-    from dataclasses import asdict
-    out = {"model": asdict(cfg.model)}
-    if cfg.model.kind in ("db_ar", "looped_db"):
-        out["diffusion"] = asdict(cfg.diffusion)
+        if not math.isfinite(result.loss):
+            raise RuntimeError(f"{name} s{seed}: loss {result.loss} at step {step}")
+        if state["step"] in probe_at:
+            nll = probe_nll(model, xp, yp, seed)
+            state["probes"].append({"step": state["step"], "flops": state["flops"], "cpu_s": state["cpu_s"],
+                                    "wall_s": state["wall_s"], "tokens": state["step"] * BATCH * SEQ,
+                                    "block_updates": dict(state["block_updates"]), "train_loss": result.loss,
+                                    "val": nll})
+            checkpoint()
+            log(f"{name} s{seed}: step {state['step']}/{steps} val {nll} ({state['cpu_s']:.0f} cpu-s)")
+    checkpoint()
+    out = {"run": name, "study": study, "seed": seed, "what": spec.what, "config": cfg.to_dict(),
+           "spec": asdict(spec), "commit": git_commit(), "params": n_params, "steps": steps, "warmup": warmup,
+           "flops_budget": budget * spec.budget, "flop_checks": book.checks,
+           "flops_per_step": {str(k): v for k, v in book.cache.items()}, **state}
+    log(f"{name} s{seed}: final scoring")
+    t0 = time.process_time()
+    out.update(final_scores(model, val, seed, smoke, spec.score))
+    out["score_cpu_s"] = time.process_time() - t0
     return out
 
 
-def budget_flops(study_name: str, train: TokenStream, work: Path, smoke: bool) -> float:
-    """The study's FLOP budget: the reference gpt's counted FLOPs per step x its steps (cached)."""
-    path = work / "budget.json"
-    if path.exists():
-        return json.loads(path.read_text())["flops"]
-    study = STUDIES[study_name]
-    cfg = run_config(study, study["ref"])
-    ref = build(cfg, vocab_of(study, train))
-    steps = 4 if smoke else study["ref_steps"]
-    flops = mean_flops_per_step(ref, train, {}, n=1) * steps
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"flops": flops, "ref": study["ref"], "ref_steps": steps}))
-    os.replace(tmp, path)
-    return flops
-
-
-# ------------------------------------------------------------------------------------------------
-# final scoring
-
-
-def k_grid_of(model) -> list[int]:
-    kind = model._study_kind
+def final_scores(model, val, seed: int, smoke: bool, score: str = "full") -> dict:
+    kind = kind_of(model)
+    windows = FINAL_WINDOWS
     if kind == "db_ar":
+        windows = DB_WINDOWS.get(len(model.blocks), 16)
+    elif kind == "looped_db":
+        windows = LOOPED_DB_WINDOWS
+    x, y = val_windows(val, 4 if smoke else windows)
+    plan = k_plan(model, final=True, score=score)
+    if smoke:
+        plan = {k: min(d, 2) for k, d in plan.items()}
+    out = {"final": score_model(model, x, y, plan, seed=100 + seed), "final_tokens": y.numel(),
+           "final_windows": y.shape[0]}
+    if kind == "db_ar" and score == "full":  # the chain's trend K = B .. 4B on the same (fewer) windows
         B = len(model.blocks)
-        return [1, B, 2 * B]
-    if kind == "looped_db":
-        return [1, 2, 4, 8]
-    if kind == "huginn":
-        return [1, 2, 4, 8, 16]
-    return []
-
-
-@torch.no_grad()
-def final_scores(model, val: TokenStream, smoke: bool) -> dict:
-    # 48 windows at byte level; 4 with the 50257-way head (each chain call scores V logits per slot, and
-    # the Rao-Blackwellised sample bridge makes ~9 calls per step: ~10 s each on one shared core)
-    big_vocab = model.tok_emb.weight.shape[0] >= 1000
-    x, y = val_windows(val, 8 if smoke else (4 if big_vocab else 48))
-    kind = model._study_kind
-    out = {"final": {str(k): v for k, v in val_nll(model, x, y, k_grid_of(model), draws=2).items()}}
+        xk, yk = val_windows(val, 2 if smoke else K4B_WINDOWS)
+        plan4 = {B: 16, 2 * B: 16, 4 * B: 64}
+        if smoke:
+            plan4 = {k: 2 for k in plan4}
+        out["k4b"] = score_model(model, xk, yk, plan4, seed=400 + seed)
+        out["k4b_windows"] = yk.shape[0]
     if kind in ("db_ar", "looped_db"):
-        B = len(model.blocks)
-        K = max(B, 2)
-        model.eval()
-        g = torch.Generator().manual_seed(2)
-        out["bridges"] = {b: float(model.eval_nll(x, y, k_grid=[K], draws=2, generator=g, bridge=b)[K].mean())
-                          for b in ("soft", "hard", "sample")}
-        out["bridges_k"] = K
-        # where does each block use the context? CE(sigma) with the real context vs another row's
-        shuffled = x.roll(1, dims=0)
-        n_sigma = 12 if big_vocab else 24
-        out["ce_curve"] = {"real": model.measure_curve(x, y, seed=3, n_sigma=n_sigma),
-                           "shuffled": model.measure_curve(shuffled, y, seed=3, n_sigma=n_sigma)}
-        out["edges_final"] = list(model.edges)
-        model.train()
+        out["ce_curve"] = ce_curves(model, x, y)
+        out["edges"] = list(model.edges)
+    if kind in ("huginn", "looped_db"):
+        out["kv_bytes_per_token"] = kv_bytes(model)
+        # PPL vs K on fewer windows (the same for both kinds): 16 draws per K up to K = 32
+        xl, yl = val_windows(val, 2 if smoke else LOOPED_WINDOWS)
+        ks = LOOPED_KS if score == "full" else (1, 2, 4, 8)
+        plan = {k: (2 if smoke else 16) for k in ks} if kind == "looped_db" else {k: 1 for k in ks}
+        out["looped"] = score_model(model, xl, yl, plan, seed=300 + seed)
+        out["looped_tokens"] = yl.numel()
+    if kind == "looped_db" and score == "full":  # adaptive exit: mean iterations and ppl under a KL rule, K up to 32
+        out["adaptive_exit"] = {}
+        for eps in (1e-2, 1e-3):
+            s = ScoreSettings(k_grid=(32,), draws=2 if smoke else 4, exit_rule=ExitRule(kl_threshold=eps))
+            scores = model.score(xl, yl, s, torch.Generator().manual_seed(200 + seed))
+            out["adaptive_exit"][str(eps)] = {**summarise(scores[32], yl.numel()), "mean_iterations": s.stats[32]}
     return out
 
 
 # ------------------------------------------------------------------------------------------------
-# generated text, scored by the study's gpt
+# decode-time variants of finished runs: no training
 
 
-@torch.no_grad()
-def generation_scores(study_name: str, work: Path, names: list[str], smoke: bool, log) -> dict:
-    study = STUDIES[study_name]
+DECODE_VARIANTS = {  # name -> (diffusion changes of the loaded model, ScoreSettings changes, {K/B: draws})
+    "sigma_min": ({"last_call": "sigma_min"}, {}, {1: 16, 2: 16}),  # K = 1 does not depend on it
+    "hard": ({}, {"bridge": "hard"}, {1: 16}),
+    "soft": ({}, {"bridge": "soft"}, {1: 16}),
+}
+DECODE_WINDOWS = 16  # every other final window: ~1 CPU-minute a checkpoint
+
+
+def decode_run(study: str, name: str, seed: int, smoke: bool, log) -> dict:
     torch.set_num_threads(1)
-    train, val = data_streams(study["tokenizer"])
-    tok = get_tokenizer(study["tokenizer"])
-
-    def load(name):
-        return load_run(study, name, work, vocab_of(study, train))
-
-    n_samples, prompt_len, new = (8, 8, 8) if smoke else (100, 16, 48)
-    x, _ = val_windows(val, n_samples, prompt_len + new)
-    prompts = x[:, :prompt_len]
-    ref = load(study["ref"])
-    out = {}
-    for name in names:
-        model = load(name)
-        kind = model._study_kind
-        if kind == "gpt":
-            Ks = [None]
-        elif kind == "huginn":
-            Ks = [model.mean_recurrence]
-        else:
-            Ks = [len(model.blocks), 2 * len(model.blocks)] if kind == "db_ar" else [4, 8]
-        for K in Ks:
-            for mode, temp in (("greedy", 0.0), ("sampled", 1.0)):
-                kw = {} if K is None else {"num_iterations": K}
-                if kind in ("db_ar", "looped_db"):
-                    kw["bridge"] = model.cfg.diffusion.bridge
-                t0 = time.perf_counter()
-                tokens = generate(model, prompts, new, SamplingParams(temp), seed=5, **kw)
-                gen_s = time.perf_counter() - t0
-                cont = tokens[:, prompt_len:]
-                logits = ref(tokens[:, :-1])[0]
-                nll = torch.nn.functional.cross_entropy(logits[:, prompt_len - 1:].flatten(0, 1), cont.flatten())
-                key = f"{name}|K={K}|{mode}"
-                out[key] = {"gen_ppl": math.exp(float(nll)), "distinct": distinct_n(cont), "seconds": gen_s,
-                            "samples": [tok.decode(tokens[i].tolist()) for i in range(3)]}
-                log(f"{key}: gen ppl {out[key]['gen_ppl']:.1f} distinct-2 {out[key]['distinct']['2']:.2f}")
+    _, val = data_streams()
+    x, y = val_windows(val, 4 if smoke else DECODE_WINDOWS)
+    out = {"run": name, "study": study, "seed": seed, "commit": git_commit(), "variants": {}}
+    for variant, (changes, settings, per_b) in DECODE_VARIANTS.items():
+        model, _ = load_trained(study, name, seed, smoke, **changes)
+        if kind_of(model) != "db_ar":
+            return out
+        B = len(model.blocks)
+        plan = {m * B: (min(d, 2) if smoke else d) for m, d in per_b.items()}
+        out["variants"][variant] = {"changes": {**changes, **settings},
+                                    "final": score_model(model, x, y, plan, 100 + seed, settings)}
+        log(f"{name} s{seed} {variant}: {out['variants'][variant]['final']}")
     return out
 
 
-def distinct_n(tokens: torch.Tensor) -> dict:
-    """Mean over samples of (distinct n-grams / n-grams), n = 1, 2, 3."""
+# ------------------------------------------------------------------------------------------------
+# the paper's protocol: generated text scored by a larger gpt (generative PPL, distinct-n, MAUVE)
+
+GEN_PROMPT, GEN_NEW, GEN_SAMPLES = 32, 96, 400
+
+
+def decodings(model) -> list[tuple[str, dict]]:
+    """(label, resolve_settings arguments) of every decoding compared: the paper's (AR top-p 0.95, DB
+    greedy with 4 steps) and the models' own distributions (temperature 1, K = B and 2B)."""
+    kind = kind_of(model)
+    top_p = SamplingParams(1.0, top_p=0.95)
+    if kind in ("gpt", "huginn"):
+        return [("greedy", {"sampling": GREEDY}), ("top-p 0.95", {"sampling": top_p}), ("sampled", {"sampling": PLAIN})]
+    B = len(model.blocks) if kind == "db_ar" else 4  # looped_db: K = 4 and 8
+    out = [("greedy, K = 4", {"sampling": GREEDY, "num_iterations": 4})]
+    for K in sorted({B, 2 * B}):
+        out.append((f"sampled, K = {K}", {"sampling": PLAIN, "num_iterations": K}))
+    out.append((f"top-p 0.95, K = {B}", {"sampling": top_p, "num_iterations": B}))
+    return out
+
+
+def distinct(texts: list[list]) -> float:
+    """Distinct n-grams / n-grams over all samples together (n given by the tuples' length)."""
+    grams = [g for t in texts for g in t]
+    return len(set(grams)) / max(1, len(grams))
+
+
+def text_stats(rows: list[list[int]]) -> dict:
+    words = [bytes(b for b in r if b < 256).decode("utf-8", "replace").split() for r in rows]
     out = {}
     for n in (1, 2, 3):
-        ratios = []
-        for row in tokens.tolist():
-            grams = [tuple(row[i:i + n]) for i in range(len(row) - n + 1)]
-            ratios.append(len(set(grams)) / max(1, len(grams)))
-        out[str(n)] = sum(ratios) / len(ratios)
+        out[f"word_distinct_{n}"] = distinct([[tuple(w[i:i + n]) for i in range(len(w) - n + 1)] for w in words])
+    out["byte_distinct_4"] = distinct([[tuple(r[i:i + 4]) for i in range(len(r) - 3)] for r in rows])
+    # repetition within a sample: share of its 4-byte grams seen earlier in the same sample
+    reps = [1 - len({tuple(r[i:i + 4]) for i in range(len(r) - 3)}) / max(1, len(r) - 3) for r in rows]
+    out["self_repetition_4"] = statistics.fmean(reps)
+    return out
+
+
+@torch.no_grad()
+def scorer_view(scorer, tokens: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row NLL (mean over the continuation) and the feature MAUVE compares: the scorer's last hidden
+    state averaged over the continuation."""
+    h = scorer.hidden(tokens[:, :-1])
+    logits = scorer.logits(h)
+    nll = F.cross_entropy(logits[:, start - 1:].flatten(0, 1).float(), tokens[:, start:].flatten(), reduction="none")
+    feats = scorer.norm(h[:, start - 1:]).mean(1)
+    return nll.view(tokens.shape[0], -1).mean(1), feats
+
+
+def generation_run(seed: int, smoke: bool, log) -> dict:
+    import mauve
+
+    torch.set_num_threads(1)
+    _, val = data_streams()
+    n = 8 if smoke else GEN_SAMPLES
+    x, _ = val_windows(val, n, seq=GEN_PROMPT + GEN_NEW)
+    human = torch.cat([x, val_windows(val, n, seq=GEN_PROMPT + GEN_NEW)[1][:, -1:]], dim=1)  # prompt + truth
+    prompts = human[:, :GEN_PROMPT]
+    scorer, _ = load_trained("scorer", "gpt_big", 0, smoke)
+    out = {"seed": seed, "commit": git_commit(), "prompt_tokens": GEN_PROMPT, "new_tokens": GEN_NEW, "samples": n,
+           "scorer": {"run": "scorer/gpt_big", "seed": 0}, "rows": {}}
+    nll, p_feats = scorer_view(scorer, human, GEN_PROMPT)
+    out["human"] = {"gen_ppl": math.exp(float(nll.mean())), **text_stats(human[:, GEN_PROMPT:].tolist())}
+    for name in ("gpt", "huginn", "db_ar_b2", "db_ar_b4", "looped_db"):
+        model, _ = load_trained("powered", name, seed, smoke)
+        limits = model.iteration_limits() if isinstance(model, Iterative) else None
+        for label, kw in decodings(model):
+            t0 = time.process_time()
+            tokens = generate(model, prompts, GEN_NEW, resolve_settings(limits, **kw), seed=1000 + seed)
+            seconds = time.process_time() - t0
+            nll, q_feats = scorer_view(scorer, tokens, GEN_PROMPT)
+            m = mauve.compute_mauve(p_features=p_feats.numpy(), q_features=q_feats.numpy(), device_id=-1,
+                                    verbose=False, seed=25, num_buckets=max(2, n // 10))
+            key = f"{name} | {label}"
+            out["rows"][key] = {"run": name, "decoding": label, "gen_ppl": math.exp(float(nll.mean())),
+                                "mauve": float(m.mauve), **text_stats(tokens[:, GEN_PROMPT:].tolist()),
+                                "cpu_s": seconds,
+                                "examples": [bytes(b for b in r if b < 256).decode("utf-8", "replace")
+                                             for r in tokens[:3].tolist()]}
+            log(f"{key}: gen ppl {out['rows'][key]['gen_ppl']:.2f} mauve {m.mauve:.3f}")
     return out
 
 
 # ------------------------------------------------------------------------------------------------
-# driver: lanes of subprocesses, then the report
-
-
-def run_one(study: str, name: str, smoke: bool) -> None:
-    out_dir = RESULTS / (study + ("_smoke" if smoke else ""))
-    work = work_dir(study, smoke)
-    result = train_run(study, name, work, smoke, log=lambda s: print(s, flush=True))
-    tmp = out_dir / f"{name}.json.tmp"
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, out_dir / f"{name}.json")
-
-
-def rescore(study_name: str, names: list[str]) -> None:
-    """Recompute the final scores of finished runs from their checkpoints (after a scoring change)."""
-    study = STUDIES[study_name]
-    torch.set_num_threads(1)
-    train, val = data_streams(study["tokenizer"])
-    for name in names:
-        path = RESULTS / study_name / f"{name}.json"
-        result = json.loads(path.read_text())
-        model = load_run(study, name, work_dir(study_name, False), vocab_of(study, train))
-        result.update(final_scores(model, val, smoke=False))
-        path.write_text(json.dumps(result, indent=1))
-        print(f"rescored {study_name}/{name}")
+# driver: lanes of subprocesses
 
 
 def work_dir(study: str, smoke: bool) -> Path:
-    path = ROOT / "bench" / "work" / (study + ("_smoke" if smoke else ""))
+    path = WORK / (study + ("_smoke" if smoke else ""))
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
-def run_study(study: str, lanes: int, smoke: bool, only: list[str] | None) -> None:
-    out_dir = RESULTS / (study + ("_smoke" if smoke else ""))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    names = [n for n in STUDIES[study]["runs"] if not only or n in only]
-    todo = [n for n in names if not (out_dir / f"{n}.json").exists()]
-    budget_flops(study, data_streams(STUDIES[study]["tokenizer"])[0], work_dir(study, smoke), smoke)
-    running: list[tuple[str, subprocess.Popen]] = []
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def write_json(obj: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def jobs_of(study: str, seeds: list[int] | None, only: list[str] | None, smoke: bool, mode: str) -> list:
+    jobs = []
+    for seed in sorted({s for r in STUDIES[study].values() for s in r.seeds} | set(seeds or [])):
+        for name, spec in STUDIES[study].items():
+            if (only and name not in only) or seed not in spec.seeds or (seeds and seed not in seeds):
+                continue
+            path = run_path(study, name, seed, smoke)
+            if mode == "decode":
+                path = path.with_name(path.name.replace(".json", ".decode.json"))
+            if not path.exists():
+                jobs.append((name, seed, path))
+    return jobs
+
+
+def run_jobs(study: str, mode: str, seeds, only, lanes: int, smoke: bool) -> None:
+    todo = jobs_of(study, seeds, only, smoke, mode)
+    running: list = []
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    failed = []
     while todo or running:
         while todo and len(running) < lanes:
-            name = todo.pop(0)
-            cmd = [sys.executable, __file__, "_one", study, name] + (["--smoke"] if smoke else [])
-            log_file = open(out_dir / f"{name}.log", "w")
-            running.append((name, subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)))
-            print(f"started {name}", flush=True)
-        time.sleep(2)
-        for name, proc in list(running):
+            name, seed, path = todo.pop(0)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            cmd = [sys.executable, __file__, "_one", mode, study, name, str(seed)] + (["--smoke"] if smoke else [])
+            log_file = open(path.with_suffix(".log"), "a")
+            running.append((name, seed, subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)))
+            print(f"started {study}/{name} seed {seed} ({mode})", flush=True)
+        time.sleep(5)
+        for item in list(running):
+            name, seed, proc = item
             if proc.poll() is not None:
-                running.remove((name, proc))
-                print(f"finished {name}: exit {proc.returncode}", flush=True)
-    if study == "main":
-        gen_path = out_dir / "generation.json"
-        if not gen_path.exists():
-            scores = generation_scores(study, work_dir(study, smoke), names, smoke, log=print)
-            gen_path.write_text(json.dumps(scores, indent=1))
-    quality_report.report(out_dir, study)
+                running.remove(item)
+                print(f"finished {study}/{name} seed {seed}: exit {proc.returncode}", flush=True)
+                if proc.returncode:
+                    failed.append(f"{name} s{seed}")
+    if failed:
+        raise SystemExit(f"error: runs failed: {', '.join(failed)} (see their .log files)")
+
+
+def one(mode: str, study: str, name: str, seed: int, smoke: bool) -> None:
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    path = run_path(study, name, seed, smoke)
+    if mode == "decode":
+        write_json(decode_run(study, name, seed, smoke, log), path.with_name(path.name.replace(".json", ".decode.json")))
+    else:
+        write_json(train_run(study, name, seed, smoke, log), path)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("study", choices=["main", "ablate", "report", "rescore", "_one"])
+    p.add_argument("command", choices=["run", "decode", "generate", "report", "_one"])
     p.add_argument("rest", nargs="*")
-    p.add_argument("--lanes", type=int, default=2, help="runs at a time (one thread each)")
-    p.add_argument("--smoke", action="store_true", help="a few steps of everything")
-    p.add_argument("--only", nargs="*", help="only these runs")
+    p.add_argument("--seeds", help="comma-separated seeds (default: each run's own)")
+    p.add_argument("--only", help="comma-separated run names")
+    p.add_argument("--lanes", type=int, default=2, help="runs at a time, one thread each")
+    p.add_argument("--smoke", action="store_true", help="1%% of the budget, few windows and draws")
     args = p.parse_args()
-    if args.study == "_one":
-        run_one(args.rest[0], args.rest[1], args.smoke)
-    elif args.study == "rescore":  # rescore STUDY RUN...
-        rescore(args.rest[0], args.rest[1:])
-    elif args.study == "report":
-        for study in STUDIES:
-            out_dir = RESULTS / study
-            if out_dir.exists():
-                quality_report.report(out_dir, study)
-    else:
-        run_study(args.study, args.lanes, args.smoke, args.only)
+    if args.command == "_one":
+        mode, study, name, seed = args.rest
+        one(mode, study, name, int(seed), args.smoke)
+        return
+    if args.command == "generate":  # one process: the paper's protocol on the powered runs of each seed
+        for seed in ([int(s) for s in args.seeds.split(",")] if args.seeds else [0]):
+            path = RESULTS / ("generation" + ("_smoke" if args.smoke else "")) / f"generation__s{seed}.json"
+            if not path.exists():
+                write_json(generation_run(seed, args.smoke, lambda s: print(s, flush=True)), path)
+        return
+    if args.command == "report":
+        import quality_report
+        quality_report.main(args.rest)
+        return
+    if not args.rest or args.rest[0] not in STUDIES:
+        p.error(f"name a study: {', '.join(STUDIES)}")
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
+    only = args.only.split(",") if args.only else None
+    run_jobs(args.rest[0], args.command if args.command == "decode" else "train", seeds, only, args.lanes, args.smoke)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,20 @@
-"""Tables and plots of the quality study from the JSON that bench/quality.py writes.
+"""Tables and plots of the quality study, from the JSON that bench/quality.py writes (one file per run and seed).
 
-    python bench/quality.py report        # every study already run
-Writes <out_dir>/report.md and <out_dir>/{curves,ppl_vs_k,ce_sigma}.png.
+    python bench/quality.py report                 # every study directory under bench/results/quality/
+    python bench/quality.py report powered         # one
+
+Writes <study>/report.md and <study>/*.png. Every number is a mean over the seeds a run has, with the
+spread (sample standard deviation over seeds, "sd") and, for estimated DiffusionBlocks numbers, the
+estimator's own standard error ("se", the mean over seeds). Ratios are taken per seed (every seed sees
+its own data order, shared by all runs) and then averaged.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -15,128 +22,408 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+RESULTS = Path(__file__).resolve().parent / "results" / "quality"
+NEW_STUDIES = ("powered", "ablations", "scorer", "generation")
+UNRESOLVED = 0.25  # nats: an estimate whose standard error is this large ranks nothing
 
-def load_runs(out_dir: Path) -> dict:
-    runs = {}
-    for path in sorted(out_dir.glob("*.json")):
-        if path.name in ("generation.json",):
+
+# ------------------------------------------------------------------------------------------------
+# reading
+
+
+def load(study_dir: Path) -> dict[str, dict[int, dict]]:
+    """{run: {seed: result}} of the training runs, with their decode-variant results attached."""
+    runs: dict[str, dict[int, dict]] = {}
+    for path in sorted(study_dir.glob("*__s*.json")):
+        if path.name.endswith(".decode.json"):
             continue
-        data = json.loads(path.read_text())
-        runs[data["run"]] = data
+        r = json.loads(path.read_text())
+        decode = path.with_name(path.name.replace(".json", ".decode.json"))
+        if decode.exists():
+            r["decode"] = json.loads(decode.read_text())["variants"]
+        runs.setdefault(r["run"], {})[r["seed"]] = r
     return runs
 
 
-def at(probes: list[dict], key: str, value: float) -> float:
-    """The val NLL at `key` (train_s / flops / tokens) = value, linear between probes (last probe if beyond)."""
-    xs = [p[key] for p in probes]
-    ys = [p["val_nll"] for p in probes]
-    if value >= xs[-1]:
-        return ys[-1]
+def kind(r: dict) -> str:
+    return r["config"]["model"]["kind"]
+
+
+def blocks(r: dict) -> int:
+    return r["config"]["diffusion"]["num_blocks"] if kind(r) in ("db_ar", "looped_db") else 1
+
+
+def primary_label(r: dict) -> str:
+    """The label of a run's headline number: gpt exact, huginn at its mean recurrence, DB ppl@0."""
+    k = kind(r)
+    if k == "gpt":
+        return "exact"
+    if k == "huginn":
+        return str(r["config"]["model"]["mean_recurrence"])
+    return "0"
+
+
+def scores(r: dict, where: str = "final") -> dict:
+    """final (the final windows), looped (the looped K grid's windows) or a decode variant's scores."""
+    if where in ("final", "looped", "k4b"):
+        return r.get(where, {})
+    return r.get("decode", {}).get(where, {}).get("final", {})
+
+
+def nll(r: dict, label: str | None = None, where: str = "final") -> float | None:
+    entry = scores(r, where).get(label or primary_label(r))
+    return None if entry is None else entry["nll"]
+
+
+def se(r: dict, label: str | None = None, where: str = "final") -> float:
+    entry = scores(r, where).get(label or primary_label(r))
+    return entry.get("se", 0.0) if entry else 0.0
+
+
+def nll_on(r: dict, label: str, n_windows: int, where: str = "final") -> float | None:
+    """Mean nll over the first `n_windows`-window set, read from a score kept on a larger set of the
+    same spacing (val_windows(val, n) is every (N/n)-th window of val_windows(val, N))."""
+    entry = scores(r, where).get(label)
+    if entry is None or "per_window" not in entry or len(entry["per_window"]) % n_windows:
+        return None
+    step = len(entry["per_window"]) // n_windows
+    return statistics.fmean(entry["per_window"][::step])
+
+
+def window_se(r: dict, label: str | None = None, where: str = "final") -> float:
+    entry = scores(r, where).get(label or primary_label(r))
+    return entry.get("window_se", 0.0) if entry else 0.0
+
+
+def mean_sd(values: list[float]) -> tuple[float, float]:
+    values = [v for v in values if v is not None]
+    if not values:
+        return float("nan"), float("nan")
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else float("nan"))
+
+
+def fmt_ppl(values: list[float], ses: list[float] | None = None, digits: int = 2) -> str:
+    """PPL of mean NLL over seeds, its spread as sd over seeds of the PPL, and the mean se in PPL."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    ppls = [math.exp(v) for v in values]
+    m = math.exp(statistics.fmean(values))
+    text = f"{m:.{digits}f}"
+    if len(ppls) > 1:
+        text += f" ± {statistics.stdev(ppls):.{digits}f}"
+    if ses and any(ses):
+        text += f" (se {m * statistics.fmean(ses):.{digits}f})"
+    return text
+
+
+def fmt_ratio(ratios: list[float]) -> str:
+    m, s = mean_sd(ratios)
+    if math.isnan(m):
+        return "-"
+    return f"{m:.3f}" + (f" ± {s:.3f}" if not math.isnan(s) else "")
+
+
+def ratio_per_seed(runs: dict, a: str, b: str, label_a: str | None = None, label_b: str | None = None) -> list[float]:
+    """PPL(a) / PPL(b) for every seed both have."""
+    out = []
+    for seed, ra in runs.get(a, {}).items():
+        rb = runs.get(b, {}).get(seed)
+        if rb is None:
+            continue
+        na, nb = nll(ra, label_a), nll(rb, label_b)
+        wa, wb = ra.get("final_windows", 32), rb.get("final_windows", 32)
+        if wa != wb:  # compare on the smaller set, which the larger one contains
+            n = min(wa, wb)
+            na, nb = nll_on(ra, label_a or primary_label(ra), n), nll_on(rb, label_b or primary_label(rb), n)
+        if na is not None and nb is not None:
+            out.append(math.exp(na - nb))
+    return out
+
+
+def seeds_text(seeds) -> str:
+    return ",".join(str(s) for s in sorted(seeds))
+
+
+# ------------------------------------------------------------------------------------------------
+# tables
+
+
+def main_table(runs: dict, ref: str = "gpt") -> list[str]:
+    lines = ["| run | what | seeds | params | steps | TFLOPs | train CPU-s | PPL at equal FLOPs | windows (se) | × gpt |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, by_seed in runs.items():
+        rs = list(by_seed.values())
+        r0 = rs[0]
+        label = primary_label(r0)
+        metric = {"exact": "", "0": " (ppl@0)"}.get(label, f" (K = {label})")
+        lines.append(
+            f"| `{name}` | {r0['what']}{metric} | {seeds_text(by_seed)} | {r0['params'] / 1e6:.2f} M | "
+            f"{statistics.fmean(r['steps'] for r in rs):.0f} | {statistics.fmean(r['flops'] for r in rs) / 1e12:.1f} | "
+            f"{statistics.fmean(r['cpu_s'] for r in rs):.0f} | {fmt_ppl([nll(r) for r in rs], [se(r) for r in rs])} | "
+            f"{r0.get('final_windows', '-')} ({math.exp(statistics.fmean(nll(r) for r in rs)) * statistics.fmean(window_se(r) for r in rs):.2f}) | "
+            f"{fmt_ratio(ratio_per_seed(runs, name, ref)) if name != ref else '1'} |")
+    return lines
+
+
+def chain_table(runs: dict, variant: str | None = None) -> list[str]:
+    """ppl@k of every DiffusionBlocks run: K = 0 (one call), 1, B, 2B, 4B, and chain / ppl@0 at K = B."""
+    lines = ["| run | seeds | ppl@0 | K = 1 | K = B | K = 2B | K = B / ppl@0 | few windows: ppl@0 / K = B / 2B / 4B | "
+             "K = 2B / K = B | K = 4B / K = B |",
+             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+    for name, by_seed in runs.items():
+        rs = [r for r in by_seed.values() if kind(r) == "db_ar" and (variant is None or variant in r.get("decode", {}))]
+        if not rs:
+            continue
+        B = blocks(rs[0])
+        where = variant or "final"
+
+        def col(k):
+            ses = [se(r, str(k), where) for r in rs]
+            if ses and statistics.fmean(ses) > UNRESOLVED:
+                return f"unresolved (se {statistics.fmean(ses):.2f} nats)"
+            return fmt_ppl([nll(r, str(k), where) for r in rs], ses)
+
+        def rel(k1, k0, at=where):
+            out = []
+            for r in rs:
+                a, b = nll(r, str(k1), at), nll(r, str(k0), at)
+                if a is not None and b is not None:
+                    out.append(math.exp(a - b))
+            return fmt_ratio(out)
+
+        few = "-"
+        if variant is None and any("k4b" in r for r in rs):
+            few = f"{rs[0].get('k4b_windows')} windows: " + " / ".join(
+                fmt_ppl([nll(r, str(k), "k4b") for r in rs], [se(r, str(k), "k4b") for r in rs])
+                for k in (0, B, 2 * B, 4 * B))
+        trend = (rel(2 * B, B, "k4b"), rel(4 * B, B, "k4b")) if few != "-" else (rel(2 * B, B), rel(4 * B, B))
+        if variant is not None:  # the run's own setting (edge, sample bridge) on the variant's windows
+            n = len(scores(rs[0], where)["0"]["per_window"])
+            own = [nll_on(r, str(B), n) for r in rs]
+            few = f"{n} windows: run's own K = B {fmt_ppl(own)}" if None not in own else "-"
+        ratio = rel(B, 0) if not col(B).startswith("unresolved") else "-"
+        lines.append(f"| `{name}` (B = {B}) | {seeds_text(s for s, r in by_seed.items() if r in rs)} | {col(0)} | "
+                     f"{col(1)} | {col(B)} | {col(2 * B)} | {ratio} | {few} | {trend[0]} | {trend[1]} |")
+    return lines
+
+
+def looped_table(runs: dict) -> list[str]:
+    ks = ["1", "2", "4", "8", "16", "32"]
+    lines = ["| run | seeds | ppl@0 | " + " | ".join(f"K = {k}" for k in ks) + " | KV bytes/token at K = 1 / 32 |",
+             "|---|---|---:|" + "---:|" * len(ks) + "---|"]
+    for name, by_seed in runs.items():
+        rs = list(by_seed.values())
+        if kind(rs[0]) not in ("huginn", "looped_db") or "looped" not in rs[0]:
+            continue
+        zero = fmt_ppl([nll(r, "0", "looped") for r in rs], [se(r, "0", "looped") for r in rs]) \
+            if kind(rs[0]) == "looped_db" else "-"
+        cols = [fmt_ppl([nll(r, k, "looped") for r in rs], [se(r, k, "looped") for r in rs]) for k in ks]
+        kv = rs[0].get("kv_bytes_per_token", {})
+        lines.append(f"| `{name}` | {seeds_text(by_seed)} | {zero} | " + " | ".join(cols) +
+                     f" | {kv.get('1', '-')} / {kv.get('32', '-')} |")
+    exits = [(n, r) for n, bs in runs.items() for r in bs.values() if "adaptive_exit" in r]
+    if exits:
+        lines += ["", "Adaptive exit (looped_db, K up to 32, a token stops once KL(p_k || p_k-1) < eps):", "",
+                  "| run | eps | seeds | PPL | mean iterations |", "|---|---:|---|---:|---:|"]
+        names = sorted({n for n, _ in exits})
+        for name in names:
+            rs = [r for n, r in exits if n == name]
+            for eps in rs[0]["adaptive_exit"]:
+                vals = [r["adaptive_exit"][eps] for r in rs]
+                its = mean_sd([v["mean_iterations"] for v in vals])
+                lines.append(f"| `{name}` | {eps} | {seeds_text(r['seed'] for r in rs)} | "
+                             f"{fmt_ppl([v['nll'] for v in vals], [v['se'] for v in vals])} | {its[0]:.1f} |")
+    return lines
+
+
+def probe_at(r: dict, axis: str, value: float) -> float | None:
+    """The probe metric (primary label) at `axis` = value, linear between probes; None past the run."""
+    label = primary_label(r)
+    xs = [p[axis] for p in r["probes"]]
+    ys = [p["val"][label] for p in r["probes"]]
+    if value > xs[-1] * 1.0001:
+        return None
+    if value <= xs[0]:
+        return ys[0]
     for i in range(1, len(xs)):
         if xs[i] >= value:
             f = (value - xs[i - 1]) / max(xs[i] - xs[i - 1], 1e-12)
             return ys[i - 1] + f * (ys[i] - ys[i - 1])
-    return ys[0]
+    return ys[-1]
 
 
-def ppl(nll: float) -> float:
-    return math.exp(nll) if nll < 50 else float("inf")
-
-
-def kind(run: dict) -> str:
-    return run["config"]["model"]["kind"]
-
-
-def main_table(runs: dict, ref: str) -> list[str]:
-    t_star = min(r["train_s"] for r in runs.values())
-    ref_ppl = ppl(runs[ref]["probes"][-1]["val_nll"]) if ref in runs else None
-    lines = [f"Equal FLOPs: every run trained to the same counted FLOPs. Equal wall-clock: val read at "
-             f"t* = {t_star:.0f} s of training (the shortest run), linear between probes.", "",
-             "| run | kind | params | steps | tokens | TFLOPs | train s | PPL at equal FLOPs | × ref | "
-             "PPL at t* | chain PPL (K: ppl) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for name, r in runs.items():
-        end = r["probes"][-1]
-        p = ppl(end["val_nll"])
-        ratio = f"{p / ref_ppl:.2f}" if ref_ppl else ""
-        chain = ", ".join(f"{k}: {ppl(v):.1f}" for k, v in r["final"].items() if k != "0")
-        lines.append(f"| {name} | {kind(r)} | {r['params'] / 1e6:.2f} M | {r['steps']} | {end['tokens'] / 1e6:.2f} M | "
-                     f"{end['flops'] / 1e12:.2f} | {r['train_s']:.0f} | {p:.2f} | {ratio} | "
-                     f"{ppl(at(r['probes'], 'train_s', t_star)):.2f} | {chain} |")
-    lines += ["", "PPL columns: exact next-token PPL (gpt; huginn at K = its mean recurrence) or ppl@0 (DB: one "
-              "call at sigma_hi), on the probe windows. Chain PPL: final scoring on more windows, 2 draws "
-              "(DB: ppl@k, the K = k sampler; huginn: exact PPL after k iterations)."]
+def wallclock_table(runs: dict, names: list[str]) -> list[str]:
+    """The probe metric of `names` at the shortest run's training CPU time (per seed)."""
+    present = [n for n in names if n in runs]
+    if len(present) < 2:
+        return []
+    lines = ["| run | seeds | train CPU-s (mean) | probe PPL at t* (mean over seeds) | probe PPL at its end |",
+             "|---|---|---:|---:|---:|"]
+    seeds = set.intersection(*(set(runs[n]) for n in present))
+    for name in present:
+        vals, ends = [], []
+        for s in seeds:
+            t_star = min(runs[n][s]["cpu_s"] for n in present)
+            vals.append(probe_at(runs[name][s], "cpu_s", t_star))
+            ends.append(runs[name][s]["probes"][-1]["val"][primary_label(runs[name][s])])
+        lines.append(f"| `{name}` | {seeds_text(seeds)} | {statistics.fmean(runs[name][s]['cpu_s'] for s in seeds):.0f} | "
+                     f"{fmt_ppl(vals)} | {fmt_ppl(ends)} |")
     return lines
 
 
-def db_table(runs: dict) -> list[str]:
-    lines = ["| run | ppl@0 | ppl@K soft | hard | sample | K | edges (sigma, low to high) | "
-             "context gap per block (nats, shuffled - real) |", "|---|---:|---:|---:|---:|---:|---|---|"]
-    for name, r in runs.items():
-        if "bridges" not in r:
+def updates_table(runs: dict, db: str, ref: str) -> list[str]:
+    """Block 0's ppl@0 against the depth-matched gpt trained for as many steps as block 0 got updates."""
+    if db not in runs or ref not in runs:
+        return []
+    lines = ["| seed | block 0 updates | gpt_depth2 steps | block-0 ppl@0 | gpt_depth2 PPL | ratio |",
+             "|---|---:|---:|---:|---:|---:|"]
+    ratios = []
+    for seed, r in sorted(runs[db].items()):
+        g = runs[ref].get(seed)
+        if g is None:
             continue
-        b = r["bridges"]
-        gaps = context_gaps(r)
-        edges = ", ".join(f"{e:.3g}" for e in r["edges_final"])
-        lines.append(f"| {name} | {ppl(r['final']['0']):.2f} | {ppl(b['soft']):.1f} | {ppl(b['hard']):.1f} | "
-                     f"{ppl(b['sample']):.1f} | {r['bridges_k']} | {edges} | {gaps} |")
+        ratio = math.exp(nll(r) - nll(g))
+        ratios.append(ratio)
+        lines.append(f"| {seed} | {r['block_updates'].get('0', 0)} | {g['steps']} | {math.exp(nll(r)):.3f} | "
+                     f"{math.exp(nll(g)):.3f} | {ratio:.3f} |")
+    lines.append(f"| mean | | | | | {fmt_ratio(ratios)} |")
     return lines
 
 
-def context_gaps(run: dict) -> str:
-    """Mean (shuffled - real) CE over the sigma grid points each block owns: how much it reads context."""
-    real, shuf, edges = run["ce_curve"]["real"], run["ce_curve"]["shuffled"], run["edges_final"]
-    B = len(edges) - 1
-    out = []
-    for b in range(B):  # block b owns [edges[B-1-b], edges[B-b]]
-        lo, hi = edges[B - 1 - b], edges[B - b]
-        gaps = [s - r for sig, r, s in zip(real["sigmas"], real["ce"], shuf["ce"]) if lo <= sig <= hi]
-        out.append(f"{sum(gaps) / len(gaps):.2f}" if gaps else "-")
-    return " / ".join(out)
-
-
-def generation_table(gen: dict) -> list[str]:
-    lines = ["| run | K | decoding | gen PPL (scored by gpt) | distinct-1 | distinct-2 | distinct-3 | s |",
-             "|---|---:|---|---:|---:|---:|---:|---:|"]
-    for key, g in gen.items():
-        name, k, mode = key.split("|")
-        d = g["distinct"]
-        lines.append(f"| {name} | {k[2:]} | {mode} | {g['gen_ppl']:.1f} | {d['1']:.2f} | {d['2']:.2f} | "
-                     f"{d['3']:.2f} | {g['seconds']:.0f} |")
+def tax_from_probes(runs: dict, db: str = "db_ar_b2", ref: str = "gpt_depth2") -> list[str]:
+    """Block 0 (db's ppl@0 at its last probe) against the depth-matched gpt's probe at the step equal
+    to block 0's updates, both on the probe windows. The gpt's value is read mid-schedule (higher lr than
+    at the end of a run that length), so the ratio flatters the DiffusionBlocks run."""
+    if db not in runs or ref not in runs:
+        return []
+    lines = ["| seed | block 0 updates (of steps) | block-0 ppl@0 (probe) | gpt_depth2 probe PPL at that step | ratio |",
+             "|---|---:|---:|---:|---:|"]
+    ratios = []
+    for seed, r in sorted(runs[db].items()):
+        g = runs[ref].get(seed)
+        if g is None:
+            continue
+        updates = r["block_updates"].get("0", 0)
+        a, b = r["probes"][-1]["val"]["0"], probe_at(g, "step", updates)
+        if b is None:
+            continue
+        ratios.append(math.exp(a - b))
+        lines.append(f"| {seed} | {updates} ({r['steps']}) | {math.exp(a):.3f} | {math.exp(b):.3f} | {ratios[-1]:.3f} |")
+    lines.append(f"| mean ± sd | | | | {fmt_ratio(ratios)} |")
     return lines
 
 
-def plot_curves(runs: dict, path: Path) -> None:
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for name, r in runs.items():
-        for ax, key, scale in zip(axes, ("tokens", "flops", "train_s"), (1e6, 1e12, 1)):
-            xs = [p[key] / scale for p in r["probes"]]
-            ys = [p["val_nll"] for p in r["probes"]]
-            ax.plot(xs, ys, marker=".", label=name)
-    for ax, label in zip(axes, ("tokens (M)", "training FLOPs (T, counted)", "training seconds")):
+def gap_vs_flops(runs: dict, ref: str = "gpt") -> list[str]:
+    """PPL / ref's PPL at each probe (a tenth of the budget apart: equal FLOPs at every probe), mean over
+    the seeds both have: does the gap grow or shrink with training?"""
+    if ref not in runs:
+        return []
+    n = min(len(r["probes"]) for bs in runs.values() for r in bs.values())
+    cols = list(range(0, n, max(1, n // 5))) + ([n - 1] if (n - 1) % max(1, n // 5) else [])
+    lines = ["| run | seeds | " + " | ".join(f"{(i + 1) / n:.0%} of budget" for i in cols) + " |",
+             "|---|---|" + "---:|" * len(cols)]
+    for name, by_seed in runs.items():
+        if name == ref:
+            continue
+        seeds = [s for s in by_seed if s in runs[ref]]
+        if not seeds:
+            continue
+        cells = []
+        for i in cols:
+            ratios = [math.exp(by_seed[s]["probes"][i]["val"][primary_label(by_seed[s])] -
+                               runs[ref][s]["probes"][i]["val"]["exact"]) for s in seeds]
+            cells.append(fmt_ratio(ratios))
+        lines.append(f"| `{name}` | {seeds_text(seeds)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def looped_equal_flops(runs: dict) -> list[str]:
+    """looped_db's final ppl@k against huginn's final PPL at K = its mean recurrence, on the windows both
+    scored (looped_db's final set is a subset of huginn's)."""
+    if "huginn" not in runs or "looped_db" not in runs:
+        return []
+    lines = ["| seed | windows | huginn K = 8 | looped_db ppl@0 | K = 1 | K = 2 | K = 4 | best looped_db / huginn |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    ratios = []
+    for seed, r in sorted(runs["looped_db"].items()):
+        h = runs["huginn"].get(seed)
+        if h is None:
+            continue
+        n = r.get("final_windows", 16)
+        hv = nll_on(h, primary_label(h), n)
+        vals = {k: nll(r, k) for k in ("0", "1", "2", "4")}
+        if hv is None:
+            continue
+        best = min(v for v in vals.values() if v is not None)
+        ratios.append(math.exp(best - hv))
+        lines.append(f"| {seed} | {n} | {math.exp(hv):.3f} | " +
+                     " | ".join(f"{math.exp(v):.3f}" if v is not None else "-" for v in vals.values()) +
+                     f" | {ratios[-1]:.3f} |")
+    lines.append(f"| mean ± sd | | | | | | | {fmt_ratio(ratios)} |")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------
+# plots
+
+
+def plot_curves(runs: dict, path: Path, names: list[str] | None = None) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
+    for name, by_seed in runs.items():
+        if names and name not in names:
+            continue
+        rs = list(by_seed.values())
+        for ax, axis, scale in zip(axes, ("flops", "cpu_s"), (1e12, 1)):
+            n = min(len(r["probes"]) for r in rs)
+            xs = [statistics.fmean(r["probes"][i][axis] for r in rs) / scale for i in range(n)]
+            per = [[r["probes"][i]["val"][primary_label(r)] for r in rs] for i in range(n)]
+            ax.plot(xs, [math.exp(statistics.fmean(v)) for v in per], marker=".", label=name)
+            if len(rs) > 1:
+                ax.fill_between(xs, [math.exp(min(v)) for v in per], [math.exp(max(v)) for v in per], alpha=0.2)
+    for ax, label in zip(axes, ("training FLOPs (T, cost model)", "training CPU seconds (one thread)")):
         ax.set_xlabel(label)
-        ax.set_ylabel("val NLL (nats; DB: ppl@0)")
-        ax.grid(alpha=0.3)
+        ax.set_ylabel("held-out PPL (DB: ppl@0; huginn: K = 8)")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3, which="both")
     axes[0].legend(fontsize=7)
+    fig.suptitle("probe windows; line = mean over seeds, band = min..max", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def plot_ppl_vs_k(runs: dict, path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, r in runs.items():
-        ks = sorted(int(k) for k in r["final"])
-        if len(ks) < 2:
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    for name, by_seed in runs.items():
+        rs = list(by_seed.values())
+        if kind(rs[0]) == "gpt":
+            ax.axhline(math.exp(statistics.fmean(nll(r) for r in rs)), ls="--", lw=1, color="grey")
+            ax.text(1, math.exp(statistics.fmean(nll(r) for r in rs)), name, fontsize=7, va="bottom")
             continue
-        ax.plot(ks, [ppl(r["final"][str(k)]) for k in ks], marker="o", label=name)
-    if "gpt" in runs:
-        ax.axhline(ppl(runs["gpt"]["final"]["0"]), color="k", ls="--", label="gpt")
+        ks = sorted({int(k) for r in rs for k in r["final"]})
+        xs, ys, errs = [], [], []
+        for k in ks:
+            vals = [nll(r, str(k)) for r in rs if str(k) in r["final"]]
+            if not vals:
+                continue
+            xs.append(k)
+            ys.append(math.exp(statistics.fmean(vals)))
+            errs.append(ys[-1] * (statistics.stdev(vals) if len(vals) > 1 else 0))
+        line = ax.errorbar(xs, ys, yerr=errs, marker="o", capsize=3, label=name)
+        for where in ("k4b", "looped"):  # the long chains, on fewer windows: dotted
+            rk = [r for r in rs if where in r]
+            if not rk or kind(rk[0]) == "huginn":
+                continue
+            ks = sorted(int(k) for k in rk[0][where])
+            ys = [math.exp(statistics.fmean(nll(r, str(k), where) for r in rk)) for k in ks]
+            ax.plot(ks, ys, ":", marker="x", color=line[0].get_color(),
+                    label=f"{name} ({rk[0].get(where + '_windows', 2)} windows)")
     ax.set_xscale("symlog", linthresh=1)
     ax.set_yscale("log")
-    ax.set_xlabel("K (0 = ppl@0, one call at sigma_hi)")
-    ax.set_ylabel("PPL")
-    ax.grid(alpha=0.3)
+    ax.set_xlabel("K (0 = ppl@0: one call at sigma_top; huginn: iterations)")
+    ax.set_ylabel("held-out PPL (mean over seeds, bar = sd)")
+    ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -144,7 +431,7 @@ def plot_ppl_vs_k(runs: dict, path: Path) -> None:
 
 
 def plot_ce_sigma(runs: dict, path: Path) -> None:
-    db = {n: r for n, r in runs.items() if "ce_curve" in r}
+    db = {n: bs[min(bs)] for n, bs in runs.items() if "ce_curve" in bs[min(bs)]}
     if not db:
         return
     cols = min(4, len(db))
@@ -154,10 +441,10 @@ def plot_ce_sigma(runs: dict, path: Path) -> None:
         for which, style in (("real", "-"), ("shuffled", "--")):
             c = r["ce_curve"][which]
             ax.plot(c["sigmas"], c["ce"], style, label=f"{which} context")
-        for e in r["edges_final"][1:-1]:
+        for e in r["edges"][1:-1]:
             ax.axvline(e, color="grey", lw=0.8)
         ax.set_xscale("log")
-        ax.set_title(name, fontsize=9)
+        ax.set_title(f"{name} (seed {r['seed']})", fontsize=9)
         ax.set_xlabel("sigma")
         ax.set_ylabel("CE (nats)")
         ax.grid(alpha=0.3)
@@ -169,21 +456,57 @@ def plot_ce_sigma(runs: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def report(out_dir: Path, study: str) -> None:
-    runs = load_runs(out_dir)
+# ------------------------------------------------------------------------------------------------
+
+
+def report(study_dir: Path) -> None:
+    runs = load(study_dir)
     if not runs:
         return
-    lines = [f"# Quality study: {study}", "", *main_table(runs, "gpt"), "", "## DiffusionBlocks runs", "",
-             *db_table(runs)]
-    gen_path = out_dir / "generation.json"
-    if gen_path.exists():
-        gen = json.loads(gen_path.read_text())
-        lines += ["", "## Generated text (100 prompts of 16 val tokens, 48 new tokens)", "", *generation_table(gen),
-                  "", "Samples (first of each setting):", ""]
-        for key, g in gen.items():
-            lines += [f"- `{key}`: {json.dumps(g['samples'][0])}"]
-    (out_dir / "report.md").write_text("\n".join(lines) + "\n")
-    plot_curves(runs, out_dir / "curves.png")
-    plot_ppl_vs_k(runs, out_dir / "ppl_vs_k.png")
-    plot_ce_sigma(runs, out_dir / "ce_sigma.png")
-    print(f"wrote {out_dir / 'report.md'}")
+    name = study_dir.name
+    lines = [f"# Quality study: `{name}` (generated by bench/quality_report.py from the JSON here)", "",
+             "PPL = exp(mean held-out NLL) over the final windows; `a ± b (se c)`: mean over seeds ± sd over "
+             "seeds, and the estimator's standard error (DiffusionBlocks ppl@k; 0 where exact).", ""]
+    lines += ["## Runs at equal training FLOPs", "", *main_table(runs), ""]
+    gap = gap_vs_flops(runs)
+    if gap:
+        lines += ["## The gap to gpt along training (probe windows, PPL / gpt's PPL at the same FLOPs)", "", *gap, ""]
+    lines += ["## DiffusionBlocks chains (ppl@k, the K-step sampler; K = 4B with 64 draws, others 16)", "",
+              *chain_table(runs), ""]
+    variants = sorted({v for bs in runs.values() for r in bs.values() for v in r.get("decode", {})})
+    for v in variants:
+        lines += [f"### Decode variant `{v}` on the same checkpoints (16 windows: every other final window)", "",
+                  *chain_table(runs, v), ""]
+    looped = looped_table(runs)
+    if len(looped) > 2:
+        lines += ["## Looped models: PPL vs K", "", *looped, ""]
+        wc = wallclock_table(runs, ["huginn", "looped_db"])
+        if wc:
+            lines += ["### Equal training time (probe windows, read at the shorter run's CPU seconds)", "", *wc, ""]
+    tax = tax_from_probes(runs)
+    if tax:
+        lines += ["## Block 0 against the depth-matched gpt at equal updates (from the main runs' probes)", "",
+                  "Probe windows; gpt_depth2 read at the step equal to db_ar_b2's block-0 updates (mid-schedule, "
+                  "so the ratio flatters block 0).", "", *tax, ""]
+    leq = looped_equal_flops(runs)
+    if leq:
+        lines += ["## looped_db against huginn at equal FLOPs (shared final windows)", "", *leq, ""]
+    if "db_ar_b2" in runs and "gpt_depth2_updates" in runs:
+        lines += ["## Block 0 against the depth-matched gpt at equal updates", "",
+                  *updates_table(runs, "db_ar_b2", "gpt_depth2_updates"), ""]
+    (study_dir / "report.md").write_text("\n".join(lines) + "\n")
+    plot_curves(runs, study_dir / "curves.png")
+    plot_ppl_vs_k(runs, study_dir / "ppl_vs_k.png")
+    plot_ce_sigma(runs, study_dir / "ce_sigma.png")
+    print(f"wrote {study_dir / 'report.md'}")
+
+
+def main(names: list[str] | None = None) -> None:
+    dirs = [RESULTS / n for n in names] if names else [d for d in sorted(RESULTS.iterdir()) if d.is_dir()]
+    for d in dirs:
+        if any(d.glob("*__s*.json")):
+            report(d)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
