@@ -152,7 +152,7 @@ class DiffusionConfig(_Section):
     bridge: Bridge = _f("sample", "logits -> denoised embedding between steps: soft (expectation), hard (argmax), "
                      "or sample (a token drawn from the logits)")
     num_iterations: int = _f(0, "default K denoising steps per token at inference; 0 = num_blocks")
-    last_call: LastCall = _f("edge", "where a K-step chain's last call runs: the last Euler grid point above sigma_min "
+    last_call: LastCall = _f("sigma_min", "where a K-step chain's last call runs: the last Euler grid point above sigma_min "
                         "(edge, paper) or sigma_min itself (with parameterization likelihood an exact read-back "
                         "of the last bridge's token, so K = B samples what block 0 drew)")
     sample_top_quantile: Float = _f(0.999, "chains start at this quantile of block 0's training sigma law "

@@ -29,7 +29,7 @@ NON_DEFAULT = {
         "block_sampling": "round_robin", "bridge": "soft", "num_iterations": 6,
         "curve_every": 50, "curve_until": 500, "noisy_input": "noise", "posterior_input": "topk",
         "posterior_topk": 16, "head": "cosine",
-        "clean_lm_weight": 0.3, "sample_top_quantile": 0.99, "parameterization": "edm", "last_call": "sigma_min",
+        "clean_lm_weight": 0.3, "sample_top_quantile": 0.99, "parameterization": "edm", "last_call": "edge",
         "noisy_self": True, "label_dropout": 0.2, "cfg_scale": 1.5, "sample_steps": 10, "schedule": "cosine",
     },
     "data": {"source": "files", "path": "corpus.txt", "tokenizer": "byte", "val_fraction": 0.1,

@@ -9,7 +9,7 @@ V, D = 47, 32
 # The paper's layout (docs/method.md §4-5), which the mechanism tests (caches, batching, export) pin so their
 # logits stay O(1); the product's defaults (docs/results.md) have their own tests in test_dblm.py.
 PAPER = {"parameterization": "edm", "noisy_self": True, "noisy_input": "noise", "bridge": "hard",
-         "block_sampling": "uniform"}
+         "block_sampling": "uniform", "last_call": "edge"}
 
 
 def build_tiny(kind: str, seq_len: int = 16, **diffusion):
