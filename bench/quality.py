@@ -157,6 +157,8 @@ STUDIES: dict[str, dict[str, Run]] = {
                           partition="uniform", p_mean=1.0),
         "loss_edm": chains("loss weight edm (more weight at low sigma)", loss_weight="edm"),
         "uniform_blocks": chains("block_sampling uniform (block 1 gets half the updates)", block_sampling="uniform"),
+        "split_3_1": chains("layers_per_block [3, 1]: the high-noise block 3 layers deep, the low-noise one 1",
+                            layers_per_block=[3, 1]),
         "overlap_0.3": chains("each block trains on its interval widened by 0.3 of its ln-width (was 0.1)",
                               overlap=0.3),
     },
