@@ -37,7 +37,10 @@ def _fail(where, problem: str) -> UserError:
 
 
 def _safetensors_arrays(path: Path) -> dict:
-    """{name: read-only memmap} of a safetensors file, from its JSON header (8-byte length + JSON)."""
+    """{name: read-only memmap} of a safetensors file, from its JSON header (8-byte length + JSON).
+
+    Read by hand rather than with safetensors' `safe_open`, which copies each tensor it returns into
+    memory: ImageNet-256 latents are about 10 GB per split, so they are memory-mapped instead."""
     try:
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
