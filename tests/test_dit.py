@@ -1,5 +1,6 @@
 """The DiffusionBlocks DiT denoiser and its end-to-end baseline (looped_lm/models/dit.py)."""
 
+import functools
 import math
 
 import pytest
@@ -8,25 +9,11 @@ import torch
 from looped_lm import diffusion as dm
 from looped_lm.errors import UserError
 from looped_lm.models.dit import DiffusionDiT, DiTSettings, frechet_distance
+from tiny_models import TINY_MODULES, image_batch, tiny_module
 
-TINY = dict(image_size=8, channels=1, num_classes=10, patch=2, n_layers=2, d_model=32, n_heads=2, num_blocks=2)
-
-
-def tiny(perturb: bool = True, **kw) -> DiffusionDiT:
-    """A 2-layer DiT; adaLN and the output layer start at zero, so `perturb` gives them weights."""
-    torch.manual_seed(0)
-    model = DiffusionDiT(DiTSettings(**{**TINY, **kw}))
-    if perturb:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "ada" in name or name.startswith("out."):
-                    p.normal_(0, 0.2)
-    return model
-
-
-def batch(n=6, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.rand(n, 1, 8, 8, generator=g) * 2 - 1, torch.randint(10, (n,), generator=g)
+TINY = TINY_MODULES["dit"][0]
+tiny = functools.partial(tiny_module, "dit")  # a 2-layer DiT in B = 2 blocks
+batch = image_batch
 
 
 def test_defaults_are_dit_s2():
@@ -160,17 +147,3 @@ def test_noise_intervals_come_from_the_shared_partition():
     model = tiny(num_blocks=2)
     assert model.edges == pytest.approx(dm.equi_probability_edges(2, dm.NoiseSchedule()))
     assert model.train_ranges == dm.widen(model.edges, 0.05)
-
-
-def test_it_is_a_trainable_with_json_state():
-    import json
-
-    from looped_lm.models.contract import Trainable
-
-    model = tiny()
-    assert isinstance(model, Trainable)
-    state = json.loads(json.dumps(model.checkpoint_state()))
-    assert state["num_blocks"] == model.num_blocks and len(state["edges"]) == model.num_blocks + 1
-    model.restore_state(state)  # its own state is accepted
-    with pytest.raises(UserError, match="cannot resume"):
-        model.restore_state({**state, "num_blocks": 99})

@@ -1,5 +1,6 @@
 """Masked diffusion over characters (looped_lm/models/mdm.py) and the text8 data (looped_lm/data/text8.py)."""
 
+import functools
 import math
 
 import numpy as np
@@ -10,19 +11,10 @@ from looped_lm.data import text8
 from looped_lm.errors import UserError
 from looped_lm.models.mdm import (MaskedDiffusionLM, MDMSettings, alpha, elbo_weight, masked_nelbo, route_time,
                                   time_edges, time_intervals)
+from tiny_models import TINY_MODULES, tiny_module
 
-TINY = dict(seq_len=16, n_layers=3, d_model=32, n_heads=2, num_blocks=3)
-
-
-def tiny(perturb: bool = True, **kw) -> MaskedDiffusionLM:
-    torch.manual_seed(0)
-    model = MaskedDiffusionLM(MDMSettings(**{**TINY, **kw}))
-    if perturb:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "ada" in name:
-                    p.normal_(0, 0.2)
-    return model
+TINY = TINY_MODULES["mdm"][0]
+tiny = functools.partial(tiny_module, "mdm")  # 3 layers in B = 3 blocks
 
 
 def ids(n=4, T=16, seed=0):
@@ -225,17 +217,3 @@ def test_the_bible_in_text8_alphabet():
     splits = text8.load_bible()
     assert splits.train.max() < 27 and len(splits.train) > 3_000_000
     assert text8.decode(splits.train[:30]).startswith("genesis in the beginning god")
-
-
-def test_it_is_a_trainable_with_json_state():
-    import json
-
-    from looped_lm.models.contract import Trainable
-
-    model = tiny()
-    assert isinstance(model, Trainable)
-    state = json.loads(json.dumps(model.checkpoint_state()))
-    assert state["num_blocks"] == model.num_blocks and len(state["edges"]) == model.num_blocks + 1
-    model.restore_state(state)  # its own state is accepted
-    with pytest.raises(UserError, match="cannot resume"):
-        model.restore_state({**state, "num_blocks": 99})

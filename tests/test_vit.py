@@ -1,5 +1,7 @@
 """The DiffusionBlocks ViT classifier and its end-to-end baseline (looped_lm/models/vit.py)."""
 
+import functools
+
 import pytest
 import torch
 
@@ -8,26 +10,11 @@ from looped_lm.errors import UserError
 from looped_lm.models.adaln import choose_block
 from looped_lm.models.vit import DiffusionViT, ViTSettings
 from looped_lm.optim import BlockwiseAdamW, param_groups
+from tiny_models import TINY_MODULES, image_batch, tiny_module
 
-TINY = dict(image_size=8, channels=1, num_classes=10, patch=2, n_layers=3, d_model=32, n_heads=2, num_blocks=3)
-
-
-def tiny(perturb: bool = True, **kw) -> DiffusionViT:
-    """A 3-layer ViT; adaLN and the head start at zero, so `perturb` gives them weights (else the block
-    layers get no gradient and z does not reach the logits through them)."""
-    torch.manual_seed(0)
-    model = DiffusionViT(ViTSettings(**{**TINY, **kw}))
-    if perturb:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "ada" in name or name.startswith("head"):
-                    p.normal_(0, 0.2)
-    return model
-
-
-def batch(n=6, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.rand(n, 1, 8, 8, generator=g) * 2 - 1, torch.randint(10, (n,), generator=g)
+TINY = TINY_MODULES["vit"][0]
+tiny = functools.partial(tiny_module, "vit")  # a 3-layer ViT in B = 3 blocks
+batch = image_batch
 
 
 def test_shapes_and_defaults():
@@ -204,17 +191,3 @@ def test_bad_input_raises_one_clear_line():
         model.predict(x, 2)
     with pytest.raises(UserError, match=r"shape \(N, 1, 8, 8\)"):
         model.predict(torch.zeros(2, 3, 8, 8))
-
-
-def test_it_is_a_trainable_with_json_state():
-    import json
-
-    from looped_lm.models.contract import Trainable
-
-    model = tiny()
-    assert isinstance(model, Trainable)
-    state = json.loads(json.dumps(model.checkpoint_state()))
-    assert state["num_blocks"] == model.num_blocks and len(state["edges"]) == model.num_blocks + 1
-    model.restore_state(state)  # its own state is accepted
-    with pytest.raises(UserError, match="cannot resume"):
-        model.restore_state({**state, "num_blocks": 99})

@@ -1,4 +1,5 @@
-"""Tiny models of every kind, shared by the decoding, batching and engine tests."""
+"""Tiny models of every kind, shared by the decoding, batching and engine tests and by the supporting
+modules' tests (vit, dit, mdm)."""
 
 import torch
 
@@ -89,3 +90,41 @@ def uncached_next_logits(model, prefix: torch.Tensor, settings, z: torch.Tensor)
     result = run_chain(window.denoise, model.grid(), [settings] * B, z_all, SharedGenerator(None), model.targets,
                        model.target_table)
     return result.logits[:, -1]
+
+
+# --- the supporting modules (looped_lm/models/{vit,dit,mdm}.py) ---------------------------------------
+
+TINY_MODULES = {  # kind -> (settings of a tiny model, parameter names that start at zero besides adaLN)
+    "vit": (dict(image_size=8, channels=1, num_classes=10, patch=2, n_layers=3, d_model=32, n_heads=2,
+                 num_blocks=3), ("head",)),
+    "dit": (dict(image_size=8, channels=1, num_classes=10, patch=2, n_layers=2, d_model=32, n_heads=2,
+                 num_blocks=2), ("out.",)),
+    "mdm": (dict(seq_len=16, n_layers=3, d_model=32, n_heads=2, num_blocks=3), ()),
+}
+
+
+def tiny_module(kind: str, perturb: bool = True, **settings):
+    """A tiny vit, dit or mdm. adaLN (and the vit head / dit output layer) start at zero, so `perturb`
+    gives them weights: otherwise the block layers get no gradient and the noise level does not reach
+    the output through them."""
+    from looped_lm.models.dit import DiffusionDiT, DiTSettings
+    from looped_lm.models.mdm import MaskedDiffusionLM, MDMSettings
+    from looped_lm.models.vit import DiffusionViT, ViTSettings
+
+    cls, settings_cls = {"vit": (DiffusionViT, ViTSettings), "dit": (DiffusionDiT, DiTSettings),
+                         "mdm": (MaskedDiffusionLM, MDMSettings)}[kind]
+    defaults, zero_init = TINY_MODULES[kind]
+    torch.manual_seed(0)
+    model = cls(settings_cls(**{**defaults, **settings}))
+    if perturb:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "ada" in name or name.startswith(zero_init):
+                    p.normal_(0, 0.2)
+    return model
+
+
+def image_batch(n: int = 6, seed: int = 0):
+    """n random 1x8x8 images in [-1, 1] and labels in 0..9."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(n, 1, 8, 8, generator=g) * 2 - 1, torch.randint(10, (n,), generator=g)
