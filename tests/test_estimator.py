@@ -14,7 +14,7 @@ from looped_lm.diffusion.chain import run_chain
 from looped_lm.models.db.contexts import WindowContext
 from looped_lm.sampling import SharedGenerator
 from looped_lm.settings import InferenceSettings, ScoreSettings
-from tiny_models import V, markov_batch, trained_tiny_db
+from tiny_models import markov_batch, trained_tiny_db
 
 B = 2  # blocks of the tiny db_ar model
 MC_CHAINS = 4000

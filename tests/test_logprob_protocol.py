@@ -15,7 +15,6 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
 from looped_lm.checkpoint import load_checkpoint
 from looped_lm.data.bin_dataset import TokenStream

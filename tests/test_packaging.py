@@ -2,7 +2,6 @@
 editable install and in a wheel, and no generic top-level `serve` lands in site-packages."""
 
 import importlib.util
-import os
 import shutil
 import subprocess
 import sys

@@ -128,3 +128,15 @@ def image_batch(n: int = 6, seed: int = 0):
     """n random 1x8x8 images in [-1, 1] and labels in 0..9."""
     g = torch.Generator().manual_seed(seed)
     return torch.rand(n, 1, 8, 8, generator=g) * 2 - 1, torch.randint(10, (n,), generator=g)
+
+
+def grads_of_one_block(model, b: int) -> set[str]:
+    """After a training step on block b: no other block's parameter has a gradient (one block per step),
+    block b's layers got one; returns the names of every parameter with a nonzero gradient."""
+    for name, p in model.named_parameters():
+        unit = model.param_unit(name)
+        if unit.startswith("block") and unit != f"block{b}":
+            assert p.grad is None, name
+    got = {name for name, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert any(n.startswith(f"blocks.{b}.") for n in got)
+    return got
