@@ -431,7 +431,6 @@ def main():
                      f"{an['time_ratio']:.2f} | {an['huginn_mem_units']:.2f} | {an['db_mem_units']:.2f} | "
                      f"{an['mem_ratio']:.2f} | {an['issue_time_ratio']:.2f} / {an['issue_mem_ratio']:.2f} | "
                      f"{an['time_ratio_prelude_recomputed']:.2f} / {an['mem_ratio_prelude_recomputed']:.2f} |")
-    an1, an25 = analytic(1.0, vocabs[0]), analytic(0.25, vocabs[0])
     table = "\n".join(lines)
     print(table)
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -448,8 +447,6 @@ def main() -> None:
 def write_figures(results: dict, stem: Path) -> None:
     """{stem}_curves.png: each run's metric against its share of the training FLOPs; {stem}_dit_VARIANT.png:
     10 samples per class (one column each) from the seed-0 run of each dit variant."""
-    import torch
-
     from looped_lm.data.images import write_png_grid
 
     for r in results["modules"].get("dit", {}).get("runs", []):

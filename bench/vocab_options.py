@@ -54,7 +54,6 @@ def config(tokenizer: str, variant: str, seed: int):
 
 def block_costs(cfg, vocab: int, x, y) -> tuple[dict, dict]:
     """Counted FLOPs and CPU seconds (median of 3) of one forward + backward of each block."""
-    import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     from looped_lm.models import build_model

@@ -11,7 +11,6 @@ import argparse
 import importlib
 import os
 import sys
-from pathlib import Path
 
 from looped_lm import __version__
 from looped_lm.errors import UserError

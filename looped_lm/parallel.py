@@ -29,8 +29,13 @@ need no torch (preflight uses them before anything is built).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from looped_lm.config import Config
 from looped_lm.errors import UserError
+
+if TYPE_CHECKING:  # torch is imported where it is used: the ownership functions need none
+    import torch
 
 
 def trained_blocks(cfg: Config) -> list[int]:

@@ -22,7 +22,7 @@ from looped_lm.models.db.contexts import CachedContext, DecodeState, WindowConte
 from looped_lm.models.db.network import DBNetwork
 from looped_lm.models.db.objective import BlockObjective
 from looped_lm.sampling import RandomSource, SharedGenerator
-from looped_lm.settings import InferenceSettings, IterationLimits, RowBatch, ScoreSettings
+from looped_lm.settings import IterationLimits, RowBatch, ScoreSettings
 
 
 class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, Iterative):
