@@ -550,7 +550,30 @@ def generation_report(study_dir: Path) -> None:
     for key, row in first["rows"].items():
         lines.append(f"- **{key}**: `{row['examples'][0][:160]!r}`")
     (study_dir / "report.md").write_text("\n".join(lines) + "\n")
+    plot_generation(by_seed, study_dir / "mauve_vs_gen_ppl.png")
     print(f"wrote {study_dir / 'report.md'}")
+
+
+def plot_generation(by_seed: dict, path: Path) -> None:
+    """MAUVE against generative PPL, one point per (model, decoding, seed), the held-out text's gen PPL
+    as a vertical line."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    colors = {}
+    for seed, r in sorted(by_seed.items()):
+        for key, row in r["rows"].items():
+            color = colors.setdefault(row["run"], f"C{len(colors)}")
+            marker = {"greedy": "x", "top-p": "^", "sampled": "o"}[row["decoding"].split(",")[0].split(" ")[0]]
+            ax.scatter(row["gen_ppl"], row["mauve"], color=color, marker=marker, s=30,
+                       label=key if seed == min(by_seed) else None)
+        ax.axvline(r["human"]["gen_ppl"], color="grey", lw=0.8, ls="--")
+    ax.set_xscale("log")
+    ax.set_xlabel("generative PPL under the scorer gpt (dashed: held-out text)")
+    ax.set_ylabel("MAUVE vs held-out continuations")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(names: list[str] | None = None) -> None:
