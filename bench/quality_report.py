@@ -178,13 +178,18 @@ def chain_table(runs: dict, variant: str | None = None) -> list[str]:
         B = blocks(rs[0])
         where = variant or "final"
 
+        def unresolved(k, at=where) -> float | None:
+            ses = [se(r, str(k), at) for r in rs if nll(r, str(k), at) is not None]
+            return statistics.fmean(ses) if ses and statistics.fmean(ses) > UNRESOLVED else None
+
         def col(k):
-            ses = [se(r, str(k), where) for r in rs]
-            if ses and statistics.fmean(ses) > UNRESOLVED:
-                return f"unresolved (se {statistics.fmean(ses):.2f} nats)"
-            return fmt_ppl([nll(r, str(k), where) for r in rs], ses)
+            if unresolved(k) is not None:
+                return f"unresolved (se {unresolved(k):.2f} nats)"
+            return fmt_ppl([nll(r, str(k), where) for r in rs], [se(r, str(k), where) for r in rs])
 
         def rel(k1, k0, at=where):
+            if unresolved(k1, at) is not None or unresolved(k0, at) is not None:
+                return "-"
             out = []
             for r in rs:
                 a, b = nll(r, str(k1), at), nll(r, str(k0), at)
@@ -202,7 +207,7 @@ def chain_table(runs: dict, variant: str | None = None) -> list[str]:
             n = len(scores(rs[0], where)["0"]["per_window"])
             own = [nll_on(r, str(B), n) for r in rs]
             few = f"{n} windows: run's own K = B {fmt_ppl(own)}" if None not in own else "-"
-        ratio = rel(B, 0) if not col(B).startswith("unresolved") else "-"
+        ratio = rel(B, 0)
         lines.append(f"| `{name}` (B = {B}) | {seeds_text(s for s, r in by_seed.items() if r in rs)} | {col(0)} | "
                      f"{col(1)} | {col(B)} | {col(2 * B)} | {ratio} | {few} | {trend[0]} | {trend[1]} |")
     return lines
