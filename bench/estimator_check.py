@@ -3,6 +3,8 @@
     python bench/estimator_check.py --checkpoint out/quickstart_db/step_0000400 [--chains 2048] [--tokens 128]
     python bench/estimator_check.py --run powered/db_ar_b4/0 --ks 4,8,16 --boosts 0.5,0.1 --draws 16,64 \
         --last-calls edge --out bench/results/quality/estimator/db_ar_b4.json    # a quality-study checkpoint
+    python bench/estimator_check.py --run powered/db_ar_b4/0 --ks 4 --bridge soft --draws 16,64 --last-calls edge \
+        --out bench/results/quality/estimator/db_ar_b4_soft.json   # the soft bridge's chain
 
 For each K and each `last_call` (`edge`, `sigma_min`; the checkpoint's weights with that setting):
   mc         plain Monte-Carlo: `--chains` runs per token of the very chain `generate` runs (temperature 1),
@@ -58,7 +60,7 @@ def with_last_call(model, cfg, manifest, last_call):
 
 
 @torch.no_grad()
-def plain_chains(model, x, y, K, chains, seed, group=256):
+def plain_chains(model, x, y, K, chains, seed, group=256, bridge="sample"):
     """Per-token mean and variance of softmax(last call)[y] over `chains` runs of the real chain."""
     total = torch.zeros(y.shape, dtype=torch.float64)
     square = torch.zeros_like(total)
@@ -69,7 +71,7 @@ def plain_chains(model, x, y, K, chains, seed, group=256):
         xs, ys = x.repeat(reps, 1), y.repeat(reps, 1)
         window = WindowContext(model, xs)
         z = model.initial_noise(xs.shape[0], xs.shape[1], random)
-        settings = [InferenceSettings(num_iterations=K, bridge="sample")] * xs.shape[0]
+        settings = [InferenceSettings(num_iterations=K, bridge=bridge)] * xs.shape[0]
         logits = run_chain(window.denoise, model.grid(), settings, z, random, model.targets,
                            model.target_table).logits
         p = logits.double().softmax(-1).gather(-1, ys[..., None])[..., 0].view(reps, *y.shape)
@@ -111,6 +113,8 @@ def main():
     ap.add_argument("--chains", type=int, default=2048)
     ap.add_argument("--tokens", type=int, default=128, help="held-out targets scored (windows of 64)")
     ap.add_argument("--ks", default="1,2,4,8")
+    ap.add_argument("--bridge", default="sample", choices=["sample", "soft", "hard"],
+                    help="the chain's bridge, in plain Monte-Carlo and in the estimator alike")
     ap.add_argument("--out", default=str(RESULTS / "estimator_check.json"))
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -131,25 +135,25 @@ def main():
     boosts = [float(b) for b in args.boosts.split(",")]
     draw_counts = [int(d) for d in args.draws.split(",")]
     rows, out = [], {"checkpoint": str(args.checkpoint or args.run), "step": step, "tokens": int(y.numel()),
-                     "chains": args.chains, "blocks": B, "config": config, "results": []}
+                     "chains": args.chains, "blocks": B, "bridge": args.bridge, "config": config, "results": []}
     for last_call in args.last_calls.split(","):
         m = with_last_call(model, cfg, manifest, last_call) if args.checkpoint else study_model(args.run, last_call)[0]
         for K in [int(k) for k in args.ks.split(",")]:
             t = time.perf_counter()
-            mean, var, _ = plain_chains(m, x, y, K, args.chains, seed=1)
+            mean, var, _ = plain_chains(m, x, y, K, args.chains, seed=1, bridge=args.bridge)
             mc_nll = float(-mean.clamp_min(1e-300).log().mean())
             mc_se = float((var / mean.clamp_min(1e-300) ** 2).sum().sqrt()) / y.numel()
             mc_time = time.perf_counter() - t
             naive = {}
             for n in (2, 4):
-                nm, _, _ = plain_chains(m, x, y, K, n, seed=2)
+                nm, _, _ = plain_chains(m, x, y, K, n, seed=2, bridge=args.bridge)
                 naive[n] = ppl(float(-nm.clamp_min(1e-300).log().mean()))
             row = {"last_call": last_call, "K": K, "mc_ppl": ppl(mc_nll), "mc_se": ppl(mc_nll) * mc_se,
                    "mc_seconds": mc_time, "naive_2": naive[2], "naive_4": naive[4], "estimator": {}}
             for boost in boosts:
                 for draws in draw_counts:
                     t = time.perf_counter()
-                    s = m.score(x, y, ScoreSettings(k_grid=(K,), draws=draws, boost=boost),
+                    s = m.score(x, y, ScoreSettings(k_grid=(K,), draws=draws, boost=boost, bridge=args.bridge),
                                 torch.Generator().manual_seed(3))[K]
                     nll = float(s.nll.mean())
                     se = float(s.nll_var.sum().sqrt()) / y.numel() if s.nll_var is not None else 0.0
