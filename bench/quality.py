@@ -1,9 +1,12 @@
 """The quality study (docs/results.md): DiffusionBlocks LMs against end-to-end and looped baselines,
-at equal training FLOPs, several seeds, scored with the unbiased ppl@k estimator.
+at equal training FLOPs, three seeds, scored with the unbiased ppl@k estimator.
 
     python bench/quality.py run powered                 # the main rows, 3 seeds, 2 lanes (~3 h on 2 cores)
-    python bench/quality.py run tax --seeds 0,1         # one study, some seeds
+    python bench/quality.py run ablations --seeds 0,1   # one change each against db_ar_b2, some seeds
     python bench/quality.py run powered --only gpt,huginn
+    python bench/quality.py run scorer                  # the paper's protocol: a larger, longer-trained gpt,
+    python bench/quality.py generate --seeds 0,1,2      # then generated text scored by it, and MAUVE
+                                                        # (pip install -e ".[bench]" for mauve-text)
     python bench/quality.py decode powered              # re-score finished checkpoints with other
                                                         # last_call / bridge settings (no training)
     python bench/quality.py report                      # tables + plots from the JSON already written
@@ -656,7 +659,10 @@ def scorer_view(scorer, tokens: torch.Tensor, start: int) -> tuple[torch.Tensor,
 
 
 def generation_run(seed: int, smoke: bool, log) -> dict:
-    import mauve
+    try:
+        import mauve
+    except ImportError:
+        raise SystemExit("error: generate needs mauve-text: pip install -e \".[bench]\"") from None
 
     torch.set_num_threads(1)
     _, val = data_streams()
