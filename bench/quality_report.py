@@ -343,15 +343,16 @@ def gap_vs_flops(runs: dict, ref: str = "gpt") -> list[str]:
     return lines
 
 
-def ablation_table(runs: dict, ref_runs: dict, ref: str = "db_ar_b2") -> list[str]:
-    """Each ablation against the powered study's `ref` and gpt, per seed on shared windows: ppl@0 and the
-    K = B chain (the run's own last call and bridge), and the chain / ppl@0 of each."""
-    lines = ["| ablation | what | seeds | steps | ppl@0 | × db_ar_b2 (ppl@0) | × gpt (ppl@0) | K = B / ppl@0 | "
-             "db_ar_b2's K = B / ppl@0 (same seeds) | K = 2B / K = B |",
+def ablation_table(runs: dict, ref_runs: dict) -> list[str]:
+    """Each ablation against the powered study's db_ar of the same B and against gpt, per seed on shared
+    windows: ppl@0 and the K = B chain (the run's own last call and bridge), and the chain / ppl@0 of each."""
+    lines = ["| ablation | what | seeds | steps | ppl@0 | × db_ar, same B (ppl@0) | × gpt (ppl@0) | K = B / ppl@0 | "
+             "db_ar's K = B / ppl@0 (same seeds) | K = 2B / K = B |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, by_seed in runs.items():
         rs = list(by_seed.values())
         B = blocks(rs[0])
+        ref = f"db_ar_b{B}"
         both = {**ref_runs, name: by_seed}
         seeds = [s for s in by_seed if s in ref_runs.get(ref, {})]
 
@@ -503,7 +504,7 @@ def report(study_dir: Path) -> None:
              "seeds, and the estimator's standard error (DiffusionBlocks ppl@k; 0 where exact).", ""]
     if name.startswith("ablations"):
         ref_runs = load(RESULTS / name.replace("ablations", "powered"))
-        lines += ["## Each change against the powered study's db_ar_b2 (same seeds, shared windows)", "",
+        lines += ["## Each change against the powered study's db_ar of the same B (same seeds, shared windows)", "",
                   *ablation_table(runs, ref_runs), ""]
     lines += ["## Runs at equal training FLOPs", "", *main_table(runs), ""]
     gap = gap_vs_flops(runs)
