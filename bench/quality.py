@@ -160,6 +160,8 @@ STUDIES: dict[str, dict[str, Run]] = {
                            noisy_input="noise"),
         "sigma_high": tax("sigma law concentrated high in each block: partition uniform (edge 0.41), p_mean 1.0",
                           partition="uniform", p_mean=1.0),
+        "clean_lm_sigma_high": tax("clean_lm_0.5 and sigma_high together", clean_lm_weight=0.5, partition="uniform",
+                                   p_mean=1.0),
         "loss_edm": chains("loss weight edm (more weight at low sigma)", loss_weight="edm"),
         "uniform_blocks": chains("block_sampling uniform (block 1 gets half the updates)", block_sampling="uniform"),
         "split_3_1": chains("layers_per_block [3, 1]: the high-noise block 3 layers deep, the low-noise one 1",
