@@ -76,4 +76,5 @@ def test_db_rolling_loglikelihood_over_http_equals_eval(db_ckpt, K):
             assert over_http == pytest.approx(evaluated, rel=0.005), (over_http, evaluated)
         else:  # both sides carry the same standard error: the difference's is sqrt(2) se
             assert abs(math.log(over_http / evaluated)) < 3 * math.sqrt(2) * se, (over_http, evaluated, se)
-        assert 1.5 < evaluated < 257  # a real estimate, not a read-back's 1 or its overflow
+        # a tiny model after a few steps (measured ~87): below the uniform 257, far above a read-back's 1
+        assert 20 < evaluated < 200
