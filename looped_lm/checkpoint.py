@@ -380,13 +380,23 @@ def check_weights_fit(path: Path, model) -> None:
             shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     except (SafetensorError, OSError) as e:
         raise UserError(f"cannot read {path}: {e}") from None
-    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    state = model.state_dict(keep_vars=True)
+    want = {k: tuple(v.shape) for k, v in state.items()}
+    vocab = getattr(model, "vocab_size", None)
     for name, shape in sorted(shapes.items()):
         if name not in want:
             raise UserError(f"{path} holds {name}, which the model in its manifest does not have")
         if want[name] != shape:
+            # the first dimension of an embedding or head is the vocabulary: name the manifest's field
+            field = f" (its vocab_size is {vocab})" if vocab in want[name] and vocab not in shape else ""
             raise UserError(f"{path} holds {name} of shape {list(shape)}, but the model in its manifest has "
-                            f"{list(want[name])}")
+                            f"{list(want[name])}{field}")
+    by_tensor: dict = {}  # tied tensors (one object under several names) are stored once
+    for name, t in state.items():
+        by_tensor.setdefault(id(t), []).append(name)
+    for names in by_tensor.values():
+        if not any(n in shapes for n in names):
+            raise UserError(f"{path} lacks {names[0]}, which the model in its manifest has")
 
 
 def load_weights(model, path: Path, device="cpu") -> None:
@@ -409,9 +419,142 @@ def load_checkpoint(ckpt: str | Path, device="cpu", verify: bool = True):
     manifest = read_manifest(ckpt, verify)
     verify_files(ckpt, manifest, [WEIGHTS], verify)
     cfg = config_of(manifest, ckpt)
+    check_agreement(ckpt, manifest, cfg)
     try:
         model = build_model(cfg, manifest["vocab_size"], manifest.get("model_state"))
     except (UserError, ValueError, TypeError) as e:  # model_state (edges...) that does not fit the model
         raise UserError(f"{ckpt / MANIFEST}: its model_state does not fit model.kind {cfg.model.kind}: {e}") from None
     load_weights(model, ckpt / WEIGHTS, device)
     return model.to(device).eval(), cfg, manifest
+
+
+# ---------------------------------------------------------------------------------------------
+# agreement: the manifest's fields against its config, its file list and its tensors
+#
+# The hash proves the manifest is the one written; it does not prove a hand- or tool-written manifest
+# tells the truth. Every load (resume, eval, generate, serve, export, merge, verify) checks, in one line
+# naming the field: model_kind against config.model.kind; tokenizer and vocab_size against the config
+# and the tokenizer; ownership against the config's trained blocks and the optimizer state on record;
+# model_state.edges against their invariants and the config's partition; the tensors' names and shapes
+# against the model the manifest builds (check_weights_fit).
+
+
+def run_vocab(cfg: Config) -> tuple[int, str]:
+    """(output vocabulary, tokenizer name) a run of `cfg` has: the tokenizer's (or model.vocab_size,
+    padded), or a module's classes / characters."""
+    from looped_lm.config import MODULE_KINDS
+    from looped_lm.data.batches import module_vocab
+    from looped_lm.data.tokenizer import get_tokenizer
+
+    if cfg.model.kind in MODULE_KINDS:
+        return module_vocab(cfg)
+    tokenizer = get_tokenizer(cfg.data.tokenizer)
+    vocab_size = cfg.model.vocab_size or tokenizer.vocab_size
+    if vocab_size < tokenizer.vocab_size:
+        raise UserError(f"model.vocab_size ({vocab_size}) is smaller than the {tokenizer.name} tokenizer's "
+                        f"{tokenizer.vocab_size}")
+    return vocab_size, tokenizer.name
+
+
+def trained_blocks(cfg: Config) -> list[int]:
+    """The blocks a db_ar run of `cfg` trains (what its manifest's `ownership` records)."""
+    return sorted(cfg.diffusion.blocks_to_train) or list(range(cfg.diffusion.num_blocks))
+
+
+def check_agreement(ckpt: str | Path, manifest: dict, cfg: Config) -> None:
+    """The manifest's model_kind, tokenizer, vocab_size, ownership and edges agree with its config and
+    file list (no tensor is read; see check_tensors). One line naming the field."""
+    where = Path(ckpt) / MANIFEST
+
+    def bad(field: str, text: str) -> UserError:
+        return UserError(f"{where}: '{field}' {text}")
+
+    kind = manifest.get("model_kind", cfg.model.kind)
+    if kind != cfg.model.kind:
+        raise bad("model_kind", f"is {kind!r}, but its config's model.kind is {cfg.model.kind!r}")
+    try:
+        vocab, tokenizer = run_vocab(cfg)
+    except UserError as e:
+        raise UserError(f"{where}: its config is invalid: {e}") from None
+    if manifest["tokenizer"] != tokenizer:
+        source = "data.tokenizer" if cfg.model.kind not in ("vit", "dit", "mdm") else f"model.kind {cfg.model.kind}"
+        raise bad("tokenizer", f"is {manifest['tokenizer']!r}, but its config's {source} gives {tokenizer!r}")
+    if manifest["vocab_size"] != vocab:
+        raise bad("vocab_size", f"is {manifest['vocab_size']}, but its config and tokenizer ({tokenizer}) give {vocab}")
+    _check_ownership(manifest, cfg, bad)
+    _check_edges(manifest, cfg, bad)
+
+
+def _check_ownership(manifest: dict, cfg: Config, bad) -> None:
+    if "ownership" not in manifest or cfg.model.kind != "db_ar":
+        return
+    own = manifest["ownership"]
+    blocks = own.get("blocks") if isinstance(own, dict) else None
+    B = cfg.diffusion.num_blocks
+    if not isinstance(blocks, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks) \
+            or len(set(blocks)) != len(blocks) or not all(0 <= b < B for b in blocks):
+        raise bad("ownership", f"must be {{\"blocks\": [distinct block ids in 0..{B - 1}]}}, got {own!r}")
+    if sorted(blocks) != trained_blocks(cfg):
+        raise bad("ownership", f"lists blocks {sorted(blocks)}, but its config trains blocks {trained_blocks(cfg)} "
+                               "(diffusion.blocks_to_train)")
+    if optimizer_layout(manifest) == "units" and "merged_from" not in manifest and "files" in manifest:
+        stored = sorted(int(m.group(1)) for rel in manifest["files"]
+                        if (m := re.fullmatch(rf"{OPTIMIZER_DIR}/block(\d+)\.safetensors", rel)))
+        if stored != sorted(blocks):
+            raise bad("ownership", f"lists blocks {sorted(blocks)}, but it holds optimizer state for blocks {stored}")
+
+
+def _check_edges(manifest: dict, cfg: Config, bad) -> None:
+    import math
+
+    state = manifest.get("model_state") or {}
+    if "edges" not in state:
+        return
+    edges = state["edges"]
+    numbers = isinstance(edges, list) and all(isinstance(e, (int, float)) and not isinstance(e, bool)
+                                             and math.isfinite(e) for e in edges)
+    if not numbers or len(edges) < 2 or any(a >= b for a, b in zip(edges, edges[1:])):
+        raise bad("model_state.edges", f"must be at least 2 finite, strictly ascending numbers, got {edges!r}")
+    if cfg.model.kind in ("db_ar", "looped_db"):
+        blocks = 1 if cfg.model.kind == "looped_db" else cfg.diffusion.num_blocks
+    else:
+        blocks = state.get("num_blocks", len(edges) - 1)
+    if state.get("num_blocks", blocks) != blocks:
+        raise bad("model_state.num_blocks", f"is {state['num_blocks']!r}, but its config has {blocks} blocks")
+    if len(edges) != blocks + 1:
+        raise bad("model_state.edges", f"has {len(edges)} edges ({len(edges) - 1} blocks), but the model has "
+                                       f"{blocks} blocks: {blocks + 1} edges")
+    if cfg.model.kind in ("db_ar", "looped_db"):  # the edges follow from the config alone
+        from looped_lm.diffusion.noise import NoiseSchedule
+        from looped_lm.diffusion.partition import make_edges
+
+        d = cfg.diffusion
+        want = make_edges(d.partition, blocks, NoiseSchedule(d.p_mean, d.p_std, d.sigma_min, d.sigma_max,
+                                                             d.sigma_data))
+        if not all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(edges, want)):
+            raise bad("model_state.edges", f"are {edges}, but its config's diffusion.partition "
+                                           f"({d.partition}) gives {[round(e, 6) for e in want]}")
+
+
+def check_tensors(ckpt: str | Path, manifest: dict, cfg: Config) -> None:
+    """The names and shapes in model.safetensors against the model the manifest builds (on the meta
+    device: nothing is allocated or read but the header)."""
+    import torch
+
+    from looped_lm.models import build_model
+
+    ckpt = Path(ckpt)
+    try:
+        with torch.device("meta"):
+            model = build_model(cfg, manifest["vocab_size"], manifest.get("model_state"))
+    except (UserError, ValueError, TypeError) as e:
+        raise UserError(f"{ckpt / MANIFEST}: its model_state does not fit model.kind {cfg.model.kind}: {e}") from None
+    check_weights_fit(ckpt / WEIGHTS, model)
+
+
+def check_checkpoint_agrees(ckpt: str | Path, manifest: dict) -> Config:
+    """check_agreement and check_tensors of a read manifest; returns its config."""
+    cfg = config_of(manifest, ckpt)
+    check_agreement(ckpt, manifest, cfg)
+    check_tensors(ckpt, manifest, cfg)
+    return cfg

@@ -56,7 +56,7 @@ class _Job:
         self.path = ckpt_io.resolve_checkpoint(path)
         self.manifest = ckpt_io.read_manifest(self.path, verify)
         ckpt_io.verify_files(self.path, self.manifest, [ckpt_io.WEIGHTS], verify)
-        self.cfg = ckpt_io.config_of(self.manifest, self.path)
+        self.cfg = ckpt_io.check_checkpoint_agrees(self.path, self.manifest)  # kind, tokens, ownership, edges
         self.kind = self.cfg.model.kind
         if self.kind != "db_ar":
             raise UserError(f"cannot merge {self.path}: it is model.kind {self.kind}; merge joins the block jobs of "

@@ -77,6 +77,10 @@ def preflight(cfg: Config, verify: bool = True, world_size: int | None = None) -
         check_world(cfg, world_size)
     plan = Plan(vocab_size, tokenizer, "")
     resume = find_resume(cfg, out_dir)
+    if resume is None and cfg.model.init_from:  # before anything is written: the source must map
+        from looped_lm.pretrained import check_source
+
+        check_source(cfg, vocab_size)
     try:  # cheap checks first (the manifest against this config), the files' hashes after the data
         if resume is not None:
             plan.resume, plan.manifest = str(resume), ckpt_io.read_manifest(resume, verify)
@@ -87,6 +91,7 @@ def preflight(cfg: Config, verify: bool = True, world_size: int | None = None) -
         plan.data_dir = prepare_data(cfg, vocab_size)
         if resume is not None:
             ckpt_io.verify_checkpoint(resume, verify, ranks=world_size)
+            ckpt_io.check_checkpoint_agrees(resume, plan.manifest)  # its fields against its own files
     except UserError as e:
         if resume is None or str(e).startswith("cannot resume"):
             raise
@@ -97,19 +102,8 @@ def preflight(cfg: Config, verify: bool = True, world_size: int | None = None) -
 
 
 def run_vocab(cfg: Config) -> tuple[int, str]:
-    """(output vocabulary, tokenizer name) of the run: the tokenizer's (or model.vocab_size, padded), or a
-    module's classes / characters."""
-    from looped_lm.data.batches import module_vocab
-    from looped_lm.data.tokenizer import get_tokenizer
-
-    if cfg.model.kind in MODULE_KINDS:
-        return module_vocab(cfg)
-    tokenizer = get_tokenizer(cfg.data.tokenizer)
-    vocab_size = cfg.model.vocab_size or tokenizer.vocab_size
-    if vocab_size < tokenizer.vocab_size:
-        raise UserError(f"model.vocab_size ({vocab_size}) is smaller than the {tokenizer.name} tokenizer's "
-                        f"{tokenizer.vocab_size}")
-    return vocab_size, tokenizer.name
+    """(output vocabulary, tokenizer name) of the run (checkpoint.run_vocab: what a manifest must record)."""
+    return ckpt_io.run_vocab(cfg)
 
 
 def find_resume(cfg: Config, out_dir: Path) -> Path | None:

@@ -271,7 +271,7 @@ def test_every_edited_manifest_field_is_refused(db_ckpt, tmp_path, capsys, one_l
     ("step above the directory", lambda m: m.update(step=100), "says step 100"),
     ("non-integer step", lambda m: m.update(step="2"), "'step' must be a non-negative integer, got '2'"),
     ("dropped edge", lambda m: m["model_state"].update(edges=m["model_state"]["edges"][:-1]), "edges"),
-    ("non-numeric edge", lambda m: m["model_state"].update(edges=[0.002, "x", 80.0]), "model_state does not fit"),
+    ("non-numeric edge", lambda m: m["model_state"].update(edges=[0.002, "x", 80.0]), "'model_state.edges' must be"),
     ("shapes", lambda m: m["config"]["model"].update(d_model=64), "but the model in its manifest has"),
     ("unreadable config", lambda m: m["config"]["model"].update(d_model="wide"), "model.d_model must be an integer"),
     ("no weights record", lambda m: m["files"].pop("model.safetensors"), "does not list model.safetensors"),
@@ -292,13 +292,15 @@ def test_field_checks_hold_without_the_hash(db_ckpt, tmp_path, capsys, one_line_
     one_line_error(capsys.readouterr(), needle)
 
 
-def test_edited_edges_are_used_only_with_no_verify(db_ckpt, tmp_path, capsys, one_line_error):
+def test_edited_edges_are_refused_even_with_no_verify(db_ckpt, tmp_path, capsys, one_line_error):
+    """--no-verify skips the hashes, not the agreement: edges that are not the config's partition are
+    never used for routing."""
     ckpt = _copy_run(db_ckpt, tmp_path)
     _edit(ckpt, lambda m: m["model_state"].update(edges=[0.002, 1.5, 80.0]))
     with pytest.raises(UserError, match="modified after it was written"):
         ckpt_io.load_checkpoint(ckpt)
-    model, _, _ = ckpt_io.load_checkpoint(ckpt, verify=False)  # the escape hatch: the user's own edit
-    assert model.edges == [0.002, 1.5, 80.0]
+    with pytest.raises(UserError, match="'model_state.edges' are .*diffusion.partition"):
+        ckpt_io.load_checkpoint(ckpt, verify=False)
 
 
 def test_resume_refuses_edited_manifests(db_ckpt, tmp_path, write_config, capsys, one_line_error):
@@ -310,7 +312,7 @@ def test_resume_refuses_edited_manifests(db_ckpt, tmp_path, write_config, capsys
         (lambda m: m.update(step=1), True, "says step 1"),
         (lambda m: m["model_state"].update(edges=[0.002, 1.5, 80.0]), False, "modified after it was written"),
         (lambda m: m["files"].pop("rng/rank0.pt"), True, "does not list rng/rank0.pt"),
-        (lambda m: m["model_state"].update(edges=m["model_state"]["edges"][:-1]), True, "edges have 1 blocks"),
+        (lambda m: m["model_state"].update(edges=m["model_state"]["edges"][:-1]), True, "'model_state.edges' has 2"),
     ):
         shutil.rmtree(tmp_path / "out", ignore_errors=True)
         ckpt = _copy_run(db_ckpt, tmp_path)
@@ -434,7 +436,8 @@ def test_finalize_is_atomic_and_prunes(tmp_path):
 
     torch.manual_seed(0)
     model = GPT(1, 32, 2, 16, 257)
-    cfg = load_config(None, ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.seq_len=16"])
+    cfg = load_config(None, ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.seq_len=16",
+                             "data.tokenizer=byte"])
     for step in (1, 2, 3):
         tmp = ckpt_io.tmp_dir_for(tmp_path, step)
         tmp.mkdir(parents=True)

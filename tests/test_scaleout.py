@@ -474,7 +474,8 @@ def test_merge_refuses_inputs_that_disagree(block_jobs, tiny_run, tmp_path, writ
     out = tmp_path / "merged"
     inputs, needles = [job0, job1], []
     if case == "overlap":
-        inputs, needles = [job0, _edited(job1, tmp_path / "c", ownership={"blocks": [0]})], ["block 0", "both"]
+        # a manifest claiming a block its run did not train is refused before merging (checkpoint.check_agreement)
+        inputs, needles = [job0, _edited(job1, tmp_path / "c", ownership={"blocks": [0]})], ["'ownership'", "[0]"]
     elif case == "missing":
         inputs, needles = [job0], ["no checkpoint owns block 1"]
     elif case == "edges":
@@ -496,7 +497,7 @@ def test_merge_refuses_inputs_that_disagree(block_jobs, tiny_run, tmp_path, writ
         assert trainer.main(["--config", str(cfg)]) == 0
         inputs[1], needles = tmp_path / "wide" / "step_0000001", ["has tensor", "of shape"]
     elif case == "tokenizer":
-        inputs[1], needles = _edited(job1, tmp_path / "c", tokenizer="gpt2"), ["tokenizer gpt2", "byte"]
+        inputs[1], needles = _edited(job1, tmp_path / "c", tokenizer="gpt2"), ["'tokenizer' is 'gpt2'", "byte"]
     elif case == "kind":
         inputs[1], needles = tiny_run[1], ["model.kind gpt", "db_ar"]
     elif case == "setting":
