@@ -76,6 +76,7 @@ TargetScale = Literal["unit", "sigma_data"]
 BlockSampling = Literal["uniform", "round_robin", "loss_share"]
 Bridge = Literal["soft", "hard", "sample"]
 LastCall = Literal["edge", "sigma_min"]
+Context = Literal["independent", "stacked"]
 Source = Literal["bible", "shakespeare", "files", "hf", "bin", "digits", "cifar10", "cifar100", "text8", "latents"]
 MaskSchedule = Literal["linear", "cosine"]
 Tokenizer = Literal["gpt2", "byte"]
@@ -120,6 +121,10 @@ class DiffusionConfig(_Section):
     partition: Partition = _f("equi_probability", "block edges: equal noise mass (equi_probability) or equal ln-width")
     curve_every: int = _f(200, "block_sampling loss_share: re-measure held-out CE(sigma) every N steps")
     curve_until: int = _f(0, "stop re-measuring (freeze the block shares) after this step; 0 = never")
+    context: Context = _f("independent", "db_ar: where block b's clean stream starts: the embedding (independent, the "
+                          "paper: a prediction has the context depth of one block) or the clean states of "
+                          "blocks < b, run forward without gradient (stacked: the depth of every block up to "
+                          "b; a step still backpropagates through one block; no independent block jobs)")
     parameterization: Parameterization = _f("likelihood", "how a noisy slot reads z: edm (paper: c_in*z in, c_skip*z skip) or likelihood "
                                "(z's exact token log-likelihood <z,y_v>/sigma^2 added to the logits, and its "
                                "posterior-mean embedding as input: the network models only what context adds)")
@@ -298,7 +303,6 @@ def config_from_dict(raw: dict) -> Config:
 
 
 REMOVED = {  # options the quality study measured worse everywhere (docs/results.md)
-    "diffusion.context": "context: stacked lost every measurement",
     "diffusion.noise": "noise: adaptive lost every measurement",
 }
 
@@ -403,6 +407,14 @@ def validate(cfg: Config) -> None:
         _require(0 <= b < n_blocks, f"diffusion.blocks_to_train has {b}, outside 0..{n_blocks - 1}")
     _require(len(set(d.blocks_to_train)) == len(d.blocks_to_train),
              f"diffusion.blocks_to_train has duplicates: {d.blocks_to_train}")
+
+    if d.context == "stacked":
+        _require(m.kind == "db_ar", f"diffusion.context stacked chains the blocks of a db_ar model (got model.kind "
+                                    f"{m.kind})")
+        _require(not d.blocks_to_train, "diffusion.context stacked cannot train independent block jobs "
+                 "(diffusion.blocks_to_train): block b's clean stream runs blocks < b's current weights, so a "
+                 "block trained apart would read stale ones; train every block in one run (train.mode "
+                 "data_parallel or block_parallel)")
 
     if t.mode == "block_parallel":
         _require(m.kind == "db_ar", f"train.mode block_parallel trains DiffusionBlocks blocks apart: it needs model.kind "

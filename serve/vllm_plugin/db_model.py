@@ -81,12 +81,16 @@ class DiffusionBlocksRunner(nn.Module):
         x = m.tok_emb(input_ids)
         for layer, attn in zip(m.prelude, self.prelude_attn):
             x, _, _ = self._clean_layer(layer, attn, x, cos, sin)
-        clean_kv = []
+        clean_kv, carry = [], x
         for b in range(len(m.blocks)):
-            c, kv, layers = x, [], m.layers_of(b)
+            c, kv, layers, own = carry, [], m.layers_of(b), len(m.blocks[b])
+            hand_on = m.stacked and b + 1 < len(m.blocks)  # context stacked: block b+1 continues from here
             for i, (layer, attn) in enumerate(zip(layers, self.block_attn[b])):
-                c, k, v = self._clean_layer(layer, attn, c, cos, sin, need_output=i + 1 < len(layers))
+                c, k, v = self._clean_layer(layer, attn, c, cos, sin,
+                                            need_output=i + 1 < len(layers) or (hand_on and i + 1 == own))
                 kv.append((k, v))
+                if hand_on and i + 1 == own:
+                    carry = c
             clean_kv.append(kv)
         cos_n, sin_n = m.rope(positions + 1)  # the noisy slot of the token after position p
 

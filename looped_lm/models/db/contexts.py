@@ -32,14 +32,28 @@ class WindowContext:
         T = x.shape[1]
         self.slots = torch.arange(T, device=x.device)
         self.mask = slot_mask(self.slots, T, net.noisy_self)
-        self.clean = net.clean_inputs(x)
+        self.inputs = {0: net.clean_inputs(x)}  # each block's clean input (stacked: block b-1's states)
         self.kv: dict[int, list] = {}
+
+    def _input(self, b: int) -> torch.Tensor:
+        if not self.net.stacked:
+            return self.inputs[0]
+        if b not in self.inputs:
+            self._encode(b - 1)
+        return self.inputs[b]
+
+    def _encode(self, b: int) -> None:
+        """Block b's clean K/V, and (stacked) what it hands to block b + 1: each block runs once."""
+        hand_on = self.net.stacked and b + 1 < len(self.net.blocks)
+        self.kv[b], handed = self.net.clean_pass(b, self._input(b), self.slots, hand_on=hand_on)
+        if hand_on:
+            self.inputs[b + 1] = handed
 
     def denoise(self, b: int, z, sigma, rows: torch.Tensor | None = None):
         if b not in self.kv:
-            self.kv[b] = self.net.clean_kv(b, self.clean, self.slots)
+            self._encode(b)
         B = self.x.shape[0]
-        kv, prev = self.kv[b], self.x
+        kv, prev = self.kv[b], self.x.roll(-1, 1)
         if rows is not None:  # a subset, or repeated rows (the estimator's branches)
             kv = [(_select(k, rows, B), _select(v, rows, B)) for k, v in kv]
             prev = _select(prev, rows, B)
@@ -65,6 +79,8 @@ class DecodeState:
         self.prelude = caches(len(net.prelude))
         self.blocks = [caches(len(net.layers_of(b))) for b in range(len(net.blocks))]
         self.history = torch.zeros(batch, max_len, p.shape[1], device=p.device, dtype=p.dtype)
+        # context stacked: block b's clean input is block b-1's clean states, kept once computed
+        self.handed = [torch.zeros_like(self.history) for _ in range(len(net.blocks) - 1)] if net.stacked else []
         self.lengths = torch.zeros(batch, dtype=torch.long, device=p.device)
         self.last = torch.zeros(batch, dtype=torch.long, device=p.device)
 
@@ -79,7 +95,12 @@ class DecodeState:
     def nbytes_per_token(self) -> int:
         """Bytes per token of history: every clean-stream K/V plus the stored clean input."""
         every = self.prelude + [c for block in self.blocks for c in block]
-        return sum(c.nbytes_per_token() for c in every) + self.history.shape[-1] * self.history.element_size()
+        inputs = (1 + len(self.handed)) * self.history.shape[-1] * self.history.element_size()
+        return sum(c.nbytes_per_token() for c in every) + inputs
+
+    def inputs(self, b: int) -> torch.Tensor:
+        """Block b's clean inputs, by row and position: the shared history, or (stacked) block b-1's states."""
+        return self.handed[b - 1] if self.handed and b > 0 else self.history
 
     def append(self, net, idx: torch.Tensor, rows) -> torch.Tensor:
         """Add tokens idx (R, n) to the histories of `rows` (through the prelude); -> the selected rows."""
@@ -119,14 +140,23 @@ class CachedContext:
         aligned = bool((start == start[0]).all())
         clean_pos = span[0] if aligned else span
         noisy_pos = ends[:1] if aligned else ends[:, None]
-        clean = self.state.history[self.sel[:, None], span]
+        clean = self.state.inputs(b)[self.sel[:, None], span]
         prev = self.state.last[self.sel][:, None]
-        return self.net.fused_pass(b, clean, clean_pos, caches, self.sel, z, sigma, prev, noisy_pos)
+        logits, handed = self.net.fused_pass(b, clean, clean_pos, caches, self.sel, z, sigma, prev, noisy_pos,
+                                             hand_on=self._hands_on(b))
+        if handed is not None:
+            self.state.handed[b][self.sel[:, None], span] = handed
+        return logits
+
+    def _hands_on(self, b: int) -> bool:
+        return self.net.stacked and b + 1 < len(self.net.blocks)
 
     def catch_up(self, b: int) -> None:
         """Bring block b's cache of every row in sel up to its history: aligned rows in one forward,
         ragged ones (they skipped this block for different spans) one row at a time."""
         net, state, caches = self.net, self.state, self.state.blocks[b]
+        if net.stacked and b > 0:  # block b's inputs are block b-1's states: bring it up to date first
+            self.catch_up(b - 1)
         cached, ends = caches[0].lengths[self.sel], state.lengths[self.sel]
         pending = ends - cached
         if not bool(pending.any()):
@@ -138,9 +168,14 @@ class CachedContext:
                 continue
             span = start[:, None] + torch.arange(n, device=start.device)
             positions = span[0] if bool((start == start[0]).all()) else span
-            net.clean_kv(b, state.history[rows[:, None], span], positions, caches, rows)
+            _, handed = net.clean_pass(b, state.inputs(b)[rows[:, None], span], positions, caches, rows,
+                                       hand_on=self._hands_on(b))
+            if handed is not None:
+                state.handed[b][rows[:, None], span] = handed
 
     def denoise(self, b: int, z, sigma, rows: torch.Tensor | None = None):
+        if self.net.stacked and b > 0:
+            self.catch_up(b - 1)
         if rows is None or self._all(rows):
             fused = self._fused(b, z, sigma)
             if fused is not None:

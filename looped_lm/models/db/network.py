@@ -58,6 +58,7 @@ class DBNetwork(nn.Module):
         if len(self.edges) != num_blocks + 1:
             raise UserError(f"saved edges have {len(self.edges) - 1} blocks but the model has {num_blocks}")
         self.noisy_self = d.noisy_self
+        self.stacked = d.context == "stacked" and num_blocks > 1  # block b's clean stream continues block b-1's
         self.likelihood = d.parameterization == "likelihood"
         self.prev_token = d.noisy_input == "prev_token"
         self.posterior_input, self.posterior_topk = d.posterior_input, d.posterior_topk
@@ -200,25 +201,55 @@ class DBNetwork(nn.Module):
         (keys, values): the window's, or with `caches`, everything each row holds after appending these
         tokens (a row's unfilled tail is masked by its cache's lengths). The block's last layer only
         yields K/V: nobody reads its clean output."""
+        return self.clean_pass(b, clean, positions, caches, rows)[0]
+
+    def clean_pass(self, b: int, clean, positions, caches=None, rows=None, hand_on: bool = False):
+        """`clean_kv`, and with hand_on also the clean states after block b's own layers (before the
+        shared coda): the next block's clean input under `context: stacked`. -> (kv, states or None)."""
         cos, sin = self.rope(positions)
-        layers, out = self.layers_of(b), []
+        layers, own, out, handed = self.layers_of(b), len(self.blocks[b]), [], None
         for i, layer in enumerate(layers):
             cache = caches[i] if caches else None
-            clean, k, v = layer.clean(clean, cos, sin, cache, rows, need_output=i + 1 < len(layers))
+            clean, k, v = layer.clean(clean, cos, sin, cache, rows,
+                                      need_output=i + 1 < len(layers) or (hand_on and i + 1 == own))
             out.append((k, v))
-        return out
+            if hand_on and i + 1 == own:
+                handed = clean
+        return out, handed
 
-    def fused_pass(self, b: int, clean, clean_pos, caches, rows, z, sigma, prev, noisy_pos):
+    def own_forward(self, b: int, clean, positions) -> torch.Tensor:
+        """Block b's own layers on the clean stream (no cache, no K/V kept): what `context: stacked`
+        hands to block b + 1. Training runs it without gradient for the blocks below the step's."""
+        cos, sin = self.rope(positions)
+        for layer in self.blocks[b]:
+            clean, _, _ = layer.clean(clean, cos, sin)
+        return clean
+
+    def block_input(self, b: int, clean, positions) -> torch.Tensor:
+        """Block b's clean input from the shared one (`clean_inputs`): itself (context: independent, the
+        paper), or its continuation through blocks 0..b-1 without gradient (stacked), so a prediction
+        of block b has the context depth of every block up to its own while a step still backpropagates
+        through one block (and holds one block's activations)."""
+        if not self.stacked or b == 0:
+            return clean
+        with torch.no_grad():
+            for j in range(b):
+                clean = self.own_forward(j, clean, positions)
+        return clean.detach()
+
+    def fused_pass(self, b: int, clean, clean_pos, caches, rows, z, sigma, prev, noisy_pos, hand_on: bool = False):
         """Decoding: block b's pending clean tokens (appended to `caches`) and the noisy slots z in one
-        weight pass per layer (`TwoStreamLayer.fused`) -> the slots' logits. Equal to `clean_kv` then
-        `noisy_pass`."""
+        weight pass per layer (`TwoStreamLayer.fused`) -> (the slots' logits, the clean states after
+        block b's own layers with hand_on, else None). Equal to `clean_pass` then `noisy_pass`."""
         h, cond, loglik = self.noisy_input(z, sigma, prev)
         clean_rope, noisy_rope = self.rope(clean_pos), self.rope(noisy_pos)
-        layers = self.layers_of(b)
+        layers, own, handed = self.layers_of(b), len(self.blocks[b]), None
         for i, (layer, cache) in enumerate(zip(layers, caches)):
             clean, h = layer.fused(clean, h, cond, clean_rope, noisy_rope, cache, rows, self.noisy_self,
-                                   need_clean_output=i + 1 < len(layers))
-        return self.denoise_logits(h, z, sigma, loglik)
+                                   need_clean_output=i + 1 < len(layers) or (hand_on and i + 1 == own))
+            if hand_on and i + 1 == own:
+                handed = clean
+        return self.denoise_logits(h, z, sigma, loglik), handed
 
     def noisy_pass(self, b: int, z, sigma, prev, noisy_pos, kv: list, mask, head: bool = True):
         """THE noisy step: slots z (R, n, d) at sigma (R,) through block b against its clean K/V

@@ -64,8 +64,12 @@ class BlockObjective:
         else:
             targets, prev = y.gather(1, slots), x.gather(1, slots)
         z = net.targets(targets) + sigma[:, None, None] * noise
-        clean = net.clean_inputs(x)
         positions = torch.arange(T, device=x.device)
+        if net.stacked and b > 0:  # blocks < b only hand their clean states on: no graph is kept for them
+            with torch.no_grad():
+                clean = net.block_input(b, net.clean_inputs(x), positions)
+        else:
+            clean = net.clean_inputs(x)
         kv = net.clean_kv(b, clean, positions) if not clean_lm else None
         if clean_lm:  # the clean stream's output is needed too: run the layers in full
             kv, h_clean = [], clean
