@@ -53,7 +53,7 @@ class WindowContext:
         if b not in self.kv:
             self._encode(b)
         B = self.x.shape[0]
-        kv, prev = self.kv[b], self.x.roll(-1, 1)
+        kv, prev = self.kv[b], self.x
         if rows is not None:  # a subset, or repeated rows (the estimator's branches)
             kv = [(_select(k, rows, B), _select(v, rows, B)) for k, v in kv]
             prev = _select(prev, rows, B)
