@@ -328,7 +328,9 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
             d = cfg.diffusion
             reads_all = (t.eval_every and done % t.eval_every == 0) or (t.save_every and done % t.save_every == 0) \
                 or done == end_step
-            if exchange is not None and reads_all:  # each block's weights from the rank that trains it
+            # each block's weights from the rank that trains it: before anything reads the whole model, and
+            # after every step under context stacked, where block b's next step runs blocks < b forward
+            if exchange is not None and (reads_all or d.context == "stacked"):
                 exchange.sync_blocks()
             if model.uses_curve() and done % d.curve_every == 0 and \
                     (d.curve_until == 0 or done <= d.curve_until):

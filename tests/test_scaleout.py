@@ -269,6 +269,21 @@ def test_block_parallel_steps_match_one_rank_steps(bp_run):
     assert block1 and all(k.split("/", 1)[1].startswith("blocks.1.") for k in block1)
 
 
+@pytest.mark.slow
+def test_block_parallel_with_stacked_context_reads_the_current_blocks(tmp_path, write_config, clean_env):
+    """context stacked: block 1's step runs block 0 forward, so every rank needs block 0's weights of this
+    step, not those of the last checkpoint: with no save or eval in between, 3 block-parallel steps still
+    equal 3 one-rank steps of the same blocks on the same batches."""
+    cfg = db_config(write_config, tmp_path, "bps", diffusion={"context": "stacked"},
+                    train={"mode": "block_parallel", "max_steps": 3, "save_every": 0, "eval_every": 0})
+    proc = launch(cfg, 2, tmp_path, clean_env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    replay = Replay(load_config(str(cfg)), world=2)
+    for step in range(3):
+        replay.step(step, "block_parallel")
+    replay.assert_weights(tmp_path / "bps" / ckpt_io.step_dir_name(3))
+
+
 def test_block_parallel_resumes_on_one_rank_in_data_parallel(bp_run, tmp_path):
     """A block-parallel 2-rank checkpoint resumes on 1 rank in data-parallel mode at ZeRO 1 (batch 8: the
     same global batch): the next step is the reference's from the saved weights, moments and step counts."""
