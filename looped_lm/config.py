@@ -111,6 +111,11 @@ class ModelConfig(_Section):
     patch: int = _f(4, "vit / dit: patch side; image_size must divide by it (the paper: vit 4, dit 2)")
     num_classes: int = _f(10, "vit: classes; dit: classes it is conditioned on (0 = unconditional); must match "
                           "the data")
+    init_from: Str = _f("", "a local Hugging Face directory (config.json + safetensors) of LlamaForCausalLM / "
+                        "MistralForCausalLM, or a `looped_lm export` of a gpt: a fresh run starts from its weights "
+                        "(docs/pretrained.md); '' = random init")
+    init_core_start: int = _f(-1, "init_from, looped_db / huginn: the first source layer of the core; -1 = right "
+                              "after the prelude")
 
 
 class DiffusionConfig(_Section):
@@ -178,7 +183,9 @@ class DataConfig(_Section):
     path: Str = _f("", "files: .txt/.jsonl/.parquet path; hf: dataset name; bin: dir with train.bin/val.bin; "
                    "cifar10 / cifar100: the python-pickle archive or its folder; text8: the text8 file; "
                    "latents: the directory `looped_lm prepare --vae` wrote")
-    tokenizer: Tokenizer = _f("gpt2", "gpt2 (byte-level BPE, 50257) or byte (257, for tiny tests)")
+    tokenizer: Str = _f("gpt2", "gpt2 (byte-level BPE, 50257), byte (257, for tiny tests), or a path to a "
+                        "tokenizer.json (or a directory holding one); with model.init_from the default is its "
+                        "directory's")
     val_fraction: Float = _f(0.05, "share of documents held out for validation")
     cache_dir: Str = _f("data_cache", "where tokenized corpora are cached as train.bin / val.bin")
     augment: bool = _f(True, "vit / dit on images: random crop (padding 1/8 of the side) and horizontal flip of "
@@ -380,6 +387,8 @@ def validate(cfg: Config) -> None:
              f"model.backprop_depth ({m.backprop_depth}) exceeds model.mean_recurrence ({m.mean_recurrence});"
              " set model.allow_full_backprop: true if that is intended")
     _require(m.max_iterations >= 1, f"model.max_iterations must be >= 1 (got {m.max_iterations})")
+    if m.init_from and "tokenizer" not in cfg.data.model_fields_set:
+        cfg.data.tokenizer = m.init_from  # the checkpoint's own tokenizer.json
 
     _require(d.num_blocks >= 1, f"diffusion.num_blocks must be >= 1 (got {d.num_blocks})")
     if m.kind == "db_ar":

@@ -258,6 +258,10 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
             raise UserError(msg) from None
         if layout == "units":
             ckpt_io.load_weights(model, Path(plan.resume) / ckpt_io.WEIGHTS)
+    elif cfg.model.init_from:  # a fresh run from a pretrained checkpoint (preflight checked it maps)
+        from looped_lm.pretrained import init_from_pretrained
+
+        plan.base = init_from_pretrained(model, cfg)
     torch.manual_seed(t.seed + 1 + rank)  # noise draws (sigma, z, slots) differ across ranks
 
     start_step = manifest["step"] if manifest is not None else 0
@@ -492,6 +496,9 @@ def save(engine, model, optimizer, cfg: Config, plan: Plan, out_dir: Path, step:
                                  "position": {"step": step, "tokens_seen": tokens},
                                  "sampling": "stateless: batch(seed, step, micro_step, rank)"},
                         "world_size": world, "optimizer_layout": "units"}
+            base = getattr(plan, "base", None) or (plan.manifest or {}).get("base")
+            if base is not None:  # the pretrained source this run started from (model.init_from)
+                manifest["base"] = base
             if cfg.model.kind == "db_ar":  # which blocks' weights this run trained (looped_lm merge reads it)
                 manifest["ownership"] = {"blocks": parallel.trained_blocks(cfg)}
             final = ckpt_io.finalize(out_dir, step, model, manifest, cfg.train.keep_last)

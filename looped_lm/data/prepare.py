@@ -186,7 +186,8 @@ def _cache_slug(source: str, tokenizer: str, val_fraction: float, seed: int) -> 
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", os.path.basename(os.path.normpath(source)) or source).strip("-.")
-    return f"{name[:40] or 'data'}-{tokenizer}-{digest}"
+    label = tokenizer if tokenizer in TOKENIZER_NAMES else "hf"  # a tokenizer.json path: in the digest only
+    return f"{name[:40] or 'data'}-{label}-{digest}"
 
 
 def _fingerprint(path: str) -> list:

