@@ -558,3 +558,34 @@ def check_checkpoint_agrees(ckpt: str | Path, manifest: dict) -> Config:
     check_agreement(ckpt, manifest, cfg)
     check_tensors(ckpt, manifest, cfg)
     return cfg
+
+
+def verify_report(path: str | Path) -> list[str]:
+    """`looped_lm verify CKPT`: every check a resume makes (a merge of block jobs: all but the optimizer
+    and RNG files it never had), then what the checkpoint holds, as lines to print."""
+    ckpt = resolve_checkpoint(path)
+    manifest = read_manifest(ckpt, verify=True)
+    merged = "merged_from" in manifest
+    if merged:  # weights only: every listed file and no other
+        verify_files(ckpt, manifest, None, verify=True)
+        extra = sorted(set(_names_on_disk(ckpt)) - set(manifest["files"]))
+        if extra:
+            raise UserError(f"{ckpt / extra[0]} is not in its checkpoint's manifest (added after the save?)")
+    else:
+        verify_checkpoint(ckpt, verify=True)
+    cfg = check_checkpoint_agrees(ckpt, manifest)
+    files = manifest["files"]
+    lines = [f"{ckpt}: ok",
+             f"  step {manifest['step']}, model.kind {cfg.model.kind}, tokenizer {manifest['tokenizer']} "
+             f"({manifest['vocab_size']} tokens), world size {manifest['world_size']}",
+             f"  {len(files)} files, {sum(r['size'] for r in files.values()):,} bytes: every size and sha256 "
+             "matches its manifest, whose own hash matches; no unlisted file",
+             "  manifest agrees with its config and tensors: model_kind, tokenizer, vocab_size, tensor names "
+             "and shapes" + (", ownership" if "ownership" in manifest else "")
+             + (", edges" if "edges" in (manifest.get("model_state") or {}) else "")]
+    if "ownership" in manifest:
+        lines.append(f"  trained blocks {manifest['ownership']['blocks']}")
+    lines.append("  a merge of block jobs: eval, generate, serve and export load it; it does not resume" if merged
+                 else "  a resume accepts it (weights, optimizer state, RNG state of every rank); eval, generate, "
+                      "serve and export load it")
+    return lines

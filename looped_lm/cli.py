@@ -1,4 +1,4 @@
-"""`looped_lm {prepare,train,eval,generate,export,merge,serve}`: one verb per job; each verb only routes.
+"""`looped_lm {prepare,train,eval,generate,export,merge,verify,serve}`: one verb per job; each verb only routes.
 
 Bad input (a UserError anywhere below) prints one line, `error: ...`, and exits with code 2. A verb's
 module is imported only when that verb runs (or shows its --help): `looped_lm --help` and a mistyped
@@ -147,6 +147,23 @@ def run_generate(args) -> int:
     return 0
 
 
+# --- verify ------------------------------------------------------------------------------------
+
+
+def add_verify_arguments(p) -> None:
+    p.add_argument("checkpoint", metavar="CKPT",
+                   help="checkpoint directory, or a run directory (its newest complete checkpoint)")
+
+
+def run_verify(args) -> int:
+    """Every file, hash and manifest field a resume checks (checkpoint.verify_report); exit 0 or 2."""
+    from looped_lm.checkpoint import verify_report
+
+    for line in verify_report(args.checkpoint):
+        print(line)
+    return 0
+
+
 # --- entry point -------------------------------------------------------------------------------
 
 # verb: (help, module, its argument adder, its runner); serve/ imports fastapi only when it starts
@@ -160,6 +177,8 @@ VERBS = {
                "add_arguments", "run"),
     "merge": ("join independently trained DiffusionBlocks block jobs into one checkpoint", "looped_lm.merge",
               "add_arguments", "run"),
+    "verify": ("check a checkpoint as a resume would (files, hashes, manifest against weights)", "looped_lm.cli",
+               "add_verify_arguments", "run_verify"),
     "serve": ("OpenAI-compatible HTTP server (completions, chat, streaming, K per request)", "looped_lm.serve.cli",
               "add_arguments", "run"),
 }
