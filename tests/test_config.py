@@ -21,6 +21,7 @@ NON_DEFAULT = {
         "ffn_hidden": 200, "rope_theta": 500000.0, "norm_eps": 1.0e-6, "init_std": 0.01, "n_prelude": 2,
         "n_coda": 2, "mean_recurrence": 16, "backprop_depth": 20, "allow_full_backprop": True, "loss_chunk": 64,
         "max_iterations": 32, "end_to_end": True, "image_size": 16, "channels": 1, "patch": 2, "num_classes": 5,
+        "init_from": "hf_dir", "init_core_start": 3,
     },
     "diffusion": {
         "num_blocks": 3, "layers_per_block": [3, 2, 1], "partition": "uniform", "overlap": 0.25, "p_mean": -0.5, "p_std": 1.5,
