@@ -166,8 +166,8 @@ class DiffusionConfig(_Section):
                         "(edge, paper) or sigma_min itself (with parameterization likelihood an exact read-back "
                         "of the last bridge's token, so K = B samples what block 0 drew)")
     sample_top_quantile: Float = _f(0.999, "chains start at this quantile of block 0's training sigma law "
-                                    "instead of sigma_max, where block 0 never trains; 1 = sigma_max (paper; dit "
-                                    "always starts at sigma_max, as EDM's sampler does)")
+                                    "instead of sigma_max, where block 0 never trains; 1 = sigma_max (paper and "
+                                    "official code); every kind's chain (vit, dit too) starts here")
     label_dropout: Float = _f(0.1, "dit: share of training labels replaced by the null class (classifier-free "
                               "guidance)")
     cfg_scale: Float = _f(2.0, "dit: default classifier-free guidance scale of generate and eval (1 = none)")
@@ -493,8 +493,6 @@ def validate_module(cfg: Config) -> None:
              f"({m.patch})")
     if m.kind == "vit":
         _require(m.num_classes >= 2, f"model.num_classes must be >= 2 for vit (got {m.num_classes})")
-        _require(d.loss_weight in ("none", "edm"), f"diffusion.loss_weight {d.loss_weight} is for the language "
-                 "models; vit takes none or edm")
     else:
         _require(m.num_classes >= 0, f"model.num_classes must be >= 0 for dit, 0 = unconditional (got "
                  f"{m.num_classes})")

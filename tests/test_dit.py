@@ -92,6 +92,27 @@ def test_sampling_is_seeded_routed_and_guided(monkeypatch):
     assert tiny(num_blocks=1).steps_per_block(50) == [50]
 
 
+def test_sampler_runs_the_lm_grid_and_returns_the_last_calls_denoised_image(monkeypatch):
+    """The chain starts at a quantile block 0 trains on, its last call runs at sigma_min, and the sample is
+    that call's D (not z stepped onto sigma_min from the previous call)."""
+    model = tiny()
+    y = torch.tensor([1, 2, 3])
+    seen, inner = [], model.denoise
+
+    def spy(b, z, sigma, labels):
+        D = inner(b, z, sigma, labels)
+        seen.append((b, float(sigma[0]), D))
+        return D
+
+    monkeypatch.setattr(model, "denoise", spy)
+    out = model.sample(y, steps=3, cfg_scale=1.0, generator=torch.Generator().manual_seed(0))
+    assert [b for b, _, _ in seen] == [0, 1, 1]  # the midpoint is the edge: the lower block owns it
+    sigmas = [s for _, s, _ in seen]
+    assert sigmas[0] == pytest.approx(model.grid.sigma_top) and model.edges[1] < sigmas[0] < 80
+    assert sigmas[2] == pytest.approx(0.002)
+    assert torch.allclose(out, seen[-1][2].clamp(-1, 1))
+
+
 def test_guidance_zero_is_the_unconditional_model():
     model = tiny()
     y = torch.tensor([1, 2])

@@ -7,7 +7,6 @@ import torch
 
 from looped_lm import diffusion as dm
 from looped_lm.errors import UserError
-from looped_lm.models.adaln import choose_block
 from looped_lm.models.vit import DiffusionViT, ViTSettings
 from looped_lm.optim import BlockwiseAdamW, param_groups
 from tiny_models import TINY_MODULES, grads_of_one_block, image_batch, tiny_module
@@ -92,15 +91,6 @@ def test_optimiser_moves_only_the_chosen_block():
     assert {model.param_unit(n) for n, _ in model.named_parameters()} == {"shared", "block0", "block1", "block2"}
 
 
-def test_block_choice_is_the_language_models_rule():
-    from tiny_models import build_tiny
-
-    lm = build_tiny("db_ar", block_sampling="uniform")  # B = 2
-    for seed in (0, 7):
-        assert [lm.choose_block(s, seed) for s in range(40)] == [choose_block(s, seed, 2) for s in range(40)]
-    assert [choose_block(s, 0, 3, "round_robin") for s in range(4)] == [0, 1, 2, 0]
-
-
 @pytest.mark.parametrize("end_to_end", [False, True])
 def test_loss_decreases_on_a_fixed_batch(end_to_end):
     """Every block's loss on the same batch, sigma and noise (the global RNG re-seeded) falls."""
@@ -142,6 +132,68 @@ def test_inference_runs_one_step_per_block_and_is_seeded(monkeypatch):
     assert calls == [0, 0, 1, 1, 2, 2]
 
 
+def record_calls(monkeypatch, model):
+    """[(block, sigma, logits)] of every block_logits call the model makes from now on."""
+    seen, inner = [], model.block_logits
+
+    def spy(b, patches, z, sigma, with_features=False):
+        out = inner(b, patches, z, sigma, with_features)
+        seen.append((b, float(sigma[0]), out[0] if with_features else out))
+        return out
+
+    monkeypatch.setattr(model, "block_logits", spy)
+    return seen
+
+
+def test_chain_is_the_official_grid_and_the_last_call_at_sigma_min_is_the_prediction(monkeypatch):
+    """B calls on the inclusive CDF grid: block 0 at sigma_top (a quantile block 0 trains on), block 1 at the
+    grid's midpoint 0.301, block 2 at sigma_min; the logits of that last call are the prediction."""
+    model = tiny()
+    x, _ = batch()
+    seen = record_calls(monkeypatch, model)
+    logits = model.predict(x, 3, torch.Generator().manual_seed(0))
+    assert [b for b, _, _ in seen] == [0, 1, 2]
+    sigmas = [s for _, s, _ in seen]
+    lo, hi = model.train_ranges[0]
+    q_lo, q_hi = dm.lognormal_cdf(lo, -1.2, 1.2), dm.lognormal_cdf(hi, -1.2, 1.2)
+    assert sigmas[0] == pytest.approx(dm.lognormal_icdf(q_lo + 0.999 * (q_hi - q_lo), -1.2, 1.2), rel=1e-5)
+    assert model.edges[-2] < sigmas[0] < 80  # inside block 0's training interval, below sigma_max
+    assert sigmas[1:] == pytest.approx([0.301, 0.002], abs=1e-3)
+    assert torch.equal(logits, seen[-1][2])
+    edge = tiny(last_call="edge", sample_top_quantile=1.0)
+    seen = record_calls(monkeypatch, edge)
+    edge.predict(x, 3)
+    assert [s for _, s, _ in seen] == pytest.approx([80.0, 0.505, 0.180], abs=1e-3)  # the intervals' top edges
+
+
+def test_network_term_is_c_out_times_a_layer_norm_with_its_gain():
+    """h = c_out * LayerNorm(F) + c_skip * z: the network's term has norm c_out * gain * sqrt(d) (not capped
+    at c_out), and with the final adaLN at zero the head reads h itself."""
+    model = tiny()
+    with torch.no_grad():
+        model.final_ada.weight.zero_()
+        model.final_ada.bias.zero_()
+        model.norm.weight.fill_(2.0)
+        model.norm.bias.zero_()
+    x, y = batch()
+    sigma = torch.full((6,), 1.0)
+    z = model.label_table[y] + torch.randn(6, 32)
+    _, h = model.block_logits(1, model.embed_patches(x), z, sigma, with_features=True)
+    c_skip, c_out, _, _ = (float(c[0]) for c in dm.edm_scalings(sigma, 0.5))
+    term = (h - c_skip * z).norm(dim=-1)
+    assert torch.allclose(term, torch.full((6,), c_out * 2.0 * 32 ** 0.5), rtol=1e-3)
+
+
+def test_noise_embedding_is_smooth():
+    """DiT's timestep embedder: every frequency <= 1 rad per unit c_noise, so the embedding's input moves by at
+    most |delta c_noise| per feature; the LM's embedding turns up to 1000 rad per unit (a rough code)."""
+    model = tiny(perturb=False)
+    assert float(model.noise_emb.freqs.max()) == 1.0
+    c = torch.linspace(-1.6, 1.1, 200)
+    emb = model.noise_emb(c)
+    assert (emb[1:] - emb[:-1]).norm(dim=-1).max() < 0.1 * emb.norm(dim=-1).mean()
+
+
 def test_end_to_end_baseline_is_one_pass_of_all_layers():
     model = tiny(end_to_end=True)
     assert model.num_blocks == 1 and len(model.blocks[0]) == 3
@@ -154,12 +206,15 @@ def test_end_to_end_baseline_is_one_pass_of_all_layers():
     assert all(p.grad is not None for p in model.parameters())
 
 
-def test_edm_weight_normalised_per_block():
-    model = tiny()
+def test_loss_weights_normalised_per_block():
+    """edm: w(sigma) / E_block[w] per sample; batch_mean (the default, the official code's `loss * w[:, None]`
+    broadcast): the batch's mean of that, the same for every sample of the block's step; none: ones."""
     sigma = torch.tensor([0.01, 0.1])
-    w = model.loss_weights(sigma, 2)
+    model = tiny(loss_weight="edm")
     expected = dm.edm_weight(sigma, 0.5) / dm.edm_loss_weight_normaliser(*model.train_ranges[2], model.sched)
-    assert torch.allclose(w, expected.float())
+    assert torch.allclose(model.loss_weights(sigma, 2), expected.float())
+    uniform = tiny().loss_weights(sigma, 2)
+    assert torch.allclose(uniform, expected.float().mean().expand(2))
     assert torch.equal(tiny(loss_weight="none").loss_weights(sigma, 2), torch.ones(2))
 
 
@@ -169,6 +224,8 @@ def test_edm_weight_normalised_per_block():
     (dict(num_blocks=2), "must divide"),
     (dict(d_model=30), "multiple of vit.n_heads"),
     (dict(bridge="magic"), "vit.bridge"),
+    (dict(last_call="middle"), "vit.last_call"),
+    (dict(loss_weight="loss_share"), "vit.loss_weight"),
 ])
 def test_bad_settings_raise_one_clear_line(kw, match):
     with pytest.raises(UserError, match=match):

@@ -1,5 +1,6 @@
 """The K-step routed denoising chain (docs/method.md §5): the one implementation behind `generate`, the
-engine, the HF wrapper and the vLLM backend. Its estimator twin for scoring is `estimator.py`.
+engine, the HF wrapper, the vLLM backend, the vit's prediction and the dit's sampler. Its estimator twin
+for scoring is `estimator.py`; where it calls its blocks is `blocks.ChainGrid`.
 
 For each slot (one token to predict): z_0 ~ N(0, sigma_top^2 I); for k = 0 .. K-1 the block that owns
 sigma_k maps (z_k, sigma_k) to logits; between steps a bridge turns the logits into a denoised point D_k
@@ -8,7 +9,8 @@ step moves z to sigma_{k+1}. The last step's logits are the token's distribution
 
 The chain knows nothing of networks: `denoise(block, z, sigma, rows)` runs one block for the given rows
 (window scoring and cached decoding supply their own). Rows may differ in K, bridge, sampler, exit rule
-and random stream: at each step the rows routed to the same block share one call.
+and random stream: at each step the rows routed to the same block share one call. A denoiser whose
+output already is the denoised point (the dit's image D) passes `points` instead of a bridge.
 """
 
 from __future__ import annotations
@@ -19,50 +21,13 @@ from typing import Callable
 import torch
 
 from looped_lm.diffusion.adaptive_exit import ExitTracker
-from looped_lm.diffusion.noise import NoiseSchedule, cdf_range, sigma_at_fraction
-from looped_lm.diffusion.partition import route_sigma
-from looped_lm.diffusion.sampler import euler_step, inference_sigmas
+from looped_lm.diffusion.blocks import ChainGrid, top_of_block0  # noqa: F401 (the grid; importers find it here too)
+from looped_lm.diffusion.sampler import euler_step
 from looped_lm.sampling import RandomSource, SamplingParams, draw_rows
 from looped_lm.settings import InferenceSettings
 
 # denoise(block, z (R', n, d), sigma (R',), rows (R',) indices into the chain's rows) -> logits (R', n, V)
 Denoise = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class ChainGrid:
-    """Where a K-step chain evaluates: equal steps in the noise CDF from sigma_top down the partition's
-    range. `last_call`: the last call sits on the last grid point above the bottom edge ("edge", the
-    paper) or at the bottom edge itself ("sigma_min": with the likelihood parameterization an exact
-    read-back of the token the last bridge drew)."""
-
-    edges: tuple[float, ...]  # ascending partition edges, edges[0] = sigma_lo
-    sigma_top: float  # where every chain starts (docs/method.md §5)
-    last_call: str
-    sched: NoiseSchedule
-
-    def sigmas(self, K: int) -> list[float]:
-        """K + 1 descending points: calls at the first K, the chain ends at the last."""
-        lo, hi = self.edges[0], self.edges[-1]
-        if self.last_call == "sigma_min" and K >= 2:
-            sigmas = inference_sigmas(K - 1, self.sched, lo=lo, hi=hi)
-            sigmas.append(sigmas[-1])
-        else:
-            sigmas = inference_sigmas(K, self.sched, lo=lo, hi=hi)
-        sigmas[0] = self.sigma_top
-        return sigmas
-
-    def blocks(self, K: int) -> list[int]:
-        """The block run at each of the K calls."""
-        return [route_sigma(s, list(self.edges)) for s in self.sigmas(K)[:-1]]
-
-
-def top_of_block0(train_range: tuple[float, float], edges, quantile: float, sched: NoiseSchedule) -> float:
-    """sigma_top: a high quantile of block 0's training sigma law (not sigma_max, which a log-normal
-    almost never draws), kept inside block 0's interval."""
-    q_lo, q_hi = cdf_range(*train_range, sched)
-    top = sigma_at_fraction(quantile, q_lo, q_hi, sched)
-    return float(min(max(top, edges[-2]), edges[-1]))
 
 
 @dataclass
@@ -94,8 +59,10 @@ def bridge_points(logits: torch.Tensor, kinds: list[str], sampling: list[Samplin
 
 
 def run_chain(denoise: Denoise, grid: ChainGrid, settings: list[InferenceSettings], z: torch.Tensor,
-              random: RandomSource, targets: Callable, table: Callable) -> ChainResult:
-    """Run each row's chain from z (R, n, d) at sigma_top. targets(ids) -> points; table() -> (V, d)."""
+              random: RandomSource | None, targets: Callable | None, table: Callable | None,
+              points: Callable | None = None) -> ChainResult:
+    """Run each row's chain from z (R, n, d) at sigma_top. targets(ids) -> points; table() -> (V, d).
+    points(outputs (R', n, d), rows (R',)) -> denoised points, when given, replaces the rows' bridges."""
     R, n = z.shape[:2]
     device = z.device
     z = z.clone()  # stepped in place, row by row
@@ -133,12 +100,15 @@ def run_chain(denoise: Denoise, grid: ChainGrid, settings: list[InferenceSetting
             gi = torch.tensor(going, device=device)
             rows = idx[gi]
             part = logits if len(going) == len(members) else logits[gi]
-            points = bridge_points(part, [settings[r].bridge for r in rows.tolist()],
-                                   [settings[r].sampling for r in rows.tolist()], random, rows, targets, table)
+            if points is None:
+                denoised = bridge_points(part, [settings[r].bridge for r in rows.tolist()],
+                                         [settings[r].sampling for r in rows.tolist()], random, rows, targets, table)
+            else:
+                denoised = points(part, rows)
             s_now = sigma[gi].double()[:, None, None]
             s_next = torch.tensor([plans[Ks[r]][0][k + 1] for r in rows.tolist()], device=device,
                                   dtype=torch.float64)[:, None, None]
             z_rows = z[rows]
-            stepped = euler_step(z_rows.double(), points.double(), s_now, s_next).to(z.dtype)
+            stepped = euler_step(z_rows.double(), denoised.double(), s_now, s_next).to(z.dtype)
             z[rows] = torch.where(done[rows][..., None], z_rows, stepped)
     return ChainResult(final, used)

@@ -1,10 +1,11 @@
 """Pieces the non-autoregressive DiffusionBlocks modules (vit, dit, mdm) share.
 
+- `TimestepEmbedding`: the noise level's smooth embedding (DiT's timestep embedder).
 - `AdaLNLayer`: a bidirectional transformer layer (the parts of `TransformerLayer`) modulated by
   adaLN-Zero from a conditioning vector (the noise level, a label, a masking time).
 - `Blockwise`: the `Trainable` half every such module has in common. `self.blocks` holds B untied
   denoisers (DiffusionBlocks) or one stack of all layers (the end-to-end baseline, B = 1); a training
-  step runs one block, chosen from (step, seed) by the same rule as `models/db` (among
+  step runs one block, chosen from (step, seed) by `diffusion.blocks.choose_block`, the rule of every kind (among
   `diffusion.blocks_to_train` when given: the others are frozen), and only that block's parameter unit
   plus "shared" are stepped by the optimiser.
 - `finish_build`: what every module's `build(cfg, vocab_size, state)` (the registry's entry) does once
@@ -15,16 +16,36 @@ Shapes: N batch, T tokens (patches or characters), C model width.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from looped_lm.diffusion.blocks import choose_block
 from looped_lm.errors import UserError
 from looped_lm.models.contract import Trainable
 from looped_lm.models.layers import TransformerLayer, apply_rope
 from looped_lm.models.two_stream import modulate
 
 BLOCK_SAMPLING = ("uniform", "round_robin")
+
+
+class TimestepEmbedding(nn.Module):
+    """c_noise (N,) -> conditioning vector (N, C): DiT's timestep embedder (sinusoids at periods 2*pi to
+    2*pi*10^4, then an MLP), as the official DiffusionBlocks ViT uses it. c_noise = ln(sigma)/4 spans about
+    [-1.6, 1.1], so every sinusoid turns less than a quarter of a period across the whole sigma range: nearby
+    noise levels get nearby embeddings, and a block generalises across its interval."""
+
+    def __init__(self, d_model: int, frequencies: int = 256, max_period: float = 10_000.0):
+        super().__init__()
+        half = frequencies // 2
+        self.register_buffer("freqs", torch.exp(-math.log(max_period) * torch.arange(half) / half), persistent=False)
+        self.mlp = nn.Sequential(nn.Linear(2 * half, d_model), nn.SiLU(), nn.Linear(d_model, d_model))
+
+    def forward(self, c_noise: torch.Tensor) -> torch.Tensor:
+        angles = c_noise.float()[:, None] * self.freqs[None]
+        return self.mlp(torch.cat([angles.cos(), angles.sin()], dim=-1))
 
 
 class AdaLNLayer(TransformerLayer):
@@ -60,15 +81,6 @@ def check_blocks(n_layers: int, num_blocks: int, prefix: str) -> None:
         raise UserError(f"{prefix}.num_blocks ({num_blocks}) must divide {prefix}.n_layers ({n_layers})")
 
 
-def choose_block(step: int, seed: int, num_blocks: int, sampling: str = "uniform") -> int:
-    """The block trained at `step`: the rule of `DiffusionBlocksLM.choose_block` (uniform or round-robin),
-    so every rank of a data-parallel job agrees without talking."""
-    if sampling == "round_robin":
-        return step % num_blocks
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    return int(torch.randint(num_blocks, (1,), generator=g))
-
-
 def check_iterations(num_iterations, num_blocks: int, what: str = "num_iterations") -> None:
     """These modules take one step per block at least: fewer would leave a block's interval unvisited."""
     if isinstance(num_iterations, bool) or not isinstance(num_iterations, int):
@@ -100,8 +112,7 @@ class Blockwise(Trainable):
         return len(self.blocks)
 
     def choose_block(self, step: int, seed: int) -> int:
-        pool = self.trainable_blocks or range(self.num_blocks)
-        return pool[choose_block(step, seed, len(pool), self.block_sampling)]
+        return choose_block(step, seed, self.trainable_blocks or range(self.num_blocks), self.block_sampling)
 
     def step_units(self, step: int, seed: int) -> set[str] | None:
         if self.num_blocks == 1:

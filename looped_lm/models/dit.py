@@ -3,7 +3,7 @@
 A class-conditional EDM denoiser on image pixels (or VAE latents: any (C, H, W) array):
 
     z = y + sigma*eps  ->  patches of c_in*z -> patch_embed + pos_emb
-    cond = silu(noise_emb(c_noise) + label_emb(label))      (label = num_classes: the null class)
+    cond = silu(noise_emb(c_noise) + label_emb(label))      (DiT's timestep embedder; label = num_classes: null)
     block b (L/B AdaLN layers, untied) owns the sigma interval b (block 0 = highest sigma)
     F = final adaLN + linear (zero init) -> unpatchify;  D = c_skip*z + c_out*F
     loss = w(sigma) * mean((D - y)^2)                       (EDM: w = 1/c_out^2, so the loss is O(1))
@@ -13,9 +13,11 @@ class, so one network serves the conditional and unconditional halves of classif
 `end_to_end: true` is the baseline: the same network as one block of all L layers over the whole
 sigma range (B = 1).
 
-Sampling (`sample`) runs `steps` Euler steps on the equal-probability sigma grid from sigma_max to
-sigma_min, each routed to the block that owns sigma_k: on the equi-probability partition every block
-gets the same number of steps (steps/B when B divides steps). Guidance: D = D_null + s*(D_label - D_null).
+Sampling (`sample`) runs the K-step chain of the language models (`diffusion/chain.py`) on the grid of
+`blocks.ChainGrid`: `steps` calls equally spaced in the noise CDF from sigma_top (a high quantile of block
+0's training law, `sample_top_quantile`; 1 = sigma_max) down to sigma_min, each routed to the block that
+owns sigma_k; with `last_call: sigma_min` the last call runs at sigma_min and its D is the sample. On the
+equi-probability partition every block gets about steps/B calls. Guidance: D = D_null + s*(D_label - D_null).
 
 Public API:
     build(cfg, vocab_size, state)  the registry's entry (`model.kind: dit`)
@@ -38,14 +40,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from looped_lm import diffusion as dm
+from looped_lm.diffusion.blocks import LAST_CALLS, chain_grid
+from looped_lm.diffusion.chain import run_chain
 from looped_lm.errors import UserError
-from looped_lm.models.adaln import (BLOCK_SAMPLING, AdaLNLayer, Blockwise, check_blocks, check_choice,
-                                    check_image_size, check_images, check_iterations, check_labels,
+from looped_lm.models.adaln import (BLOCK_SAMPLING, AdaLNLayer, Blockwise, TimestepEmbedding, check_blocks,
+                                    check_choice, check_image_size, check_images, check_iterations, check_labels,
                                     check_positive_ints, check_width, finish_build, noise_schedule, patchify,
                                     unpatchify)
 from looped_lm.models.contract import ImageGenerator
 from looped_lm.models.layers import ffn_width, init_weights
-from looped_lm.models.two_stream import NoiseEmbedding, modulate
+from looped_lm.models.two_stream import modulate
+from looped_lm.settings import InferenceSettings
 
 
 @dataclass
@@ -69,6 +74,8 @@ class DiTSettings:
     label_dropout: float = 0.1  # share of training labels replaced by the null class (for CFG)
     sample_steps: int = 50  # default Euler steps of `sample`
     cfg_scale: float = 2.0  # default guidance scale of `sample`
+    last_call: str = "sigma_min"  # the last call at sigma_min, its D the sample (method.md §5), or "edge"
+    sample_top_quantile: float = 0.999  # chains start at this quantile of block 0's sigma law; 1 = sigma_max
     clip_samples: bool = True  # samples clipped to [-1, 1] (pixels); latents are not bounded
     noise: dm.NoiseSchedule = field(default_factory=dm.NoiseSchedule)
     norm_eps: float = 1e-6
@@ -86,6 +93,9 @@ class DiTSettings:
         check_choice(self.block_sampling, BLOCK_SAMPLING, f"{p}.block_sampling")
         if not 0 <= self.label_dropout < 1:
             raise UserError(f"{p}.label_dropout must be in [0, 1) (got {self.label_dropout})")
+        check_choice(self.last_call, LAST_CALLS, f"{p}.last_call")
+        if not 0 < self.sample_top_quantile <= 1:
+            raise UserError(f"{p}.sample_top_quantile must be in (0, 1] (got {self.sample_top_quantile})")
         self.noise.validate()
         dm.widen([1.0, 2.0], self.overlap)
         return self
@@ -103,7 +113,7 @@ class DiffusionDiT(nn.Module, Blockwise, ImageGenerator):
         ffn, patch_dim = ffn_width(d, s.ffn_hidden), s.channels * s.patch**2
         self.patch_embed = nn.Linear(patch_dim, d)
         self.pos_emb = nn.Parameter(torch.zeros(1, (s.image_size // s.patch) ** 2, d))
-        self.noise_emb = NoiseEmbedding(d)
+        self.noise_emb = TimestepEmbedding(d)
         self.label_emb = nn.Embedding(s.num_classes + 1, d) if s.num_classes else None  # last row: null
         self.blocks = nn.ModuleList(nn.ModuleList(AdaLNLayer(d, s.n_heads, ffn, s.norm_eps) for _ in range(per_block))
                                     for _ in range(num_blocks))
@@ -118,6 +128,7 @@ class DiffusionDiT(nn.Module, Blockwise, ImageGenerator):
         for lin in (self.final_ada, self.out):  # DiT's zero output layer: F = 0, D = c_skip*z at init
             nn.init.zeros_(lin.weight)
             nn.init.zeros_(lin.bias)
+        self.grid = chain_grid(self.edges, self.train_ranges, self.sched, s.sample_top_quantile, s.last_call)
 
     @property
     def null_label(self) -> int:
@@ -205,28 +216,30 @@ class DiffusionDiT(nn.Module, Blockwise, ImageGenerator):
         if self.label_emb is not None:
             check_labels(labels, s.num_classes)
         N = labels.shape[0]
-        sigmas = dm.inference_sigmas(steps, self.sched, lo=self.edges[0], hi=self.edges[-1])
         shape = (N, s.channels, s.image_size, s.image_size)
-        z = sigmas[0] * torch.randn(shape, generator=generator, device=generator.device if generator else None)
-        z = z.to(device)
+        z = self.grid.sigma_top * torch.randn(shape, generator=generator, device=generator.device if generator else None)
         guided = self.label_emb is not None and cfg_scale != 1
-        both = torch.cat([labels, torch.full_like(labels, self.null_label)]) if guided else labels
-        for k in range(steps):
-            b = dm.route_sigma(sigmas[k], self.edges)
-            zz = torch.cat([z, z]) if guided else z
-            D = self.denoise(b, zz, torch.full((zz.shape[0],), sigmas[k], device=device), both)
+
+        def denoise(b, z_rows, sigma, rows):  # the chain's rows are images, flattened: (R', 1, C*H*W)
+            zz, own = z_rows.view(len(rows), *shape[1:]), labels[rows]
+            if guided:
+                zz, sigma, own = torch.cat([zz, zz]), torch.cat([sigma, sigma]), \
+                    torch.cat([own, torch.full_like(own, self.null_label)])
+            D = self.denoise(b, zz, sigma, own)
             if guided:
                 cond, uncond = D.chunk(2)
                 D = uncond + cfg_scale * (cond - uncond)
-            z = dm.euler_step(z, D, sigmas[k], sigmas[k + 1])
-        return z.clamp(-1, 1) if s.clip_samples else z
+            return D.flatten(1)[:, None]
+
+        settings = [InferenceSettings(num_iterations=steps)] * N
+        out = run_chain(denoise, self.grid, settings, z.to(device).flatten(1)[:, None], None, None, None,
+                        points=lambda D, rows: D)  # D is already the denoised point: no bridge
+        images = out.logits.view(shape)  # the last call's D
+        return images.clamp(-1, 1) if s.clip_samples else images
 
     def steps_per_block(self, steps: int) -> list[int]:
-        """How many of `steps` sampling steps each block runs (block 0 first)."""
-        counts = [0] * self.num_blocks
-        for b in dm.route_steps(steps, self.edges, self.sched):
-            counts[b] += 1
-        return counts
+        """How many of `steps` sampling calls each block runs (block 0 first)."""
+        return self.grid.steps_per_block(steps)
 
 
 def frechet_distance(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -257,6 +270,7 @@ def build(cfg, vocab_size: int = 0, state: dict | None = None) -> DiffusionDiT:
         d_model=m.d_model, n_heads=m.n_heads, ffn_hidden=m.ffn_hidden, num_blocks=d.num_blocks, overlap=d.overlap,
         end_to_end=m.end_to_end, partition=d.partition, block_sampling=d.block_sampling,
         label_dropout=d.label_dropout, sample_steps=d.sample_steps or 50, cfg_scale=d.cfg_scale,
+        last_call=d.last_call, sample_top_quantile=d.sample_top_quantile,
         clip_samples=cfg.data.source != "latents",
         noise=noise_schedule(cfg), norm_eps=m.norm_eps, init_std=m.init_std)
     return finish_build(DiffusionDiT(settings), cfg, state)

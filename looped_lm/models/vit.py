@@ -2,19 +2,25 @@
 
 The label is the diffused variable. Its clean point is y = label_table[label] (fixed random unit
 vectors, one per class); training noises it, z = y + sigma*eps, and the noisy embedding c_in*z takes the
-[CLS] slot in front of the image patches. Every layer is modulated by adaLN-Zero from c_noise.
+[CLS] slot in front of the image patches. Every layer is modulated by adaLN-Zero from the noise level
+through DiT's smooth timestep embedder. The recipe follows the official DiffusionBlocks code where it and
+the paper disagree (docs/method.md §7):
 
     images (N, C, H, W) -> patches (N, P, C*p*p) -> patch_embed -> [slot | patches] + pos_emb
     block b (L/B AdaLN layers, untied) owns the sigma interval b (block 0 = highest sigma)
-    h = c_out * normalize(F[slot]) + c_skip * z  ->  logits = head(norm(h))      (head: untied, zero init)
-    loss = CE(logits, label) * w(sigma) / E_block[w]                            (loss_weight: edm)
+    h = c_out * LayerNorm(F[slot]) + c_skip * z   (the network's term has norm ~ c_out * sqrt(d), learnable gain)
+    logits = head(adaLN(h))                        (final shift/scale from the noise level; head zero init)
+    loss = CE(logits, label) * mean_batch(w(sigma)) / E_block[w]   (loss_weight: batch_mean, the official
+           code's `loss * w[:, None]` broadcast: uniform within a block; edm: per-sample w; none: plain CE)
 
-Inference (`predict`) runs K >= B Euler steps from z ~ N(0, sigma_top^2 I) on the equal-probability
-sigma grid, each routed to the block that owns sigma_k; with K = B each block runs once, the cost of one
-pass through the whole network. The logits of the last call are the prediction. sigma_top is sigma_max
-(the paper; `sample_top_quantile` 1) or a high quantile of block 0's training law, as the language
-models start (method.md §5). Between steps the bridge maps the logits to a point among the label
-embeddings: soft (the expectation), hard (the argmax's), sample (a drawn label's).
+Inference (`predict`) runs the K-step chain of the language models (`diffusion/chain.py`) with one slot
+per image: K >= B calls on the equal-probability grid of `blocks.ChainGrid`, each routed to the block that
+owns sigma_k; with K = B each block runs once, the cost of one pass through the whole network. With
+`last_call: sigma_min` (default; the official code's grid [sigma_max, ..., sigma_min]) the last call runs
+at sigma_min and its logits are the prediction. Chains start at sigma_top, a high quantile of block 0's
+training law (`sample_top_quantile`, as the language models; 1 = sigma_max, the official code). Between
+calls the bridge maps the logits to a point among the label embeddings: soft (the expectation), hard
+(the argmax's), sample (a drawn label's).
 
 `end_to_end: true` is the paper's baseline: the same patches, layers and head, a learned [CLS] token
 in the slot, adaLN from a learned constant, all L layers in one pass, plain CE.
@@ -39,13 +45,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from looped_lm import diffusion as dm
+from looped_lm.diffusion.blocks import LAST_CALLS, chain_grid
+from looped_lm.diffusion.chain import run_chain
 from looped_lm.errors import UserError
-from looped_lm.models.adaln import (BLOCK_SAMPLING, AdaLNLayer, Blockwise, check_blocks, check_choice,
-                                    check_image_size, check_images, check_iterations, check_labels,
+from looped_lm.models.adaln import (BLOCK_SAMPLING, AdaLNLayer, Blockwise, TimestepEmbedding, check_blocks,
+                                    check_choice, check_image_size, check_images, check_iterations, check_labels,
                                     check_positive_ints, check_width, finish_build, noise_schedule, patchify)
 from looped_lm.models.contract import Classifier
 from looped_lm.models.layers import ffn_width, init_weights
-from looped_lm.models.two_stream import NoiseEmbedding
+from looped_lm.models.two_stream import modulate
+from looped_lm.sampling import SharedGenerator
+from looped_lm.settings import InferenceSettings
+
+LOSS_WEIGHTS = ("batch_mean", "edm", "none")
 
 
 @dataclass
@@ -65,10 +77,12 @@ class ViTSettings:
     end_to_end: bool = False  # the baseline: an ordinary ViT classifier over all layers
     partition: str = "equi_probability"
     block_sampling: str = "uniform"
-    loss_weight: str = "edm"  # edm: w(sigma) / E_block[w]; none: plain CE
+    loss_weight: str = "batch_mean"  # batch_mean: the batch's mean w(sigma) / E_block[w] (the official code);
+    # edm: per-sample w(sigma) / E_block[w]; none: plain CE
     bridge: str = "soft"  # inference: D = softmax(logits) @ label_table (soft), label_table[argmax] (hard), or
     # the embedding of a label drawn from softmax(logits) (sample)
-    sample_top_quantile: float = 1.0  # chains start at this quantile of block 0's sigma law; 1 = sigma_max (paper)
+    last_call: str = "sigma_min"  # the K-th call at sigma_min (the official code's grid), or "edge" (method.md §5)
+    sample_top_quantile: float = 0.999  # chains start at this quantile of block 0's sigma law; 1 = sigma_max
     num_iterations: int = 0  # default K of predict; 0 = num_blocks
     parameterization: str = "edm"  # edm (the paper); likelihood: logits + <z, y_v>/sigma^2 (method.md §9) [ours]
     noise: dm.NoiseSchedule = field(default_factory=dm.NoiseSchedule)
@@ -85,8 +99,9 @@ class ViTSettings:
         check_blocks(self.n_layers, self.num_blocks, p)
         check_choice(self.partition, dm.PARTITION_KINDS, f"{p}.partition")
         check_choice(self.block_sampling, BLOCK_SAMPLING, f"{p}.block_sampling")
-        check_choice(self.loss_weight, ("edm", "none"), f"{p}.loss_weight")
+        check_choice(self.loss_weight, LOSS_WEIGHTS, f"{p}.loss_weight")
         check_choice(self.bridge, ("soft", "hard", "sample"), f"{p}.bridge")
+        check_choice(self.last_call, LAST_CALLS, f"{p}.last_call")
         if not 0 < self.sample_top_quantile <= 1:
             raise UserError(f"{p}.sample_top_quantile must be in (0, 1] (got {self.sample_top_quantile})")
         check_choice(self.parameterization, ("edm", "likelihood"), f"{p}.parameterization")
@@ -116,10 +131,11 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
             self.cls = nn.Parameter(torch.zeros(1, 1, d))
             self.cond = nn.Parameter(torch.zeros(d))  # adaLN from a learned constant: no noise level here
         else:
-            self.noise_emb = NoiseEmbedding(d)
+            self.noise_emb = TimestepEmbedding(d)
+            self.final_ada = nn.Linear(d, 2 * d)  # shift, scale of h before the head (the official code's)
         # Clean label points: fixed random unit vectors (no gradient into the targets, as in dblm)
         self.register_buffer("label_table", F.normalize(torch.randn(s.num_classes, d), dim=-1))
-        self.norm = nn.RMSNorm(d, eps=s.norm_eps)
+        self.norm = nn.LayerNorm(d, eps=s.norm_eps)  # learnable gain: the network's term is not capped
         self.head = nn.Linear(d, s.num_classes)
         init_weights(self, s.init_std, s.n_layers)
         nn.init.xavier_uniform_(self.patch_embed.weight)  # O(1) patch tokens from the first step (DiT's init)
@@ -130,6 +146,10 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
                 layer.ada.bias.data.view(6, d)[[2, 5]] = 1.0  # constant [CLS] slot never sees the image
         nn.init.zeros_(self.head.weight)  # the zero-initialised, untied classifier
         nn.init.zeros_(self.head.bias)
+        if not s.end_to_end:
+            nn.init.zeros_(self.final_ada.weight)
+            nn.init.zeros_(self.final_ada.bias)
+        self.grid = chain_grid(self.edges, self.train_ranges, self.sched, s.sample_top_quantile, s.last_call)
 
     def checkpoint_state(self) -> dict:
         return {**super().checkpoint_state(), "end_to_end": self.end_to_end}
@@ -152,14 +172,16 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
         """Block b's denoised label at noise sigma (N,) from z (N, C) -> logits (N, num_classes), and with
         `with_features` the (N, C) representation the head reads them from."""
         c_skip, c_out, c_in, c_noise = (c.to(z.dtype)[:, None] for c in dm.edm_scalings(sigma, self.sched.sigma_data))
-        out = self.run_layers(b, c_in * z, patches, self.noise_emb(c_noise[:, 0]))
+        cond = self.noise_emb(c_noise[:, 0])
+        out = self.run_layers(b, c_in * z, patches, cond)
         if self.settings.parameterization == "likelihood":
             # the exact log-likelihood of z under each label (unit-norm targets): the network only has to
             # supply the image's prior over labels, and what z already says is never lost
             features = self.norm(out)
             logits = self.head(features) + (z @ self.label_table.T) / sigma[:, None] ** 2
-        else:
-            features = self.norm(c_out * F.normalize(out, dim=-1) + c_skip * z)
+        else:  # EDM's skip, as the official code: c_out * LayerNorm(F) + c_skip * z, adaLN, head
+            shift, scale = self.final_ada(F.silu(cond)).unsqueeze(1).chunk(2, dim=-1)
+            features = modulate((c_out * self.norm(out) + c_skip * z)[:, None], shift, scale)[:, 0]
             logits = self.head(features)
         return (logits, features) if with_features else logits
 
@@ -187,10 +209,13 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
         return loss, {"block": b, f"loss_block{b}": float(ce.detach().mean()), "sigma_mean": float(sigma.mean())}
 
     def loss_weights(self, sigma, b: int):
-        if self.settings.loss_weight == "none":
+        """Per-sample CE weights (N,), O(1) on average over block b's sigma law."""
+        kind = self.settings.loss_weight
+        if kind == "none":
             return torch.ones_like(sigma)
-        w = dm.edm_weight(sigma, self.sched.sigma_data)
-        return (w / dm.edm_loss_weight_normaliser(*self.train_ranges[b], self.sched)).to(sigma.dtype)
+        w = (dm.edm_weight(sigma, self.sched.sigma_data) / dm.edm_loss_weight_normaliser(*self.train_ranges[b],
+                                                                                          self.sched)).to(sigma.dtype)
+        return w if kind == "edm" else w.mean().expand_as(w)
 
     @torch.no_grad()
     def validation_loss(self, x, y, seed: int):
@@ -212,17 +237,21 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
         K = self.default_iterations() if num_iterations is None else num_iterations
         if check:  # `features` alone runs one call (block 0)
             check_iterations(K, self.num_blocks)
-        sigmas = dm.inference_sigmas(K, self.sched, lo=self.edges[0], hi=self.edges[-1])
-        sigmas[0] = self.sigma_top()
         N, d = images.shape[0], self.settings.d_model
         gen_device = generator.device if generator is not None else None
-        z = (sigmas[0] * torch.randn(N, d, generator=generator, device=gen_device)).to(images.device)
-        for k in range(K):
-            sigma = torch.full((N,), sigmas[k], device=images.device)
-            logits, features = self.block_logits(dm.route_sigma(sigmas[k], self.edges), patches, z, sigma, True)
-            if k + 1 < K:
-                z = dm.euler_step(z, self.bridge(logits, generator), sigmas[k], sigmas[k + 1])
-        return (logits, features) if with_features else logits
+        z = self.grid.sigma_top * torch.randn(N, 1, d, generator=generator, device=gen_device)
+        last = {}
+
+        def denoise(b, z_rows, sigma, rows):  # one slot per image: (R', 1, d) -> (R', 1, num_classes)
+            logits, last["features"] = self.block_logits(b, patches[rows], z_rows[:, 0], sigma, True)
+            return logits[:, None]
+
+        table = lambda: self.label_table  # noqa: E731
+        settings = [InferenceSettings(num_iterations=K, bridge=self.settings.bridge)] * N
+        out = run_chain(denoise, self.grid, settings, z.to(images.device), SharedGenerator(generator),
+                        lambda ids: self.label_table[ids], table)
+        logits = out.logits[:, 0]
+        return (logits, last["features"]) if with_features else logits
 
     @torch.no_grad()
     def features(self, images, num_iterations: int | None = None, generator: torch.Generator | None = None):
@@ -237,24 +266,8 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
     def default_iterations(self) -> int:
         return self.settings.num_iterations or self.num_blocks
 
-    def sigma_top(self) -> float:
-        """Where chains start: sigma_max, or the sample_top_quantile of block 0's training law."""
-        if self.settings.sample_top_quantile >= 1:
-            return float(self.edges[-1])
-        from looped_lm.diffusion.chain import top_of_block0
-
-        return top_of_block0(self.train_ranges[0], self.edges, self.settings.sample_top_quantile, self.sched)
-
-    def bridge(self, logits, generator: torch.Generator | None = None):
-        """Logits -> a denoised point among the label embeddings."""
-        if self.settings.bridge == "hard":
-            return self.label_table[logits.argmax(-1)]
-        probs = logits.float().softmax(-1)
-        if self.settings.bridge == "sample":
-            gen_device = generator.device if generator is not None else probs.device
-            drawn = torch.multinomial(probs.to(gen_device), 1, generator=generator).squeeze(-1)
-            return self.label_table[drawn.to(logits.device)]
-        return probs @ self.label_table
+    def steps_per_block(self, K: int) -> list[int]:
+        return self.grid.steps_per_block(K)
 
     @torch.no_grad()
     def accuracy(self, images, labels, num_iterations: int | None = None, batch_size: int = 256,
@@ -278,5 +291,6 @@ def build(cfg, vocab_size: int = 0, state: dict | None = None) -> DiffusionViT:
         d_model=m.d_model, n_heads=m.n_heads, ffn_hidden=m.ffn_hidden, num_blocks=d.num_blocks, overlap=d.overlap,
         end_to_end=m.end_to_end, partition=d.partition, block_sampling=d.block_sampling, loss_weight=d.loss_weight,
         bridge=d.bridge, parameterization=d.parameterization, sample_top_quantile=d.sample_top_quantile,
+        last_call=d.last_call,
         num_iterations=d.num_iterations, noise=noise_schedule(cfg), norm_eps=m.norm_eps, init_std=m.init_std)
     return finish_build(DiffusionViT(settings), cfg, state)

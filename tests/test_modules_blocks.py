@@ -1,0 +1,54 @@
+"""The block mechanics every kind shares (looped_lm/diffusion/blocks.py): block choice and the chain's grid."""
+
+import pytest
+import torch
+
+from looped_lm import diffusion as dm
+from looped_lm.diffusion.blocks import ChainGrid, chain_grid, choose_block
+from tiny_models import build_tiny, tiny_module
+
+
+def test_block_choice_is_seeded_round_robin_or_weighted():
+    assert [choose_block(s, 0, [1, 3], "round_robin") for s in range(4)] == [1, 3, 1, 3]
+    picks = [choose_block(s, 5, range(3)) for s in range(300)]
+    assert picks == [choose_block(s, 5, range(3)) for s in range(300)]  # (step, seed) alone decide
+    assert picks != [choose_block(s, 6, range(3)) for s in range(300)]
+    assert all(abs(picks.count(b) / 300 - 1 / 3) < 0.1 for b in range(3))
+    heavy = [choose_block(s, 5, [0, 1], weights=[0.9, 0.1]) for s in range(400)]
+    assert 0.8 < heavy.count(0) / 400 < 0.97
+
+
+@pytest.mark.parametrize("kind", ["vit", "dit", "mdm"])
+def test_every_module_chooses_by_the_shared_rule(kind):
+    model = tiny_module(kind)
+    assert [model.choose_block(s, 7) for s in range(40)] == [choose_block(s, 7, range(model.num_blocks))
+                                                              for s in range(40)]
+
+
+def test_the_language_models_block_choice_is_the_shared_rule():
+    """db_ar's uniform and loss_share choice draw what `choose_block` draws (the LM objective still holds its
+    own copy of the rule; this test goes when it calls `choose_block`)."""
+    lm = build_tiny("db_ar", block_sampling="uniform")  # B = 2
+    assert [lm.choose_block(s, 3) for s in range(40)] == [choose_block(s, 3, [0, 1]) for s in range(40)]
+    lm = build_tiny("db_ar", block_sampling="loss_share")
+    lm.objective.curve = {"sigmas": [0.01, 0.3, 10.0], "ce": [0.1, 2.0, 5.0]}
+    from looped_lm.diffusion import ce_curve
+
+    shares = ce_curve.block_shares(lm.edges, lm.objective.curve["sigmas"], lm.objective.curve["ce"])
+    weights = torch.tensor(shares, dtype=torch.float64) + 1e-3
+    assert [lm.choose_block(s, 3) for s in range(40)] == [choose_block(s, 3, [0, 1], weights=weights)
+                                                           for s in range(40)]
+
+
+def test_grid_of_the_official_code():
+    """last_call sigma_min with K = B: calls on the inclusive CDF grid [top, ..., sigma_min], one per block;
+    `edge`: the intervals' top edges."""
+    sched = dm.NoiseSchedule()
+    edges = dm.equi_probability_edges(3, sched)
+    ranges = dm.widen(edges, 0.05)
+    grid = chain_grid(edges, ranges, sched, 1.0, "sigma_min")
+    assert grid.sigmas(3)[:3] == pytest.approx([80.0, 0.301, 0.002], abs=1e-3) and grid.blocks(3) == [0, 1, 2]
+    assert ChainGrid(tuple(edges), 80.0, "edge", sched).sigmas(3)[:3] == pytest.approx([80, 0.505, 0.180], abs=1e-3)
+    assert grid.steps_per_block(6) == [2, 2, 2] and grid.steps_per_block(1) == [1, 0, 0]
+    top = chain_grid(edges, ranges, sched, 0.999, "sigma_min").sigma_top
+    assert edges[-2] < top < 80  # a quantile block 0 actually trains on
