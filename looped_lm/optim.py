@@ -37,7 +37,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Groups per unit (model.param_unit(name), default "shared"), split into decay / no-decay.
 
     Matrices decay; norms, biases and gains (1-D) do not (nanoGPT's rule). Frozen parameters are left
-    out, so they hold no optimiser state.
+    out, so they hold no optimiser state. "names" lists the parameters' names: ZeRO replaces "params" by
+    one flat partition and keeps the rest of the group.
     """
     unit_of = model.param_unit
     groups: dict[tuple[str, bool], list] = {}
@@ -45,9 +46,10 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         if not p.requires_grad:
             continue
         decay = p.dim() >= 2
-        groups.setdefault((unit_of(name), decay), []).append(p)
-    return [{"params": ps, "unit": unit, "weight_decay": weight_decay if decay else 0.0}
-            for (unit, decay), ps in sorted(groups.items())]
+        groups.setdefault((unit_of(name), decay), []).append((name, p))
+    return [{"params": [p for _, p in named], "names": [n for n, _ in named], "unit": unit,
+             "weight_decay": weight_decay if decay else 0.0}
+            for (unit, decay), named in sorted(groups.items())]
 
 
 def cosine_with_warmup(step: int, warmup: int, max_steps: int, lr: float, min_lr: float) -> float:
@@ -65,30 +67,46 @@ def cosine_with_warmup(step: int, warmup: int, max_steps: int, lr: float, min_lr
 #
 # A checkpoint holds, per unit, the AdamW moments of every parameter under its name and the unit's step
 # count (BlockwiseAdamW steps units apart). Those are the same numbers at ZeRO 0 (one state per
-# parameter) and ZeRO 1/2 (one flat fp32 partition per parameter group and rank, which DeepSpeed maps back
-# to parameters through each parameter's `_hp_mapping` fragment addresses), so a checkpoint written at one
+# parameter) and ZeRO 1/2 (one flat fp32 partition per parameter group and rank, which DeepSpeed's public
+# safe_get/safe_set_full_* functions gather and scatter per parameter), so a checkpoint written at one
 # stage, world size or train.mode resumes exactly at another.
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def _zero_groups(zero_optimizer):
-    """(unit, flat fp32 partition, its parameters, its process group) of each ZeRO 1/2 parameter group."""
-    inner = zero_optimizer.optimizer
-    return [(group["unit"], zero_optimizer.single_partition_of_fp32_groups[i], zero_optimizer.bit16_groups[i],
-             zero_optimizer.real_dp_process_group[i]) for i, group in enumerate(inner.param_groups)]
 
 
 def _step_of(state: dict) -> int:
     return int(state["step"]) if "step" in state else 0
 
 
+def _zero_groups(model, optimizer):
+    """(unit, flat fp32 partition, its parameters) of each ZeRO 1/2 group. ZeRO gives our optimiser one
+    flat partition per group (group["params"] == [flat]) and keeps the group's other keys: "names" (set by
+    `param_groups`) says which parameters the partition holds."""
+    params = dict(model.named_parameters())
+    return [(g["unit"], g["params"][0], [params[n] for n in g["names"]]) for g in optimizer.param_groups]
+
+
+def _linked_state(optimizer, flat, params) -> dict:
+    """The AdamW state of one flat partition, its parameters' fragments linked to it. DeepSpeed links the
+    fragments once, after the first step, and BlockwiseAdamW creates a unit's state at that unit's first
+    step, which may come later; so a unit that has not stepped gets the state AdamW would start it with
+    (step 0, zero moments: the same update), every rank then holds the same tensors and takes part in
+    every gather."""
+    from deepspeed.utils import lazy_init_hp_params_optimizer_state
+
+    state = optimizer.state[flat]
+    if not state:
+        state.update(step=torch.tensor(0.0), **{k: torch.zeros_like(flat) for k in MOMENTS})
+    lazy_init_hp_params_optimizer_state(params, flat, optimizer.state)
+    return state
+
+
 @torch.no_grad()
 def state_by_name(model, optimizer, zero_optimizer=None, dist=None, master: bool = False) -> dict:
     """{unit: (step, {"exp_avg/<name>": tensor, "exp_avg_sq/<name>": ..., ["fp32/<name>": master]})} of every
-    unit this rank trains, whole. ZeRO 1/2 (`zero_optimizer`, DeepSpeed's): gathered from the partitions
-    with one all-reduce per tensor over its group's ranks, so every rank of the group must call it.
-    `master`: also the fp32 weights (ZeRO's fp32 partitions, or the parameters themselves)."""
+    unit this rank trains, whole. ZeRO 1/2 (`zero_optimizer` set; `optimizer` is ours, inside it): gathered
+    from the partitions with one all-reduce per tensor over the data-parallel ranks, so every rank must call
+    it. `master`: also the fp32 weights (ZeRO's fp32 partitions, or the parameters themselves)."""
     names = {id(p): n for n, p in model.named_parameters()}
     out: dict = {}
     if zero_optimizer is None:
@@ -103,32 +121,26 @@ def state_by_name(model, optimizer, zero_optimizer=None, dist=None, master: bool
                 if master:
                     tensors[f"fp32/{names[id(p)]}"] = p.detach().float().clone()
         return {unit: (step, tensors) for unit, (step, tensors) in out.items()}
-    inner = zero_optimizer.optimizer
-    for unit, flat, params, group in _zero_groups(zero_optimizer):
-        st = dict(inner.state.get(flat, {}))
-        keys = MOMENTS + (("fp32",) if master else ())
-        if master:
-            st["fp32"] = flat
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    for unit, flat, params in _zero_groups(model, optimizer):
+        st = _linked_state(optimizer, flat, params)
         entry = out.setdefault(unit, [0, {}])
-        tensors = entry[1]
         entry[0] = max(entry[0], _step_of(st))
         for p in params:
-            for key in keys:
-                full = torch.zeros(p.numel(), dtype=torch.float32, device=flat.device)
-                if key in st and p._hp_mapping is not None:  # this rank's fragment of p
-                    lp, hp = p._hp_mapping.lp_fragment_address, p._hp_mapping.hp_fragment_address
-                    full[lp.start:lp.start + lp.numel] = st[key][hp.start:hp.start + hp.numel]
-                dist.all_reduce(full, group=group)
-                tensors[f"{key}/{names[id(p)]}"] = full.view_as(p)
+            for key in MOMENTS:
+                entry[1][f"{key}/{names[id(p)]}"] = safe_get_full_optimizer_state(p, key)
+            if master:
+                entry[1][f"fp32/{names[id(p)]}"] = safe_get_full_fp32_param(p)
     return {unit: (step, tensors) for unit, (step, tensors) in out.items()}
 
 
 @torch.no_grad()
 def load_state_by_name(model, optimizer, states: dict, zero_optimizer=None) -> None:
     """Put `states` ({unit: (step, tensors)}, as `state_by_name` returns) into this rank's optimiser: whole
-    per parameter at ZeRO 0, this rank's fragments of the flat partitions at ZeRO 1/2 (DeepSpeed links
-    them to its parameters at the first step). A unit at step 0 starts fresh; saved fp32 master weights
-    replace the (possibly bf16-rounded) weights the model was loaded with."""
+    per parameter at ZeRO 0, this rank's fragments of the flat partitions at ZeRO 1/2. A unit at step 0
+    starts fresh; saved fp32 master weights replace the (possibly bf16-rounded) weights the model was
+    loaded with."""
     names = {id(p): n for n, p in model.named_parameters()}
     if zero_optimizer is None:
         for group in optimizer.param_groups:
@@ -141,17 +153,17 @@ def load_state_by_name(model, optimizer, states: dict, zero_optimizer=None) -> N
                 if master is not None:  # fp32 weights the bf16 ones of model.safetensors were rounded from
                     p.copy_(master.to(p))
         return
-    inner = zero_optimizer.optimizer
-    for unit, flat, params, _ in _zero_groups(zero_optimizer):
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    for unit, flat, params in _zero_groups(model, optimizer):
         step, tensors = states[unit]
-        moments = {k: torch.zeros_like(flat) for k in MOMENTS}
+        st = _linked_state(optimizer, flat, params)
         for p in params:
-            if p._hp_mapping is None:
-                continue
-            lp, hp = p._hp_mapping.lp_fragment_address, p._hp_mapping.hp_fragment_address
-            for key, buf in [*moments.items(), ("fp32", flat)]:
-                saved = tensors.get(f"{key}/{names[id(p)]}")
-                if saved is not None:
-                    buf[hp.start:hp.start + hp.numel] = saved.reshape(-1)[lp.start:lp.start + lp.numel].to(buf)
+            if step:
+                for key in MOMENTS:
+                    safe_set_full_optimizer_state(p, tensors[f"{key}/{names[id(p)]}"].to(flat), key)
+            master = tensors.get(f"fp32/{names[id(p)]}")
+            if master is not None:
+                safe_set_full_fp32_param(p, master.to(flat))
         if step:
-            inner.state[flat] = {"step": torch.tensor(float(step)), **moments}
+            st["step"] = torch.tensor(float(step))
