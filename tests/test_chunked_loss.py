@@ -38,8 +38,10 @@ def saved_bytes(model, x, y) -> int:
     return largest[0]
 
 
-@pytest.mark.parametrize("kind,diffusion", [("gpt", {}), ("db_ar", {}),
-                                            ("db_ar", {"parameterization": "likelihood", "noisy_input": "prev_token"})])
+@pytest.mark.parametrize("kind,diffusion", [
+    ("gpt", {}), ("db_ar", {}), ("db_ar", {"parameterization": "likelihood", "noisy_input": "prev_token"}),
+    ("db_ar", {"clean_lm_weight": 0.5}),  # the clean stream's own CE is chunked too
+    ("db_ar", {"context": "stacked", "clean_lm_weight": 0.5, "block_sampling": "round_robin"})])
 def test_chunked_loss_equals_the_whole_one(kind, diffusion):
     x, y = torch.randint(0, V, (3, T)), torch.randint(0, V, (3, T))
     whole, chunked = build(kind, 0, **diffusion), build(kind, 5, **diffusion)  # 5 does not divide 24

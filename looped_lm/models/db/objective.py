@@ -86,7 +86,9 @@ class BlockObjective:
             ce = token_cross_entropy(net.noisy_pass(b, z, sigma, prev, slots + 1, kv, mask), targets)
         if not clean_lm:
             return ce
-        return ce, token_cross_entropy(F.linear(net.norm(h_clean), net.tok_emb.weight), y)
+        clean_ce = lambda h_, y_: token_cross_entropy(F.linear(net.norm(h_), net.tok_emb.weight), y_)  # noqa: E731
+        # model.loss_chunk: the clean stream's (B, T, V) logits never exist whole either
+        return ce, chunked(clean_ce, net.loss_chunk, h_clean, y) if net.chunking() else clean_ce(h_clean, y)
 
     def training_loss(self, x, y, step: int, seed: int):
         b = self.choose_block(step, seed)
