@@ -103,6 +103,8 @@ class ModelConfig(_Section):
     allow_full_backprop: bool = _f(False, "huginn: allow backprop_depth > mean_recurrence")
     loss_chunk: int = _f(0, "training: head + CE in chunks of this many positions, recomputed in backward, so "
                          "the (tokens, vocab) logits are never stored (0 = off; e.g. 128 with a 50257 vocab)")
+    activation_checkpointing: bool = _f(False, "gpt: recompute each layer in backward instead of storing its "
+                                        "activations (the end-to-end alternative to DiffusionBlocks' memory)")
     max_iterations: int = _f(64, "looped models: the largest K accepted at inference")
     end_to_end: bool = _f(False, "vit / dit / mdm: the same network trained end-to-end over the whole noise range "
                           "(the baseline), instead of diffusion.num_blocks blocks")

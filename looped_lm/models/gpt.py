@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from looped_lm.errors import UserError
 from looped_lm.models.contract import CachedDecoding, Scorable, TokenScores, Trainable
@@ -19,9 +20,11 @@ from looped_lm.models.layers import (KVCache, RotaryEmbedding, TransformerLayer,
 class GPT(nn.Module, Trainable, Scorable, CachedDecoding):
     def __init__(self, n_layers: int, d_model: int, n_heads: int, seq_len: int, vocab_size: int,
                  ffn_hidden: int = 0, rope_theta: float = 10000.0, norm_eps: float = 1e-5,
-                 init_std: float = 0.02, max_positions: int | None = None, loss_chunk: int = 0):
+                 init_std: float = 0.02, max_positions: int | None = None, loss_chunk: int = 0,
+                 activation_checkpointing: bool = False):
         super().__init__()
         self.loss_chunk = loss_chunk  # training: head + CE per chunk of positions, recomputed in backward
+        self.activation_checkpointing = activation_checkpointing  # training: each layer recomputed in backward
         self.seq_len, self.vocab_size, self.n_heads = seq_len, vocab_size, n_heads
         self.max_positions = max_positions or 4 * seq_len  # generation may run past the training length
         self.tok_emb = nn.Embedding(vocab_size, d_model)
@@ -43,8 +46,9 @@ class GPT(nn.Module, Trainable, Scorable, CachedDecoding):
         T = idx.shape[1]
         cos, sin = self.rope(torch.arange(T, device=idx.device))
         h = self.tok_emb(idx)
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = checkpoint(layer, h, cos, sin, use_reentrant=False) if recompute else layer(h, cos, sin)
         return h
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
@@ -120,4 +124,4 @@ class GPTCache:
 def build(cfg, vocab_size: int, state: dict | None = None) -> GPT:
     m = cfg.model
     return GPT(m.n_layers, m.d_model, m.n_heads, m.seq_len, vocab_size, m.ffn_hidden, m.rope_theta,
-               m.norm_eps, m.init_std, loss_chunk=m.loss_chunk)
+               m.norm_eps, m.init_std, loss_chunk=m.loss_chunk, activation_checkpointing=m.activation_checkpointing)

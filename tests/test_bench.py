@@ -1,0 +1,107 @@
+"""bench/ holds experiments: every script still imports and answers --help (one that imports a removed
+module or name fails here), every file the bench READMEs and docs/export.md cite exists, and the cost
+model's table (bench/cost_model.py) states its ratios."""
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted((ROOT / "bench").glob("*.py"))
+DOCS = ["bench/README.md", "bench/README_looped.md", "bench/README_serve.md", "docs/export.md"]
+
+# runs every script's --help in ONE interpreter (the imports are shared: seconds, not a minute)
+HELP_DRIVER = """
+import runpy, sys
+failed = []
+for path in sys.argv[1:]:
+    sys.argv = [path, "--help"]
+    try:
+        runpy.run_path(path, run_name="__main__")
+        failed.append(f"{path}: --help returned without exiting")
+    except SystemExit as e:
+        if e.code not in (0, None):
+            failed.append(f"{path}: --help exited {e.code}")
+    except BaseException as e:
+        failed.append(f"{path}: {type(e).__name__}: {e}")
+print("\\n".join(failed))
+sys.exit(1 if failed else 0)
+"""
+
+
+def test_every_bench_script_answers_help():
+    assert len(SCRIPTS) >= 10
+    proc = subprocess.run([sys.executable, "-c", HELP_DRIVER, *map(str, SCRIPTS)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env={"OMP_NUM_THREADS": "1", **__import__("os").environ})
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+
+
+# a cited file: a backticked path with a directory (`bench/results/x.json`) or a bare script or module
+# name (`decode.py`), or a markdown link's target. Files a command writes elsewhere (an export folder's
+# `config.json`) and URL paths (`/v1/...`) have no directory of the repository and are not citations.
+CITED = re.compile(r"`([\w.*{},-]+(?:/[\w.*{},-]+)*\.(?:py|json|md|png|sh|ya?ml|toml|jsonl|txt))`|\]\(([^)\s#]+)\)")
+
+
+def cited_paths(text: str) -> list[str]:
+    out = []
+    for m in CITED.finditer(text):
+        path = m.group(1) or m.group(2)
+        if path.startswith(("http:", "https:", "mailto:")):
+            continue
+        if m.group(1) and "/" not in path and not path.endswith(".py"):
+            continue
+        out.append(path)
+    return out
+
+
+def expand(path: str) -> list[str]:
+    """`looped_quality.{json,png}` -> both names."""
+    m = re.search(r"\{([^}]*)\}", path)
+    return [p for alt in m.group(1).split(",") for p in expand(path[:m.start()] + alt + path[m.end():])] if m else [path]
+
+
+def exists(path: str, doc: Path, tracked: set[str]) -> bool:
+    bases = [ROOT, doc.parent, ROOT / "bench"]
+    if any(list(base.glob(path)) if "*" in path else (base / path).exists() for base in bases):
+        return True
+    # a bare module name (`engine.py`, of looped_lm/engine/): some tracked file has it
+    return "/" not in path and path.endswith(".py") and any(Path(t).match(path) for t in tracked)
+
+
+def test_the_path_check_sees_a_missing_file():
+    tracked = {"bench/decode.py", "looped_lm/models/db/model.py"}
+    doc = ROOT / "bench" / "README.md"
+    paths = [p for c in cited_paths("`decode.py` and `dblm.py`, `bench/results/nothing_here.json`, "
+                                       "[x](README_serve.md), `config.json`, `results/{decode,serve}.json`")
+             for p in expand(c)]
+    assert paths == ["decode.py", "dblm.py", "bench/results/nothing_here.json", "README_serve.md",
+                     "results/decode.json", "results/serve.json"]
+    assert [p for p in paths if not exists(p, doc, tracked)] == ["dblm.py", "bench/results/nothing_here.json"]
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_cited_file_exists(doc):
+    tracked = set(subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split())
+    path = ROOT / doc
+    missing = [f"{doc}:{n}: {p}" for n, line in enumerate(path.read_text().splitlines(), 1)
+               for c in cited_paths(line) for p in expand(c) if not exists(p, path, tracked)]
+    assert not missing, "cited files that do not exist:\n" + "\n".join(missing)
+
+
+def test_the_cost_table_states_its_ratios(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_cost_model", ROOT / "bench" / "cost_model.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    out = tmp_path / "cost.json"
+    assert table.main(["table", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    shipped = [r for r in data["train"] if r["layout"].startswith("shipped") and r["shape"].startswith("d256")]
+    assert {(r["target_fraction"], r["loss_chunk"]) for r in shipped} == {(1.0, 0), (1.0, 128), (0.25, 0), (0.25, 128)}
+    # B one-block steps cost more than one gpt step, and the layers alone cost less than twice as much
+    assert all(r["ratio"] > 1 and r["layers_ratio"] < 2.2 for r in shipped)
+    assert {r["batch"] for r in data["decode"]} == {1, 8}
