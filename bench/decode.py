@@ -6,7 +6,7 @@ One thread, untrained models (speed does not depend on the weights), greedy, `ge
 loop without the server), side by side in one process, interleaved repeats, the fastest kept:
   tokens/s     batch x 48 new tokens / CPU time of the decode loop (generate(49) - generate(1): the
                prompt's prefill excluded)
-  floor        gpt cost / model cost per token from bench/cost_model.py, by matmul FLOPs and by bytes
+  floor        gpt cost / model cost per token from looped_lm/cost.py, by matmul FLOPs and by bytes
                read (weights + KV: the memory-bound floor of small-batch decode); measured/floor is the
                share of the floor reached
   KV bytes     per token of history, read off the real cache after decoding (DiffusionBlocks: every K;
@@ -18,14 +18,13 @@ Writes bench/results/decode.json and prints markdown tables.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from looped_lm import cost as cm
 from looped_lm.config import config_from_dict
 from looped_lm.engine.generate import generate
 from looped_lm.models import build_model
@@ -34,9 +33,6 @@ from looped_lm.sampling import GREEDY
 from looped_lm.settings import resolve_settings
 
 HERE = Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("cost_model", HERE / "cost_model.py")
-cm = sys.modules.setdefault("cost_model", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(cm)
 
 PROMPT, NEW = 16, 48
 

@@ -12,7 +12,7 @@ measured --repeats times, interleaved (who goes first alternates), the fastest k
 saved). tok/s by CPU time (process_time, one thread) is the primary number, wall-clock beside it.
 Beside them: the same decode's weight matmuls alone (`matmul_only`: every layer's linears and the head
 on (batch, d) rows, nothing else), a ceiling for any loop built on torch's linear (vLLM's oneDNN kernels pass it), and the matmul FLOPs per token
-(bench/cost_model.py), which are equal for both sides (the ratio's analytic floor is 1). The greedy tokens of
+(looped_lm/cost.py), which are equal for both sides (the ratio's analytic floor is 1). The greedy tokens of
 both sides are compared (a mismatch fails the bench). Shapes: the quickstart GPT (4 x 128, byte vocab)
 and a GPT-2-vocabulary one (6 x 256, V 50257).
 Writes bench/results/engine_vs_llama.json and prints a markdown table.
@@ -122,14 +122,10 @@ def head_kernels(model, batch: int, vllm: bool, n: int = 20) -> dict:
 
 
 def decode_mflop_per_token(model) -> float:
-    """Matmul MFLOPs of one generated token (bench/cost_model.py), at the mean context of the decode
+    """Matmul MFLOPs of one generated token (looped_lm/cost.py), at the mean context of the decode
     loop: the same on both sides, so the ratio's analytic floor is 1."""
-    import importlib.util
-    import sys
+    from looped_lm import cost as cm
 
-    spec = importlib.util.spec_from_file_location("cost_model", ROOT / "bench" / "cost_model.py")
-    cm = sys.modules.setdefault("cost_model", importlib.util.module_from_spec(spec))
-    spec.loader.exec_module(cm)
     vocab, d = model.tok_emb.weight.shape
     shape = cm.Shape(d=d, layers=len(model.layers), heads=model.n_heads, vocab=vocab, seq=PROMPT + NEW,
                      ffn=model.layers[0].mlp.down.weight.shape[1])

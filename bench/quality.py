@@ -20,7 +20,7 @@ step)`. One optimiser step is `looped_lm.training.train_step` with a `TorchRunne
 the data order, the blocks and the noise. One torch thread per process.
 
 Equal training FLOPs: a run takes as many steps as fit the budget (BUDGET_GPT_STEPS steps of the 4-layer
-gpt). FLOPs per step come from bench/cost_model.py (matmul FLOPs, attention counted over the pairs a
+gpt). FLOPs per step come from looped_lm/cost.py (matmul FLOPs, attention counted over the pairs a
 causal mask lets through); every run first checks the model against torch's FlopCounterMode on its real
 step (dense attention on both sides) and records the check; a layout the cost model does not follow is
 counted from FlopCounterMode instead, with its attention corrected to the visible pairs. The CE(sigma)
@@ -67,8 +67,7 @@ from looped_lm.sampling import GREEDY, PLAIN, SamplingParams
 from looped_lm.settings import ExitRule, ScoreSettings, resolve_settings
 from looped_lm.training import TorchRunner, train_step
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import cost_model as cm  # noqa: E402  (bench/ is not a package)
+from looped_lm import cost as cm
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "quality"
@@ -217,7 +216,8 @@ def cm_step(cfg, key, attention: str) -> cm.Ledger:
                       clean_lm=d.clean_lm_weight > 0,
                       fold_likelihood=d.head == "cosine" and d.parameterization == "likelihood",
                       posterior={"full": "full", "detached": "no_grad", "topk": "topk"}[d.posterior_input],
-                      topk=d.posterior_topk)
+                      topk=d.posterior_topk,
+                      layers_per_block=tuple(d.layers_per_block) if isinstance(d.layers_per_block, list) else ())
     return cm.db_train(s, lay, key, attention)
 
 
@@ -285,8 +285,8 @@ def budget_flops() -> float:
 
 
 def plan_steps(model, cfg, spec: Run, book: FlopBook, budget: float, curve_cost: float) -> int:
-    """Steps that fit the budget: the shapes' FLOPs summed along the run, plus the CE(sigma) curves
-    measured every curve_every steps (DB blocks of one run cost the same whichever is chosen)."""
+    """Steps that fit the budget: each step's FLOPs (its DB block's, its huginn r's) summed along the
+    run, plus the CE(sigma) curves measured every curve_every steps."""
     if isinstance(spec.steps, str):  # "updates:<run>:<block>": that powered run's updates of the block
         _, run, block = spec.steps.split(":")
         other = json.loads(run_path("powered", run, cfg.train.seed, False).read_text())
@@ -295,7 +295,7 @@ def plan_steps(model, cfg, spec: Run, book: FlopBook, budget: float, curve_cost:
         return spec.steps
     total, step = 0.0, 0
     while total < budget * spec.budget:
-        total += book(step_key(model, cfg, step, cfg.train.seed)) if cfg.model.kind == "huginn" else book(0)
+        total += book(step_key(model, cfg, step, cfg.train.seed))
         if curve_cost and step % cfg.diffusion.curve_every == 0:
             total += curve_cost
         step += 1

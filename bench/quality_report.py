@@ -11,10 +11,10 @@ its own data order, shared by all runs) and then averaged.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import statistics
-import sys
 from pathlib import Path
 
 import matplotlib
@@ -624,4 +624,6 @@ def main(names: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("studies", nargs="*", help="result folders under bench/results/quality (default: all)")
+    main(ap.parse_args().studies or None)

@@ -21,10 +21,10 @@ estimate's standard error; and the CPU seconds per training step of each variant
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -176,8 +176,16 @@ def table(out: dict) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    if sys.argv[1:] == ["table"]:
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", nargs="?", default="byte",
+                    help="tokenizers to run, comma-separated (byte, gpt2), or `table` to reprint the JSON")
+    args = ap.parse_args(argv)
+    if args.what == "table":
         print(table(json.loads(RESULTS.read_text())))
     else:
-        print(table(run(tuple(sys.argv[1].split(",")) if sys.argv[1:] else ("byte",))))
+        print(table(run(tuple(args.what.split(",")))))
+
+
+if __name__ == "__main__":
+    main()
