@@ -1,4 +1,4 @@
-"""The GPT baseline and the generation engine: KV-cache exactness, tied head, training signal, sampling."""
+"""The GPT baseline and the generation engine: KV-cache exactness, tied head, training signal, stopping."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from looped_lm.engine.generate import generate
 from looped_lm.errors import UserError
 from looped_lm.models import build_model
 from looped_lm.models.gpt import GPT
-from looped_lm.sampling import SamplingParams, SharedGenerator, filtered_probs, sample
+from looped_lm.sampling import SamplingParams
 from looped_lm.settings import InferenceSettings
 
 
@@ -187,98 +187,7 @@ def test_build_model_uses_the_config():
 
 
 # ------------------------------------------------------------------------------------------------
-# sampling
-
-
-def test_same_seed_same_output_different_seed_different():
-    model = tiny_gpt(init_std=0.02)  # flat logits: sampling really is random
-    prompt = prompt_batch()
-    p = SamplingParams(1.0)
-    a = generate(model, prompt, 24, S(p), seed=11)
-    b = generate(model, prompt, 24, S(p), seed=11)
-    c = generate(model, prompt, 24, S(p), seed=12)
-    assert torch.equal(a, b)
-    assert not torch.equal(a[:, 5:], c[:, 5:])
-    # greedy ignores the seed
-    assert torch.equal(generate(model, prompt, 8, seed=1), generate(model, prompt, 8, seed=2))
-
-
-def test_top_k_1_and_tiny_top_p_equal_greedy():
-    model = tiny_gpt(init_std=0.05)
-    prompt = prompt_batch()
-    greedy = generate(model, prompt, 20)
-    assert torch.equal(generate(model, prompt, 20, S(SamplingParams(1.0, top_k=1)), seed=5), greedy)
-    assert torch.equal(generate(model, prompt, 20, S(SamplingParams(1.5, top_p=1e-6)), seed=6), greedy)
-    assert torch.equal(generate(model, prompt, 20, S(SamplingParams(0.7, top_k=3, top_p=1e-9)), seed=7), greedy)
-
-
-LOGITS = torch.tensor([[0.1, 2.0, -1.0, 1.0, 0.5]])  # sorted order: 1, 3, 4, 0, 2
-
-
-@pytest.mark.parametrize("params, keep", [
-    (SamplingParams(1.0), {0, 1, 2, 3, 4}),
-    (SamplingParams(1.0, top_k=1), {1}),
-    (SamplingParams(1.0, top_k=2), {1, 3}),
-    (SamplingParams(1.0, top_k=5), {0, 1, 2, 3, 4}),
-    (SamplingParams(1.0, top_k=99), {0, 1, 2, 3, 4}),
-    # probs of (2, 1, .5, .1, -1) = .5586 .2055 .1246 .0835 .0278; mass before = 0 .5586 .7641 .8887 .9722
-    (SamplingParams(1.0, top_p=0.5), {1}),
-    (SamplingParams(1.0, top_p=0.7), {1, 3}),
-    (SamplingParams(1.0, top_p=0.8), {1, 3, 4}),
-    (SamplingParams(1.0, top_p=0.95), {1, 3, 4, 0}),
-    (SamplingParams(1.0, top_p=0.99), {0, 1, 2, 3, 4}),
-    # top-k 3 first renormalises over (2, 1, .5): .6285 .2312 .1402; mass before = 0 .6285 .8597
-    (SamplingParams(1.0, top_k=3, top_p=0.85), {1, 3}),
-    (SamplingParams(1.0, top_k=3, top_p=0.87), {1, 3, 4}),
-    # temperature 2 halves the logits: probs .3719 .2256 .1757 .1438 .0830; mass before 0 .3719 .5975 .7732
-    (SamplingParams(2.0, top_p=0.55), {1, 3}),
-    (SamplingParams(2.0, top_p=0.65), {1, 3, 4}),
-])
-def test_filtered_probs_keep_exactly_the_expected_set(params, keep):
-    probs = filtered_probs(LOGITS, [params])[0]
-    kept = {i for i in range(5) if float(probs[i]) > 0}
-    assert kept == keep
-    weights = {i: math.exp(float(LOGITS[0, i]) / params.temperature) for i in keep}
-    for i in keep:  # renormalised over what is kept, at the temperature
-        assert float(probs[i]) == pytest.approx(weights[i] / sum(weights.values()), rel=1e-5)
-
-
-@pytest.mark.parametrize("params", [SamplingParams(1e-40), SamplingParams(1.0, top_p=5e-324),
-                                    SamplingParams(1e-30, top_k=3, top_p=1e-300), SamplingParams(1e30)])
-def test_numeric_extremes_never_give_nan(params):
-    """A tiny temperature is greedy, a tiny top_p keeps the top token, a huge temperature is uniform."""
-    probs = filtered_probs(LOGITS, [params])[0]
-    assert torch.isfinite(probs).all() and float(probs.sum()) == pytest.approx(1.0)
-    if params.temperature < 1 or params.top_p < 1e-10:
-        assert float(probs[1]) == pytest.approx(1.0)
-    token = sample(LOGITS, [params], SharedGenerator(torch.Generator().manual_seed(0)))
-    assert 0 <= int(token) < 5
-
-
-def test_sampling_frequencies_follow_the_filtered_distribution():
-    params = SamplingParams(1.0, top_k=2)
-    logits = LOGITS.expand(20000, 5)
-    g = SharedGenerator(torch.Generator().manual_seed(0))
-    counts = torch.bincount(sample(logits, [params] * 20000, g), minlength=5)
-    assert counts[[0, 2, 4]].sum() == 0
-    p1 = math.exp(2.0) / (math.exp(2.0) + math.exp(1.0))  # 0.7311
-    assert abs(counts[1].item() / 20000 - p1) < 0.015
-
-
-@pytest.mark.parametrize("params, needle", [
-    (SamplingParams(-0.1), "temperature"),
-    (SamplingParams(1.0, top_k=-1), "top_k"),
-    (SamplingParams(1.0, top_p=0.0), "top_p"),
-    (SamplingParams(1.0, top_p=1.01), "top_p"),
-    (SamplingParams(1.0, top_p=-0.5), "top_p"),
-    (SamplingParams(float("nan")), "temperature"),
-], ids=["negative-temperature", "negative-top-k", "zero-top-p", "top-p-above-1", "negative-top-p",
-        "nan-temperature"])
-def test_bad_sampling_params_raise_user_error(params, needle):
-    with pytest.raises(UserError, match=needle):
-        params.validate()
-    with pytest.raises(UserError, match=needle):
-        generate(tiny_gpt(n_layers=1), prompt_batch(), 3, S(params), seed=0)
+# generation's arguments and stop (sampling itself: tests/test_sampling.py)
 
 
 def test_bad_generate_arguments_raise_user_error():
