@@ -150,6 +150,13 @@ def save_weights(model, path: Path) -> None:
 
     from safetensors.torch import save_model
 
+    from looped_lm.lora import adapter_state, is_adapted
+
+    if is_adapted(model):  # LoRA: the adapters and new parts only; the base is model.init_from's (its sha256)
+        from safetensors.torch import save_file
+
+        save_file(adapter_state(model), str(path), metadata={"format": "looped_lm", "content": "adapters"})
+        return
     tensors = list(model.state_dict().values())
     if any(t.untyped_storage().nbytes() != t.numel() * t.element_size() for t in tensors):
         # ZeRO 1/2 turn parameters into views of one flat buffer, which safetensors cannot tell from a
@@ -381,6 +388,11 @@ def check_weights_fit(path: Path, model) -> None:
     except (SafetensorError, OSError) as e:
         raise UserError(f"cannot read {path}: {e}") from None
     state = model.state_dict(keep_vars=True)
+    from looped_lm.lora import adapter_names, is_adapted
+
+    if is_adapted(model):  # an adapter checkpoint holds the adapters only (the base is model.init_from's)
+        names = set(adapter_names(model))
+        state = {n: t for n, t in state.items() if n in names}
     want = {k: tuple(v.shape) for k, v in state.items()}
     vocab = getattr(model, "vocab_size", None)
     for name, shape in sorted(shapes.items()):
@@ -401,9 +413,18 @@ def check_weights_fit(path: Path, model) -> None:
 
 def load_weights(model, path: Path, device="cpu") -> None:
     """Weights from a checked safetensors file into `model` (names and shapes must all match)."""
-    from safetensors.torch import load_model
+    from safetensors.torch import load_file, load_model
+
+    from looped_lm.lora import adapter_names, is_adapted
 
     check_weights_fit(path, model)
+    if is_adapted(model):  # adapters over a base already loaded (pretrained.load_base): exactly the adapters
+        tensors = load_file(str(path), device=str(device))
+        missing = sorted(set(adapter_names(model)) - set(tensors))
+        if missing:
+            raise UserError(f"{path} does not hold {missing[0]}: not the adapters of the model in its manifest")
+        model.load_state_dict(tensors, strict=False)
+        return
     try:
         load_model(model, str(path), strict=True, device=str(device))
     except RuntimeError as e:  # missing tensors: the shapes matched, the names did not all
@@ -445,6 +466,10 @@ def run_vocab(cfg: Config) -> tuple[int, str]:
     from looped_lm.config import MODULE_KINDS
     from looped_lm.data.batches import module_vocab
     from looped_lm.data.tokenizer import get_tokenizer
+    if cfg.train.lora_rank:  # an adapter checkpoint: its base first, verified by sha256
+        from looped_lm.pretrained import load_base
+
+        load_base(model, cfg, manifest.get("base") or {"path": cfg.model.init_from, "sha256": "(not recorded)"})
 
     if cfg.model.kind in MODULE_KINDS:
         return module_vocab(cfg)

@@ -219,6 +219,12 @@ class TrainConfig(_Section):
     resume_changes: ResumeChanges = _f("refuse", "a resume that changes the seed, global batch, grad_accum, data or "
                              "tokenizer: refuse (list the differences) or allow (log them and go on)")
     progress: bool = _f(True, "show a tqdm progress bar on rank 0")
+    lora_rank: int = _f(0, "LoRA rank of the adapters (peft) on a frozen model.init_from base; 0 = full fine-tuning "
+                        "(docs/pretrained.md)")
+    lora_alpha: Float = _f(16.0, "LoRA scale numerator: the update is (alpha / rank) B A")
+    lora_dropout: Float = _f(0.0, "dropout on the LoRA input")
+    lora_targets: list[str] = _f(["qkv", "proj", "gate_up", "down"], "the Linears that get adapters, in the layers "
+                                 "the job owns (diffusion.blocks_to_train): qkv, proj, gate_up, down")
 
 
 class DeepSpeedConfig(_Section):
@@ -452,6 +458,11 @@ def validate(cfg: Config) -> None:
     _require(cfg.deepspeed.zero_stage in (0, 1, 2), f"deepspeed.zero_stage must be 0, 1 or 2 (got {cfg.deepspeed.zero_stage})")
     if cfg.data.source in ("files", "hf", "bin", "cifar10", "cifar100", "text8", "latents"):
         _require(cfg.data.path != "", f"data.path is required when data.source is {cfg.data.source}")
+    _require(t.lora_rank >= 0, f"train.lora_rank must be >= 0 (got {t.lora_rank})")
+    if t.lora_rank:
+        _require(bool(m.init_from), "train.lora_rank needs model.init_from: adapters train on a pretrained base")
+        _require(t.lora_alpha > 0 and 0 <= t.lora_dropout < 1,
+                 "train.lora_alpha must be > 0 and train.lora_dropout in [0, 1)")
     validate_module(cfg)
     _require(0 < cfg.data.val_fraction < 1, f"data.val_fraction must be in (0, 1) (got {cfg.data.val_fraction})")
     e = cfg.eval

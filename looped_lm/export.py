@@ -135,6 +135,11 @@ def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, num
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise UserError(f"--out {out} is not empty; pass --overwrite to replace it")
     model, cfg, manifest = load_checkpoint(checkpoint, verify=verify)
+    from looped_lm.lora import is_adapted, merge
+
+    if is_adapted(model):  # LoRA: the adapters folded into the base, written as plain weights
+        model = merge(model)
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"lora_rank": 0})})
     if not isinstance(model, CachedDecoding):  # vit / dit / mdm
         raise UserError(f"looped_lm export is for language models; a {cfg.model.kind} checkpoint is used through "
                         "looped_lm eval and looped_lm generate")

@@ -330,3 +330,13 @@ def check_source(cfg: Config, vocab_size: int) -> Source:
     source = read_source(cfg.model.init_from)
     check_run(cfg, source, vocab_size, get_tokenizer(cfg.data.tokenizer).vocab_size)
     return source
+
+
+def load_base(model, cfg: Config, record: dict) -> None:
+    """An adapter checkpoint's base weights, from the directory its manifest names, after checking the
+    directory still holds the base the adapters were trained on (sha256 over its weight files)."""
+    source = read_source(record["path"])
+    if source.sha256 != record["sha256"]:
+        raise UserError(f"model.init_from {record['path']}: its weights hash to {source.sha256[:16]}..., but the "
+                        f"adapters were trained on {record['sha256'][:16]}...: a different base")
+    init_from_pretrained(model, cfg, source)

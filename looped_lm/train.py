@@ -256,6 +256,10 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
         except (UserError, ValueError, TypeError) as e:  # edges or curve that do not fit this model
             msg = str(e) if str(e).startswith("cannot resume") else f"cannot resume from {plan.resume}: {e}"
             raise UserError(msg) from None
+        if cfg.train.lora_rank:  # adapters resume over their base (sha256-verified)
+            from looped_lm.pretrained import load_base
+
+            load_base(model, cfg, manifest.get("base") or {"path": cfg.model.init_from, "sha256": "(not recorded)"})
         if layout == "units":
             ckpt_io.load_weights(model, Path(plan.resume) / ckpt_io.WEIGHTS)
     elif cfg.model.init_from:  # a fresh run from a pretrained checkpoint (preflight checked it maps)

@@ -34,4 +34,9 @@ def build_model(cfg: Config, vocab_size: int, state: dict | None = None):
     if target is None:
         raise UserError(f"model.kind '{cfg.model.kind}' is not available (have: {', '.join(sorted(BUILDERS))})")
     module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)(cfg, vocab_size, state)
+    model = getattr(importlib.import_module(module), name)(cfg, vocab_size, state)
+    if cfg.train.lora_rank:  # adapters on a frozen base: the same names wherever a model is built
+        from looped_lm.lora import attach
+
+        attach(model, cfg)
+    return model

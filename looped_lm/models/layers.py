@@ -170,7 +170,10 @@ class Attention(nn.Module):
     def project_query(self, x: torch.Tensor, cos, sin):
         """x (B, T, C) -> q (B, H, T, D) with RoPE, from the query rows of qkv only."""
         B, T, C = x.shape
-        q = F.linear(x, self.qkv.weight[:C], None if self.qkv.bias is None else self.qkv.bias[:C])
+        if type(self.qkv) is not nn.Linear:  # wrapped by an adapter (looped_lm/lora.py): the whole product
+            q = self.qkv(x)[..., :C]
+        else:
+            q = F.linear(x, self.qkv.weight[:C], None if self.qkv.bias is None else self.qkv.bias[:C])
         return apply_rope(q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2), cos, sin)
 
     def merge(self, y: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,104 @@
+"""LoRA adapters with `peft` (train.lora_rank > 0): low-rank updates on a frozen pretrained base.
+
+`build_model` calls `attach` whenever the config asks for LoRA, so every path that builds a model
+(training, resume, eval, generate, serve, the checkpoint checks) sees the same parameter names
+(`...attn.qkv.base_layer.weight`, `...attn.qkv.lora_A.default.weight`).
+
+What a job trains (the rest is frozen and holds no optimiser state):
+    adapters   on train.lora_targets (qkv, proj, gate_up, down) of the layers the job owns: gpt and
+               huginn every layer; db_ar / looped_db the blocks of diffusion.blocks_to_train (all when
+               empty), plus the shared prelude and coda when the job trains every block
+    new parts  the parameters a causal LM does not have, trained fully: adaLN `ada` of the owned layers,
+               and when the job owns the shared part the noise embedding, the cosine head's scale and
+               huginn's adapter
+A checkpoint stores `adapter_names`: the adapters and every new part (a frozen new part is still
+saved: its init is not the base's); the base weights come back from model.init_from, whose sha256
+the manifest records and a load verifies (looped_lm/pretrained.py `load_base`).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch.nn as nn
+
+from looped_lm.config import Config
+from looped_lm.errors import UserError
+
+TARGETS = {"qkv": r"attn\.qkv", "proj": r"attn\.proj", "gate_up": r"mlp\.gate_up", "down": r"mlp\.down"}
+NEW = re.compile(r"(^|\.)ada\.|^noise_emb\.|^log_scale$|^adapter\.")  # not in a causal LM: trained fully
+
+
+def _owned(model, cfg: Config) -> tuple[list[str], bool]:
+    """(regex prefixes of the layer lists this job adapts, whether it owns the shared part)."""
+    kind = cfg.model.kind
+    if kind == "gpt":
+        return [r"layers"], True
+    if kind == "huginn":
+        return [r"prelude", r"core", r"coda"], True
+    if kind not in ("db_ar", "looped_db"):
+        raise UserError(f"train.lora_rank applies to the language models (gpt, db_ar, looped_db, huginn), not {kind}")
+    blocks = list(cfg.diffusion.blocks_to_train) or list(range(len(model.blocks)))
+    shared = not cfg.diffusion.blocks_to_train
+    return [rf"blocks\.{b}" for b in blocks] + ([r"prelude", r"coda"] if shared else []), shared
+
+
+def target_regex(model, cfg: Config) -> str:
+    """peft's target_modules as one regex (full match on module names) over the owned layers."""
+    bad = [t for t in cfg.train.lora_targets if t not in TARGETS]
+    if bad or not cfg.train.lora_targets:
+        raise UserError(f"train.lora_targets has {bad[0]!r}: no such module (have: {', '.join(TARGETS)})" if bad
+                        else "train.lora_targets is empty: name at least one of " + ", ".join(TARGETS))
+    prefixes, _ = _owned(model, cfg)
+    modules = "|".join(TARGETS[t] for t in cfg.train.lora_targets)
+    return rf"({'|'.join(prefixes)})\.\d+\.({modules})"
+
+
+def attach(model: nn.Module, cfg: Config) -> nn.Module:
+    """Wrap the target Linears with peft LoRA layers and set what trains (module doc); in place."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    t = cfg.train
+    regex = target_regex(model, cfg)
+    if not any(re.fullmatch(regex, name) for name, _ in model.named_modules()):
+        raise UserError(f"train.lora_targets {t.lora_targets} match no layer this job owns (model.kind "
+                        f"{cfg.model.kind}, diffusion.blocks_to_train {cfg.diffusion.blocks_to_train})")
+    config = LoraConfig(r=t.lora_rank, lora_alpha=t.lora_alpha, lora_dropout=t.lora_dropout, target_modules=regex,
+                        bias="none")
+    inject_adapter_in_model(config, model)
+    prefixes, shared = _owned(model, cfg)
+    owned = re.compile(rf"({'|'.join(prefixes)})\.\d+\.")
+    for name, p in model.named_parameters():
+        new = bool(NEW.search(name))
+        in_owned_layer = bool(owned.match(name))
+        p.requires_grad_(("lora_" in name and in_owned_layer)
+                         or (new and (in_owned_layer if ".ada." in name else shared)))
+    return model
+
+
+def is_adapted(model: nn.Module) -> bool:
+    from peft.tuners.lora import LoraLayer
+
+    return any(isinstance(m, LoraLayer) for m in model.modules())
+
+
+def adapter_names(model: nn.Module) -> list[str]:
+    """What an adapter checkpoint stores: every LoRA tensor and every new part (module doc)."""
+    return [n for n, _ in model.named_parameters() if "lora_" in n or NEW.search(n)]
+
+
+def adapter_state(model: nn.Module) -> dict:
+    params = dict(model.named_parameters())
+    return {n: params[n].detach().to("cpu", copy=True).contiguous() for n in adapter_names(model)}
+
+
+def merge(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its base weight and put the plain Linear back (export); in place."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LoraLayer):
+            module.merge()
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, module.get_base_layer())
+    return model
