@@ -61,6 +61,9 @@ class _Job:
         if self.kind != "db_ar":
             raise UserError(f"cannot merge {self.path}: it is model.kind {self.kind}; merge joins the block jobs of "
                             "a db_ar model")
+        if self.cfg.train.lora_rank:  # its file holds adapters over a base, not the block's weights
+            raise UserError(f"cannot merge {self.path}: it is a LoRA job (train.lora_rank {self.cfg.train.lora_rank}); "
+                            "merge joins full-weight block jobs (docs/pretrained.md)")
         d = self.cfg.diffusion
         owned = self.manifest.get("ownership", {}).get("blocks", d.blocks_to_train or list(range(d.num_blocks)))
         self.blocks = sorted(owned)
