@@ -432,6 +432,27 @@ def load_weights(model, path: Path, device="cpu") -> None:
                         f"{str(e).strip().splitlines()[-1].strip()}") from None
 
 
+def check_device(name: str) -> str:
+    """A `--device` that exists here (cpu, cuda, cuda:N, mps), checked before a checkpoint is read."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device {name!r} is not a device (cpu, cuda, cuda:N)") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UserError(f"--device {name}: no CUDA device is available here; use --device cpu")
+        if device.index is not None and device.index >= count:
+            raise UserError(f"--device {name}: this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1})")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"--device {name}: MPS is not available here; use --device cpu")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise UserError(f"--device {name}: looped_lm runs on cpu, cuda or mps")
+    return name
+
+
 def load_checkpoint(ckpt: str | Path, device="cpu", verify: bool = True):
     """Verified (model, config, manifest) from a checkpoint directory, in eval mode."""
     from looped_lm.models import build_model
@@ -445,6 +466,10 @@ def load_checkpoint(ckpt: str | Path, device="cpu", verify: bool = True):
         model = build_model(cfg, manifest["vocab_size"], manifest.get("model_state"))
     except (UserError, ValueError, TypeError) as e:  # model_state (edges...) that does not fit the model
         raise UserError(f"{ckpt / MANIFEST}: its model_state does not fit model.kind {cfg.model.kind}: {e}") from None
+    if cfg.train.lora_rank:  # an adapter checkpoint: its base first, verified by sha256
+        from looped_lm.pretrained import load_base
+
+        load_base(model, cfg, manifest.get("base") or {"path": cfg.model.init_from, "sha256": "(not recorded)"})
     load_weights(model, ckpt / WEIGHTS, device)
     return model.to(device).eval(), cfg, manifest
 
@@ -466,10 +491,6 @@ def run_vocab(cfg: Config) -> tuple[int, str]:
     from looped_lm.config import MODULE_KINDS
     from looped_lm.data.batches import module_vocab
     from looped_lm.data.tokenizer import get_tokenizer
-    if cfg.train.lora_rank:  # an adapter checkpoint: its base first, verified by sha256
-        from looped_lm.pretrained import load_base
-
-        load_base(model, cfg, manifest.get("base") or {"path": cfg.model.init_from, "sha256": "(not recorded)"})
 
     if cfg.model.kind in MODULE_KINDS:
         return module_vocab(cfg)

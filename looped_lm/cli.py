@@ -45,6 +45,8 @@ def run_train(args) -> int:
     cfg = trainer.config_from_args(args)
     if args.nproc < 0:
         raise UserError(f"--nproc must be >= 0 (got {args.nproc})")
+    if not 0 <= args.master_port <= 65535:
+        raise UserError(f"--master-port must be in 1..65535, or 0 for a free one (got {args.master_port})")
     if args.no_verify:
         print(ckpt_io.no_verify_note(), file=sys.stderr)
     import torch
@@ -103,16 +105,24 @@ def add_generate_arguments(p) -> None:
     m.add_argument("--vae", default=None, help="dit on latents: the local AutoencoderKL directory that decodes them")
 
 
+MODULE_FLAGS = ("out", "labels", "cfg_scale", "num_samples", "length", "vae")  # dit / mdm only
+
+
 def run_generate(args) -> int:
     import torch
 
-    from looped_lm.checkpoint import load_checkpoint, no_verify_note, resolve_checkpoint
+    from looped_lm.checkpoint import check_device, load_checkpoint, no_verify_note, resolve_checkpoint
     from looped_lm.data.tokenizer import get_tokenizer
     from looped_lm.engine.generate import generate
     from looped_lm.models.contract import CachedDecoding, Iterative
     from looped_lm.sampling import SamplingParams
     from looped_lm.settings import ExitRule, resolve_settings, skipped_blocks_note
 
+    check_device(args.device)
+    if args.num_samples is not None and args.num_samples < 1:
+        raise UserError(f"--num-samples must be >= 1 (got {args.num_samples})")
+    if args.max_tokens < 1:
+        raise UserError(f"--max-tokens must be >= 1 (got {args.max_tokens})")
     if args.no_verify:
         print(no_verify_note(), file=sys.stderr)
     model, cfg, manifest = load_checkpoint(resolve_checkpoint(args.checkpoint), args.device,
@@ -121,10 +131,17 @@ def run_generate(args) -> int:
         from looped_lm.supporting import generate as generate_module
 
         return generate_module(model, cfg, manifest, args)
+    given = [f"--{name.replace('_', '-')}" for name in MODULE_FLAGS if getattr(args, name) is not None]
+    if given:
+        raise UserError(f"{', '.join(given)}: for dit / mdm checkpoints (samples from noise); a {cfg.model.kind} "
+                        "checkpoint continues --prompt")
     if args.prompt is None:
         raise UserError("give --prompt TEXT: the text to continue")
     tok = get_tokenizer(manifest["tokenizer"])
     ids = tok.encode(args.prompt) or [tok.eot_id]
+    if len(ids) >= model.max_positions:
+        raise UserError(f"--prompt is {len(ids)} tokens, but the model's context holds {model.max_positions} "
+                        "(the prompt and at least one new token): shorten the prompt")
     limits = model.iteration_limits() if isinstance(model, Iterative) else None
     settings = resolve_settings(limits, num_iterations=args.num_iterations, bridge=args.bridge,
                                 exit_rule=ExitRule.parse(args.exit_threshold, args.exit_criterion),
@@ -184,10 +201,17 @@ VERBS = {
 }
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's errors as one line and a pointer to --help, not the whole usage text (exit 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser(argv=()) -> argparse.ArgumentParser:
     """The parser, with the arguments of the verb named in argv only (the others list their help line)."""
     verb = next((a for a in argv if not a.startswith("-")), None)
-    parser = argparse.ArgumentParser(prog="looped_lm", description="DiffusionBlocks language models: "
+    parser = OneLineParser(prog="looped_lm", description="DiffusionBlocks language models: "
                                      "prepare data, train, evaluate, generate, export, merge block jobs, serve.")
     parser.add_argument("--version", action="version", version=f"looped_lm {__version__}")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="{" + ",".join(VERBS) + "}")
@@ -216,6 +240,14 @@ def main(argv=None) -> int:
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a failure mid-run (a full disk, a read-only file system): one line, exit 1
+        if verbose:
+            import traceback
+
+            traceback.print_exc()
+        where = f" on {e.filename}" if e.filename else ""
+        print(f"error: I/O failure{where}: {e.strerror or e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

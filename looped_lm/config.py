@@ -267,6 +267,8 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     raw: dict = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise UserError(f"config file {path} is a directory; give a YAML file (e.g. configs/quickstart_db.yaml)")
         if not p.is_file():
             raise UserError(f"config file not found: {path}")
         try:
@@ -440,17 +442,19 @@ def validate(cfg: Config) -> None:
                  f"train.mode block_parallel needs deepspeed.zero_stage 0 (got {cfg.deepspeed.zero_stage}): each rank "
                  "already keeps optimiser state for its own block only, and ZeRO would partition it over ranks that "
                  "train other blocks")
-        _require(d.block_sampling != "loss_share",
-                 "diffusion.block_sampling loss_share picks one block per step for every rank, but train.mode "
-                 "block_parallel trains every block every step: set diffusion.block_sampling to uniform or "
-                 "round_robin (which of its own blocks a rank trains when it owns several)")
+        # diffusion.block_sampling matters only when a rank owns several blocks: checked with the world size
+        # (parallel.check_world)
 
     for key in ("max_steps", "batch_size", "grad_accum"):
         _require(getattr(t, key) >= 1, f"train.{key} must be >= 1 (got {getattr(t, key)})")
     _require(t.lr > 0, f"train.lr must be > 0 (got {t.lr})")
     _require(0 <= t.min_lr <= t.lr, f"train.min_lr must be in [0, train.lr] (got {t.min_lr})")
-    for key in ("warmup_steps", "save_every", "eval_every", "eval_batches", "weight_decay", "grad_clip"):
+    for key in ("warmup_steps", "save_every", "eval_every", "weight_decay", "grad_clip"):
         _require(getattr(t, key) >= 0, f"train.{key} must be >= 0 (got {getattr(t, key)})")
+    _require(t.eval_batches >= 1, f"train.eval_batches must be >= 1 (got {t.eval_batches}); train.eval_every: 0 "
+                                  "turns validation off")
+    # the seed and its offsets (seed + rank, seed + batch) must fit torch's and the data hash's 64-bit seeds
+    _require(0 <= t.seed < 2 ** 62, f"train.seed must be in 0..2**62 - 1 (got {t.seed})")
     _require(t.log_every >= 1 and t.keep_last >= 1, "train.log_every and train.keep_last must be >= 1")
     _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1)")
     _require(t.out_dir != "", "train.out_dir must not be empty")

@@ -58,15 +58,59 @@ def add_arguments(p) -> None:
 
 
 def parse_k_grid(text: str | None) -> list[int] | None:
+    """`--num-iterations 1,4,16` -> [1, 4, 16]; an empty item (`1,,2`) or a non-integer is refused."""
     if text is None:
         return None
+    items = [k.strip() for k in text.split(",")]
+    if not any(items):
+        raise UserError("--num-iterations is empty")
     try:
-        ks = [int(k) for k in text.split(",") if k.strip()]
+        ks = [int(k) for k in items]
     except ValueError:
         raise UserError(f"--num-iterations must be comma-separated integers, got '{text}'") from None
-    if not ks:
-        raise UserError("--num-iterations is empty")
     return ks
+
+
+def check_k_grid(ks: list[int] | None, limits) -> None:
+    """The one rule for K (settings.IterationLimits, the same bound generate, serve and export apply):
+    every K in 1..max_iterations, and for DiffusionBlocks models 0 = ppl@0 (one call at sigma_top)."""
+    if ks is None or limits is None:
+        return
+    low = 0 if limits.default_bridge is not None else 1  # ppl@0 is DiffusionBlocks' (huginn: exact PPL at K >= 1)
+    bad = [k for k in ks if not low <= k <= limits.max_iterations]
+    if bad:
+        raise UserError(f"--num-iterations {bad[0]} is outside {low}..{limits.max_iterations} (this model's "
+                        "model.max_iterations, the bound generate and serve apply too)")
+
+
+def check_arguments(args) -> None:
+    """What eval can check before the checkpoint is read: one line naming the flag."""
+    from looped_lm.checkpoint import check_device
+
+    check_device(args.device)
+    for flag, value, low in (("--max-tokens", args.max_tokens, 0), ("--block-size", args.block_size, 0),
+                             ("--stride", args.stride, 0), ("--batch-size", args.batch_size, 1),
+                             ("--draws", args.draws, 1), ("--candidates", args.candidates, 1)):
+        if value < low:
+            raise UserError(f"{flag} must be >= {low} (got {value})")
+    parse_k_grid(args.num_iterations)
+    if args.json is not None:
+        out = Path(args.json)
+        if out.is_dir():
+            raise UserError(f"--json {out} is a directory; give a file path")
+        parent = next((p for p in out.parents if p.exists()), None)
+        if parent is not None and not parent.is_dir():
+            raise UserError(f"--json {out}: {parent} is a file, not a directory")
+    if args.data is not None and Path(args.data).suffix in (".txt", ".jsonl"):
+        path = Path(args.data)
+        if not path.is_file():
+            raise UserError(f"--data {args.data} does not exist")
+        try:
+            path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"--data {args.data} is not UTF-8 text (bad byte at offset {e.start})") from None
+        except OSError as e:
+            raise UserError(f"cannot read --data {args.data}: {e.strerror}") from None
 
 
 def perplexity(model, data_path: str, block_size: int, stride: int = 0, max_tokens: int = 0,
@@ -118,18 +162,27 @@ def perplexity(model, data_path: str, block_size: int, stride: int = 0, max_toke
 def report(sums: dict, variances: dict, tokens: int, block_size: int, stride: int, tokenizer: str, data: str,
            settings, kind: str) -> dict:
     """PPL per label; for estimated ones, `ppl_se`: the standard error of the ppl from the estimates'
-    spread (var(mean NLL) = sum of the per-token jackknife variances / tokens^2)."""
-    ppl = {label: math.exp(s / tokens) for label, s in sums.items()}
+    spread (var(mean NLL) = sum of the per-token jackknife variances / tokens^2). An estimate whose
+    standard error is not small against it (se of the mean NLL above UNRESOLVED_MEAN_SE nats, an se
+    above the ppl, or none at all: one draw) is listed in `unresolved` and its ppl is null, never a number."""
+    from looped_lm.diffusion.estimator import UNRESOLVED_MEAN_SE
+
+    ppl = {label: math.exp(min(s / tokens, 700.0)) for label, s in sums.items()}
     out = {"model_kind": kind, "tokens": tokens, "block_size": block_size, "stride": stride or block_size,
            "protocol": "disjoint" if not stride else "strided", "tokenizer": tokenizer, "data": data}
     if "exact" in ppl:
         out.update(ppl=ppl["exact"], nll=sums["exact"] / tokens)
         return out
     se = {label: ppl[label] * math.sqrt(v) / tokens for label, v in variances.items()}
+    estimated = kind in ("db_ar", "looped_db")  # huginn's per-K scores are exact: no se, none needed
+    unresolved = sorted(label for label in ppl if estimated and (
+        label not in variances or math.sqrt(variances[label]) / tokens > UNRESOLVED_MEAN_SE or se[label] > ppl[label]))
+    shown = {label: None if label in unresolved else v for label, v in ppl.items()}
     primary = 0 if 0 in ppl else min(ppl)
-    out.update(ppl=ppl[primary], nll=sums[primary] / tokens, primary=primary,
-               ppl_at_k={str(k): v for k, v in sorted(ppl.items())},
+    out.update(ppl=shown[primary], nll=None if primary in unresolved else sums[primary] / tokens, primary=primary,
+               ppl_at_k={str(k): v for k, v in sorted(shown.items())},
                ppl_se={str(k): v for k, v in sorted(se.items())},
+               unresolved=[str(k) for k in unresolved],
                draws=settings.draws, candidates=settings.candidates)
     return out
 
@@ -140,8 +193,9 @@ def format_table(rep: dict) -> str:
     rows = ["| k | ppl | standard error |", "|---|---|---|"]
     if "ppl_at_k" in rep:
         se = rep.get("ppl_se", {})
-        rows += [f"| {k} | {v:.3f} | {se[k]:.3f} |" if k in se else f"| {k} | {v:.3f} | - |"
-                 for k, v in rep["ppl_at_k"].items()]
+        for k, v in rep["ppl_at_k"].items():
+            error = f"{se[k]:.3g}" if k in se else "-"
+            rows.append(f"| {k} | unresolved (raise --draws) | {error} |" if v is None else f"| {k} | {v:.3f} | {error} |")
     else:
         rows += [f"| exact | {rep['ppl']:.3f} | exact |"]
     return head + "\n" + "\n".join(rows)
@@ -160,7 +214,7 @@ def data_tokens(data: str, tokenizer_name: str, workdir: str) -> str:
         from looped_lm.data.tokenizer import get_tokenizer
 
         tok = get_tokenizer(tokenizer_name)
-        docs = [path.read_text(encoding="utf-8", errors="replace")] if path.suffix == ".txt" else []
+        docs = [path.read_text(encoding="utf-8")] if path.suffix == ".txt" else []  # UTF-8: check_arguments
         if path.suffix == ".jsonl":
             for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
                 if not line.strip():
@@ -191,9 +245,10 @@ def run(args) -> int:
     import tempfile
 
     from looped_lm.checkpoint import load_checkpoint, no_verify_note, resolve_checkpoint
-    from looped_lm.models.contract import Scorable
+    from looped_lm.models.contract import Iterative, Scorable
     from looped_lm.settings import ScoreSettings
 
+    check_arguments(args)
     if args.no_verify:
         print(no_verify_note(), file=sys.stderr)
     model, cfg, manifest = load_checkpoint(resolve_checkpoint(args.checkpoint), args.device,
@@ -209,6 +264,7 @@ def run(args) -> int:
         data = str(Path(manifest["data"]["dir"]) / "val.bin")
     block = args.block_size or cfg.eval.block_size or cfg.model.seq_len
     k_grid = parse_k_grid(args.num_iterations)
+    check_k_grid(k_grid, model.iteration_limits() if isinstance(model, Iterative) else None)
     settings = ScoreSettings(k_grid=None if k_grid is None else tuple(k_grid), draws=args.draws,
                              candidates=args.candidates).validate()
     with tempfile.TemporaryDirectory() as work:

@@ -174,8 +174,6 @@ BAD = {
     "block parallel with ZeRO": ({"model": {"kind": "db_ar"}, "diffusion": {"block_sampling": "uniform"},
                                  "train": {"mode": "block_parallel"}, "deepspeed": {"zero_stage": 1}},
                                 ["train.mode block_parallel", "deepspeed.zero_stage 0", "got 1"]),
-    "block parallel with loss_share": ({"model": {"kind": "db_ar"}, "train": {"mode": "block_parallel"}},
-                                       ["loss_share", "block_parallel", "uniform or round_robin"]),
     "unknown mode": ({"train": {"mode": "pipeline"}}, ["train.mode", "data_parallel", "block_parallel"]),
     "heads do not divide width": ({"model": {"d_model": 30, "n_heads": 4}}, ["model.d_model", "model.n_heads"]),
     "files without a path": ({"data": {"source": "files"}}, ["data.path"]),
