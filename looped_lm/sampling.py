@@ -39,6 +39,10 @@ class SamplingParams:
 
 GREEDY = SamplingParams(0.0)
 PLAIN = SamplingParams(1.0)  # the model's own distribution: what scores and log-probs describe
+# Greedy (temperature 0) is deterministic for every kind: every draw is an argmax, and what is still
+# random, a DiffusionBlocks chain's starting noise or Huginn's initial state, comes from this one seed
+# instead of the request's (docs/method.md §5).
+GREEDY_SEED = 0
 
 
 # --- random streams --------------------------------------------------------------------------------

@@ -287,7 +287,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class TopLogprob(ResponseModel):
     token: str
-    logprob: float
+    logprob: float | None = Field(description="null: the model's estimate is unresolved (too few --logprob-draws)")
     bytes: list[int] | None = None
 
 

@@ -23,7 +23,8 @@ from looped_lm.serve import protocol as p
 from looped_lm.serve.errors import APIError
 from looped_lm.serve.metrics import RequestTimer, ServerMetrics
 from looped_lm.serve.models import ServedModels
-from looped_lm.serve.text import CHAT_TEMPLATE, TURN_STOPS, Detokenizer, StopStrings, encode, render_chat
+from looped_lm.serve.text import (CHAT_TEMPLATE, TURN_STOPS, Detokenizer, StopStrings, encode, render_chat,
+                                  token_bytes, token_text)
 
 MAX_CHOICES = 256  # prompts x n in one request
 MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM's floor too)
@@ -31,7 +32,8 @@ MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM's floor too)
 
 @dataclass
 class TokenEntry:
-    """One token of a choice, for log-probs: its text starts at `offset` in the choice's text."""
+    """One token of a choice, for log-probs: its text starts at `offset` in the choice's text. logprob
+    None: the first prompt token (nothing before it), or an estimate the model reports unresolved."""
 
     token_id: int
     logprob: float | None
@@ -128,11 +130,10 @@ class OpenAIServing:
             if e.top is None:
                 out.top_logprobs.append(None)
                 continue
-            top: dict[str, float] = {}
-            for i, lp in [*e.top, (e.token_id, e.logprob)]:  # the actual token is always listed
-                key = token_str(i)
-                top[key] = max(top.get(key, MIN_LOGPROB), max(lp, MIN_LOGPROB))  # equal strings: keep the max
-            out.top_logprobs.append(top)
+            # every token has its own name (token_text), so each entry is one token's one value; the
+            # actual token is always listed unless its estimate is unresolved
+            listed = e.top if e.logprob is None else [*e.top, (e.token_id, e.logprob)]
+            out.top_logprobs.append({token_str(i): max(lp, MIN_LOGPROB) for i, lp in listed})
         return out
 
     # --- /v1/chat/completions ------------------------------------------------------------------
@@ -182,11 +183,12 @@ class OpenAIServing:
             choices=[p.ChatChoice(index=r.index, message=p.AssistantMessage(content=r.text), logprobs=logprobs_of(r),
                                   finish_reason=r.finish_reason) for r in results])
 
-    @staticmethod
-    def _chat_logprobs(tokens: list[TokenEntry], token_str, top_n: int | None) -> p.ChatLogprobs:
-        def entry(token_id: int, lp: float, cls=p.TopLogprob, **extra):
-            s = token_str(token_id)
-            return cls(token=s, logprob=max(lp, MIN_LOGPROB), bytes=list(s.encode("utf-8")), **extra)
+    def _chat_logprobs(self, tokens: list[TokenEntry], token_str, top_n: int | None) -> p.ChatLogprobs:
+        tok = self.tok
+
+        def entry(token_id: int, lp: float | None, cls=p.TopLogprob, **extra):
+            return cls(token=token_str(token_id), logprob=None if lp is None else max(lp, MIN_LOGPROB),
+                       bytes=list(token_bytes(tok, token_id)), **extra)
 
         return p.ChatLogprobs(content=[
             entry(e.token_id, e.logprob, p.ChatTokenLogprob, top_logprobs=[entry(i, lp) for i, lp in (e.top or [])])
@@ -234,18 +236,18 @@ class OpenAIServing:
                     echo = False
                     scores = out.prompt_logprobs or [None] * len(choice.request.prompt)
                     for token, s in zip(choice.request.prompt, scores):
-                        piece = detok.add(token)
+                        piece, lead = detok.add_with_lead(token)
                         if choice.logprobs:
-                            d.tokens.append(TokenEntry(token, s and s.logprob, s and s.top, length))
+                            d.tokens.append(TokenEntry(token, s and s.logprob, s and s.top, length + lead))
                         d.text += piece
                         length += len(piece)
                 scores = out.logprobs or [None] * len(out.token_ids)
                 for token, s in zip(out.token_ids, scores):
                     if out.finish_reason == "stop" and token in choice.request.stop_token_ids:
                         continue  # the end-of-text token ends the text; it is not part of it
-                    piece = detok.add(token)
+                    piece, lead = detok.add_with_lead(token)
                     if choice.logprobs:
-                        d.tokens.append(TokenEntry(token, s.logprob, s.top, length))
+                        d.tokens.append(TokenEntry(token, s.logprob, s.top, length + lead))
                     length += len(piece)
                     sent, hit = stops.push(piece)
                     d.text += sent
@@ -308,7 +310,7 @@ class OpenAIServing:
     def _token_str(self, as_ids: bool) -> Callable[[int], str]:
         if as_ids:
             return lambda i: f"token_id:{i}"
-        return lambda i: self.tok.decode([i])
+        return lambda i: token_text(self.tok, i)
 
     # --- tokenizer endpoints -------------------------------------------------------------------
 

@@ -9,12 +9,13 @@ text instead, like nanoGPT's `encode_ordinary`.)
 
 from __future__ import annotations
 
+import codecs
 import functools
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers.decoders import DecodeStream
 
-from looped_lm.data.tokenizer import EOT_TEXT, Tokenizer
+from looped_lm.data.tokenizer import EOT_TEXT, Tokenizer, _bytes_to_unicode
 
 # A plain chat template: one "Role: content" line per message, then "Assistant:" to continue.
 CHAT_TEMPLATE = (
@@ -47,6 +48,32 @@ def render_chat(messages: list[dict], add_generation_prompt: bool = True) -> str
     return _chat_template().render(messages=messages, add_generation_prompt=add_generation_prompt)
 
 
+@functools.lru_cache(maxsize=1)
+def _byte_of_char() -> dict[str, int]:
+    return {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def token_bytes(tok: Tokenizer, token_id: int) -> bytes:
+    """The bytes one token stands for (a byte-level token may hold part of a UTF-8 character)."""
+    if token_id == tok.eot_id:
+        return EOT_TEXT.encode()
+    if tok.name == "byte":
+        return bytes([token_id])
+    table = _byte_of_char()
+    return bytes(table[c] for c in tok.backend.id_to_token(token_id))
+
+
+def token_text(tok: Tokenizer, token_id: int) -> str:
+    """A token's name in log-probs: its text, or (part of a UTF-8 character) "bytes:\\xNN..." as OpenAI
+    writes it. Every token gets its own name, so no two share a top_logprobs entry (decoding alone, every
+    partial byte would read U+FFFD)."""
+    raw = token_bytes(tok, token_id)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
 class Detokenizer:
     """The text of a growing token list, piece by piece: `tokenizers`' DecodeStream, which releases a
     piece once its tokens decode to whole characters (a byte-level token may hold part of a UTF-8
@@ -56,12 +83,23 @@ class Detokenizer:
         self.tok, self.stream, self.held = tok, DecodeStream(skip_special_tokens=False), []
 
     def add(self, token_id: int) -> str:
+        return self.add_with_lead(token_id)[0]
+
+    def add_with_lead(self, token_id: int) -> tuple[str, int]:
+        """(the text released, how many of its characters the held tokens before this one complete): the
+        token's text offset is that far into the piece. A held token that was whole text after all (a
+        literal U+FFFD, which DecodeStream cannot tell from a broken character) counts in full."""
+        held = self.held
         piece = self.stream.step(self.tok.backend, token_id)
         if piece is None:
-            self.held.append(token_id)
-            return ""
+            self.held = held + [token_id]
+            return "", 0
         self.held = []
-        return piece
+        if not held:
+            return piece, 0
+        complete = codecs.getincrementaldecoder("utf-8")("replace").decode(
+            b"".join(token_bytes(self.tok, t) for t in held), final=False)  # an unfinished character: not counted
+        return piece, min(len(complete), len(piece))
 
     def flush(self) -> str:
         """The held tokens' text (an incomplete character decodes to U+FFFD)."""

@@ -28,7 +28,7 @@ import torch
 from conftest import DIST_VARS
 from looped_lm.checkpoint import load_checkpoint
 from looped_lm.data.tokenizer import get_tokenizer
-from looped_lm.engine.engine import Engine
+from looped_lm.engine.engine import Engine, scoring_seed
 from looped_lm.serve.app import BackgroundServer, build_app
 from looped_lm.serve.text import Detokenizer, StopStrings
 
@@ -247,8 +247,8 @@ def reference_logprobs(served: Served, ids: list[int], k: int | None, seed: int)
     sampler's estimated marginal), drawn from the engine's scoring stream of a request with `seed`."""
     from looped_lm.settings import ScoreSettings
 
-    scoring = torch.Generator().manual_seed((seed * 7919 + 1) % 2 ** 64)
-    x, y = torch.tensor([ids]), torch.tensor([ids[1:] + [0]])
+    scoring = torch.Generator().manual_seed(scoring_seed(seed, ids))
+    x, y = torch.tensor([ids[:-1]]), torch.tensor([ids[1:]])
     with torch.no_grad():
         return served.model.token_logprobs(x, y, ScoreSettings(), k, scoring)[0].float()
 
@@ -281,8 +281,8 @@ def test_echo_logprobs_are_what_lm_eval_reads(which, request):
     for (ll, greedy), ids, ctxlen in zip(parsed, prompts, ctxlens):
         ref = reference_logprobs(s, ids, k, seed=1234)
         targets = torch.tensor(ids[ctxlen:])
-        assert ll == pytest.approx(float(ref[ctxlen - 1:-1].gather(1, targets[:, None]).sum()), abs=1e-3)
-        assert greedy == bool((ref[ctxlen - 1:-1].argmax(-1) == targets).all())
+        assert ll == pytest.approx(float(ref[ctxlen - 1:].gather(1, targets[:, None]).sum()), abs=1e-3)
+        assert greedy == bool((ref[ctxlen - 1:].argmax(-1) == targets).all())
 
     # max_tokens = 0 (vLLM-style scoring): the prompt only, through the openai client too
     zero = s.client.completions.create(model=s.name, prompt=prompts[0], max_tokens=0, echo=True, logprobs=1,

@@ -9,11 +9,16 @@ rare paths that drew y and ~0 elsewhere, and -log(mean of a few) explodes. Given
      rest of step 0's distribution (weighted by that rest's mass) each start a branch with weight
      p_0(v) (the rest's branch: its mass), so every token is reachable and the sum is exact in
      expectation;
-  2. importance-samples every later draw from q_k = (1 - boost) p_k + boost * [v = y], multiplying the
-     branch weight by p_k(v) / q_k(v) <= 1 / (1 - boost), so paths that return to y are visited often
-     and weights stay bounded;
+  2. draws every later token of a branch from a defensive mixture over whole paths: each branch runs,
+     with probability 1/2 each, either the sampler itself or the boosted chain whose draws come from
+     q_k = (1 - boost) p_k + boost * [v = y] (paths that return to y are visited often); the branch
+     weight is multiplied by p(path) / (p(path)/2 + q(path)/2) = 2 / (1 + prod_k q_k(v_k) / p_k(v_k)),
+     which is <= 2 at every K (a per-step ratio p_k / q_k <= 1 / (1 - boost) multiplied over K - 3
+     draws is not bounded: 2^13 at K = 16, estimates far above 1);
   3. returns sum over branches of weight * p_final(y), and on request the whole vector
      sum weight * p_final(.) (unbiased for every token at once: the marginal the sampler draws from).
+
+Every estimate lies in [0, 2] (the branch weights p_0(v) sum to 1 and each path factor is <= 2).
 
 Each call is unbiased for p_K(y | z_0); averaging independent calls (fresh z_0) gives p_K(y) and, from
 their spread, a standard error. The hard and soft bridges are deterministic given z_0: one chain per
@@ -33,6 +38,11 @@ from looped_lm.sampling import RandomSource, draw
 from looped_lm.settings import ExitRule
 
 BRANCH_BUDGET = 2 ** 26  # logits entries per call: branches run in chunks that stay under it
+# An estimate is "unresolved", reported as such and never as a number, when its standard error is not
+# small against it: a token's log-prob whose se exceeds 1 nat (se(p) > p: not even p's size is known), a
+# mean NLL (log-ppl) whose se exceeds 0.25 nats (docs/method.md §6).
+UNRESOLVED_TOKEN_SE = 1.0
+UNRESOLVED_MEAN_SE = 0.25
 
 
 def _step(z, points, s, s_next):
@@ -96,6 +106,9 @@ def sampler_probs(denoise: Denoise, grid: ChainGrid, K: int, z0: torch.Tensor, y
             tracker.update(torch.arange(R * c, device=device), first.repeat(c, 1, 1))
         done = torch.zeros(R * c, n, dtype=torch.bool, device=device)
         used = torch.ones(R * c, n, dtype=torch.float64, device=device)
+        # 2. which half of the mixture this path follows (K <= 3 has no middle draw)
+        boosted = random.uniform(idx, n, device) < 0.5 if K > 3 else done
+        log_q_over_p = torch.zeros(R * c, n, dtype=torch.float64, device=device)
         final = None
         for k in range(1, K - 1):  # the middle draws (steps 1 .. K-3) and the last draw (step K-2)
             logits = denoise(blocks[k], z, torch.full((R * c,), sigmas[k], device=device), idx).float()
@@ -107,13 +120,15 @@ def sampler_probs(denoise: Denoise, grid: ChainGrid, K: int, z0: torch.Tensor, y
                 done |= tracker.update(torch.arange(R * c, device=device), logits) & live
             if k + 1 == K - 1:
                 break
-            # 2. importance-sampled draw that keeps the target reachable
+            # 2. a draw from the sampler or from the boosted chain, the path's q / p ratio tracked
             onehot = torch.zeros_like(p).scatter_(-1, yb[..., None], 1.0)
             q = (1 - boost) * p + boost * onehot
-            v = draw(q, random.uniform(idx, n, device))
-            ratio = p.gather(-1, v[..., None])[..., 0].double() / q.gather(-1, v[..., None])[..., 0].double()
-            w = torch.where(done, w, w * ratio)
+            v = draw(torch.where(boosted[..., None], q, p), random.uniform(idx, n, device))
+            step_ratio = (q.gather(-1, v[..., None])[..., 0].double().log()
+                          - p.gather(-1, v[..., None])[..., 0].double().log())  # +inf where p(v) = 0
+            log_q_over_p = torch.where(done, log_q_over_p, log_q_over_p + step_ratio)
             z = torch.where(done[..., None], z, _step(z, targets(v), sigmas[k], sigmas[k + 1]))
+        w = w * 2 / (1 + log_q_over_p.clamp(max=700).exp())  # the mixture weight, <= 2
         if K == 2:  # the first draw was the last one: one final call per branch
             logits = denoise(blocks[1], z, torch.full((R * c,), sigmas[1], device=device), idx).float()
             final, used = logits.softmax(-1), used + 1
@@ -145,14 +160,21 @@ def sampler_probs(denoise: Denoise, grid: ChainGrid, K: int, z0: torch.Tensor, y
 def jackknife_nll(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """-log of the mean of N independent unbiased estimates p (N, ...) of a probability, with the
     jackknife's bias correction (-log(mean) overstates the NLL by about var / (2 N p^2), Jensen) and its
-    variance estimate. -> (nll (...), variance of the nll (...) or None when N == 1)."""
+    variance estimate. -> (nll (...) >= 0, variance of the nll (...) or None when N == 1).
+
+    A probability is at most 1, so the mean is clipped there (an estimate above 1 is known to be too
+    high: the clip only moves it closer). The correction is kept within [0, variance]: first order it
+    is variance / 2, and where the estimates disagree by orders of magnitude the jackknife's own
+    correction is unstable (+-500 nats measured), while that token's variance already says it is
+    unresolved."""
     N = p.shape[0]
     p = p.double()
-    full = -p.mean(0).clamp_min(1e-300).log()
+    full = -p.mean(0).clamp(1e-300, 1.0).log()
     if N == 1:
         return full, None
-    leave_one = -((p.sum(0, keepdim=True) - p) / (N - 1)).clamp_min(1e-300).log()  # (N, ...)
+    leave_one = -((p.sum(0, keepdim=True) - p) / (N - 1)).clamp(1e-300, 1.0).log()  # (N, ...)
     mean_leave = leave_one.mean(0)
-    nll = N * full - (N - 1) * mean_leave
     var = (N - 1) / N * ((leave_one - mean_leave) ** 2).sum(0)
+    correction = (N - 1) * (mean_leave - full)  # full - the jackknife estimate
+    nll = (full - torch.minimum(correction.clamp_min(0.0), var)).clamp_min(0.0)
     return nll, var

@@ -17,8 +17,10 @@ of several prompts in one call. Text (tokenizer, stop strings, chat template) is
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import secrets
+import struct
 import threading
 import weakref
 from collections import deque
@@ -32,6 +34,7 @@ from looped_lm.engine.runner import ModelRunner, kv_bytes_per_token, served_max_
 from looped_lm.engine.scheduler import Scheduler, Sequence
 from looped_lm.errors import UserError
 from looped_lm.models.contract import Iterative
+from looped_lm.sampling import GREEDY_SEED
 from looped_lm.settings import InferenceSettings, ScoreSettings, resolve_settings
 
 log = logging.getLogger("looped_lm.engine")
@@ -39,6 +42,15 @@ log = logging.getLogger("looped_lm.engine")
 __all__ = ["Engine", "Request", "RequestOutput", "TokenLogprob", "InvalidRequest"]
 
 InvalidRequest = UserError  # a request the engine refuses; `param` names the field (the server answers 400)
+
+
+def scoring_seed(seed: int, prompt: list[int]) -> int:
+    """The seed of a request's log-prob estimates: its seed and its prompt, hashed. A client that sends
+    one seed with every request (lm-evaluation-harness: 1234) still gets independent estimator noise per
+    window, which a corpus score needs (the same noise in every window biases the sum), and the same
+    request is still scored the same way."""
+    digest = hashlib.blake2b(struct.pack(f"<q{len(prompt)}q", seed % 2 ** 63, *prompt), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2 ** 63
 
 
 class Engine:
@@ -128,8 +140,10 @@ class Engine:
         """Queue a request; `sink` receives its outputs on the engine thread. Returns its settings."""
         settings = self.check(request)
         seed = secrets.randbits(63) if request.seed is None else request.seed
-        generator = torch.Generator(device=self.device).manual_seed(seed % 2 ** 64)
-        scoring = torch.Generator(device=self.device).manual_seed((seed * 7919 + 1) % 2 ** 64)
+        # temperature 0: nothing depends on the seed (sampling.GREEDY_SEED)
+        generator = torch.Generator(device=self.device).manual_seed(
+            GREEDY_SEED if settings.sampling.greedy else seed % 2 ** 64)
+        scoring = torch.Generator(device=self.device).manual_seed(scoring_seed(seed, request.prompt))
         seq = Sequence(request, settings, generator, scoring, sink, seed=seed)
         with self._cond:
             self._inbox.append(seq)
@@ -302,7 +316,7 @@ class Engine:
         """The next n prompt tokens of each row; after a prompt's last chunk, its first token."""
         for seq in rows:
             if seq.num_prefilled == 0 and seq.request.prompt_logprobs is not None:
-                seq.prompt_logprobs, _ = self.runner.score_prompt(seq)
+                seq.prompt_logprobs = self.runner.score_prompt(seq)
         final = rows[0].prompt_left == n
         ids = torch.tensor([s.request.prompt[s.num_prefilled:s.num_prefilled + n] for s in rows], device=self.device)
         logits = self.runner.forward(ids, rows, want_logits=final)
@@ -314,17 +328,13 @@ class Engine:
                 self._advance(seq, token, lp)
 
     def _score(self, seq: Sequence) -> None:
-        """Echo with max_tokens <= 1: one whole-prompt scoring pass gives the prompt log-probs and the
-        distribution of the next token (which the one new token, if any, is drawn from); no KV slot."""
-        seq.prompt_logprobs, last = self.runner.score_prompt(seq)
+        """Echo with max_tokens = 0: one whole-prompt scoring pass gives the prompt log-probs; no KV slot.
+        (With a new token the request prefills like any other, so it gets the token generation gives.)"""
+        seq.prompt_logprobs = self.runner.score_prompt(seq)
         self.stats.prompt_tokens += len(seq.request.prompt)
-        if seq.request.max_tokens == 0:
-            self._emit(seq, RequestOutput(seq.request_id, [], [] if seq.request.logprobs is not None else None,
-                                          seq.prompt_logprobs, "length", self._k(seq)))
-            self._retire(seq, "length")
-            return
-        (token, lp), = self.runner.sample_from_logprobs([seq], last[None])
-        self._advance(seq, token, lp)
+        self._emit(seq, RequestOutput(seq.request_id, [], [] if seq.request.logprobs is not None else None,
+                                      seq.prompt_logprobs, "length", self._k(seq)))
+        self._retire(seq, "length")
 
     # --- finishing ------------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from looped_lm.errors import UserError
-from looped_lm.sampling import GREEDY, SharedGenerator, sample
+from looped_lm.sampling import GREEDY, GREEDY_SEED, SharedGenerator, sample
 from looped_lm.settings import InferenceSettings, RowBatch
 
 
@@ -20,7 +20,8 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, settings: Inferen
     """prompt (B, T0) int64 -> (B, T0 + n) tokens; with return_logits also (B, n, V) step logits.
 
     Stops early when every row has produced `eot_id`. Same seed, same output: every draw (starting
-    noise, bridge tokens, sampled tokens) comes from one generator seeded with `seed`. `iteration_log`
+    noise, bridge tokens, sampled tokens) comes from one generator seeded with `seed` (greedy: with
+    GREEDY_SEED, so the output does not depend on `seed`). `iteration_log`
     receives the iterations each row used per token (DiffusionBlocks models). `noise[i]` (B, 1, d)
     replaces token i's starting noise (tests).
     """
@@ -34,6 +35,7 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, settings: Inferen
         raise UserError(f"prompt ({prompt.shape[1]}) + max_tokens ({max_new_tokens}) exceeds the model's "
                         f"{model.max_positions} positions", "max_tokens")
     B = prompt.shape[0]
+    seed = GREEDY_SEED if settings.sampling.greedy else seed  # greedy: the same text whatever the seed
     random = SharedGenerator(torch.Generator(device=prompt.device).manual_seed(seed))
     cache = model.new_cache(B, total)
 

@@ -28,7 +28,7 @@ class Request:
 
 class TokenLogprob(NamedTuple):
     token_id: int
-    logprob: float
+    logprob: float | None  # None: the model's estimate is unresolved (DiffusionBlocks, too few draws)
     top: list[tuple[int, float]]  # the N most likely (token id, log-prob) at this position
 
 

@@ -89,40 +89,38 @@ class ModelRunner:
                                                   self.score_settings)[:, :self.vocab_size]
             for j, i in enumerate(want):
                 token = int(tokens[i])
-                entries[i] = TokenLogprob(token, float(logp[j, token]), top_logprobs(logp[j], seqs[i].request.logprobs))
+                entries[i] = TokenLogprob(token, _value(logp[j, token]), top_logprobs(logp[j], seqs[i].request.logprobs))
         return [(int(t), e) for t, e in zip(tokens.tolist(), entries)]
 
-    def sample_from_logprobs(self, seqs: list[Sequence], logp: torch.Tensor) -> list:
-        """One token per row drawn from log-probs (R, V) (a scored prompt's next-token distribution), with
-        its log-prob entry where asked."""
-        tokens = sample(logp, [s.settings.sampling for s in seqs], RowGenerators([s.generator for s in seqs]))
-        out = []
-        for i, seq in enumerate(seqs):
-            token, n = int(tokens[i]), seq.request.logprobs
-            out.append((token, None if n is None else TokenLogprob(token, float(logp[i, token]), top_logprobs(logp[i], n))))
-        return out
-
-    def score_prompt(self, seq: Sequence) -> tuple[list, torch.Tensor]:
-        """Log-probs of every prompt token given the ones before it (entry 0: None), and the log-probs
-        (V,) of the token after the prompt."""
+    def score_prompt(self, seq: Sequence) -> list:
+        """Log-probs of every prompt token given the ones before it (entry 0: None)."""
         if not isinstance(self.model, Scorable):
             raise UserError("this model cannot score prompts (echo with logprobs)", "echo")
         prompt, top_n = seq.request.prompt, seq.request.prompt_logprobs
-        x = torch.tensor([prompt], device=self.device)
-        y = torch.tensor([prompt[1:] + [0]], device=self.device)
+        if len(prompt) == 1:
+            return [None]
+        x = torch.tensor([prompt[:-1]], device=self.device)
+        y = torch.tensor([prompt[1:]], device=self.device)
         logp = self.model.token_logprobs(x, y, self.score_settings, seq.settings.num_iterations,
                                          generator=seq.scoring)[0, :, :self.vocab_size].float()
-        chosen = logp[:-1].gather(1, y[0, :-1, None])[:, 0].tolist()
-        entries = [None] + [TokenLogprob(t, lp, top_logprobs(logp[i], top_n))
-                            for i, (t, lp) in enumerate(zip(prompt[1:], chosen))]
-        return entries, logp[-1]
+        chosen = [_value(v) for v in logp.gather(1, y[0, :, None])[:, 0]]
+        return [None] + [TokenLogprob(t, lp, top_logprobs(logp[i], top_n))
+                         for i, (t, lp) in enumerate(zip(prompt[1:], chosen))]
 
     def reset(self, slot: int) -> None:
         self.model.reset_rows(self.pool, torch.tensor([slot], device=self.device))
 
 
+def _value(logprob: torch.Tensor) -> float | None:
+    """A log-prob for the client; None where the model's estimate is unresolved (NaN)."""
+    value = float(logprob)
+    return None if value != value else min(value, 0.0)
+
+
 def top_logprobs(logp: torch.Tensor, n: int | None) -> list[tuple[int, float]]:
+    """The n most likely tokens; an unresolved (NaN) value is never listed."""
     if not n:
         return []
-    values, ids = logp.topk(n)
-    return list(zip(ids.tolist(), values.tolist()))
+    unknown = logp.isnan()
+    values, ids = logp.masked_fill(unknown, float("-inf")).topk(n)
+    return [(i, min(v, 0.0)) for i, v in zip(ids.tolist(), values.tolist()) if not unknown[i]]

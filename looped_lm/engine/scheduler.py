@@ -5,7 +5,7 @@ No tensors here: the engine runs the model, the scheduler only decides. Every en
     decode    every row that holds a sampled token not yet fed to the model, in ONE call (rows carry
               their own K, bridge, sampler and random stream)
     prefill   the next chunk of each admitted prompt, oldest first, within a token budget
-    admit     waiting requests take free slots (FIFO); scoring requests (echo with max_tokens <= 1:
+    admit     waiting requests take free slots (FIFO); scoring requests (echo with max_tokens = 0:
               one whole-prompt forward, no KV cache) need no slot and run within the same budget
 
 Decode rows go first so running streams keep a steady pace while long prompts prefill in chunks.
@@ -46,8 +46,9 @@ class Sequence:
 
     @property
     def scoring_only(self) -> bool:
-        """Echo with at most one new token: one whole-prompt forward gives everything, no slot."""
-        return self.request.prompt_logprobs is not None and self.request.max_tokens <= 1
+        """Echo with no new token: one whole-prompt forward gives everything, no slot. (A new token, even
+        one, is generated the way every request's is: the echo and the plain path give the same token.)"""
+        return self.request.prompt_logprobs is not None and self.request.max_tokens == 0
 
     @property
     def prompt_left(self) -> int:

@@ -100,7 +100,7 @@ class Scorable(ABC):
                        num_iterations: int | None, generator: torch.Generator | None = None) -> torch.Tensor:
         """Log-probabilities (B, T, V) of the token after each position of x, as the K = num_iterations
         sampler gives them (DiffusionBlocks: its marginal, estimated, most precisely for the tokens y
-        (B, T)): what echo log-probs report."""
+        (B, T), NaN at y where that estimate is unresolved): what echo log-probs report."""
 
 
 class CachedDecoding(ABC):

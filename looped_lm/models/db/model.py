@@ -15,7 +15,7 @@ import torch
 
 from looped_lm.config import Config
 from looped_lm.diffusion.chain import ChainGrid, run_chain, top_of_block0
-from looped_lm.diffusion.estimator import jackknife_nll, sampler_probs
+from looped_lm.diffusion.estimator import UNRESOLVED_TOKEN_SE, jackknife_nll, sampler_probs
 from looped_lm.errors import UserError
 from looped_lm.models.contract import CachedDecoding, Iterative, Scorable, TokenScores, Trainable
 from looped_lm.models.db.contexts import CachedContext, DecodeState, WindowContext
@@ -107,7 +107,9 @@ class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, Iterativ
         through the chain, and the pair cancels much of its effect); the mean marginal (B, T, V) with
         `full`; the mean iterations (B, T)."""
         B, T = y.shape
-        bridge = settings.bridge or self.cfg.diffusion.bridge
+        # the sampler at temperature 1 draws at every bridge (docs/method.md §6): a hard or soft bridge is
+        # deterministic given z_0, its marginal near one-hot per draw, its perplexity unbounded
+        bridge = settings.bridge or "sample"
         estimates, iters, marginal = [], torch.zeros(B, T, dtype=torch.float64, device=y.device), None
         tilt = settings.tilt * self.targets(y) if settings.tilt else None  # toward the target's direction
         for _ in range(settings.draws):
@@ -152,12 +154,17 @@ class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, Iterativ
         return self._logprobs(context, y, K, settings, random)
 
     def _logprobs(self, context, y, K: int, settings: ScoreSettings, random) -> torch.Tensor:
-        """log of the estimated marginal (B, T, V); at the tokens y, the same jackknifed estimate `score`
-        reports, so an echo log-prob and `looped_lm eval` agree in expectation."""
+        """log of the estimated marginal (B, T, V), normalised to sum to 1; at the tokens y, the same
+        jackknifed estimate `score` reports (<= 0), so an echo log-prob and `looped_lm eval` agree in
+        expectation; NaN there where that estimate is unresolved (its se > UNRESOLVED_TOKEN_SE, or no se:
+        one draw)."""
         estimates, marginal, _ = self._estimates(context, y, K, settings, random, full=True)
-        logp = marginal.clamp_min(1e-30).log()
-        nll, _ = jackknife_nll(estimates)
-        return logp.scatter(-1, y[..., None], (-nll).float()[..., None])
+        marginal = marginal.clamp_min(0.0)
+        logp = (marginal / marginal.sum(-1, keepdim=True).clamp_min(1e-30)).clamp_min(1e-30).log()
+        nll, var = jackknife_nll(estimates)
+        unresolved = torch.ones_like(nll, dtype=torch.bool) if var is None else var.sqrt() > UNRESOLVED_TOKEN_SE
+        picked = (-nll).float().masked_fill(unresolved, float("nan"))
+        return logp.scatter(-1, y[..., None], picked[..., None])
 
     # --- CachedDecoding ---------------------------------------------------------------------------------
 
