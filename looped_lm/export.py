@@ -134,6 +134,14 @@ def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, num
         raise UserError(f"--out {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise UserError(f"--out {out} is not empty; pass --overwrite to replace it")
+    tmp = out.parent / f".tmp-{out.name}"
+    try:  # where the temp directory goes, checked before the checkpoint is read
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        tmp.rmdir()
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot write into {out.parent} ({e.strerror})") from None
     model, cfg, manifest = load_checkpoint(checkpoint, verify=verify)
     from looped_lm.lora import is_adapted, merge
 
@@ -167,22 +175,23 @@ def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, num
         if config.kind in DB_KINDS:
             gen.update(num_iterations=config.num_iterations, bridge=config.bridge, seed=0)
         weights = None  # the native weights, tied embedding once, under the wrapper's "model." prefix
-    tmp = out.parent / f".tmp-{out.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    if format == "llama":
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    else:
-        config.save_pretrained(tmp)
-    GenerationConfig(**gen).save_pretrained(tmp)
-    if weights is not None:
-        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    else:
-        holder = torch.nn.Module()  # the HF wrapper keeps the native model as `.model`: names "model.*"
-        holder.model = model
-        save_model(holder, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    tok.to_hf(model_max_length=model.max_positions).save_pretrained(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    try:  # a failure mid-write (a full disk) leaves nothing: the temp directory goes, --out is untouched
+        if format == "llama":
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        else:
+            config.save_pretrained(tmp)
+        GenerationConfig(**gen).save_pretrained(tmp)
+        if weights is not None:
+            save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            holder = torch.nn.Module()  # the HF wrapper keeps the native model as `.model`: names "model.*"
+            holder.model = model
+            save_model(holder, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tok.to_hf(model_max_length=model.max_positions).save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -55,6 +55,10 @@ def prepare_data(cfg: Config, vocab_size: int) -> str:
 
     if cfg.model.kind in MODULE_KINDS:
         return check_module_data(cfg)
+    cache = Path(cfg.data.cache_dir)
+    existing = next((p for p in [cache, *cache.parents] if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise UserError(f"data.cache_dir {cache}: {existing} is a file, not a directory")
     if cfg.data.source == "bin":
         root = Path(cfg.data.path)
         for split in ("train.bin", "val.bin"):

@@ -62,6 +62,45 @@ def served_context(trained: int, positions: int, max_model_len: int | None) -> i
     return max_model_len
 
 
+def check_address(host: str, port: int) -> None:
+    """The address uvicorn will bind: it resolves, it is this machine's, and the port is free."""
+    import errno
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise UserError(f"--host {host} does not resolve ({getattr(e, 'strerror', None) or e})") from None
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind(address)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise UserError(f"--port {port}: {host}:{port} is already in use (another server?); choose another "
+                                "--port") from None
+            raise UserError(f"--host {host} --port {port}: cannot bind ({e.strerror})") from None
+
+
+def check_iterations(model, default_iterations: int | None, max_iterations: int | None) -> None:
+    """--default-iterations and --max-iterations by the rule every K follows: 1..model.max_iterations
+    (settings.IterationLimits), the default within the server's cap."""
+    from looped_lm.models.contract import Iterative
+
+    if not isinstance(model, Iterative):
+        if default_iterations is not None or max_iterations is not None:
+            raise UserError("--default-iterations and --max-iterations apply to DiffusionBlocks and looped models; "
+                            "this model has no K")
+        return
+    limit = model.iteration_limits().max_iterations
+    if max_iterations is not None and max_iterations > limit:
+        raise UserError(f"--max-iterations {max_iterations} exceeds model.max_iterations ({limit})")
+    top = max_iterations or limit
+    if default_iterations is not None and default_iterations > top:
+        raise UserError(f"--default-iterations {default_iterations} is outside 1..{top} (the largest K a request may "
+                        "ask for)")
+
+
 def run(args) -> int:
     try:
         import uvicorn
@@ -85,6 +124,13 @@ def run(args) -> int:
         raise UserError(f"--port must be in 0..65535 (got {args.port})")
     if args.max_slots < 1 or args.prefill_chunk < 1 or not args.kv_memory_gb > 0:
         raise UserError("--max-slots and --prefill-chunk must be >= 1 and --kv-memory-gb > 0")
+    for flag, value in (("--default-iterations", args.default_iterations), ("--max-iterations", args.max_iterations)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be >= 1 (got {value}): K, as a request's num_iterations")
+    from looped_lm.checkpoint import check_device
+
+    check_device(args.device)
+    check_address(args.host, args.port)  # before the model loads: a taken port fails in a second
     if args.no_verify:
         print(no_verify_note(), file=sys.stderr)
     checkpoint = resolve_checkpoint(args.checkpoint)
@@ -92,6 +138,7 @@ def run(args) -> int:
     if not isinstance(model, CachedDecoding):  # vit / dit / mdm
         raise UserError(f"looped_lm serve is for language models; a {cfg.model.kind} checkpoint is used through "
                         "looped_lm eval and looped_lm generate")
+    check_iterations(model, args.default_iterations, args.max_iterations)
     tok = get_tokenizer(manifest["tokenizer"])
     name = args.served_model_name or default_name(checkpoint)
     if "@" in name:

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import uuid
+from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
@@ -237,6 +238,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """`looped_lm prepare`: prepare, then print one line with the token (or latent) counts."""
+    out = Path(args.out)
+    if out.is_dir() and not (out / "meta.json").exists() and any(out.iterdir()) and not args.overwrite:
+        raise UserError(f"--out {out} is a non-empty directory but not a prepared dataset (no meta.json): choose a "
+                        "new or empty directory, or pass --overwrite to write train.bin / val.bin there anyway")
     if args.vae is not None or args.source.startswith("imagefolder:"):
         from looped_lm.data.latents import prepare_latents
 
