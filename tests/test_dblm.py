@@ -73,9 +73,25 @@ def test_noisy_mask_by_hand():
 
 
 def test_target_fraction_slots_see_only_their_context():
+    """With target_fraction < 1 a slot at position s (of a subset) reads clean x[0..s] and predicts y[s]:
+    moving any later x or another position's y leaves its CE exactly where it was; moving x[s] moves it."""
     model = make_model(target_fraction=0.25)
-    x = torch.randint(0, V, (3, 16))
-    y = torch.randint(0, V, (3, 16))
+    x, y = torch.randint(0, V, (2, 16)), torch.randint(0, V, (2, 16))
+    slots = torch.tensor([[1, 5, 9, 14], [0, 3, 4, 12]])
+    sigma, noise = torch.full((2,), 0.5), torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(0))
+    for block in (0, 1):
+        base = model.objective.slot_losses(x, y, block, sigma, noise, slots)
+        assert base.shape == (2, 4)
+        for j in range(4):
+            s = slots[:, j]
+            later = torch.arange(16)[None] > s[:, None]
+            other = torch.arange(16)[None] != s[:, None]
+            x2 = torch.where(later, (x + 1) % V, x)
+            y2 = torch.where(other, (y + 1) % V, y)
+            moved = model.objective.slot_losses(x2, y2, block, sigma, noise, slots)
+            assert torch.equal(moved[:, j], base[:, j]), (block, j)
+            own = torch.where(torch.arange(16)[None] == s[:, None], (x + 1) % V, x)
+            assert (model.objective.slot_losses(own, y, block, sigma, noise, slots)[:, j] - base[:, j]).abs().min() > 1e-6
     loss, metrics = model.training_loss(x, y, step=0, seed=0)
     assert math.isfinite(loss.item()) and metrics["block"] in (0, 1)
 

@@ -125,12 +125,26 @@ def test_looped_db_cached_equals_recompute(K):
         torch.testing.assert_close(logits[:, i], ref, atol=1e-5, rtol=1e-6)
 
 
+def kv_bytes_after_decoding(model, K: int) -> int:
+    """Cache bytes per token after a prompt and two tokens decoded at K iterations (the cache reserved for K)."""
+    cache = model.new_cache(1, 8)
+    model.reserve(cache, K)
+    settings = resolve_settings(model.iteration_limits(), num_iterations=K, sampling=GREEDY)
+    batch = RowBatch.uniform(settings, 1, SharedGenerator(torch.Generator().manual_seed(0)))
+    ids = torch.randint(0, V, (1, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for chunk in (ids[:, :4], ids[:, 4:5], ids[:, 5:]):
+            model.forward_cached(chunk, cache, None, batch)
+    return model.kv_bytes_per_token(cache)
+
+
 def test_looped_db_kv_cache_is_flat_in_k():
     model = looped_db()
-    per_token = model.new_cache(1, 8).nbytes_per_token()
-    assert per_token == (1 + 2 + 1) * 2 * 32 * 4 + 32 * 4  # prelude + core + coda K/V, and the clean input
-    for K in (1, 8, 32):
-        assert model.new_cache(1, 8).nbytes_per_token() == per_token
+    per_token = (1 + 2 + 1) * 2 * 32 * 4 + 32 * 4  # prelude + core + coda K/V, and the clean input
+    assert [kv_bytes_after_decoding(model, K) for K in (1, 8, 32)] == [per_token] * 3
+    # the measurement sees a cache that grows with K: Huginn keeps one K/V set per (iteration, core layer)
+    grows = [kv_bytes_after_decoding(huginn(), K) for K in (1, 8, 32)]
+    assert grows == [(1 + 1 + K * 2) * 2 * 32 * 4 for K in (1, 8, 32)]
 
 
 # --- adaptive exit ------------------------------------------------------------------------------
