@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from looped_lm.config import Config, block_layers
@@ -67,7 +67,6 @@ class Source:
     n_layers: int = 0
     heads: tuple[int, int] = (0, 0)  # (query heads, key/value heads)
     tokenizer: Path | None = None
-    notes: list[str] = field(default_factory=list)
 
 
 def _fail(where, what: str) -> UserError:
@@ -86,6 +85,8 @@ def read_source(path: str | Path) -> Source:
         raise _fail(cfg_file, "is missing") from None
     except (OSError, ValueError) as e:
         raise _fail(cfg_file, f"is not readable JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise _fail(cfg_file, "is not a JSON object")
     check_architecture(config, cfg_file)
     files = _tensor_files(root)
     source = Source(root, config, files, _weights_hash(files), n_layers=int(config["num_hidden_layers"]))
@@ -107,6 +108,9 @@ def check_architecture(config: dict, where) -> None:
     if arch not in ARCHITECTURES or model_type not in ("llama", "mistral"):
         raise _fail(where, f"architecture {arch} (model_type {model_type!r}) is not one looped_lm maps; it "
                            f"takes {', '.join(ARCHITECTURES)}")
+    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size"):
+        if not isinstance(config.get(key), int) or config[key] < 1:
+            raise _fail(where, f"{key} is {config.get(key)!r}: expected a positive integer")
     for key in ("attention_bias", "mlp_bias"):
         if config.get(key):
             raise _fail(where, f"{key} is true: the project's attention and MLP have no biases")
@@ -216,6 +220,9 @@ def check_run(cfg: Config, source: Source, vocab_size: int, tokenizer_size: int 
     want = expected_model_fields(source, rows)
     have = {k: getattr(cfg.model, k) for k in want}
     have["vocab_size"] = vocab_size
+    from looped_lm.models.layers import ffn_width
+
+    have["ffn_hidden"] = ffn_width(cfg.model.d_model, cfg.model.ffn_hidden)  # 0 = Llama's 8/3 rule
     wrong = [f"model.{k}: {v}" for k, v in want.items() if have[k] != v]
     if wrong:
         raise UserError(f"model.init_from {source.path}: the run config does not match its config.json; set "
