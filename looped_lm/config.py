@@ -60,6 +60,7 @@ class _Section(BaseModel):
 
 
 MODEL_KINDS = ("gpt", "db_ar", "looped_db", "huginn", "vit", "dit", "mdm")
+LORA_TARGETS = ("qkv", "proj", "gate_up", "down")  # the Linears of a layer that train.lora_targets may name
 MODULE_KINDS = ("vit", "dit", "mdm")  # the supporting modules: not language models (method.md §7)
 # which data.source each module reads (the language models read the others)
 MODULE_SOURCES = {"vit": ("digits", "cifar10", "cifar100"), "dit": ("digits", "cifar10", "cifar100", "latents"),
@@ -463,6 +464,14 @@ def validate(cfg: Config) -> None:
     if cfg.data.source in ("files", "hf", "bin", "cifar10", "cifar100", "text8", "latents"):
         _require(cfg.data.path != "", f"data.path is required when data.source is {cfg.data.source}")
     _require(t.lora_rank >= 0, f"train.lora_rank must be >= 0 (got {t.lora_rank})")
+        bad = [name for name in t.lora_targets if name not in LORA_TARGETS]
+        _require(not bad, f"train.lora_targets has {bad[0]!r}: no such module (have: {', '.join(LORA_TARGETS)})"
+                 if bad else "")
+        _require(bool(t.lora_targets), f"train.lora_targets is empty: name at least one of {', '.join(LORA_TARGETS)}")
+
+    _require(cfg.deepspeed.zero_stage in (0, 1, 2), f"deepspeed.zero_stage must be 0, 1 or 2 (got {cfg.deepspeed.zero_stage})")
+    if cfg.data.source in ("files", "hf", "bin", "cifar10", "cifar100", "text8", "latents"):
+        _require(cfg.data.path != "", f"data.path is required when data.source is {cfg.data.source}")
     if t.lora_rank:
         _require(bool(m.init_from), "train.lora_rank needs model.init_from: adapters train on a pretrained base")
         _require(t.lora_alpha > 0 and 0 <= t.lora_dropout < 1,

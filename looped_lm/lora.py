@@ -22,10 +22,11 @@ import re
 
 import torch.nn as nn
 
-from looped_lm.config import Config
+from looped_lm.config import LORA_TARGETS, Config
 from looped_lm.errors import UserError
 
 TARGETS = {"qkv": r"attn\.qkv", "proj": r"attn\.proj", "gate_up": r"mlp\.gate_up", "down": r"mlp\.down"}
+assert set(TARGETS) == set(LORA_TARGETS)  # the names config validation accepts
 NEW = re.compile(r"(^|\.)ada\.|^noise_emb\.|^log_scale$|^adapter\.")  # not in a causal LM: trained fully
 
 
@@ -45,10 +46,6 @@ def _owned(model, cfg: Config) -> tuple[list[str], bool]:
 
 def target_regex(model, cfg: Config) -> str:
     """peft's target_modules as one regex (full match on module names) over the owned layers."""
-    bad = [t for t in cfg.train.lora_targets if t not in TARGETS]
-    if bad or not cfg.train.lora_targets:
-        raise UserError(f"train.lora_targets has {bad[0]!r}: no such module (have: {', '.join(TARGETS)})" if bad
-                        else "train.lora_targets is empty: name at least one of " + ", ".join(TARGETS))
     prefixes, _ = _owned(model, cfg)
     modules = "|".join(TARGETS[t] for t in cfg.train.lora_targets)
     return rf"({'|'.join(prefixes)})\.\d+\.({modules})"
