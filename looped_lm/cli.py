@@ -67,7 +67,31 @@ def run_train(args) -> int:
     env = {**os.environ, trainer.PREFLIGHT_DONE: "1", "PYTHONUNBUFFERED": "1"}
     if not torch.cuda.is_available():
         env.setdefault("DS_ACCELERATOR", "cpu")
-    return launch.run(cmd, env, verbose=args.verbose)
+    if args.hostfile:
+        return killed_rank(launch.run(cmd, env, verbose=args.verbose))
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="looped_lm-rendezvous-") as rendezvous:  # one node: loopback only
+        env[trainer.RENDEZVOUS_FILE] = os.path.join(rendezvous, "store")
+        return killed_rank(launch.run(cmd, env, verbose=args.verbose))
+
+
+def killed_rank(code: int) -> int:
+    """The launcher's exit code; a rank killed by a signal (DeepSpeed then stops the others before they can
+    say anything) becomes one line and exit code 1."""
+    import signal
+
+    if code < 0 or code > 128:
+        number = -code if code < 0 else 256 - code
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            return code
+        why = " (out of memory, or killed by hand)" if name == "SIGKILL" else ""
+        print(f"error: a training rank was killed by {name}{why}; the launcher stopped the others: the same command "
+              "resumes from the newest checkpoint", file=sys.stderr)
+        return 1
+    return code
 
 
 # --- generate ----------------------------------------------------------------------------------

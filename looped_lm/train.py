@@ -38,6 +38,9 @@ from looped_lm.preflight import Plan, data_source_string, describe_os_error, not
 __all__ = ["Plan", "data_source_string", "main", "preflight", "train"]
 
 PREFLIGHT_DONE = "LOOPED_LM_PREFLIGHT_DONE"
+# set by `looped_lm train` on one node: the ranks meet through this file (torch's FileStore), so no
+# rendezvous port listens on the machine's interfaces (torch's TCPStore binds all of them)
+RENDEZVOUS_FILE = "LOOPED_LM_RENDEZVOUS_FILE"
 RESUMING_WITH = "resuming with changes (train.resume_changes: allow)"  # set by `looped_lm train`: its process printed the notes
 
 
@@ -109,7 +112,15 @@ def init_distributed():
     # init_distributed otherwise JIT-compiles a shared-memory comm op with g++ (~1 min, needs a compiler)
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    deepspeed.init_distributed(dist_backend=backend)
+    store = os.environ.get(RENDEZVOUS_FILE)
+    if store:  # one node: a file rendezvous, and gloo's and NCCL's own sockets on loopback
+        if Path("/sys/class/net/lo").exists():
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        deepspeed.init_distributed(dist_backend=backend, init_method=f"file://{store}",
+                                   rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    else:
+        deepspeed.init_distributed(dist_backend=backend)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
@@ -581,7 +592,26 @@ def main(argv=None) -> int:
         where = f" on {e.filename}" if e.filename else ""
         print(f"error: I/O failure{where}: {e.strerror or e}", file=sys.stderr)
         return 1
+    except RuntimeError as e:
+        reason = lost_peer(e)
+        if reason is None:
+            raise
+        _traceback(args.verbose)
+        print(f"error: rank {os.environ.get('RANK', '0')} lost contact with another rank mid-run (it stopped or was "
+              f"killed; its own output says why): {reason}", file=sys.stderr)
+        return 1
     return 0
+
+
+def lost_peer(e: RuntimeError) -> str | None:
+    """The short reason of a collective that failed because another rank went away (gloo / NCCL), else None."""
+    import re
+
+    text = str(e).strip()
+    if not re.search(r"gloo|NCCL|Connection (reset|closed) by peer|DistBackendError", text + type(e).__name__):
+        return None
+    first = re.sub(r"^\[[^\]]*\.(cc|cpp):\d+\]\s*", "", text.splitlines()[0])  # drop the C++ source location
+    return first.split(". This is typically")[0]
 
 
 def _traceback(verbose: bool) -> None:
