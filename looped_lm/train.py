@@ -194,16 +194,17 @@ class DeepSpeedRunner:
         self.engine.step()
 
 
-def refresh_curve(model, val_stream, cfg: Config, device, rank: int, step: int) -> dict | None:
-    """Measure held-out CE(sigma) on rank 0 and give every rank the same curve (so every rank
-    keeps the same edges and draws the same blocks)."""
+def refresh_curve(model, train_stream, cfg: Config, device, rank: int, step: int) -> dict | None:
+    """Measure CE(sigma) on rank 0 and give every rank the same curve (so every rank keeps the same edges
+    and draws the same blocks). It is measured on a fixed TRAINING batch (step index -2, which the loop
+    never draws): the validation split never steers training."""
     import deepspeed.comm as dist
 
     curve = [None]
     if rank == 0:
         was_training = model.training
         model.eval()
-        x, y = on_device(val_stream.get_batch(cfg.train.batch_size, cfg.train.seed, -2, 0, 0), device)
+        x, y = on_device(train_stream.get_batch(cfg.train.batch_size, cfg.train.seed, -2, 0, 0), device)
         curve[0] = model.measure_curve(x, y, seed=cfg.train.seed + step)
         model.train(was_training)
     if dist.get_world_size() > 1:
@@ -353,7 +354,7 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
                 exchange.sync_blocks()
             if model.uses_curve() and done % d.curve_every == 0 and \
                     (d.curve_until == 0 or done <= d.curve_until):
-                curve = refresh_curve(model, val_stream, cfg, device, rank, done)
+                curve = refresh_curve(model, train_stream, cfg, device, rank, done)
                 if logger is not None:
                     logger.log(done, {"edges": model.edges, "curve_ce": curve["ce"]})
             if t.eval_every and done % t.eval_every == 0:

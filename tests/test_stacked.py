@@ -216,3 +216,31 @@ def test_old_configs_load_as_independent():
     cfg = config_from_dict({"model": {"kind": "db_ar", "n_layers": 4}, "diffusion": {"num_blocks": 2}})
     assert cfg.diffusion.context == "independent"
     assert not build_model(cfg, V).stacked
+
+
+def test_the_loss_share_curve_is_measured_on_training_data(monkeypatch):
+    """block_sampling loss_share steers which block trains from a CE(sigma) curve: it must come from the
+    training split (a fixed batch the loop never draws), never from validation data."""
+    import deepspeed.comm
+
+    from looped_lm import train as trainer
+
+    monkeypatch.setattr(deepspeed.comm, "get_world_size", lambda: 1)
+    asked = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def get_batch(self, batch, seed, step, micro, rank):
+            asked.append((self.name, step))
+            x = torch.randint(0, V, (batch, T), generator=torch.Generator().manual_seed(0))
+            return x, x.roll(-1, 1)
+
+    model = make(num_blocks=2, n_layers=2)
+    cfg = model.cfg.model_copy(deep=True)
+    cfg.train.batch_size = 2
+    curve = trainer.refresh_curve(model, Stream("train"), cfg, "cpu", 0, 10)
+    assert asked == [("train", -2)] and len(curve["ce"]) == len(curve["sigmas"])
+    import inspect  # and the loop hands it the training stream
+    assert "refresh_curve(model, train_stream," in inspect.getsource(trainer._train)
