@@ -178,3 +178,12 @@ def test_adapter_run_resumes(lora_run, tmp_path):
     assert trainer.main(["--config", str(again)]) == 0
     manifest = json.loads((ckpt.parent / "step_0000004" / "manifest.json").read_text())
     assert manifest["step"] == 4 and manifest["base"]["sha256"]
+
+
+def test_eval_and_generate_load_an_adapter_checkpoint(lora_run, capsys):
+    from looped_lm import cli
+
+    ckpt, _ = lora_run
+    assert cli.main(["eval", "--checkpoint", str(ckpt), "--max-tokens", "128", "--no-progress"]) == 0
+    assert cli.main(["generate", "--checkpoint", str(ckpt), "--prompt", "And", "--max-tokens", "8"]) == 0
+    assert "And" in capsys.readouterr().out
