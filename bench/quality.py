@@ -52,9 +52,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.flop_counter import FlopCounterMode
 
+from looped_lm import cost as cm
 from looped_lm.config import config_from_dict
 from looped_lm.data.bin_dataset import TokenStream
 from looped_lm.data.prepare import ensure_prepared
@@ -65,9 +64,10 @@ from looped_lm.models.huginn import sample_recurrence
 from looped_lm.optim import BlockwiseAdamW, cosine_with_warmup, param_groups
 from looped_lm.sampling import GREEDY, PLAIN, SamplingParams
 from looped_lm.settings import ExitRule, ScoreSettings, resolve_settings
-from looped_lm.training import TorchRunner, train_step
+from looped_lm.training import TorchRunner
 
-from looped_lm import cost as cm
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import equal_flops  # noqa: E402  (bench/ is not a package: the benches' one equal-FLOPs loop)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "quality"
@@ -230,11 +230,7 @@ def step_key(model, cfg, step: int, seed: int):
     return 0
 
 
-def counted(fn) -> int:
-    counter = FlopCounterMode(display=False)
-    with sdpa_kernel(SDPBackend.MATH), counter:
-        fn()
-    return counter.get_total_flops()
+counted = equal_flops.counted
 
 
 class FlopBook:
@@ -293,13 +289,8 @@ def plan_steps(model, cfg, spec: Run, book: FlopBook, budget: float, curve_cost:
         return other["block_updates"][block]
     if spec.steps is not None:
         return spec.steps
-    total, step = 0.0, 0
-    while total < budget * spec.budget:
-        total += book(step_key(model, cfg, step, cfg.train.seed))
-        if curve_cost and step % cfg.diffusion.curve_every == 0:
-            total += curve_cost
-        step += 1
-    return step
+    return equal_flops.plan_steps(lambda step: book(step_key(model, cfg, step, cfg.train.seed)),
+                                  budget * spec.budget, cfg.diffusion.curve_every, curve_cost)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -468,10 +459,8 @@ def train_run(study: str, name: str, seed: int, smoke: bool, log) -> dict:
     xp, yp = val_windows(val, 4 if smoke else PROBE_WINDOWS, offset=0.5)
     opt = BlockwiseAdamW(param_groups(model, WD), lr=LR, betas=(0.9, 0.95))
     runner = TorchRunner(model, opt, grad_clip=1.0, seed=seed)
-    curve_every = cfg.diffusion.curve_every
     ckpt = work_dir(study, smoke) / f"{name}__s{seed}.pt"
-    state = {"step": 0, "flops": 0.0, "curve_flops": 0.0, "cpu_s": 0.0, "wall_s": 0.0, "probes": [],
-             "block_updates": {}, "curves": []}
+    state = {**equal_flops.fresh_state(), "probes": []}
     torch.manual_seed(seed + 7919)  # the training's own stream (noise, slots, sigma)
     if ckpt.exists():
         saved = torch.load(ckpt, weights_only=False)
@@ -487,34 +476,7 @@ def train_run(study: str, name: str, seed: int, smoke: bool, log) -> dict:
         save_atomic({"model": model.state_dict(), "opt": opt.state_dict(), "state": state, "rng": torch.get_rng_state(),
                      "curve": getattr(getattr(model, "objective", None), "curve", None)}, ckpt)
 
-    model.train()
-    while state["step"] < steps:
-        step = state["step"]
-        if uses_curve and step % curve_every == 0:  # as the trainer does, on a training batch
-            xc, yc = train.get_batch(BATCH, seed + 1_000, step, 0, 0)
-            model.eval()
-            curve_box = {}
-            flops = counted(lambda: curve_box.update(c=model.measure_curve(xc, yc, seed=step)))
-            model.apply_curve(curve_box["c"])
-            model.train()
-            state["curve_flops"] += flops
-            state["flops"] += flops
-            state["curves"].append({"step": step, "ce": curve_box["c"]["ce"]})
-        for group in opt.param_groups:
-            group["lr"] = cosine_with_warmup(step, warmup, steps, LR, MIN_LR)
-        key = step_key(model, cfg, step, seed)
-        x, y = train.get_batch(BATCH, seed, step, 0, 0)
-        t0, c0 = time.perf_counter(), time.process_time()
-        result = train_step(model, opt, runner, [(x, y)], step, seed)
-        state["cpu_s"] += time.process_time() - c0
-        state["wall_s"] += time.perf_counter() - t0
-        state["flops"] += book(key)
-        if cfg.model.kind in ("db_ar", "looped_db"):
-            b = str(result.metrics["block"])
-            state["block_updates"][b] = state["block_updates"].get(b, 0) + 1
-        state["step"] += 1
-        if not math.isfinite(result.loss):
-            raise RuntimeError(f"{name} s{seed}: loss {result.loss} at step {step}")
+    def probe(state, result):
         if state["step"] in probe_at:
             nll = probe_nll(model, xp, yp, seed)
             state["probes"].append({"step": state["step"], "flops": state["flops"], "cpu_s": state["cpu_s"],
@@ -523,6 +485,13 @@ def train_run(study: str, name: str, seed: int, smoke: bool, log) -> dict:
                                     "val": nll})
             checkpoint()
             log(f"{name} s{seed}: step {state['step']}/{steps} val {nll} ({state['cpu_s']:.0f} cpu-s)")
+
+    equal_flops.train(model, opt, runner, steps, seed, batch_at=lambda step: train.get_batch(BATCH, seed, step, 0, 0),
+                      cost_at=lambda step: book(step_key(model, cfg, step, seed)),
+                      lr_at=lambda step: cosine_with_warmup(step, warmup, steps, LR, MIN_LR),
+                      curve_every=cfg.diffusion.curve_every if uses_curve else 0,
+                      curve_batch_at=lambda step: train.get_batch(BATCH, seed + 1_000, step, 0, 0),
+                      state=state, after_step=probe, name=name)
     checkpoint()
     out = {"run": name, "study": study, "seed": seed, "what": spec.what, "config": cfg.to_dict(),
            "spec": asdict(spec), "commit": git_commit(), "params": n_params, "steps": steps, "warmup": warmup,

@@ -12,9 +12,11 @@ posterior-mean input). Options that cut them (docs/method.md §4):
   top64      posterior_input topk (64 tokens exactly, the rest on the mean embedding)
   folded     cosine + detached together
 Each variant trains `db_ar` (4 layers, d 128, B 2, seq 128, batch 16, the project's DB defaults) on the
-embedded Bible through `train_step` (the trainer's step) until it has spent the shipped run's counted
-FLOPs (torch's FlopCounterMode over one forward + backward of each block of THAT variant; the LR follows
-the spent share). Then ppl@0 and ppl@2 (K = B) on 32 fixed held-out windows, 4 estimator draws, with the
+embedded Bible through the benches' equal-FLOPs loop (bench/equal_flops.py: the trainer's `train_step`)
+for as many steps as fit the shipped run's counted FLOPs (torch's FlopCounterMode over one forward +
+backward of each block of THAT variant, and of one CE(sigma) measurement at each refresh); the LR follows
+the cosine over the run's own steps. (bench/results/vocab_options.json was measured with this script's
+earlier loop: the LR followed the spent share of the FLOPs, and curve refreshes were not charged.) Then ppl@0 and ppl@2 (K = B) on 32 fixed held-out windows, 4 estimator draws, with the
 estimate's standard error; and the CPU seconds per training step of each variant, measured side by side
 (one thread). Writes bench/results/vocab_options.json.
 """
@@ -25,10 +27,14 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+import equal_flops  # noqa: E402  (bench/ is not a package: the benches' one equal-FLOPs loop)
+
 RESULTS = ROOT / "bench" / "results" / "vocab_options.json"
 VARIANTS = {
     "shipped": {},
@@ -77,13 +83,14 @@ def block_costs(cfg, vocab: int, x, y) -> tuple[dict, dict]:
 
 
 def train(tokenizer: str, variant: str, seed: int, budget: float | None):
+    """The shipped variant (budget None) trains STEPS[tokenizer] steps; the others as many as fit its FLOPs."""
     import torch
 
     from looped_lm.data.bin_dataset import TokenStream
     from looped_lm.data.prepare import ensure_prepared
     from looped_lm.models import build_model
     from looped_lm.optim import BlockwiseAdamW, cosine_with_warmup, param_groups
-    from looped_lm.training import TorchRunner, train_step
+    from looped_lm.training import TorchRunner
 
     cfg = config(tokenizer, variant, seed)
     data = Path(ensure_prepared("bible", str(ROOT / "data_cache"), tokenizer, 0.05, seed, progress=False))
@@ -91,30 +98,31 @@ def train(tokenizer: str, variant: str, seed: int, budget: float | None):
     train_data, val = TokenStream(str(data / "train.bin"), 128), TokenStream(str(data / "val.bin"), 128)
     x0, y0 = train_data.get_batch(16, seed, 0, 0, 0)
     flops_of, seconds_of = block_costs(cfg, vocab, x0, y0)
-    steps_total = STEPS[tokenizer]
     torch.manual_seed(seed)
     model = build_model(cfg, vocab)
+    curve_every = cfg.diffusion.curve_every if model.uses_curve() else 0
+    curve_cost = 0.0
+    if curve_every:  # one measurement's forward FLOPs, charged at every refresh
+        model.eval()
+        curve_cost = equal_flops.counted(lambda: model.measure_curve(x0, y0, seed=0))
+        model.train()
     torch.manual_seed(seed + 1)
+
+    def cost_at(step: int) -> float:
+        return flops_of[model.choose_block(step, seed)]
+
+    steps = STEPS[tokenizer] if budget is None else equal_flops.plan_steps(cost_at, budget, curve_every, curve_cost)
     opt = BlockwiseAdamW(param_groups(model, 0.1), lr=LR, betas=(0.9, 0.95), foreach=False)
     runner = TorchRunner(model, opt, grad_clip=1.0, seed=seed)
-    step, spent, t0 = 0, 0, time.process_time()
-    while True:
-        if model.uses_curve() and step and step % cfg.diffusion.curve_every == 0:  # as the trainer's refresh
-            model.eval()
-            xc, yc = train_data.get_batch(16, seed, -2 - step, 0, 0)  # training data: it steers training
-            model.apply_curve(model.measure_curve(xc, yc, seed=seed + step))
-            model.train()
-        cost = flops_of[model.choose_block(step, seed)]
-        if (budget is None and step == steps_total) or (budget is not None and spent + cost > budget):
-            break
-        progress = step if budget is None else int(spent / budget * steps_total)
-        for g in opt.param_groups:
-            g["lr"] = cosine_with_warmup(progress, WARMUP, steps_total, LR, MIN_LR)
-        train_step(model, opt, runner, [train_data.get_batch(16, seed, step, 0, 0)], step, seed)
-        spent += cost
-        step += 1
-    return model, {"steps": step, "flops": spent, "flops_per_block_step": flops_of,
-                   "cpu_s_per_block_step": seconds_of, "train_cpu_s": time.process_time() - t0}, val
+    t0 = time.process_time()
+    state = equal_flops.train(
+        model, opt, runner, steps, seed, batch_at=lambda step: train_data.get_batch(16, seed, step, 0, 0),
+        cost_at=cost_at, lr_at=lambda step: cosine_with_warmup(step, WARMUP, steps, LR, MIN_LR),
+        curve_every=curve_every, curve_batch_at=lambda step: train_data.get_batch(16, seed, -2 - step, 0, 0),
+        name=f"{tokenizer} {variant}")
+    return model, {"steps": state["step"], "flops": state["flops"], "curve_flops": state["curve_flops"],
+                   "flops_per_block_step": flops_of, "cpu_s_per_block_step": seconds_of,
+                   "train_cpu_s": time.process_time() - t0}, val
 
 
 def score(model, val) -> dict:

@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -57,6 +58,29 @@ def test_idle_block_is_bit_identical_across_a_step(tmp_path, write_config, zero_
                 assert same, f"{name} (idle block {idle}) moved at step {s}"
         assert any(not torch.equal(weights[s][n], weights[s - 1][n]) for n in weights[s]
                    if model.param_unit(n) == f"block{trained}")
+
+
+@pytest.mark.slow
+def test_a_zero_checkpoint_saved_before_a_block_stepped_resumes_exactly(tmp_path, write_config):
+    """ZeRO 1, blocks trained apart: the first checkpoint holds one unit DeepSpeed has never stepped (its
+    state is gathered and restored through DeepSpeed's public safe_* functions); resuming from it gives
+    the uninterrupted run's weights."""
+    from looped_lm.config import load_config
+    from looped_lm.models import build_model
+
+    sets = {"deepspeed": {"zero_stage": 1}, "diffusion": {"block_sampling": "round_robin"},
+            "train": {"max_steps": 4, "save_every": 1, "keep_last": 5}}
+    whole = db_config(write_config, tmp_path, "whole", **sets)
+    assert trainer.main(["--config", str(whole)]) == 0
+    model = build_model(load_config(str(whole)), 257)
+    assert [model.choose_block(s, 1337) for s in range(4)] == [0, 1, 0, 1]  # step_0000001: block 1 unstepped
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "whole" / "step_0000001", resumed / "step_0000001")
+    part = db_config(write_config, tmp_path, "resumed", **sets)
+    assert trainer.main(["--config", str(part)]) == 0
+    want = load_file(str(tmp_path / "whole" / "step_0000004" / "model.safetensors"))
+    got = load_file(str(resumed / "step_0000004" / "model.safetensors"))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
 
 @pytest.mark.slow
