@@ -228,9 +228,9 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
     @torch.no_grad()
     def predict(self, images, num_iterations: int | None = None, generator: torch.Generator | None = None,
                 with_features: bool = False, check: bool = True):
-        """Logits (N, num_classes). DB: K = num_iterations (default B, at least B) routed Euler steps
-        from pure noise; the end-to-end classifier ignores K. With `with_features`: (logits, features of
-        the last call, (N, d_model))."""
+        """Logits (N, num_classes). DB: the K-step chain (K = num_iterations, default B, at least B) from
+        z ~ N(0, sigma_top^2 I), one slot per image, on `self.grid`; the logits of its last call. The
+        end-to-end classifier ignores K. With `with_features`: (logits, features of the last call (N, d_model))."""
         patches = self.embed_patches(images)
         if self.end_to_end:
             return self.classify(patches, with_features)
