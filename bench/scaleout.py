@@ -38,8 +38,9 @@ with P all parameters, S the shared ones (embedding, noise embedding, norm), P_b
 `split` trains byte-level db_ar models of the study setting (4 layers, d 128, seq 128, batch 16, V 257, the
 project's defaults, lr 3e-3 with 50 warm-up steps and cosine to 3e-4, wd 0.1, clip 1.0, loss_share with
 the curve re-measured every 100 steps) with layers_per_block [2, 2] for 300 steps and [3, 1] until it has
-spent the same counted FLOPs (torch's FlopCounterMode over one forward + backward of each block), 2 seeds,
-through `training.train_step` + `TorchRunner`; then ppl@0 (one call at the top of the noise range,
+spent the same counted FLOPs (torch's FlopCounterMode over one forward + backward of each block, and of
+one curve measurement at each refresh, on a training batch), 2 seeds, through the benches' equal-FLOPs
+loop (bench/equal_flops.py: `training.train_step` + `TorchRunner`); then ppl@0 (one call at the top of the noise range,
 `model.score`, 4 antithetic draws) on 48 fixed held-out windows, with the standard error of its estimate,
 and the per-window paired difference.
 """
@@ -353,15 +354,19 @@ def _block_flops(cfg, x, y, b: int) -> int:
 
 
 def train_split(split, seed: int, budget: float | None):
-    """One run: SPLIT_STEPS steps, or (budget) as many as fit in `budget` counted FLOPs, the LR following
-    the spent share of it; -> (model, steps, FLOPs spent, FLOPs per step of each block, val stream)."""
+    """One run through the benches' equal-FLOPs loop (equal_flops.py): SPLIT_STEPS steps, or (budget) as
+    many as fit in `budget` counted FLOPs; -> (model, steps, FLOPs spent, FLOPs per step of each block, val
+    stream)."""
     import torch
 
     from looped_lm.data.bin_dataset import TokenStream
     from looped_lm.data.prepare import ensure_prepared
     from looped_lm.models import build_model
     from looped_lm.optim import BlockwiseAdamW, cosine_with_warmup, param_groups
-    from looped_lm.training import TorchRunner, train_step
+    from looped_lm.training import TorchRunner
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import equal_flops  # bench/ is not a package
 
     cfg = _split_config(split, seed)
     data = Path(ensure_prepared("bible", str(ROOT / "data_cache"), "byte", 0.05, seed, progress=False))
@@ -370,26 +375,26 @@ def train_split(split, seed: int, budget: float | None):
     flops_of = {b: _block_flops(cfg, x0, y0, b) for b in range(len(split))}
     torch.manual_seed(seed)
     model = build_model(cfg, 257)
+    curve_every = cfg.diffusion.curve_every if model.uses_curve() else 0
+    curve_cost = 0.0
+    if curve_every:  # one measurement's forward FLOPs, charged at every refresh
+        model.eval()
+        curve_cost = equal_flops.counted(lambda: model.measure_curve(x0, y0, seed=0))
+        model.train()
     torch.manual_seed(seed + 1)
+
+    def cost_at(step: int) -> float:
+        return flops_of[model.choose_block(step, seed)]
+
+    steps = SPLIT_STEPS if budget is None else equal_flops.plan_steps(cost_at, budget, curve_every, curve_cost)
     opt = BlockwiseAdamW(param_groups(model, WD), lr=LR, betas=(0.9, 0.95), foreach=False)
     runner = TorchRunner(model, opt, grad_clip=1.0, seed=seed)
-    step, spent = 0, 0
-    while True:
-        if model.uses_curve() and step and step % cfg.diffusion.curve_every == 0:  # as the trainer's refresh_curve
-            model.eval()
-            xc, yc = val.get_batch(16, seed, -2, 0, 0)
-            model.apply_curve(model.measure_curve(xc, yc, seed=seed + step))
-            model.train()
-        cost = flops_of[model.choose_block(step, seed)]
-        if (budget is None and step == SPLIT_STEPS) or (budget is not None and spent + cost > budget):
-            break
-        progress = step if budget is None else int(spent / budget * SPLIT_STEPS)  # steps of the even run
-        for g in opt.param_groups:
-            g["lr"] = cosine_with_warmup(progress, WARMUP, SPLIT_STEPS, LR, MIN_LR)
-        train_step(model, opt, runner, [train.get_batch(16, seed, step, 0, 0)], step, seed)
-        spent += cost
-        step += 1
-    return model, step, spent, flops_of, val
+    state = equal_flops.train(
+        model, opt, runner, steps, seed, batch_at=lambda step: train.get_batch(16, seed, step, 0, 0),
+        cost_at=cost_at, lr_at=lambda step: cosine_with_warmup(step, WARMUP, steps, LR, MIN_LR),
+        curve_every=curve_every, curve_batch_at=lambda step: train.get_batch(16, seed, -2 - step, 0, 0),
+        name=f"split {list(split)}")
+    return model, state["step"], state["flops"], flops_of, val
 
 
 def score_windows(model, val):
