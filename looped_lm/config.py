@@ -78,6 +78,7 @@ BlockSampling = Literal["uniform", "round_robin", "loss_share"]
 Bridge = Literal["soft", "hard", "sample"]
 LastCall = Literal["edge", "sigma_min"]
 Context = Literal["independent", "stacked"]
+StackOrder = Literal["high_noise_first", "low_noise_first"]
 Source = Literal["bible", "shakespeare", "files", "hf", "bin", "digits", "cifar10", "cifar100", "text8", "latents"]
 MaskSchedule = Literal["linear", "cosine"]
 Tokenizer = Literal["gpt2", "byte"]
@@ -133,6 +134,9 @@ class DiffusionConfig(_Section):
                           "paper: a prediction has the context depth of one block) or the clean states of "
                           "blocks < b, run forward without gradient (stacked: the depth of every block up to "
                           "b; a step still backpropagates through one block; no independent block jobs)")
+    stack_order: StackOrder = _f("high_noise_first", "context stacked: the order the clean stream runs through the "
+                                 "blocks: block 0 (highest noise, the first call of every chain) first and so "
+                                 "shallowest, or the lowest-noise block first, so block 0 has the depth of all")
     parameterization: Parameterization = _f("likelihood", "how a noisy slot reads z: edm (paper: c_in*z in, c_skip*z skip) or likelihood "
                                "(z's exact token log-likelihood <z,y_v>/sigma^2 added to the logits, and its "
                                "posterior-mean embedding as input: the network models only what context adds)")

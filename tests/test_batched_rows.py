@@ -14,13 +14,16 @@ from tiny_models import D, V, build_tiny
 def build(kind):
     if kind == "db_ar_defaults":  # the product's DB layout: slots attend the clean keys only
         return build_tiny("db_ar", parameterization="likelihood", noisy_self=False, noisy_input="prev_token")
+    if kind.startswith("db_ar_stacked"):  # depth composition: one block continues from the other's clean states
+        return build_tiny("db_ar", parameterization="likelihood", noisy_self=False, noisy_input="prev_token",
+                          context="stacked", stack_order="low_noise_first" if kind.endswith("low") else "high_noise_first")
     return build_tiny(kind)
 
 
 def step(model, kind, tokens, caches, rows, noise):
     """One forward_cached call with explicit noise so a row's result does not depend on batching."""
     limits = None if kind == "gpt" else model.iteration_limits()
-    kind = "db_ar" if kind == "db_ar_defaults" else kind
+    kind = "db_ar" if kind.startswith("db_ar") else kind
     settings = resolve_settings(limits, num_iterations=None if kind == "gpt" else 3, sampling=GREEDY)
     if kind == "huginn":
         noise = noise.expand(-1, tokens.shape[1], -1)
@@ -29,7 +32,8 @@ def step(model, kind, tokens, caches, rows, noise):
 
 
 @pytest.mark.parametrize("slots", [(0, 1), (2, 0)], ids=["contiguous", "scattered"])
-@pytest.mark.parametrize("kind", ["gpt", "db_ar", "db_ar_defaults", "looped_db", "huginn"])
+@pytest.mark.parametrize("kind", ["gpt", "db_ar", "db_ar_defaults", "db_ar_stacked", "db_ar_stacked_low", "looped_db",
+                                  "huginn"])
 @torch.no_grad()
 def test_interleaved_rows_equal_solo_runs(kind, slots):
     model = build(kind)
@@ -58,7 +62,7 @@ def test_interleaved_rows_equal_solo_runs(kind, slots):
         torch.testing.assert_close(got, solo[r], atol=2e-5, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["gpt", "db_ar", "db_ar_defaults", "huginn"])
+@pytest.mark.parametrize("kind", ["gpt", "db_ar", "db_ar_defaults", "db_ar_stacked", "huginn"])
 @torch.no_grad()
 def test_a_freed_row_serves_a_new_sequence_like_a_fresh_cache(kind):
     model = build(kind)

@@ -373,7 +373,7 @@ def test_last_call_at_sigma_min_makes_the_k_equals_b_sampler_block_0s_distributi
 def test_removed_config_options_say_why():
     from looped_lm.errors import UserError as E
 
-    for key in ("context", "noise"):
+    for key in ("noise",):  # context came back: tests/test_stacked.py
         with pytest.raises(E, match=f"diffusion.{key} was removed"):
             config_from_dict({"model": {"kind": "db_ar"}, "diffusion": {key: "x"}})
     with pytest.raises(E, match="partition must be one of equi_probability, uniform"):

@@ -28,12 +28,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def build(kind: str, seq_len: int = 16, bridge: str = "hard"):
+    if kind == "db_ar_stacked":  # depth composition (diffusion.context: stacked)
+        return build_tiny("db_ar", seq_len, bridge=bridge, context="stacked")
     return build_tiny(kind, seq_len, bridge=bridge)
 
 
 @pytest.fixture(scope="module")
 def models():
-    return {kind: build(kind) for kind in ("gpt", "db_ar", "looped_db", "huginn")}
+    return {kind: build(kind) for kind in ("gpt", "db_ar", "db_ar_stacked", "looped_db", "huginn")}
 
 
 def requests(kind: str, sampling=GREEDY, n: int = 6) -> list[Request]:
@@ -50,7 +52,7 @@ def solo(model, request: Request, **engine_kw) -> list[int]:
     return Engine(model, 1, **engine_kw).run([request])[0].token_ids
 
 
-@pytest.mark.parametrize("kind", ["gpt", "db_ar", "looped_db", "huginn"])
+@pytest.mark.parametrize("kind", ["gpt", "db_ar", "db_ar_stacked", "looped_db", "huginn"])
 def test_batched_requests_equal_each_request_alone(models, kind):
     model = models[kind]
     reqs = requests(kind)

@@ -27,6 +27,8 @@ def greedy_settings(model, K=None):
 KINDS = {
     "gpt": {"model": {"kind": "gpt"}},
     "db_ar": {"model": {"kind": "db_ar", "n_layers": 2, "n_prelude": 1}, "diffusion": {"num_blocks": 2}},
+    "db_ar_stacked": {"model": {"kind": "db_ar", "n_layers": 2, "n_prelude": 1},
+                      "diffusion": {"num_blocks": 2, "context": "stacked"}},
     "looped_db": {"model": {"kind": "looped_db", "n_layers": 1, "n_prelude": 1, "n_coda": 1},
                   "diffusion": {"num_blocks": 1, "num_iterations": 3}},
 }

@@ -24,6 +24,7 @@ from tiny_models import uncached_next_logits
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 V, T = 53, 12
+ORDERS = ["high_noise_first", "low_noise_first"]
 LIKELIHOOD = {"parameterization": "likelihood", "noisy_input": "prev_token", "noisy_self": False,
               "bridge": "sample", "block_sampling": "uniform"}
 
@@ -50,43 +51,49 @@ def batch(g, B=3):
 # --- the layout ---------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def test_block_input_is_the_previous_blocks_clean_states():
-    model = make()
+@pytest.mark.parametrize("order", ORDERS)
+def test_block_input_is_the_previous_blocks_clean_states(order):
+    """high_noise_first: block b continues blocks 0..b-1; low_noise_first: blocks B-1..b+1 (block 0 last)."""
+    model = make(stack_order=order)
     x, _ = batch(torch.Generator().manual_seed(0))
     pos = torch.arange(T)
     h = model.clean_inputs(x)
-    expected = [h]
-    for b in range(3):
+    chain = [0, 1, 2, 3] if order == "high_noise_first" else [3, 2, 1, 0]
+    expected = {chain[0]: h}
+    for prev, b in zip(chain, chain[1:]):
         cos, sin = model.rope(pos)
-        for layer in model.blocks[b]:
+        for layer in model.blocks[prev]:
             h, _, _ = layer.clean(h, cos, sin)
-        expected.append(h)
+        expected[b] = h
     for b in range(4):
         torch.testing.assert_close(model.block_input(b, model.clean_inputs(x), pos), expected[b], rtol=0, atol=0)
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("context", ["stacked", "independent"])
-def test_a_block_reads_the_blocks_below_it_only_when_stacked(context):
-    """Perturb block 0's weights: block 2's logits move under stacked, not under independent; block 0's
-    own logits move either way (the perturbation is real)."""
-    model = make(context=context)
+@pytest.mark.parametrize("context,order", [("stacked", "high_noise_first"), ("independent", "high_noise_first"),
+                                           ("stacked", "low_noise_first")])
+def test_a_block_reads_the_blocks_below_it_only_when_stacked(context, order):
+    """Perturb the first block of the stack: a later block's logits move under stacked, not under
+    independent; the perturbed block's own logits move either way (the perturbation is real)."""
+    model = make(context=context, stack_order=order)
+    first, later = (0, 2) if order == "high_noise_first" else (3, 1)
     x, y = batch(torch.Generator().manual_seed(1))
     z = model.targets(y) + 0.5 * torch.randn(3, T, 32, generator=torch.Generator().manual_seed(2))
     sigma = torch.full((3,), 0.5)
-    before = {b: WindowContext(model, x).denoise(b, z, sigma) for b in (0, 2)}
-    for p in model.blocks[0].parameters():
+    before = {b: WindowContext(model, x).denoise(b, z, sigma) for b in (first, later)}
+    for p in model.blocks[first].parameters():
         p.add_(0.3 * torch.randn_like(p))
-    after = {b: WindowContext(model, x).denoise(b, z, sigma) for b in (0, 2)}
-    assert (after[0] - before[0]).abs().max() > 1e-3
-    moved = (after[2] - before[2]).abs().max()
+    after = {b: WindowContext(model, x).denoise(b, z, sigma) for b in (first, later)}
+    assert (after[first] - before[first]).abs().max() > 1e-3
+    moved = (after[later] - before[later]).abs().max()
     assert (moved > 1e-3) if context == "stacked" else (moved == 0)
 
 
-def test_a_step_of_block_b_gives_the_blocks_below_no_gradient():
-    model = make().train()
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_step_of_block_b_gives_the_blocks_below_no_gradient(order):
+    model = make(stack_order=order).train()
     x, y = batch(torch.Generator().manual_seed(3))
-    for b in (1, 3):
+    for b in (0, 1, 3):
         model.zero_grad(set_to_none=True)
         sigma = torch.full((3,), 0.3)
         noise = torch.randn(3, T, 32)
@@ -102,9 +109,10 @@ def test_a_step_of_block_b_gives_the_blocks_below_no_gradient():
 # --- no leak; training path = scoring path ------------------------------------------------------------
 
 @torch.no_grad()
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("block", [0, 1, 3])
-def test_training_slot_sees_no_target_and_reads_its_context(block):
-    model = make()
+def test_training_slot_sees_no_target_and_reads_its_context(block, order):
+    model = make(stack_order=order)
     g = torch.Generator().manual_seed(4)
     x, y = batch(g)
     noise = torch.randn(3, T, 32, generator=g)
@@ -125,9 +133,10 @@ def test_training_slot_sees_no_target_and_reads_its_context(block):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("block", [1, 3])
-def test_training_loss_is_the_scoring_paths_ce(block):
-    model = make()
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("block", [0, 1, 3])
+def test_training_loss_is_the_scoring_paths_ce(block, order):
+    model = make(stack_order=order)
     g = torch.Generator().manual_seed(5)
     x, y = batch(g)
     noise = torch.randn(3, T, 32, generator=g)
@@ -138,8 +147,9 @@ def test_training_loss_is_the_scoring_paths_ce(block):
 
 
 @torch.no_grad()
-def test_scoring_slot_sees_no_target():
-    model = make(num_blocks=2, n_layers=2)
+@pytest.mark.parametrize("order", ORDERS)
+def test_scoring_slot_sees_no_target(order):
+    model = make(num_blocks=2, n_layers=2, stack_order=order)
     settings = ScoreSettings(k_grid=(1, 2, 4), draws=2)
     g = torch.Generator().manual_seed(6)
     x, y = batch(g, B=2)
@@ -156,11 +166,13 @@ def test_scoring_slot_sees_no_target():
 # --- decoding -----------------------------------------------------------------------------------------
 
 @torch.no_grad()
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("num_blocks,n_layers,K,lpb", [(2, 2, 1, 0), (2, 2, 2, 0), (2, 2, 5, 0), (4, 4, 2, 0),
                                                        (4, 4, 4, 0), (4, 4, 12, 0), (2, 4, 3, [3, 1])])
-def test_cached_decoding_equals_recompute(num_blocks, n_layers, K, lpb):
+def test_cached_decoding_equals_recompute(num_blocks, n_layers, K, lpb, order):
     """K < B skips blocks: their caches (and the states they hand on) catch up when a later block runs."""
-    model = make(num_blocks=num_blocks, n_layers=n_layers, layers_per_block=lpb, bridge="hard", last_call="edge")
+    model = make(num_blocks=num_blocks, n_layers=n_layers, layers_per_block=lpb, bridge="hard", last_call="edge",
+                 stack_order=order)
     prompt = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(7))
     settings = resolve_settings(model.iteration_limits(), num_iterations=K, bridge="hard", sampling=GREEDY)
     g = SharedGenerator(torch.Generator().manual_seed(11))
@@ -193,9 +205,10 @@ def test_a_stacked_decode_state_holds_each_blocks_inputs_once():
         caches[schedule] = cache
     a, b = caches[(1, 1, 4)], caches[(4, 4, 4)]
     assert [int(c.lengths[0]) for blk in a.blocks for c in blk] == [3] * 4
-    for h_a, h_b in zip(a.handed, b.handed):
-        torch.testing.assert_close(h_a[:, :3], h_b[:, :3], rtol=0, atol=1e-6)
-    assert a.handed[2][:, :3].abs().sum() > 0
+    assert sorted(a.handed) == [1, 2, 3]  # block 0 starts from the shared input
+    for blk in a.handed:
+        torch.testing.assert_close(a.handed[blk][:, :3], b.handed[blk][:, :3], rtol=0, atol=1e-6)
+    assert a.handed[3][:, :3].abs().sum() > 0
 
 
 # --- what the layout refuses --------------------------------------------------------------------------

@@ -81,17 +81,17 @@ class DiffusionBlocksRunner(nn.Module):
         x = m.tok_emb(input_ids)
         for layer, attn in zip(m.prelude, self.prelude_attn):
             x, _, _ = self._clean_layer(layer, attn, x, cos, sin)
-        clean_kv, carry = [], x
-        for b in range(len(m.blocks)):
-            c, kv, layers, own = carry, [], m.layers_of(b), len(m.blocks[b])
-            hand_on = m.stacked and b + 1 < len(m.blocks)  # context stacked: block b+1 continues from here
+        clean_kv, carry = [None] * len(m.blocks), x
+        for b in (m.stack_order if m.stacked else range(len(m.blocks))):
+            c, kv, layers, own = carry if m.feeder(b) is not None else x, [], m.layers_of(b), len(m.blocks[b])
+            hand_on = m.fed(b) is not None  # context stacked: the next block of stack_order continues from here
             for i, (layer, attn) in enumerate(zip(layers, self.block_attn[b])):
                 c, k, v = self._clean_layer(layer, attn, c, cos, sin,
                                             need_output=i + 1 < len(layers) or (hand_on and i + 1 == own))
                 kv.append((k, v))
                 if hand_on and i + 1 == own:
                     carry = c
-            clean_kv.append(kv)
+            clean_kv[b] = kv
         cos_n, sin_n = m.rope(positions + 1)  # the noisy slot of the token after position p
 
         def denoise(b, z, sigma, rows):  # every row (token) runs the same step: rows is all of them

@@ -32,22 +32,24 @@ class WindowContext:
         T = x.shape[1]
         self.slots = torch.arange(T, device=x.device)
         self.mask = slot_mask(self.slots, T, net.noisy_self)
-        self.inputs = {0: net.clean_inputs(x)}  # each block's clean input (stacked: block b-1's states)
+        self.clean = net.clean_inputs(x)
+        self.inputs: dict[int, torch.Tensor] = {}  # context stacked: block b's clean input, its feeder's states
         self.kv: dict[int, list] = {}
 
     def _input(self, b: int) -> torch.Tensor:
-        if not self.net.stacked:
-            return self.inputs[0]
+        feeder = self.net.feeder(b)
+        if feeder is None:
+            return self.clean
         if b not in self.inputs:
-            self._encode(b - 1)
+            self._encode(feeder)
         return self.inputs[b]
 
     def _encode(self, b: int) -> None:
-        """Block b's clean K/V, and (stacked) what it hands to block b + 1: each block runs once."""
-        hand_on = self.net.stacked and b + 1 < len(self.net.blocks)
-        self.kv[b], handed = self.net.clean_pass(b, self._input(b), self.slots, hand_on=hand_on)
-        if hand_on:
-            self.inputs[b + 1] = handed
+        """Block b's clean K/V, and (stacked) what it hands to the next block: each block runs once."""
+        fed = self.net.fed(b)
+        self.kv[b], handed = self.net.clean_pass(b, self._input(b), self.slots, hand_on=fed is not None)
+        if fed is not None:
+            self.inputs[fed] = handed
 
     def denoise(self, b: int, z, sigma, rows: torch.Tensor | None = None):
         if b not in self.kv:
@@ -79,8 +81,8 @@ class DecodeState:
         self.prelude = caches(len(net.prelude))
         self.blocks = [caches(len(net.layers_of(b))) for b in range(len(net.blocks))]
         self.history = torch.zeros(batch, max_len, p.shape[1], device=p.device, dtype=p.dtype)
-        # context stacked: block b's clean input is block b-1's clean states, kept once computed
-        self.handed = [torch.zeros_like(self.history) for _ in range(len(net.blocks) - 1)] if net.stacked else []
+        # context stacked: block b's clean input is its feeder's clean states, kept once computed
+        self.handed = {b: torch.zeros_like(self.history) for b in range(len(net.blocks)) if net.feeder(b) is not None}
         self.lengths = torch.zeros(batch, dtype=torch.long, device=p.device)
         self.last = torch.zeros(batch, dtype=torch.long, device=p.device)
 
@@ -99,8 +101,8 @@ class DecodeState:
         return sum(c.nbytes_per_token() for c in every) + inputs
 
     def inputs(self, b: int) -> torch.Tensor:
-        """Block b's clean inputs, by row and position: the shared history, or (stacked) block b-1's states."""
-        return self.handed[b - 1] if self.handed and b > 0 else self.history
+        """Block b's clean inputs, by row and position: the shared history, or (stacked) its feeder's states."""
+        return self.handed.get(b, self.history)
 
     def append(self, net, idx: torch.Tensor, rows) -> torch.Tensor:
         """Add tokens idx (R, n) to the histories of `rows` (through the prelude); -> the selected rows."""
@@ -145,18 +147,18 @@ class CachedContext:
         logits, handed = self.net.fused_pass(b, clean, clean_pos, caches, self.sel, z, sigma, prev, noisy_pos,
                                              hand_on=self._hands_on(b))
         if handed is not None:
-            self.state.handed[b][self.sel[:, None], span] = handed
+            self.state.handed[self.net.fed(b)][self.sel[:, None], span] = handed
         return logits
 
     def _hands_on(self, b: int) -> bool:
-        return self.net.stacked and b + 1 < len(self.net.blocks)
+        return self.net.fed(b) is not None
 
     def catch_up(self, b: int) -> None:
         """Bring block b's cache of every row in sel up to its history: aligned rows in one forward,
         ragged ones (they skipped this block for different spans) one row at a time."""
         net, state, caches = self.net, self.state, self.state.blocks[b]
-        if net.stacked and b > 0:  # block b's inputs are block b-1's states: bring it up to date first
-            self.catch_up(b - 1)
+        if net.feeder(b) is not None:  # block b's inputs are its feeder's states: bring it up to date first
+            self.catch_up(net.feeder(b))
         cached, ends = caches[0].lengths[self.sel], state.lengths[self.sel]
         pending = ends - cached
         if not bool(pending.any()):
@@ -171,11 +173,11 @@ class CachedContext:
             _, handed = net.clean_pass(b, state.inputs(b)[rows[:, None], span], positions, caches, rows,
                                        hand_on=self._hands_on(b))
             if handed is not None:
-                state.handed[b][rows[:, None], span] = handed
+                state.handed[net.fed(b)][rows[:, None], span] = handed
 
     def denoise(self, b: int, z, sigma, rows: torch.Tensor | None = None):
-        if self.net.stacked and b > 0:
-            self.catch_up(b - 1)
+        if self.net.feeder(b) is not None:
+            self.catch_up(self.net.feeder(b))
         if rows is None or self._all(rows):
             fused = self._fused(b, z, sigma)
             if fused is not None:

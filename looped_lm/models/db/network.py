@@ -58,7 +58,10 @@ class DBNetwork(nn.Module):
         if len(self.edges) != num_blocks + 1:
             raise UserError(f"saved edges have {len(self.edges) - 1} blocks but the model has {num_blocks}")
         self.noisy_self = d.noisy_self
-        self.stacked = d.context == "stacked" and num_blocks > 1  # block b's clean stream continues block b-1's
+        # context stacked: the clean stream runs through the blocks in stack_order, each continuing the one before
+        self.stacked = d.context == "stacked" and num_blocks > 1
+        order = list(range(num_blocks))
+        self.stack_order = order if d.stack_order == "high_noise_first" else order[::-1]
         self.likelihood = d.parameterization == "likelihood"
         self.prev_token = d.noisy_input == "prev_token"
         self.posterior_input, self.posterior_topk = d.posterior_input, d.posterior_topk
@@ -217,9 +220,24 @@ class DBNetwork(nn.Module):
                 handed = clean
         return out, handed
 
+    def feeder(self, b: int) -> int | None:
+        """context stacked: the block whose clean states block b's clean stream continues; None for the
+        first block of stack_order (and for every block with context independent)."""
+        if not self.stacked:
+            return None
+        i = self.stack_order.index(b)
+        return self.stack_order[i - 1] if i else None
+
+    def fed(self, b: int) -> int | None:
+        """context stacked: the block that continues from block b's clean states, or None."""
+        if not self.stacked:
+            return None
+        i = self.stack_order.index(b)
+        return self.stack_order[i + 1] if i + 1 < len(self.stack_order) else None
+
     def own_forward(self, b: int, clean, positions) -> torch.Tensor:
         """Block b's own layers on the clean stream (no cache, no K/V kept): what `context: stacked`
-        hands to block b + 1. Training runs it without gradient for the blocks below the step's."""
+        hands to the next block. Training runs it without gradient for the blocks before the step's."""
         cos, sin = self.rope(positions)
         for layer in self.blocks[b]:
             clean, _, _ = layer.clean(clean, cos, sin)
@@ -227,13 +245,13 @@ class DBNetwork(nn.Module):
 
     def block_input(self, b: int, clean, positions) -> torch.Tensor:
         """Block b's clean input from the shared one (`clean_inputs`): itself (context: independent, the
-        paper), or its continuation through blocks 0..b-1 without gradient (stacked), so a prediction
-        of block b has the context depth of every block up to its own while a step still backpropagates
-        through one block (and holds one block's activations)."""
-        if not self.stacked or b == 0:
+        paper), or its continuation through the blocks before b in stack_order, without gradient
+        (stacked), so a prediction of block b has the context depth of every block up to its own while a
+        step still backpropagates through one block (and holds one block's activations)."""
+        if self.feeder(b) is None:
             return clean
         with torch.no_grad():
-            for j in range(b):
+            for j in self.stack_order[:self.stack_order.index(b)]:
                 clean = self.own_forward(j, clean, positions)
         return clean.detach()
 

@@ -65,7 +65,7 @@ class BlockObjective:
             targets, prev = y.gather(1, slots), x.gather(1, slots)
         z = net.targets(targets) + sigma[:, None, None] * noise
         positions = torch.arange(T, device=x.device)
-        if net.stacked and b > 0:  # blocks < b only hand their clean states on: no graph is kept for them
+        if net.feeder(b) is not None:  # the blocks before b only hand their clean states on: no graph is kept
             with torch.no_grad():
                 clean = net.block_input(b, net.clean_inputs(x), positions)
         else:
