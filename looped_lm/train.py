@@ -526,6 +526,23 @@ def save(engine, model, optimizer, cfg: Config, plan: Plan, out_dir: Path, step:
     return final
 
 
+def _quiet_writer_threads() -> None:
+    """TensorBoard writes from a thread of its own; its failure (a full disk) would print that thread's
+    traceback, then surface again at the next `add_scalar`, where MetricsLogger names the directory and
+    main() prints one line. Only that thread's traceback is dropped."""
+    import threading
+
+    previous = threading.excepthook
+    if getattr(previous, "looped_lm", False):
+        return
+
+    def hook(args):
+        if type(args.thread).__name__ != "_AsyncWriterThread":
+            previous(args)
+    hook.looped_lm = True
+    threading.excepthook = hook
+
+
 class MetricsLogger:
     """metrics.jsonl (truncated to the resume step, so the file is the true curve) + TensorBoard."""
 
@@ -546,6 +563,7 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(out_dir / "tb"), purge_step=start_step + 1 if start_step else None)
+            _quiet_writer_threads()
         except ImportError:  # tensorboard is a dependency; tolerate its absence in minimal installs
             self.tb = None
 
@@ -553,9 +571,12 @@ class MetricsLogger:
         self.file.write(json.dumps({"step": step, **values}) + "\n")
         self.file.flush()
         if self.tb is not None:
-            for k, v in values.items():
-                if isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, step)
+            try:
+                for k, v in values.items():
+                    if isinstance(v, (int, float)):
+                        self.tb.add_scalar(k, v, step)
+            except OSError as e:  # the writer thread's failure (a full disk), surfaced here: name the directory
+                raise OSError(e.errno, e.strerror or str(e), str(self.tb.log_dir)) from None
 
     def close(self) -> None:
         self.file.close()

@@ -214,3 +214,25 @@ def test_a_killed_rank_and_a_lost_peer_are_one_line(capsys):
                         "[127.0.0.1]:16810: Connection reset by peer. This is typically caused by a remote worker")
     assert lost_peer(gloo) == "Read error [127.0.0.1]:16810: Connection reset by peer"
     assert lost_peer(RuntimeError("shapes do not match")) is None
+
+
+def test_a_full_disk_under_tensorboard_is_one_error_naming_the_directory(tmp_path, capsys):
+    """TensorBoard's writer thread fails (ENOSPC): no thread traceback; the next log() raises an OSError
+    naming the tb directory, which the trainer prints as one line, exit 1."""
+    import errno
+    import time
+
+    from looped_lm.train import MetricsLogger
+
+    log = MetricsLogger(tmp_path, 0, 0)
+    writer = log.tb._get_file_writer().event_writer._async_writer._writer
+
+    def full(data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    writer.write = full
+    with pytest.raises(OSError) as err:
+        for step in range(1, 50):
+            log.log(step, {"loss": 1.0})
+            time.sleep(0.05)
+    assert err.value.filename == str(tmp_path / "tb") and err.value.errno == errno.ENOSPC
+    assert "Traceback" not in capsys.readouterr().err
