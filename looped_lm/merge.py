@@ -65,6 +65,10 @@ class _Job:
             raise UserError(f"cannot merge {self.path}: it is a LoRA job (train.lora_rank {self.cfg.train.lora_rank}); "
                             "merge joins full-weight block jobs (docs/pretrained.md)")
         d = self.cfg.diffusion
+        if d.context == "stacked":  # a block reads the blocks before it: there are no independent block jobs
+            raise UserError(f"cannot merge {self.path}: it has diffusion.context stacked, where each block continues "
+                            "from the clean states of the blocks before it, so blocks are not trained apart "
+                            "(docs/method.md §4)")
         owned = self.manifest.get("ownership", {}).get("blocks", d.blocks_to_train or list(range(d.num_blocks)))
         self.blocks = sorted(owned)
         self.edges = [float(e) for e in self.manifest.get("model_state", {}).get("edges", [])]

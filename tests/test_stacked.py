@@ -257,3 +257,23 @@ def test_the_loss_share_curve_is_measured_on_training_data(monkeypatch):
     assert asked == [("train", -2)] and len(curve["ce"]) == len(curve["sigmas"])
     import inspect  # and the loop hands it the training stream
     assert "refresh_curve(model, train_stream," in inspect.getsource(trainer._train)
+
+
+def test_a_stacked_run_trains_evaluates_and_refuses_merge(tmp_path, write_config, capsys, one_line_error):
+    """The trainer runs a stacked db_ar end to end; `eval` scores its checkpoint; `merge` refuses it in one
+    line (its blocks were not trained apart), exit 2, nothing written."""
+    from looped_lm import cli
+    from looped_lm import train as trainer
+
+    cfg = write_config(tmp_path / "s.yaml", {"model": {"kind": "db_ar", "n_layers": 2, "n_prelude": 1},
+                                             "diffusion": {"num_blocks": 2, "context": "stacked"},
+                                             "train": {"out_dir": str(tmp_path / "s"), "max_steps": 2}})
+    assert trainer.main(["--config", str(cfg)]) == 0
+    ckpt = tmp_path / "s" / "step_0000002"
+    capsys.readouterr()
+    assert cli.main(["eval", "--checkpoint", str(ckpt), "--max-tokens", "64", "--num-iterations", "2"]) == 0
+    assert "| 2 |" in capsys.readouterr().out  # the K = 2 row
+    out = tmp_path / "merged"
+    assert cli.main(["merge", str(ckpt), str(ckpt), "--out", str(out)]) == 2
+    one_line_error(capsys.readouterr(), "diffusion.context stacked")
+    assert not out.exists()
