@@ -87,3 +87,35 @@ def test_marginal_vector_sums_to_one_and_matches_targeted_estimates(one_thread):
     targeted = model.score(x, y, ScoreSettings(k_grid=(2 * B,), draws=64), torch.Generator().manual_seed(9))[2 * B]
     picked = logp.gather(-1, y[..., None])[..., 0]
     assert float((picked + targeted.nll).abs().mean()) < 0.15
+
+
+@torch.no_grad()
+def test_estimates_are_bounded_at_every_k(one_thread):
+    """Every estimate lies in [0, 2] (tilt off; the branch weights sum to 1 and the path's mixture factor
+    is <= 2), also at K = 8B where per-step importance ratios multiplied to 2^13 and estimates far above 1;
+    the NLL is >= 0, so a log-prob is never above 0."""
+    from looped_lm.models.db.contexts import WindowContext
+
+    model = model_for("sigma_min")
+    x, y = markov_batch(torch.Generator().manual_seed(11), batch=2, T=6)
+    for K in (1, 3, 8 * B):
+        settings = ScoreSettings(draws=8, tilt=0.0)
+        est, marginal, _ = model._estimates(WindowContext(model, x), y, K, settings,
+                                            SharedGenerator(torch.Generator().manual_seed(K)), full=True)
+        assert float(est.min()) >= 0 and float(est.max()) <= 2.0 + 1e-9, (K, float(est.max()))
+        scores = model.score(x, y, ScoreSettings(k_grid=(K,), draws=4), torch.Generator().manual_seed(K))[K]
+        assert float(scores.nll.min()) >= 0
+
+
+def test_jackknife_never_swings_past_the_estimates():
+    """One estimate orders of magnitude above the others: the plain jackknife said -505 nats (a log-prob
+    of +505); an unresolved token keeps -log(mean), a resolved one a correction within [0, variance],
+    and the NLL is never below 0."""
+    from looped_lm.diffusion.estimator import jackknife_nll
+
+    p = torch.tensor([[3e-3, 0.95], [1e-290, 0.99], [1e-290, 1.0], [1e-290, 1.2]], dtype=torch.float64)
+    nll, var = jackknife_nll(p)
+    plain = -p.mean(0).clamp(max=1.0).log()
+    assert bool((nll >= 0).all()) and bool((nll <= plain).all()) and bool((plain - nll <= var).all())
+    assert float(nll[0]) == pytest.approx(float(plain[0]))  # -log(3e-3 / 4) = 7.2, not -505
+    assert float(var[1]) < 1 and 0 <= float(nll[1]) < 0.01

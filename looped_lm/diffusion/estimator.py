@@ -163,10 +163,10 @@ def jackknife_nll(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     variance estimate. -> (nll (...) >= 0, variance of the nll (...) or None when N == 1).
 
     A probability is at most 1, so the mean is clipped there (an estimate above 1 is known to be too
-    high: the clip only moves it closer). The correction is kept within [0, variance]: first order it
-    is variance / 2, and where the estimates disagree by orders of magnitude the jackknife's own
-    correction is unstable (+-500 nats measured), while that token's variance already says it is
-    unresolved."""
+    high: the clip only moves it closer). The correction is kept within [0, variance] (first order it is
+    variance / 2) and made only where the token is resolved (se <= UNRESOLVED_TOKEN_SE): where the
+    estimates disagree by orders of magnitude the jackknife's own correction swings by hundreds of
+    nats (-512 measured, a log-prob of +512), while the variance already says the token is unresolved."""
     N = p.shape[0]
     p = p.double()
     full = -p.mean(0).clamp(1e-300, 1.0).log()
@@ -176,5 +176,6 @@ def jackknife_nll(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     mean_leave = leave_one.mean(0)
     var = (N - 1) / N * ((leave_one - mean_leave) ** 2).sum(0)
     correction = (N - 1) * (mean_leave - full)  # full - the jackknife estimate
-    nll = (full - torch.minimum(correction.clamp_min(0.0), var)).clamp_min(0.0)
+    correction = torch.where(var <= UNRESOLVED_TOKEN_SE ** 2, torch.minimum(correction.clamp_min(0.0), var), 0.0)
+    nll = (full - correction).clamp_min(0.0)
     return nll, var
