@@ -157,6 +157,8 @@ def deepspeed_private_attributes() -> set[str]:
     names = set(DEEPSPEED_INTERNALS)
     for rel in ("runtime/engine.py", "runtime/zero/stage_1_and_2.py", "runtime/zero/stage3.py",
                 "runtime/bf16_optimizer.py", "utils/mixed_precision_linkage.py", "utils/tensor_fragment.py"):
+        if not (root / rel).is_file():  # another DeepSpeed layout: the caller checks enough names were found
+            continue
         for node in ast.walk(ast.parse((root / rel).read_text())):
             if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and node.attr.startswith("_") \
                     and not node.attr.startswith("__"):
