@@ -117,6 +117,8 @@ CASES = {
     "prepare --out a run directory": (lambda g, d, c, t, p: ["prepare", "--source", "bible", "--tokenizer", "byte",
                                                              "--out", _run_dir(t)],
                                       2, ["not a prepared dataset", "--overwrite"]),
+    "prepare a non-UTF-8 source": (lambda g, d, c, t, p: ["prepare", "--source", _non_utf8(t), "--tokenizer", "byte",
+                                                          "--out", str(t / "data")], 2, ["is not UTF-8"]),
     "verify a missing directory": (lambda g, d, c, t, p: ["verify", str(t / "nope")], 2,
                                    ["checkpoint directory not found"]),
     # serve: every check before the model loads (or, for K against the model, before it binds)
@@ -148,8 +150,9 @@ def test_every_edge_is_one_line(case, tiny_run, db_ckpt, tmp_path, taken_port, n
     argv = build(str(gpt), str(db_ckpt), str(cfg), work, taken_port)
     before = sorted(p.name for p in work.rglob("*"))
     assert cli.main(argv) == code
-    line = one_line_error(capsys.readouterr(), *fragments)
-    assert "\n" not in line
+    captured = capsys.readouterr()
+    line = one_line_error(captured, *fragments)
+    assert captured.err.strip() == line, captured.err  # the error line alone: no progress bar, no usage, no log
     after = sorted(p.name for p in work.rglob("*"))
     assert after == before, f"{case} left {set(after) - set(before)}"  # nothing half-written
 

@@ -55,6 +55,7 @@ def prepare_dataset(
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"output path {out_dir} exists and is not a directory")
     documents = iter_documents(source)
+    created = not os.path.exists(out_dir)
     os.makedirs(out_dir, exist_ok=True)
 
     tag = f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -62,7 +63,8 @@ def prepare_dataset(
     tokens = {split: 0 for split in SPLITS}
     docs = {split: 0 for split in SPLITS}
     files = {split: open(tmp[split], "wb", buffering=1 << 20) for split in SPLITS}
-    bar = tqdm(desc=f"tokenizing {source}", unit=" docs", disable=not progress)
+    # shown after a second only: a source refused at its first document (not UTF-8) prints just its error
+    bar = tqdm(desc=f"tokenizing {source}", unit=" docs", disable=not progress, delay=1.0)
 
     def write(split: str, ids: list[int], ends_document: bool = True) -> None:
         ids = ids + [tok.eot_id] if ends_document else ids
@@ -126,6 +128,8 @@ def prepare_dataset(
         for path in (*tmp.values(), os.path.join(out_dir, f".meta.json{tag}")):
             if os.path.exists(path):
                 os.remove(path)
+        if created and not os.listdir(out_dir):  # a refused source leaves no directory behind either
+            os.rmdir(out_dir)
 
 
 def ensure_prepared(
