@@ -2,6 +2,8 @@
 budget, against db_ar from scratch and against its source.
 
     python bench/pretrained.py --ft-steps 200    # ~10 min on one core (most of it scoring)
+    python bench/pretrained.py --ft-steps 200 --only converted_blocks11_coda2_anchor   # some runs; the
+                                                 # source is reused when its checkpoint is there
     python bench/pretrained.py --smoke           # a few steps of everything: checks the script
 
 Protocol (one seed, tiny; a first reading, not a study): the Bible, byte tokenizer (V = 257), 4 layers
@@ -97,15 +99,17 @@ def optimizer_bytes(raw: dict, vocab: int = 257) -> int:
 
 
 def main() -> int:
-    global SOURCE_STEPS, FT_STEPS, EVAL_TOKENS
+    global SOURCE_STEPS, FT_STEPS, EVAL_TOKENS, WORK
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--ft-steps", type=int, default=FT_STEPS, help="fine-tuning budget in steps")
+    p.add_argument("--only", default="", help="comma-separated runs (default: all); summary.json covers every "
+                   "<run>.json in the results folder")
     args = p.parse_args()
     FT_STEPS = args.ft_steps
-    if args.smoke:
-        SOURCE_STEPS, FT_STEPS, EVAL_TOKENS = 4, 2, 512
-    results = RESULTS / f"ft{FT_STEPS}" if not args.smoke else WORK / "smoke_results"
+    if args.smoke:  # its own work folder: a smoke source must never replace the real one
+        SOURCE_STEPS, FT_STEPS, EVAL_TOKENS, WORK = 4, 2, 512, WORK / "smoke"
+    results = RESULTS / f"ft{FT_STEPS}" if not args.smoke else WORK / "results"
     results.mkdir(parents=True, exist_ok=True)
     WORK.mkdir(parents=True, exist_ok=True)
     import torch
@@ -114,11 +118,13 @@ def main() -> int:
 
     # the source: the project's gpt, pretrained here and exported as a stock Llama
     src_raw = run_config("source", {"kind": "gpt"}, train={"max_steps": SOURCE_STEPS, "lr": 3e-3, "min_lr": 3e-4})
-    src_ckpt, src_s = train("source", src_raw)
-    from looped_lm.export import export
+    hf_dir, rows = WORK / "source_hf", {}
+    if not (args.only and (hf_dir / "config.json").is_file() and (results / "source.json").is_file()):
+        src_ckpt, src_s = train("source", src_raw)
+        from looped_lm.export import export
 
-    hf_dir = export(src_ckpt, WORK / "source_hf", overwrite=True, format="llama")
-    rows = {"source": (src_raw, SOURCE_STEPS, src_s, evaluate("source", src_ckpt, "gpt"))}
+        export(src_ckpt, hf_dir, overwrite=True, format="llama")
+        rows["source"] = (src_raw, SOURCE_STEPS, src_s, evaluate("source", src_ckpt, "gpt"))
 
     db = {"kind": "db_ar", "init_from": str(hf_dir)}
     ft = {"max_steps": FT_STEPS, "lr": 1e-3, "min_lr": 1e-4}
@@ -139,7 +145,13 @@ def main() -> int:
         "scratch_equal_total": ({"kind": "db_ar"}, stacked,
                                 {**ft, "max_steps": SOURCE_STEPS + FT_STEPS, "lr": 3e-3, "min_lr": 3e-4}),
     }
+    only = [n for n in args.only.split(",") if n]
+    unknown = sorted(set(only) - set(runs))
+    if unknown:
+        sys.exit(f"--only: unknown run {unknown[0]} (have: {', '.join(runs)})")
     for name, (model, diffusion, tr) in runs.items():
+        if only and name not in only:
+            continue
         raw = run_config(name, model, diffusion, tr)
         ckpt, seconds = train(name, raw)
         rows[name] = (raw, tr["max_steps"], seconds, evaluate(name, ckpt, "db_ar"))
@@ -150,6 +162,11 @@ def main() -> int:
         record = {"name": name, "config": raw, "steps": steps, "train_cpu_seconds": round(seconds, 1),
                   "optimizer_state_bytes": optimizer_bytes(raw) if name != "source" else None, "eval": rep}
         (results / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
+    for path in sorted(results.glob("*.json")):
+        if path.name == "summary.json":
+            continue
+        record = json.loads(path.read_text())
+        name, steps, rep = record["name"], record["steps"], record["eval"]
         summary["runs"][name] = {"steps": steps, "ppl": rep.get("ppl"), "ppl_at_k": rep.get("ppl_at_k"),
                                  "ppl_se": rep.get("ppl_se"), "unresolved": rep.get("unresolved"),
                                  "optimizer_state_bytes": record["optimizer_state_bytes"]}
