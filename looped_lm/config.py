@@ -403,7 +403,8 @@ def validate(cfg: Config) -> None:
              " set model.allow_full_backprop: true if that is intended")
     _require(m.max_iterations >= 1, f"model.max_iterations must be >= 1 (got {m.max_iterations})")
     if m.init_from and "tokenizer" not in cfg.data.model_fields_set:
-        cfg.data.tokenizer = m.init_from  # the checkpoint's own tokenizer.json
+        # the checkpoint's own tokenizer.json, absolute: the manifest's name must not depend on the cwd
+        cfg.data.tokenizer = str(Path(m.init_from).expanduser().absolute())
 
     _require(d.num_blocks >= 1, f"diffusion.num_blocks must be >= 1 (got {d.num_blocks})")
     if m.kind == "db_ar":
