@@ -394,15 +394,12 @@ def check_weights_fit(path: Path, model) -> None:
         names = set(adapter_names(model))
         state = {n: t for n, t in state.items() if n in names}
     want = {k: tuple(v.shape) for k, v in state.items()}
-    vocab = getattr(model, "vocab_size", None)
     for name, shape in sorted(shapes.items()):
         if name not in want:
             raise UserError(f"{path} holds {name}, which the model in its manifest does not have")
-        if want[name] != shape:
-            # the first dimension of an embedding or head is the vocabulary: name the manifest's field
-            field = f" (its vocab_size is {vocab})" if vocab in want[name] and vocab not in shape else ""
+        if want[name] != shape:  # (vocab_size, config.model.* and model_state build the model)
             raise UserError(f"{path} holds {name} of shape {list(shape)}, but the model in its manifest has "
-                            f"{list(want[name])}{field}")
+                            f"{list(want[name])}")
     by_tensor: dict = {}  # tied tensors (one object under several names) are stored once
     for name, t in state.items():
         by_tensor.setdefault(id(t), []).append(name)
