@@ -433,6 +433,8 @@ def validate(cfg: Config) -> None:
     _require(len(set(d.blocks_to_train)) == len(d.blocks_to_train),
              f"diffusion.blocks_to_train has duplicates: {d.blocks_to_train}")
 
+    _require(not m.activation_checkpointing or m.kind == "gpt", f"model.activation_checkpointing is for model.kind "
+             f"gpt (got {m.kind}): a DiffusionBlocks step already holds one block's activations")
     if d.context == "stacked":
         _require(m.kind == "db_ar", f"diffusion.context stacked chains the blocks of a db_ar model (got model.kind "
                                     f"{m.kind})")
