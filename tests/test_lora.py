@@ -187,3 +187,27 @@ def test_eval_and_generate_load_an_adapter_checkpoint(lora_run, capsys):
     assert cli.main(["eval", "--checkpoint", str(ckpt), "--max-tokens", "128", "--no-progress"]) == 0
     assert cli.main(["generate", "--checkpoint", str(ckpt), "--prompt", "And", "--max-tokens", "8"]) == 0
     assert "And" in capsys.readouterr().out
+
+
+def test_a_block_job_checkpoints_its_blocks_adapters_and_state_only(tmp_path, llama, write_config):
+    """db_ar LoRA job for block 1: its weights file and optimizer state name block 1 only."""
+    from safetensors import safe_open
+
+    from looped_lm import train as trainer
+
+    root, _ = llama
+    path = write_config(tmp_path / "run.yaml", {
+        "model": {"kind": "db_ar", "n_layers": 2, "n_prelude": 1, "n_coda": 1, "d_model": D, "n_heads": HEADS,
+                  "ffn_hidden": FFN, "vocab_size": V, "init_from": str(root)},
+        "diffusion": {"num_blocks": 2, "blocks_to_train": [1], "block_sampling": "round_robin"},
+        "data": {"cache_dir": str(tmp_path / "cache")},
+        "train": {"out_dir": str(tmp_path / "out"), "max_steps": 2, "lora_rank": 4}})
+    assert trainer.main(["--config", str(path)]) == 0
+    ckpt = tmp_path / "out" / "step_0000002"
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        saved = list(f.keys())
+    lora = [n for n in saved if "lora_" in n]
+    assert lora and all(n.startswith("blocks.1.") for n in lora)
+    assert sorted(p.name for p in (ckpt / "optimizer").iterdir()) == ["block1.safetensors"]
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["ownership"] == {"blocks": [1]} and manifest["base"]["sha256"]
