@@ -164,7 +164,8 @@ def report(sums: dict, variances: dict, tokens: int, block_size: int, stride: in
     """PPL per label; for estimated ones, `ppl_se`: the standard error of the ppl from the estimates'
     spread (var(mean NLL) = sum of the per-token jackknife variances / tokens^2). An estimate whose
     standard error is not small against it (se of the mean NLL above UNRESOLVED_MEAN_SE nats, an se
-    above the ppl, or none at all: one draw) is listed in `unresolved` and its ppl is null, never a number."""
+    above the ppl, or none at all: one draw), or whose Jensen bias bound (the mean per-token variance / 2)
+    is above UNRESOLVED_MEAN_SE nats, is listed in `unresolved` and its ppl is null, never a number."""
     from looped_lm.diffusion.estimator import UNRESOLVED_MEAN_SE
 
     ppl = {label: math.exp(min(s / tokens, 700.0)) for label, s in sums.items()}
@@ -175,8 +176,11 @@ def report(sums: dict, variances: dict, tokens: int, block_size: int, stride: in
         return out
     se = {label: ppl[label] * math.sqrt(v) / tokens for label, v in variances.items()}
     estimated = kind in ("db_ar", "looped_db")  # huginn's per-K scores are exact: no se, none needed
+    # the se covers the estimates' spread, not -log(mean)'s own Jensen bias, about var / 2 per token (left
+    # uncorrected on unresolved tokens): the mean of that bound must be small too
     unresolved = sorted(label for label in ppl if estimated and (
-        label not in variances or math.sqrt(variances[label]) / tokens > UNRESOLVED_MEAN_SE or se[label] > ppl[label]))
+        label not in variances or math.sqrt(variances[label]) / tokens > UNRESOLVED_MEAN_SE
+        or variances[label] / (2 * tokens) > UNRESOLVED_MEAN_SE or se[label] > ppl[label]))
     shown = {label: None if label in unresolved else v for label, v in ppl.items()}
     primary = 0 if 0 in ppl else min(ppl)
     out.update(ppl=shown[primary], nll=None if primary in unresolved else sums[primary] / tokens, primary=primary,
