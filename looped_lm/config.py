@@ -466,11 +466,11 @@ def validate(cfg: Config) -> None:
     _require(t.log_every >= 1 and t.keep_last >= 1, "train.log_every and train.keep_last must be >= 1")
     _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1)")
     _require(t.out_dir != "", "train.out_dir must not be empty")
-
-    _require(cfg.deepspeed.zero_stage in (0, 1, 2), f"deepspeed.zero_stage must be 0, 1 or 2 (got {cfg.deepspeed.zero_stage})")
-    if cfg.data.source in ("files", "hf", "bin", "cifar10", "cifar100", "text8", "latents"):
-        _require(cfg.data.path != "", f"data.path is required when data.source is {cfg.data.source}")
     _require(t.lora_rank >= 0, f"train.lora_rank must be >= 0 (got {t.lora_rank})")
+    if t.lora_rank:
+        _require(bool(m.init_from), "train.lora_rank needs model.init_from: adapters train on a pretrained base")
+        _require(t.lora_alpha > 0 and 0 <= t.lora_dropout < 1,
+                 "train.lora_alpha must be > 0 and train.lora_dropout in [0, 1)")
         bad = [name for name in t.lora_targets if name not in LORA_TARGETS]
         _require(not bad, f"train.lora_targets has {bad[0]!r}: no such module (have: {', '.join(LORA_TARGETS)})"
                  if bad else "")
@@ -479,10 +479,6 @@ def validate(cfg: Config) -> None:
     _require(cfg.deepspeed.zero_stage in (0, 1, 2), f"deepspeed.zero_stage must be 0, 1 or 2 (got {cfg.deepspeed.zero_stage})")
     if cfg.data.source in ("files", "hf", "bin", "cifar10", "cifar100", "text8", "latents"):
         _require(cfg.data.path != "", f"data.path is required when data.source is {cfg.data.source}")
-    if t.lora_rank:
-        _require(bool(m.init_from), "train.lora_rank needs model.init_from: adapters train on a pretrained base")
-        _require(t.lora_alpha > 0 and 0 <= t.lora_dropout < 1,
-                 "train.lora_alpha must be > 0 and train.lora_dropout in [0, 1)")
     validate_module(cfg)
     _require(0 < cfg.data.val_fraction < 1, f"data.val_fraction must be in (0, 1) (got {cfg.data.val_fraction})")
     e = cfg.eval
