@@ -7,6 +7,10 @@ stream through `DBNetwork.clean_kv` and the slots through `DBNetwork.noisy_pass`
     WindowContext   every slot of a window (B, T) at once; each block's clean K/V computed on first use
     DecodeState     per-row KV caches of the prelude and of every block's clean stream, for generation
     CachedContext   the next token of some rows of a DecodeState
+
+With `context: stacked` a block's clean input is the states its feeder (`DBNetwork.feeder`) hands on, so
+a block that runs first brings its feeder up to date (recursively): every block still computes each
+token's clean states once, whatever K skips.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """The DiffusionBlocks LM network (docs/method.md §4): parameters, the clean encoder, the noisy step.
 
     tokens x_0..x_{T-1} -> embedding -> [prelude: shared, clean only] -> every block's clean input
+                (context stacked: only the first block's of stack_order; each next block continues from
+                 the clean states after the previous one's own layers, see `block_input`)
     block b (its own two-stream layers, then the shared coda) owns one sigma interval (block 0 = highest)
       clean stream  causal over x, no sigma conditioning: its K/V never depend on sigma or K
       noisy stream  slot i holds z_i (a noisy target for x_{i+1}) at RoPE position i+1; it attends clean
