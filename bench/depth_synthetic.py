@@ -41,7 +41,8 @@ from looped_lm.training import TorchRunner, train_step
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results" / "depth_synthetic"
 V, T, BATCH, D, HEADS = 64, 64, 32, 64, 4
-BUDGET = 1.5e12
+SEG = (8, 25)  # segment lengths, [low, high)
+BUDGET = float(os.environ.get("DEPTH_SYNTHETIC_BUDGET", 6e12))
 LRS = (1e-3, 3e-3)
 DB = {"parameterization": "likelihood", "noisy_input": "prev_token", "noisy_self": False, "bridge": "sample",
       "block_sampling": "uniform", "last_call": "sigma_min"}
@@ -66,7 +67,7 @@ def sequences(n: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     out = torch.empty(n, T + 1, dtype=torch.long)
     for i in range(n):
-        L = int(torch.randint(8, 25, (1,), generator=g))
+        L = int(torch.randint(*SEG, (1,), generator=g))
         seg = torch.randperm(V, generator=g)[:L]
         out[i] = seg.repeat(T // L + 2)[:T + 1]
     return out
@@ -76,7 +77,7 @@ def lengths(n: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     out = torch.empty(n, dtype=torch.long)
     for i in range(n):
-        out[i] = int(torch.randint(8, 25, (1,), generator=g))
+        out[i] = int(torch.randint(*SEG, (1,), generator=g))
         torch.randperm(V, generator=g)
     return out
 
