@@ -364,7 +364,7 @@ NOTES = ["", "Reading (vit and dit measured with the recipe of docs/method.md §
          "- vit: the K = B chain scores within about a point of block 0 alone from pure noise, and a 2-layer "
          "end-to-end classifier with block 0's updates matches the 6-layer one: the remaining gap is how well "
          "block 0 learns the image from its noisy-label objective, not the depth L/B nor the chain.",
-         "- n seeds per row: the count in brackets; fewer than 3 where the shared machine ran out of time."]
+         "- n seeds per row: the count in brackets (dit: one seed, all the shared machine allowed)."]
 
 
 def diagnostics(results: dict) -> list[str]:
