@@ -26,8 +26,8 @@ def test_every_module_chooses_by_the_shared_rule(kind):
 
 
 def test_the_language_models_block_choice_is_the_shared_rule():
-    """db_ar's uniform and loss_share choice draw what `choose_block` draws (the LM objective still holds its
-    own copy of the rule; this test goes when it calls `choose_block`)."""
+    """db_ar's uniform and loss_share choice draw what `choose_block` draws, with loss_share's weights
+    taken from the measured CE curve."""
     lm = build_tiny("db_ar", block_sampling="uniform")  # B = 2
     assert [lm.choose_block(s, 3) for s in range(40)] == [choose_block(s, 3, [0, 1]) for s in range(40)]
     lm = build_tiny("db_ar", block_sampling="loss_share")

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from looped_lm import diffusion as dm
 from looped_lm.diffusion import ce_curve
+from looped_lm.diffusion.blocks import choose_block
 from looped_lm.models.db.contexts import WindowContext
 from looped_lm.models.layers import chunked, token_cross_entropy
 from looped_lm.models.two_stream import slot_mask
@@ -28,15 +29,11 @@ class BlockObjective:
 
     def choose_block(self, step: int, seed: int) -> int:
         """The block trained at `step`: the same on every rank (it depends on step and seed only)."""
-        sampling, blocks = self.cfg.block_sampling, self.trainable_blocks
-        if sampling == "round_robin":
-            return blocks[step % len(blocks)]
-        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-        if sampling == "loss_share" and self.curve is not None:
+        weights = None
+        if self.cfg.block_sampling == "loss_share" and self.curve is not None:
             shares = ce_curve.block_shares(self.net.edges, self.curve["sigmas"], self.curve["ce"])
-            weights = torch.tensor([shares[b] for b in blocks], dtype=torch.float64) + 1e-3  # never starve one
-            return blocks[int(torch.multinomial(weights, 1, generator=g))]
-        return blocks[int(torch.randint(len(blocks), (1,), generator=g))]
+            weights = torch.tensor([shares[b] for b in self.trainable_blocks], dtype=torch.float64) + 1e-3  # never starve one
+        return choose_block(step, seed, self.trainable_blocks, self.cfg.block_sampling, weights)
 
     def uses_curve(self) -> bool:
         return self.cfg.block_sampling == "loss_share" and len(self.trainable_blocks) > 1
