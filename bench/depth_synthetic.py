@@ -219,11 +219,13 @@ def report() -> None:
     best = {name: min((lr for lr in lrs if 0 in lrs[lr]), key=lambda lr: lrs[lr][0]["dev"]["copy_nll"])
             for name, lrs in by.items()}
     lines = ["# In-context copying: a regime where depth matters (bench/depth_synthetic.py)", "",
-             f"V = {V}, T = {T}, d {D}, {HEADS} heads, batch {BATCH}, {BUDGET:.2g} training FLOPs per run, 3 seeds; "
-             f"learning rate per row from {list(LRS)} on the dev sequences (seed 0); test NLL (nats) on the tokens a copy "
-             f"determines (uniform guessing: ln {V} = {math.log(V):.2f}). db_ar: ppl@0 and the K = B chain.", "",
-             "| run | lr | steps | test copy NLL (95 % CI) | first period | K = B chain copy NLL (est. se) | CPU-s |",
-             "|---|---|---|---|---|---|---|"]
+             f"V = {V}, T = {T}, d {D}, {HEADS} heads, batch {BATCH}, {BUDGET:.2g} training FLOPs per run; the seeds and "
+             f"learning rates that ran are listed per row (the sweep over {list(LRS)} on the dev sequences ran in the "
+             f"1.5e12 pilot only, pilot_1.5e12/); test NLL (nats) on the tokens a copy determines (uniform guessing: "
+             f"ln {V} = {math.log(V):.2f}; the bag of the segment's tokens, without induction, about ln(L - 1) = 2.7). "
+             f"db_ar: ppl@0 and the K = B chain.", "",
+             "| run | lr | seeds | steps | test copy NLL (95 % CI) | first period | K = B chain copy NLL (est. se) | CPU-s |",
+             "|---|---|---|---|---|---|---|---|"]
     for name in RUNS:
         if name not in best:
             continue
@@ -233,7 +235,7 @@ def report() -> None:
         chain = [r["test"].get("copy_nll_K2") for r in seeds.values()]
         chain_s = "" if chain[0] is None else f"{statistics.fmean(chain):.3f} ({max(r['test']['copy_nll_K2_est_se'] for r in seeds.values()):.3f})"
         r0 = next(iter(seeds.values()))
-        lines.append(f"| {name} | {best[name]:g} | {r0['steps']} | {m:.3f}" + ("" if math.isnan(h) else f" ± {h:.3f}")
+        lines.append(f"| {name} | {best[name]:g} | {sorted(seeds)} | {r0['steps']} | {m:.3f}" + ("" if math.isnan(h) else f" ± {h:.3f}")
                      + f" | {first:.3f} | {chain_s} | {statistics.fmean(r['train_cpu_s'] for r in seeds.values()):.0f} |")
     if all(n in best for n in CRITERION):
         (m1, h1), (m2, h2) = (ci([r["test"]["copy_nll"] for r in by[n][best[n]].values()]) for n in CRITERION)
