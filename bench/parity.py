@@ -11,6 +11,7 @@ gpt's result) a lower bound. Interpolated linearly in log FLOPs between probes.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import statistics
@@ -33,6 +34,7 @@ def flops_to_reach(points: list[tuple[float, float]], target: float) -> float | 
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()
     out = {}
     for name, key in RUNS.items():
         rows = []

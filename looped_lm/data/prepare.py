@@ -82,7 +82,8 @@ def prepare_dataset(
                     write(document_split(count - 1, val_fraction, seed), pending)
                 pending, count = ids, count + 1
             bar.update(len(batch))
-            bar.set_postfix(tokens=f"{sum(tokens.values()):,}")
+            # refresh=False: a refresh draws the bar inside its delay, and close() would then leave the line open
+            bar.set_postfix(tokens=f"{sum(tokens.values()):,}", refresh=False)
         if count == 0:
             raise UserError(f"data source {source} has no documents")
         if count == 1:
