@@ -189,6 +189,7 @@ def test_kv_pool_is_sized_by_the_memory_budget(models):
     (dict(prompt=[V]), "prompt"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(max_tokens=1000), "max_tokens"),
+    (dict(prompt=[1] * 500, max_tokens=1), "prompt"),  # the prompt alone fills the context: the prompt is at fault
     (dict(num_iterations=9), "num_iterations"),
     (dict(bridge="sideways"), "bridge"),
     (dict(num_iterations=0), "num_iterations"),

@@ -133,7 +133,8 @@ BAD = [  # (path, body: dict -> JSON, bytes -> raw, expected status, param or No
     ("/v1/completions", {"prompt": [-1]}, 400, "prompt"),
     ("/v1/completions", {"prompt": [10 ** 6]}, 400, "prompt"),
     ("/v1/completions", {"prompt": [[1], [2, 10 ** 20]]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": [1] * 100, "max_tokens": 1}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": [1] * 100, "max_tokens": 1}, 400, "prompt"),  # the prompt alone is too long
+    ("/v1/completions", {"prompt": [1] * 10, "max_tokens": 60}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10 ** 6}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),

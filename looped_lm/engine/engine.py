@@ -127,6 +127,9 @@ class Engine:
         if n == 0 and request.prompt_logprobs is None:
             raise InvalidRequest("max_tokens must be >= 1 (0 only when scoring the prompt, i.e. echo with logprobs)",
                                  "max_tokens")
+        if len(prompt) + min(n, 1) > self.max_len:  # the prompt alone leaves no room: blame the prompt
+            raise InvalidRequest(f"the prompt ({len(prompt)} tokens) is longer than the context of {self.max_len} "
+                                 f"tokens{' allows before a new token' if n else ''}", "prompt")
         if len(prompt) + n > self.max_len:
             raise InvalidRequest(f"the prompt ({len(prompt)} tokens) plus max_tokens ({n}) exceeds the context of "
                                  f"{self.max_len} tokens", "max_tokens")
