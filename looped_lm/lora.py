@@ -18,6 +18,7 @@ the manifest records and a load verifies (looped_lm/pretrained.py `load_base`).
 
 from __future__ import annotations
 
+import importlib.util
 import re
 
 import torch.nn as nn
@@ -74,6 +75,8 @@ def attach(model: nn.Module, cfg: Config) -> nn.Module:
 
 
 def is_adapted(model: nn.Module) -> bool:
+    if importlib.util.find_spec("peft") is None:  # adapters are attached only through peft (e.g. the vLLM venv)
+        return False
     from peft.tuners.lora import LoraLayer
 
     return any(isinstance(m, LoraLayer) for m in model.modules())
