@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -27,20 +28,21 @@ K_OF = {"quickstart_db": "1,2,4", "quickstart_looped": "1,4,16", "quickstart": "
 GEN_K = {"quickstart_db": 2, "quickstart_looped": 16}
 
 
-def run(cmd: list[str]) -> tuple[str, float]:
-    t0 = time.perf_counter()
+def run(cmd: list[str]) -> tuple[str, float, float]:
+    """(stdout, wall seconds, CPU seconds of the command and every process it started)."""
+    t0, c0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    seconds = time.perf_counter() - t0
+    seconds, c1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return done.stdout, seconds
+    return done.stdout, seconds, (c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime)
 
 
 def measure(name: str, out_dir: Path) -> dict:
     looped_lm = [sys.executable, "-m", "looped_lm"]
     run_dir = out_dir / name
     load_before = os.getloadavg()[0]
-    _, train_s = run(looped_lm + ["train", "--config", f"configs/{name}.yaml", "--set", f"train.out_dir={run_dir}"])
+    _, train_s, train_cpu = run(looped_lm + ["train", "--config", f"configs/{name}.yaml", "--set", f"train.out_dir={run_dir}"])
     scores = out_dir / f"{name}_eval.json"
     ev = looped_lm + ["eval", "--checkpoint", str(run_dir), "--max-tokens", "8192", "--json", str(scores),
                       "--no-progress", "--seed", "0"]
@@ -50,8 +52,8 @@ def measure(name: str, out_dir: Path) -> dict:
     gen = looped_lm + ["generate", "--checkpoint", str(run_dir), "--prompt", "And God said", "--seed", "0"]
     if name in GEN_K:
         gen += ["--num-iterations", str(GEN_K[name])]
-    text, _ = run(gen)
-    return {"config": f"configs/{name}.yaml", "train_wall_s": round(train_s, 1),
+    text, _, _ = run(gen)
+    return {"config": f"configs/{name}.yaml", "train_wall_s": round(train_s, 1), "train_cpu_s": round(train_cpu, 1),
             "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
             "eval": json.loads(scores.read_text()), "generate_k": GEN_K.get(name), "generated": text.strip()}
 
