@@ -19,8 +19,9 @@ The run config names the architecture (kind, blocks, prelude, coda) and must agr
 Which source layer goes where (`layer_plan`), L = the source's layer count:
 
     gpt          all L layers, in order (model.n_layers = L)
-    db_ar        prelude = the first n_prelude, then block 0, block 1, ... (each its layers_per_block),
-                 coda = the last n_coda (n_prelude + model.n_layers + n_coda = L). The noisy stream's
+    db_ar        prelude = the first n_prelude, then block 0, block 1, ... (each its layers_per_block;
+                 with context stacked and stack_order low_noise_first block B-1 first, ..., block 0
+                 last: the order the clean stream runs), coda = the last n_coda (n_prelude + model.n_layers + n_coda = L). The noisy stream's
                  additions start as identity (adaLN-Zero: `ada` zero); with diffusion.context stacked
                  the clean stream through every block is the source's forward pass exactly.
     looped_db,   prelude = the first n_prelude, core = model.n_layers layers from model.init_core_start
@@ -247,10 +248,17 @@ def layer_plan(cfg: Config, n_source: int) -> dict[str, list]:
             raise UserError(f"model.init_from has {n_source} layers, but db_ar's model.n_prelude ({m.n_prelude}) + "
                             f"model.n_layers ({m.n_layers}) + model.n_coda ({m.n_coda}) = "
                             f"{m.n_prelude + m.n_layers + m.n_coda}: every source layer needs a place")
-        blocks, start = [], m.n_prelude
-        for depth in block_layers(cfg):
-            blocks.append(list(range(start, start + depth)))
-            start += depth
+        # the blocks take the source's layers in the order the clean stream runs through them: block 0
+        # first, unless context stacked with stack_order low_noise_first (block B-1 first, block 0 last)
+        depths = block_layers(cfg)
+        d = cfg.diffusion
+        order = list(range(len(depths)))
+        if d.context == "stacked" and d.stack_order == "low_noise_first" and len(depths) > 1:
+            order.reverse()
+        blocks, start = [[] for _ in depths], m.n_prelude
+        for b in order:
+            blocks[b] = list(range(start, start + depths[b]))
+            start += depths[b]
         return {"prelude": prelude, "blocks": blocks, "coda": coda}
     start = m.n_prelude if m.init_core_start < 0 else m.init_core_start
     core = list(range(start, start + m.n_layers))

@@ -76,7 +76,7 @@ def clean_logits(net, x):
     """The db models' clean stream end to end: prelude, every block's own layers in turn, the coda."""
     pos = torch.arange(x.shape[1])
     h = net.clean_inputs(x)
-    last = len(net.blocks) - 1
+    last = net.stack_order[-1] if net.stacked else len(net.blocks) - 1  # the block the clean stream ends in
     h = net.own_forward(last, net.block_input(last, h, pos), pos)
     cos, sin = net.rope(pos)
     for layer in net.coda:
@@ -84,12 +84,14 @@ def clean_logits(net, x):
     return F.linear(net.norm(h), net.tok_emb.weight)
 
 
-@pytest.mark.parametrize("split", [[2, 1], [1, 2]])  # uneven both ways
-def test_db_ar_stacked_clean_stream_is_the_source(llama, split):
+@pytest.mark.parametrize("split, order", [([2, 1], "high_noise_first"), ([1, 2], "high_noise_first"),
+                                          ([2, 1], "low_noise_first")])  # uneven both ways; either stack order
+def test_db_ar_stacked_clean_stream_is_the_source(llama, split, order):
     root, hf = llama
     net, cfg, record = converted("db_ar", root, n_layers=3, n_prelude=1, n_coda=0,
-                                 diffusion={"context": "stacked", "layers_per_block": split})
-    want_blocks = [[1, 2], [3]] if split == [2, 1] else [[1], [2, 3]]
+                                 diffusion={"context": "stacked", "layers_per_block": split, "stack_order": order})
+    want_blocks = {"high_noise_first": [[1, 2], [3]] if split == [2, 1] else [[1], [2, 3]],
+                   "low_noise_first": [[2, 3], [1]]}[order]  # low_noise_first: block 1 runs first, block 0 last
     assert record["layers"] == {"prelude": [0], "blocks": want_blocks, "coda": []}
     x = tokens()
     with torch.no_grad():
