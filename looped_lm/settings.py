@@ -1,16 +1,23 @@
-"""Inference settings: ONE object per request, built and validated once, then passed down unchanged.
+"""Inference settings: ONE object per request, built and validated once at the boundary, then passed
+down unchanged.
 
     limits = model.iteration_limits()            # None for models without K (gpt)
     settings = resolve_settings(limits, num_iterations=K, bridge=None, sampling=SamplingParams(0.8))
 
 `resolve_settings` is the only place that applies defaults (K: the config's `diffusion.num_iterations`,
 else the block count; bridge: the config's `diffusion.bridge`) and checks K, the bridge and the exit
-rule. The CLI, the engine, the server, the HF wrapper and eval all go through it.
+rule. Each boundary calls it once per request: `looped_lm generate` (cli.py), the server (once per HTTP
+request, through `Engine.resolve`, for all its choices), the HF wrapper and the vLLM plugin. The engine
+and the models take the resulting `InferenceSettings` and never resolve again.
+
+The other verbs' settings resolve here too: `resolve_score_settings` (eval's K grid, by the same K rule),
+`serving_limits` (a server's --default-iterations / --max-iterations) and `resolve_steps` (the
+supporting modules' step counts: dit, mdm, vit).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -27,12 +34,16 @@ class ExitRule:
 
     kl_threshold: float | None = None
     argmax_stable: int = 0
+    source: str | None = field(default=None, compare=False)  # the flag or field it came from: errors name it
 
     @staticmethod
-    def parse(threshold: float | None, criterion: str | None) -> "ExitRule | None":
-        """`--exit-threshold eps` and/or `--exit-criterion kl:<eps>|argmax-stable:<m>` -> a rule (None = off)."""
+    def parse(threshold: float | None, criterion: str | None,
+              names: tuple[str, str] = ("--exit-threshold", "--exit-criterion")) -> "ExitRule | None":
+        """`--exit-threshold eps` and/or `--exit-criterion kl:<eps>|argmax-stable:<m>` -> a rule (None = off).
+        `names`: what the two are called where they came from (the server: its body fields)."""
         if threshold is None and criterion is None:
             return None
+        threshold_name, criterion_name = names
         stable = 0
         if criterion is not None:
             name, _, value = criterion.partition(":")
@@ -40,16 +51,20 @@ class ExitRule:
                 try:
                     threshold = float(value)
                 except ValueError:
-                    raise UserError(f"--exit-criterion kl:<eps> needs a number, got '{criterion}'") from None
+                    raise UserError(f"{criterion_name} kl:<eps> needs a number, got '{criterion}'",
+                                    criterion_name) from None
+                threshold_name = criterion_name
             elif name == "argmax-stable":
                 if not value.isdigit() or int(value) < 1:
-                    raise UserError(f"--exit-criterion argmax-stable:<m> needs an integer m >= 1, got '{criterion}'")
+                    raise UserError(f"{criterion_name} argmax-stable:<m> needs an integer m >= 1, got '{criterion}'",
+                                    criterion_name)
                 stable = int(value)
             else:
-                raise UserError(f"unknown --exit-criterion '{criterion}' (use kl:<eps> or argmax-stable:<m>)")
+                raise UserError(f"unknown {criterion_name} '{criterion}' (use kl:<eps> or argmax-stable:<m>)",
+                                criterion_name)
         if threshold is not None and not threshold >= 0:
-            raise UserError(f"exit threshold must be >= 0 (got {threshold})")
-        return ExitRule(threshold, stable)
+            raise UserError(f"{threshold_name}: exit threshold must be >= 0 (got {threshold})", threshold_name)
+        return ExitRule(threshold, stable, threshold_name if criterion is None else criterion_name)
 
 
 @dataclass(frozen=True)
@@ -61,6 +76,27 @@ class IterationLimits:
     num_blocks: int  # K < num_blocks skips blocks
     default_bridge: str | None  # DiffusionBlocks' bridge; None: the model has no bridge (huginn)
     adaptive_exit: bool  # whether an exit rule may cut a token's iterations (its cache must not depend on K)
+
+
+def serving_limits(limits: IterationLimits | None, default_iterations: int | None = None,
+                   max_iterations: int | None = None) -> IterationLimits | None:
+    """A server's own K default and cap (--default-iterations, --max-iterations), within the model's
+    limits: the limits every request of that server is then resolved against."""
+    if limits is None:
+        if default_iterations is not None or max_iterations is not None:
+            raise UserError("--default-iterations and --max-iterations apply to DiffusionBlocks and looped models; "
+                            "this model has no K")
+        return None
+    top = limits.max_iterations
+    if max_iterations is not None:
+        if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) or not 1 <= max_iterations <= top:
+            raise UserError(f"--max-iterations must be in 1..{top} (model.max_iterations); got {max_iterations}")
+        top = max_iterations
+    default = limits.default_iterations if default_iterations is None else default_iterations
+    if isinstance(default, bool) or not isinstance(default, int) or not 1 <= default <= top:
+        which = "--default-iterations" if default_iterations is not None else "the config's diffusion.num_iterations"
+        raise UserError(f"{which} {default} is outside 1..{top} (the largest K a request may ask for)")
+    return replace(limits, default_iterations=default, max_iterations=top)
 
 
 @dataclass(frozen=True)
@@ -78,15 +114,20 @@ def resolve_settings(limits: IterationLimits | None, *, num_iterations: int | No
                      sampling: SamplingParams = PLAIN, default_iterations: int | None = None,
                      max_iterations: int | None = None) -> InferenceSettings:
     """Defaults applied, everything checked (UserError with `param`). `default_iterations` and
-    `max_iterations` are a server's own default K and cap (within the model's limits)."""
+    `max_iterations`: a server's own default K and cap (a server narrows its limits once instead:
+    `serving_limits`)."""
     sampling.validate()
+    exit_name = (exit_rule.source if exit_rule is not None else None) or "exit_rule"
     if limits is None:
-        for name, value in (("num_iterations", num_iterations), ("bridge", bridge), ("exit_rule", exit_rule)):
+        for name, param, value in (("num_iterations", "num_iterations", num_iterations), ("bridge", "bridge", bridge),
+                                   ("exit_rule", exit_name, exit_rule)):
             if value is not None:
-                raise UserError(f"{name} applies to DiffusionBlocks and looped models; this model has no K", name)
+                raise UserError(f"{name} applies to DiffusionBlocks and looped models; this model has no K", param)
         return InferenceSettings(sampling)
-    top = limits.max_iterations if max_iterations is None else max_iterations
-    K = num_iterations if num_iterations is not None else (default_iterations or limits.default_iterations)
+    if default_iterations is not None or max_iterations is not None:
+        limits = serving_limits(limits, default_iterations, max_iterations)
+    top = limits.max_iterations
+    K = num_iterations if num_iterations is not None else limits.default_iterations
     if isinstance(K, bool) or not isinstance(K, int) or not 1 <= K <= top:
         raise UserError(f"num_iterations must be an integer in 1..{top} (got {K!r})", "num_iterations")
     if limits.default_bridge is None:
@@ -98,8 +139,44 @@ def resolve_settings(limits: IterationLimits | None, *, num_iterations: int | No
             raise UserError(f"bridge must be one of {', '.join(BRIDGES)} (got {bridge!r})", "bridge")
     if exit_rule is not None and not limits.adaptive_exit:
         raise UserError("adaptive exit needs a looped DiffusionBlocks model (its KV cache does not depend on K)",
-                        "exit_rule")
+                        exit_name)
     return InferenceSettings(sampling, K, bridge, exit_rule)
+
+
+def resolve_score_settings(limits: IterationLimits | None, k_grid: list[int] | tuple[int, ...] | None = None,
+                           **kwargs) -> ScoreSettings:
+    """`looped_lm eval`'s settings: the K grid by the rule every K follows (1..max_iterations, the bound
+    generate and serve apply; DiffusionBlocks models also take 0, ppl@0), one line naming the first bad K.
+    kwargs: the other ScoreSettings fields (draws, candidates, ...)."""
+    if k_grid is not None:
+        if limits is None:
+            raise UserError("--num-iterations applies to DiffusionBlocks and looped models; this model has no K",
+                            "num_iterations")
+        low = 0 if limits.default_bridge is not None else 1  # ppl@0 is DiffusionBlocks' (huginn: exact at K >= 1)
+        for k in k_grid:
+            if isinstance(k, bool) or not isinstance(k, int) or not low <= k <= limits.max_iterations:
+                raise UserError(f"--num-iterations {k} is outside {low}..{limits.max_iterations} (this model's "
+                                "model.max_iterations, the bound generate and serve apply too)", "num_iterations")
+        k_grid = tuple(k_grid)
+    return ScoreSettings(k_grid=k_grid, **kwargs).validate()
+
+
+DIT_SAMPLE_STEPS = 50  # the DiT sampler's default Euler steps (the paper's)
+
+
+def resolve_steps(requested: int | None, num_blocks: int, configured: int = 0, fallback: int | None = None,
+                  what: str = "num_iterations") -> int:
+    """A supporting module's inference steps (dit Euler steps, mdm unmasking steps, vit's K): the
+    request's, else `configured` (the config's diffusion.sample_steps / num_iterations; 0 = unset), else
+    `fallback` (dit: DIT_SAMPLE_STEPS, mdm: the sample's length, vit: B). The one place these defaults
+    apply; at least one step per block (fewer would leave a block's interval unvisited)."""
+    steps = requested if requested is not None else (configured or fallback)
+    if isinstance(steps, bool) or not isinstance(steps, int):
+        raise UserError(f"{what} must be an integer (got {steps!r})", "num_iterations")
+    if steps < num_blocks:
+        raise UserError(f"{what} ({steps}) must be >= the number of blocks ({num_blocks}): this module runs at "
+                        "least one step per block", "num_iterations")
+    return steps
 
 
 def skipped_blocks_note(limits: IterationLimits | None, settings: InferenceSettings) -> str | None:

@@ -82,25 +82,6 @@ def check_address(host: str, port: int) -> None:
             raise UserError(f"--host {host} --port {port}: cannot bind ({e.strerror})") from None
 
 
-def check_iterations(model, default_iterations: int | None, max_iterations: int | None) -> None:
-    """--default-iterations and --max-iterations by the rule every K follows: 1..model.max_iterations
-    (settings.IterationLimits), the default within the server's cap."""
-    from looped_lm.models.contract import Iterative
-
-    if not isinstance(model, Iterative):
-        if default_iterations is not None or max_iterations is not None:
-            raise UserError("--default-iterations and --max-iterations apply to DiffusionBlocks and looped models; "
-                            "this model has no K")
-        return
-    limit = model.iteration_limits().max_iterations
-    if max_iterations is not None and max_iterations > limit:
-        raise UserError(f"--max-iterations {max_iterations} exceeds model.max_iterations ({limit})")
-    top = max_iterations or limit
-    if default_iterations is not None and default_iterations > top:
-        raise UserError(f"--default-iterations {default_iterations} is outside 1..{top} (the largest K a request may "
-                        "ask for)")
-
-
 def run(args) -> int:
     try:
         import uvicorn
@@ -138,7 +119,6 @@ def run(args) -> int:
     if not isinstance(model, CachedDecoding):  # vit / dit / mdm
         raise UserError(f"looped_lm serve is for language models; a {cfg.model.kind} checkpoint is used through "
                         "looped_lm eval and looped_lm generate")
-    check_iterations(model, args.default_iterations, args.max_iterations)
     tok = get_tokenizer(manifest["tokenizer"])
     name = args.served_model_name or default_name(checkpoint)
     if "@" in name:

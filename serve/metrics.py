@@ -36,7 +36,8 @@ class EngineCollector:
             ("requests", "requests the engine accepted", s.requests),
             ("prompt_tokens", "prompt tokens processed (prefilled or scored)", s.prompt_tokens),
             ("generation_tokens", "tokens generated", s.generation_tokens),
-            ("iterations", "denoising iterations run: K summed over generated tokens (1 per token without K)",
+            ("iterations", "denoising iterations run, summed over generated tokens: K each, fewer "
+                           "under an adaptive exit rule (1 per token without K)",
              s.iterations),
             ("engine_steps", "engine steps", s.steps),
             ("decode_calls", "batched decode forwards (one per K group per step)", s.decode_calls),

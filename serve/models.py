@@ -35,7 +35,8 @@ class ServedModels:
         return sorted(ks)
 
     def resolve(self, requested: str | None, num_iterations: int | None) -> tuple[str, int | None]:
-        """(the name to answer with, the K to run: None = the engine default, or a model without K)."""
+        """(the name to answer with, the K asked for: None = the server default). Only the name is checked
+        here; the K itself is checked with the request's other settings (`Engine.resolve`)."""
         name = requested or self.name
         base, at, k_text = name.partition("@")
         if base != self.name or (at and not (self.has_iterations and k_text.isdigit() and k_text[0] != "0")):
@@ -46,14 +47,7 @@ class ServedModels:
         if alias_k is not None and num_iterations is not None and alias_k != num_iterations:
             raise APIError.bad_request(f"num_iterations={num_iterations} contradicts the model alias `{name}`",
                                        "num_iterations")
-        k = num_iterations if num_iterations is not None else alias_k
-        if k is not None and not self.has_iterations:
-            raise APIError.bad_request("num_iterations applies to DiffusionBlocks and looped models; "
-                                       f"`{self.name}` has no K", "num_iterations")
-        if k is not None and not 1 <= k <= self.engine.max_iterations:
-            raise APIError.bad_request(f"num_iterations must be in 1..{self.engine.max_iterations} (got {k})",
-                                       "num_iterations" if num_iterations is not None else "model")
-        return name, k
+        return name, num_iterations if num_iterations is not None else alias_k
 
     def cards(self) -> ModelList:
         common = dict(created=self.created, root=self.name, max_model_len=self.engine.max_len)

@@ -2,7 +2,9 @@
 
 Requests are strict (a string where a number belongs is a 400, not a silent conversion) and ignore
 unknown fields, as OpenAI clients send fields a server may not know. Extensions beyond OpenAI's
-surface are marked; the main one is `num_iterations` (K), on requests and on responses.
+surface are marked; the main one is `num_iterations` (K), on requests and on responses, with the
+chain's `bridge` and the adaptive exit (`exit_threshold`, `exit_criterion`): the CLI's `--num-iterations`,
+`--bridge`, `--exit-threshold`, `--exit-criterion`, resolved by the same `looped_lm.settings`.
 """
 
 from __future__ import annotations
@@ -92,6 +94,17 @@ class SamplingFields(RequestModel):
     num_iterations: Annotated[int, Field(ge=1), JSONInt] | None = Field(
         None, description="extension: K denoising iterations per token (DiffusionBlocks / looped models); "
                           "default: the NAME@K alias, else the server default")
+    bridge: Literal["soft", "hard", "sample"] | None = Field(
+        None, description="extension (DiffusionBlocks): logits -> denoised point between the K steps: soft "
+                          "(expected target), hard (argmax), sample (a token drawn with this request's sampler); "
+                          "default: the model's diffusion.bridge")
+    exit_threshold: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] | None = Field(
+        None, description="extension (looped_db): adaptive exit, a token stops iterating once "
+                          "KL(p_k || p_k-1) < this (as `generate --exit-threshold`); default: off")
+    exit_criterion: str | None = Field(
+        None, pattern=r"^(kl:\S+|argmax-stable:\d+)$",
+        description="extension (looped_db): adaptive exit as `kl:<eps>` or `argmax-stable:<m>` (a token stops "
+                    "once its argmax held m steps), as `generate --exit-criterion`; default: off")
     ignore_eos: bool = Field(False, description="extension: keep generating past the end-of-text token")
     user: str | None = None
     # OpenAI fields this server does not implement: accepted at their neutral values only, and left out
@@ -113,6 +126,19 @@ class SamplingFields(RequestModel):
     def _no_logit_bias(cls, value):
         if value:
             raise ValueError("not supported by this server")
+        return value
+
+    @field_validator("exit_criterion")
+    @classmethod
+    def _exit_criterion(cls, value):
+        if value is not None:  # the CLI's parser, so both refuse the same rules
+            from looped_lm.errors import UserError
+            from looped_lm.settings import ExitRule
+
+            try:
+                ExitRule.parse(None, value, names=("exit_threshold", "exit_criterion"))
+            except UserError as e:
+                raise ValueError(str(e).removeprefix("exit_criterion: ")) from None
         return value
 
     @field_validator("stop")

@@ -16,9 +16,9 @@ from typing import AsyncIterator, Callable
 
 from looped_lm.data.tokenizer import EOT_TEXT, Tokenizer
 from looped_lm.engine.engine import Engine, InvalidRequest, Request
-from looped_lm.sampling import SamplingParams
-from looped_lm.settings import InferenceSettings
 from looped_lm.errors import UserError
+from looped_lm.sampling import SamplingParams
+from looped_lm.settings import ExitRule, InferenceSettings
 from looped_lm.serve import protocol as p
 from looped_lm.serve.errors import APIError
 from looped_lm.serve.metrics import RequestTimer, ServerMetrics
@@ -65,7 +65,7 @@ class Choice:
     echo: bool
     logprobs: bool
     stop: list[str]
-    settings: InferenceSettings  # resolved once by the engine: the K reported is the K run
+    settings: InferenceSettings  # the request's, resolved once (`OpenAIServing._settings`): the K reported is the K run
 
 
 class OpenAIServing:
@@ -76,14 +76,15 @@ class OpenAIServing:
 
     async def create_completion(self, req: p.CompletionRequest) -> p.CompletionResponse | AsyncIterator[str]:
         name, k = self.models.resolve(req.model, req.num_iterations)
+        settings = self._settings(req, k)
         prompts = self._completion_prompts(req.prompt)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         if max_tokens == 0 and not req.echo:
             raise APIError.bad_request("max_tokens must be >= 1 (0 only with echo: score the prompt)", "max_tokens")
         scoring = req.logprobs if req.echo and req.logprobs is not None else (0 if max_tokens == 0 else None)
-        choices = self._choices(req, prompts, k, max_tokens, req.stop or [], echo=req.echo,
+        choices = self._choices(req, prompts, settings, max_tokens, req.stop or [], echo=req.echo,
                                 logprobs=req.logprobs, prompt_logprobs=scoring)
-        used_k = choices[0].settings.num_iterations
+        used_k = settings.num_iterations
         timer = self.metrics.track("completions", used_k)
         usage = p.UsageInfo(prompt_tokens=sum(map(len, prompts)))
         token_str = self._token_str(req.return_tokens_as_token_ids)
@@ -141,6 +142,7 @@ class OpenAIServing:
     async def create_chat_completion(self, req: p.ChatCompletionRequest
                                      ) -> p.ChatCompletionResponse | AsyncIterator[str]:
         name, k = self.models.resolve(req.model, req.num_iterations)
+        settings = self._settings(req, k)
         text = render_chat([{"role": m.role, "content": m.text()} for m in req.messages])
         ids = self._encode(text)
         room = self.engine.max_len - len(ids)
@@ -149,9 +151,9 @@ class OpenAIServing:
                                        f"{self.engine.max_len} tokens", "messages")
         max_tokens = req.max_completion_tokens or req.max_tokens or room
         top_n = (req.top_logprobs or 0) if req.logprobs else None
-        choices = self._choices(req, [ids], k, max_tokens, [*(req.stop or []), *TURN_STOPS], echo=False,
+        choices = self._choices(req, [ids], settings, max_tokens, [*(req.stop or []), *TURN_STOPS], echo=False,
                                 logprobs=top_n, prompt_logprobs=None)
-        used_k = choices[0].settings.num_iterations
+        used_k = settings.num_iterations
         timer = self.metrics.track("chat", used_k)
         usage = p.UsageInfo(prompt_tokens=len(ids))
         token_str = self._token_str(False)
@@ -196,23 +198,33 @@ class OpenAIServing:
 
     # --- shared: engine requests, running choices ----------------------------------------------
 
-    def _sampling(self, req: p.SamplingFields) -> SamplingParams:
+    def _settings(self, req: p.SamplingFields, k: int | None) -> InferenceSettings:
+        """The request's inference settings, resolved ONCE (every choice runs them): the sampler, K (the
+        body's or the alias's), the bridge and the exit rule, by the rules `looped_lm generate` applies."""
         temperature = 1.0 if req.temperature is None else req.temperature
         top_k = 0 if req.top_k in (None, -1) else req.top_k
-        return SamplingParams(temperature, top_k, 1.0 if req.top_p is None else req.top_p)
+        sampling = SamplingParams(temperature, top_k, 1.0 if req.top_p is None else req.top_p)
+        try:
+            exit_rule = ExitRule.parse(req.exit_threshold, req.exit_criterion, names=("exit_threshold", "exit_criterion"))
+            return self.engine.resolve(sampling=sampling, num_iterations=k, bridge=req.bridge, exit_rule=exit_rule)
+        except UserError as e:
+            if e.param == "num_iterations" and req.num_iterations is None:  # K came from the NAME@K alias
+                raise APIError.bad_request(f"model {req.model}: {e}", "model") from None
+            raise APIError.from_invalid(e) from None
 
-    def _choices(self, req: p.SamplingFields, prompts: list[list[int]], k: int | None, max_tokens: int,
-                 stop: list[str], echo: bool, logprobs: int | None, prompt_logprobs: int | None) -> list[Choice]:
+    def _choices(self, req: p.SamplingFields, prompts: list[list[int]], settings: InferenceSettings,
+                 max_tokens: int, stop: list[str], echo: bool, logprobs: int | None,
+                 prompt_logprobs: int | None) -> list[Choice]:
         if len(prompts) * req.n > MAX_CHOICES:
             raise APIError.bad_request(f"{len(prompts)} prompts x n={req.n} exceeds {MAX_CHOICES} choices per request",
                                        "n")
-        sampling = self._sampling(req)
         stop_ids = frozenset() if req.ignore_eos else frozenset({self.tok.eot_id})
         choices = []
         for i, ids in enumerate(prompts):
             for j in range(req.n):
-                request = Request(ids, max_tokens, sampling, None if req.seed is None else req.seed + j, k,
-                                  stop_ids, logprobs, prompt_logprobs)
+                request = Request(prompt=ids, max_tokens=max_tokens, seed=None if req.seed is None else req.seed + j,
+                                  stop_token_ids=stop_ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                  settings=settings)
                 try:
                     settings = self.engine.check(request)
                 except InvalidRequest as e:

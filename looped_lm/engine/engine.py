@@ -7,8 +7,10 @@
 
     engine.run([Request(...), ...])                         # or step it on this thread (tests, bench)
 
-Each request has its own K (`num_iterations`), bridge, sampling parameters, seed, stop token ids and
-max_tokens, resolved into ONE `InferenceSettings` when it arrives (`check`). Requests join and leave at
+Each request has its own K (`num_iterations`), bridge, exit rule, sampling parameters, seed, stop token
+ids and max_tokens. Its `InferenceSettings` come resolved (`Request.settings`, from `engine.resolve` at
+the caller's boundary: the server resolves once per HTTP request) and are used as they are; a request
+that gives the loose fields instead is resolved once, when it arrives (`check`). Requests join and leave at
 every step (scheduler.py); every running row decodes in ONE model call per step, whatever its settings
 (runner.py); prompts are prefilled in chunks of `prefill_chunk` tokens between decode steps, equal chunks
 of several prompts in one call. Text (tokenizer, stop strings, chat template) is the server's business.
@@ -30,18 +32,25 @@ import torch
 
 from looped_lm.engine.mailbox import Mailbox
 from looped_lm.engine.requests import EngineStats, Request, RequestOutput, TokenLogprob
-from looped_lm.engine.runner import ModelRunner, kv_bytes_per_token, served_max_iterations
+from looped_lm.engine.runner import ModelRunner, kv_bytes_per_token
 from looped_lm.engine.scheduler import Scheduler, Sequence
 from looped_lm.errors import UserError
 from looped_lm.models.contract import Iterative
-from looped_lm.sampling import GREEDY_SEED
-from looped_lm.settings import InferenceSettings, ScoreSettings, resolve_settings
+from looped_lm.sampling import GREEDY_SEED, PLAIN, SamplingParams
+from looped_lm.settings import (ExitRule, InferenceSettings, IterationLimits, ScoreSettings, resolve_settings,
+                               serving_limits)
 
 log = logging.getLogger("looped_lm.engine")
 
 __all__ = ["Engine", "Request", "RequestOutput", "TokenLogprob", "InvalidRequest"]
 
 InvalidRequest = UserError  # a request the engine refuses; `param` names the field (the server answers 400)
+
+
+def served_limits(model, default_iterations: int | None, max_iterations: int | None) -> IterationLimits | None:
+    """The model's iteration limits within a server's --default-iterations / --max-iterations (None: no K)."""
+    return serving_limits(model.iteration_limits() if isinstance(model, Iterative) else None,
+                          default_iterations, max_iterations)
 
 
 def scoring_seed(seed: int, prompt: list[int]) -> int:
@@ -68,10 +77,10 @@ class Engine:
         if not 1 <= self.max_len <= model.max_positions:
             raise UserError(f"max_len must be in 1..{model.max_positions} (the model's positions); got {self.max_len}")
         self.vocab_size = vocab_size or model.vocab_size
-        self.limits = model.iteration_limits() if isinstance(model, Iterative) else None
-        self.max_iterations = served_max_iterations(model, max_iterations)
-        self.default_settings = self._resolve(None, default_iterations=default_iterations)
-        self.default_iterations = self.default_settings.num_iterations
+        # the K every request is resolved against: the model's limits within this server's default and cap
+        self.limits = served_limits(model, default_iterations, max_iterations)
+        self.max_iterations = self.limits and self.limits.max_iterations
+        self.default_iterations = self.limits and self.limits.default_iterations
         self.runner = ModelRunner(model, num_slots, self.max_len, self.vocab_size, self.max_iterations,
                                   score_settings.validate())
         self.scheduler = Scheduler(num_slots, prefill_chunk, prefill_budget or prefill_chunk)
@@ -89,7 +98,8 @@ class Engine:
         """As many slots as `kv_memory_gb` GiB of KV cache holds at `max_len` tokens each, at most
         `max_slots`."""
         max_len = max_len or model.max_positions
-        per_slot = kv_bytes_per_token(model, served_max_iterations(model, max_iterations)) * max_len
+        limits = served_limits(model, None, max_iterations)
+        per_slot = kv_bytes_per_token(model, limits and limits.max_iterations) * max_len
         slots = min(max_slots, int(kv_memory_gb * 2 ** 30 // per_slot))
         if slots < 1:
             raise UserError(f"a KV budget of {kv_memory_gb} GiB holds no sequence: one slot of {max_len} tokens "
@@ -100,17 +110,25 @@ class Engine:
     def pool(self):
         return self.runner.pool
 
-    def _resolve(self, request: Request | None, default_iterations: int | None = None) -> InferenceSettings:
-        if request is None:
-            if self.limits is None and default_iterations is not None:
-                raise UserError("--default-iterations applies to DiffusionBlocks and looped models; "
-                                "this model has no K")
-            settings = resolve_settings(self.limits, default_iterations=default_iterations,
-                                        max_iterations=self.max_iterations)
-            return settings
-        return resolve_settings(self.limits, num_iterations=request.num_iterations, bridge=request.bridge,
-                                exit_rule=request.exit_rule, sampling=request.sampling,
-                                default_iterations=self.default_iterations, max_iterations=self.max_iterations)
+    def resolve(self, *, sampling: SamplingParams = PLAIN, num_iterations: int | None = None,
+                bridge: str | None = None, exit_rule: ExitRule | None = None) -> InferenceSettings:
+        """A request's settings, resolved once against this engine's limits (its default K and cap): what
+        a boundary (the server) calls, then hands to every `Request(settings=...)` of that request."""
+        return resolve_settings(self.limits, num_iterations=num_iterations, bridge=bridge, exit_rule=exit_rule,
+                                sampling=sampling)
+
+    def _settings(self, request: Request) -> InferenceSettings:
+        """The request's resolved settings as given; loose fields (tests, benchmarks) resolved here, once."""
+        settings = request.settings
+        if settings is None:
+            return self.resolve(sampling=request.sampling, num_iterations=request.num_iterations,
+                                bridge=request.bridge, exit_rule=request.exit_rule)
+        if settings.num_iterations is not None and (self.max_iterations is None
+                                                    or settings.num_iterations > self.max_iterations):
+            # settings resolved against other limits: the pool is reserved for this engine's K only
+            raise InvalidRequest(f"num_iterations must be in 1..{self.max_iterations} on this engine "
+                                 f"(got {settings.num_iterations})", "num_iterations")
+        return settings
 
     # --- submitting (any thread) ----------------------------------------------------------------
 
@@ -137,7 +155,7 @@ class Engine:
             value = getattr(request, name)
             if value is not None and not 0 <= value <= self.vocab_size:
                 raise InvalidRequest(f"{name} must be in 0..{self.vocab_size} (got {value})", name)
-        return self._resolve(request)
+        return self._settings(request)
 
     def add_request(self, request: Request, sink: Callable[[RequestOutput], None]) -> InferenceSettings:
         """Queue a request; `sink` receives its outputs on the engine thread. Returns its settings."""
@@ -349,7 +367,8 @@ class Engine:
         request = seq.request
         seq.output_ids.append(token)
         self.stats.generation_tokens += 1
-        self.stats.iterations += self._k(seq) or 1
+        # the denoising calls this token took (fewer than K under an exit rule), where the model reports them
+        self.stats.iterations += seq.iterations or self._k(seq) or 1
         reason = None
         if token in request.stop_token_ids:
             reason = "stop"

@@ -8,11 +8,16 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from looped_lm.sampling import PLAIN, SamplingParams
-from looped_lm.settings import ExitRule
+from looped_lm.settings import ExitRule, InferenceSettings
 
 
 @dataclass
 class Request:
+    """One generation. Its settings are `settings`, resolved at the caller's boundary (`engine.resolve`:
+    the server does this once per HTTP request); or, for callers without one (tests, benchmarks), the
+    loose fields sampling / num_iterations / bridge / exit_rule, which the engine resolves once on arrival.
+    Not both."""
+
     prompt: list[int]
     max_tokens: int = 16  # 0 only with prompt_logprobs (score the prompt, generate nothing)
     sampling: SamplingParams = PLAIN
@@ -24,6 +29,13 @@ class Request:
     bridge: str | None = None  # DiffusionBlocks: None = the model's default
     exit_rule: ExitRule | None = None  # adaptive exit (DiffusionBlocks): None = every token runs K steps
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    settings: InferenceSettings | None = None  # resolved settings (K, bridge, exit rule, sampler): used as given
+
+    def __post_init__(self):
+        loose = (self.sampling is not PLAIN, self.num_iterations, self.bridge, self.exit_rule)
+        if self.settings is not None and any(x not in (None, False) for x in loose):
+            raise ValueError("give Request either resolved settings or the loose sampling / num_iterations / "
+                             "bridge / exit_rule fields, not both")
 
 
 class TokenLogprob(NamedTuple):
@@ -63,7 +75,8 @@ class EngineStats:
     requests: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    iterations: int = 0  # sum over generated tokens of the K that produced it (1 for models without K)
+    iterations: int = 0  # sum over generated tokens of the denoising calls that produced it (K, or fewer under
+    # an exit rule; 1 for models without K)
     steps: int = 0
     decode_calls: int = 0  # forward_cached calls of decode steps (one per step)
     decoded_rows: int = 0  # rows those calls advanced: decoded_rows / decode_calls = mean batch

@@ -14,7 +14,7 @@ import torch
 from looped_lm.engine.requests import TokenLogprob
 from looped_lm.engine.scheduler import Sequence
 from looped_lm.errors import UserError
-from looped_lm.models.contract import CachedDecoding, Iterative, Scorable
+from looped_lm.models.contract import CachedDecoding, Scorable
 from looped_lm.sampling import RowGenerators, sample
 from looped_lm.settings import RowBatch, ScoreSettings
 
@@ -45,19 +45,6 @@ def _tensor_bytes(obj, seen=None) -> int:
     return 0
 
 
-def served_max_iterations(model, max_iterations: int | None) -> int | None:
-    """The largest K served: the model's own limit, or less. None for models without K."""
-    if not isinstance(model, Iterative):
-        if max_iterations is not None:
-            raise UserError("--max-iterations applies to DiffusionBlocks and looped models; this model has no K")
-        return None
-    limit = model.iteration_limits().max_iterations
-    top = limit if max_iterations is None else max_iterations
-    if not 1 <= top <= limit:
-        raise UserError(f"--max-iterations must be in 1..{limit} (model.max_iterations); got {top}")
-    return top
-
-
 class ModelRunner:
     def __init__(self, model, num_slots: int, max_len: int, vocab_size: int, max_iterations: int | None,
                  score_settings: ScoreSettings):
@@ -74,6 +61,9 @@ class ModelRunner:
         `want_logits` is False: a non-final prompt chunk only fills the caches)."""
         batch = RowBatch([s.settings for s in seqs], RowGenerators([s.generator for s in seqs]))
         logits = self.model.forward_cached(ids, self.pool, self._rows(seqs), batch, want_logits=want_logits)
+        used = [None] * len(seqs) if batch.iterations is None else batch.iterations.tolist()
+        for seq, n in zip(seqs, used):  # calls each row's next token took (adaptive exit: fewer than K)
+            seq.iterations = n
         return None if logits is None else logits[:, :self.vocab_size].float()
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list:

@@ -37,6 +37,7 @@ class Sequence:
     num_prefilled: int = 0  # prompt tokens already in the KV cache
     output_ids: list[int] = field(default_factory=list)
     pending: int | None = None  # the last sampled token: the input of the next decode step
+    iterations: int | None = None  # denoising calls the last forward took for this row (None: not reported)
     prompt_logprobs: list | None = None  # computed before the first token, sent with it
     finish_reason: str | None = None
 
