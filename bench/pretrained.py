@@ -1,39 +1,52 @@
-"""Starting from a pretrained model (docs/pretrained.md): a converted db_ar (B = 2) fine-tuned for a fixed
-budget, against db_ar from scratch and against its source.
+"""Starting from a pretrained model (docs/pretrained.md): converted db_ar (B = 2 and 4), looped_db and
+huginn, fine-tuned for a fixed budget, against the same kinds from scratch at equal FLOPs and against
+their source; per-step activation and optimizer memory, full vs LoRA, anchor on/off.
 
-    python bench/pretrained.py --ft-steps 200    # ~10 min on one core (most of it scoring)
-    python bench/pretrained.py --ft-steps 200 --only converted_blocks11_coda2_anchor   # some runs; the
-                                                 # source is reused when its checkpoint is there
-    python bench/pretrained.py --smoke           # a few steps of everything: checks the script
+    python bench/pretrained.py                      # everything, seeds 0,1,2 (~40 CPU-min, one thread)
+    python bench/pretrained.py --phase memory       # only the per-step memory / FLOPs table (seconds)
+    python bench/pretrained.py --only db2_full_anchor --seeds 0   # some runs (the source is reused)
+    python bench/pretrained.py --summary            # rebuild summary.json + the docs table from the runs
+    python bench/pretrained.py --smoke              # a few steps of everything: checks the script
 
-Protocol (one seed, tiny; a first reading, not a study): the Bible, byte tokenizer (V = 257), 4 layers
-of d 64 (4 heads), seq 64, batch 8, fp32, one torch thread.
+Protocol (tiny: 2 shared CPU cores): the Bible, byte tokenizer (V = 257), 4 layers of d 64 (4 heads),
+seq 64, batch 8, fp32, one torch thread.
 
-    source        the project's gpt trained SOURCE_STEPS steps, exported with `looped_lm export` as a
-                  stock LlamaForCausalLM: the pretrained directory every converted run starts from
-    converted     db_ar, 2 blocks of 2 layers, model.init_from the export, fine-tuned FT_STEPS steps:
-                  context stacked (the clean stream is the source's forward pass) or independent (the
-                  paper's), full fine-tuning or LoRA (rank 8, every Linear), with and without the clean
-                  next-token anchor (diffusion.clean_lm_weight 0.3); and two other splits of the same 4
-                  layers (stacked, anchor): prelude 2 + blocks [1, 1], and blocks [1, 1] + a shared coda
-                  of 2 (block 0's denoiser then has 3 of the source's layers instead of 2)
-    scratch       db_ar from random init: FT_STEPS steps (equal fine-tuning FLOPs: the same network,
-                  batch and steps as the full fine-tuning) and SOURCE_STEPS + FT_STEPS steps (equal to
-                  the source's pretraining plus the fine-tuning)
+    source     the project's gpt trained SOURCE_STEPS steps (seed 0), exported with `looped_lm export` as
+               a stock LlamaForCausalLM: the pretrained directory every converted run starts from. One
+               source; the seeds are the fine-tuning's (and the scratch runs').
+    converted  model.init_from the export, fine-tuned FT_STEPS steps (lr 1e-3 full, 3e-3 LoRA rank 8):
+               db2  db_ar, 2 blocks of 2 layers, context stacked (the clean stream is the source's forward)
+               db4  db_ar, 4 blocks of 1 layer, stacked
+               lnf  db2 with stack_order low_noise_first: block 0, which ppl@0 reads, continues from the
+                    clean states of all 4 source layers (its own 2 are the source's last two)
+               looped_db, huginn   prelude = source layer 0, core = layers 1-2, coda = layer 3
+               (retrofitted recurrence; huginn mean_recurrence 4, backprop_depth 2)
+               full vs LoRA, with and without the clean next-token anchor (diffusion.clean_lm_weight 0.3)
+    scratch    the same networks from random init (lr 3e-3): FT_STEPS steps (equal FLOPs: the same
+               network, batch and steps as the full fine-tuning; the FLOPs per step are measured and
+               recorded), and db2 at equal TOTAL FLOPs (the source's pretraining + the fine-tuning,
+               converted to db2 steps with the measured FLOPs per step)
+    levers     what might close the 1.10x target: 5x the fine-tuning steps, anchor weight 1.0
 
 Metric: `looped_lm eval` on the run's held-out books, EVAL_TOKENS tokens, disjoint windows of 64: the
-gpt exact PPL; db_ar ppl@0 (one call at sigma_top) and ppl@2 (the K = 2 sampler) with standard errors
-from 4 draws. Optimizer state: 8 bytes (two fp32 AdamW moments) per trainable element, counted on the
-built models, full vs LoRA, and a one-block job (diffusion.blocks_to_train [0], context independent).
+gpt exact PPL; db_ar ppl@0 (one call at sigma_top) and ppl@2 (the K = 2 sampler), looped_db ppl@1,4,
+huginn PPL at K = 1, 4 (looped_db compared on ppl@0, huginn on K = 4), each diffusion ppl with its
+standard error from 4 draws. Across seeds: mean and the standard
+error of the mean (n = 3). Memory (phase memory, exact bytes, one step at batch 8 x 64 on the converted
+model): the bytes autograd saves for backward (saved_tensors_hooks, parameters excluded; per block:
+the max over the block a step trains), the AdamW state after every unit has stepped (sum of the state
+tensors' bytes), trainable elements, and FLOPs per step (torch FlopCounterMode, mean over blocks).
 
-Output: bench/results/pretrained/ft<FT_STEPS>/<run>.json (one per run: its config, steps, CPU seconds
-of training, eval report) and summary.json. Work files (checkpoints, the export) in bench/work/pretrained/ (not committed).
+Output: bench/results/pretrained/study/runs/<run>_s<seed>.json (config, steps, CPU seconds, eval),
+memory.json, summary.json; the table in docs/pretrained.md is printed by --summary (`table()`).
+Work files (checkpoints, the export) in bench/work/pretrained/ (not committed).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -41,23 +54,69 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results" / "pretrained"
+RESULTS = ROOT / "bench" / "results" / "pretrained" / "study"
 WORK = ROOT / "bench" / "work" / "pretrained"
-SEED = 0
-SOURCE_STEPS, FT_STEPS, EVAL_TOKENS = 800, 200, 16384
+SEEDS = (0, 1, 2)
+SOURCE_STEPS, FT_STEPS, EVAL_TOKENS, DRAWS = 800, 200, 8192, 4
+TARGET = 1.10
 
 MODEL = {"n_layers": 4, "d_model": 64, "n_heads": 4, "seq_len": 64}
-TRAIN = {"batch_size": 8, "warmup_steps": 20, "save_every": 0, "eval_every": 0, "log_every": 50,
-         "progress": False, "seed": SEED, "resume": "never"}
+TRAIN = {"batch_size": 8, "warmup_steps": 20, "save_every": 0, "eval_every": 0, "log_every": 100,
+         "progress": False, "resume": "never"}
+FT = {"lr": 1e-3, "min_lr": 1e-4}
+LORA = {"lr": 3e-3, "min_lr": 1e-4, "lora_rank": 8, "lora_alpha": 16.0}
+SCRATCH = {"lr": 3e-3, "min_lr": 3e-4}
+ANCHOR = {"clean_lm_weight": 0.3}
+LOOPED = {"n_prelude": 1, "n_layers": 2, "n_coda": 1}
+HUGINN = {**LOOPED, "mean_recurrence": 4, "backprop_depth": 2, "max_iterations": 16}
 
 
-def run_config(name: str, model: dict, diffusion: dict | None = None, train: dict | None = None) -> dict:
-    return {"model": {**MODEL, **model}, "diffusion": diffusion or {},
+def hf_dir() -> Path:
+    return WORK / "source_hf"
+
+
+def kinds() -> dict:
+    """name -> (model, diffusion): the networks (without init_from)."""
+    db2 = {"num_blocks": 2, "context": "stacked"}
+    return {"db2": ({"kind": "db_ar"}, db2),
+            "db4": ({"kind": "db_ar"}, {"num_blocks": 4, "context": "stacked"}),
+            "lnf": ({"kind": "db_ar"}, {**db2, "stack_order": "low_noise_first"}),
+            "looped_db": ({"kind": "looped_db", **LOOPED}, {"num_blocks": 1}),
+            "huginn": ({"kind": "huginn", **HUGINN}, {})}
+
+
+def runs(ft_steps: int) -> dict:
+    """name -> (network, converted?, train extra, diffusion extra, steps)."""
+    n = ft_steps
+    return {  # in priority order
+        "db2_full_anchor": ("db2", True, FT, ANCHOR, n), "db2_scratch": ("db2", False, SCRATCH, ANCHOR, n),
+        "lnf_full_anchor": ("lnf", True, FT, ANCHOR, n), "lnf_scratch": ("lnf", False, SCRATCH, ANCHOR, n),
+        "db4_full_anchor": ("db4", True, FT, ANCHOR, n), "db4_scratch": ("db4", False, SCRATCH, ANCHOR, n),
+        "looped_db_full_anchor": ("looped_db", True, FT, ANCHOR, n),
+        "looped_db_scratch": ("looped_db", False, SCRATCH, ANCHOR, n),
+        "huginn_full": ("huginn", True, FT, {}, n), "huginn_scratch": ("huginn", False, SCRATCH, {}, n),
+        "db2_full": ("db2", True, FT, {}, n), "db2_lora_anchor": ("db2", True, LORA, ANCHOR, n),
+        "db2_lora": ("db2", True, LORA, {}, n), "db4_lora_anchor": ("db4", True, LORA, ANCHOR, n),
+        # levers on the best converted layout
+        "lnf_full_anchor1": ("lnf", True, FT, {"clean_lm_weight": 1.0}, n),
+        "lnf_full_anchor_x5": ("lnf", True, FT, ANCHOR, 5 * n),
+    }
+
+
+def run_config(name: str, seed: int, model: dict, diffusion: dict, train: dict, steps: int) -> dict:
+    return {"model": {**MODEL, **model}, "diffusion": diffusion,
             "data": {"source": "bible", "tokenizer": "byte", "cache_dir": str(WORK / "data_cache")},
-            "train": {**TRAIN, "out_dir": str(WORK / name), **(train or {})}}
+            "train": {**TRAIN, "seed": seed, "out_dir": str(WORK / f"{name}_s{seed}"), "max_steps": steps, **train}}
 
 
-def train(name: str, raw: dict) -> tuple[Path, float]:
+def config_of(name: str, seed: int, spec) -> dict:
+    net, converted, tr, dif, steps = spec
+    model, diffusion = kinds()[net]
+    model = {**model, **({"init_from": str(hf_dir())} if converted else {})}
+    return run_config(name, seed, model, {**diffusion, **dif}, tr, steps)
+
+
+def train(raw: dict, name: str) -> tuple[Path, float]:
     import yaml
 
     from looped_lm import train as trainer
@@ -67,115 +126,286 @@ def train(name: str, raw: dict) -> tuple[Path, float]:
     start = time.process_time()
     if trainer.main(["--config", str(path)]) != 0:
         sys.exit(f"training {name} failed")
-    ckpt = WORK / name / f"step_{raw['train']['max_steps']:07d}"
-    return ckpt, time.process_time() - start
+    return Path(raw["train"]["out_dir"]) / f"step_{raw['train']['max_steps']:07d}", time.process_time() - start
 
 
-def evaluate(name: str, ckpt: Path, kind: str) -> dict:
+def evaluate(name: str, ckpt: Path, kind: str, seed: int) -> dict:
     from looped_lm import cli
 
     out = WORK / f"{name}.eval.json"
     argv = ["eval", "--checkpoint", str(ckpt), "--max-tokens", str(EVAL_TOKENS), "--json", str(out), "--no-progress",
-            "--seed", str(SEED)]
-    if kind == "db_ar":
-        argv += ["--num-iterations", "2", "--draws", "4"]
+            "--seed", str(seed)]
+    if kind != "gpt":
+        argv += ["--num-iterations", {"db_ar": "2", "looped_db": "1,4", "huginn": "1,4"}[kind], "--draws", str(DRAWS)]
     if cli.main(argv) != 0:
         sys.exit(f"eval of {name} failed")
     return json.loads(out.read_text())
 
 
-def optimizer_bytes(raw: dict, vocab: int = 257) -> int:
-    """8 bytes per trainable element (AdamW's two fp32 moments), on the model `raw` builds."""
-    import torch
+# ---------------------------------------------------------------------------------------------
+# memory and FLOPs per step, exact
 
+
+def build(raw: dict, init: bool):
     from looped_lm.config import config_from_dict
     from looped_lm.models import build_model
-    from looped_lm.optim import param_groups
+    from looped_lm.pretrained import init_from_pretrained
 
     cfg = config_from_dict({k: v for k, v in raw.items() if k in ("model", "diffusion", "train")})
-    with torch.device("meta"):
-        model = build_model(cfg, vocab)
-    return sum(8 * p.numel() for g in param_groups(model, 0.1) for p in g["params"])
+    import torch
+
+    torch.manual_seed(raw["train"].get("seed", 0))
+    model = build_model(cfg, 257)
+    if init:
+        init_from_pretrained(model, cfg)
+    return model, cfg
+
+
+def activation_bytes(model, x, y, step: int) -> int:
+    """Bytes autograd saves for backward in one training step (parameters and buffers excluded, each
+    storage once)."""
+    import torch
+
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    own |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in own:
+            seen.setdefault(s.data_ptr(), s.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss, _ = model.training_loss(x, y, step, seed=0)
+    del loss
+    return sum(seen.values())
+
+
+def step_flops(model, x, y, step: int) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        loss, _ = model.training_loss(x, y, step, seed=0)
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+def measure(raw: dict, init: bool = True) -> dict:
+    """One configuration: per-step activation bytes and FLOPs (per block), AdamW state bytes after every
+    unit stepped, trainable elements."""
+    import torch
+
+    from looped_lm.optim import BlockwiseAdamW, param_groups
+
+    model, cfg = build(raw, init)
+    model.train()
+    g = torch.Generator().manual_seed(0)
+    B, T = raw["train"]["batch_size"], raw["model"]["seq_len"]
+    x = torch.randint(0, 257, (B, T), generator=g)
+    y = torch.randint(0, 257, (B, T), generator=g)
+    blocks = len(getattr(model, "blocks", [])) if cfg.model.kind == "db_ar" else 1
+    owned = list(cfg.diffusion.blocks_to_train) or list(range(blocks))
+    steps = {}  # block -> a step that trains it
+    for s in range(10_000):
+        b = model.choose_block(s, 0) if cfg.model.kind == "db_ar" else 0
+        if b in owned and b not in steps:
+            steps[b] = s
+        if len(steps) == len(owned):
+            break
+    acts = {b: activation_bytes(model, x, y, s) for b, s in steps.items()}
+    reps = 1 if cfg.model.kind != "huginn" else 4  # huginn draws its depth per step
+    flops = {b: sum(step_flops(model, x, y, s + r) for r in range(reps)) / reps for b, s in steps.items()}
+    opt = BlockwiseAdamW(param_groups(model, 0.1), lr=1e-4)
+    for s in steps.values():
+        opt.set_active_units(model.step_units(s, 0) if hasattr(model, "step_units") else None)
+        loss, _ = model.training_loss(x, y, s, seed=0)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    state = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
+                if torch.is_tensor(t) and t.dim() > 0)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"activation_bytes_max": max(acts.values()), "activation_bytes_per_block": acts,
+            "flops_per_step": sum(flops.values()) / len(flops), "flops_per_block": flops,
+            "optimizer_state_bytes": state, "trainable_elements": trainable,
+            "parameter_elements": sum(p.numel() for p in model.parameters())}
+
+
+def memory_table() -> dict:
+    """Full vs LoRA x anchor on/off x B = 2, 4; one-block jobs; the looped models; gpt (the source)."""
+    out = {}
+    gpt = run_config("m", 0, {"kind": "gpt"}, {}, {}, 1)
+    out["gpt_source_full"] = measure(gpt, init=False)
+    for B in (2, 4):
+        for tuning, tr in (("full", FT), ("lora", LORA)):
+            for anchor, dif in (("", {}), ("_anchor", ANCHOR)):
+                raw = run_config("m", 0, {"kind": "db_ar", "init_from": str(hf_dir())},
+                                 {"num_blocks": B, "context": "stacked", **dif}, tr, 1)
+                out[f"db{B}_{tuning}{anchor}"] = measure(raw)
+            job = run_config("m", 0, {"kind": "db_ar", "init_from": str(hf_dir())},
+                             {"num_blocks": B, "blocks_to_train": [0]}, tr, 1)  # a one-block job (independent)
+            out[f"db{B}_{tuning}_block0_job"] = measure(job)
+    for net in ("looped_db", "huginn"):
+        model, diffusion = kinds()[net]
+        for tuning, tr in (("full", FT), ("lora", LORA)):
+            raw = run_config("m", 0, {**model, "init_from": str(hf_dir())}, diffusion, tr, 1)
+            out[f"{net}_{tuning}"] = measure(raw)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# summary
+
+
+def _mean_se(values: list[float]) -> tuple[float, float | None]:
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, None
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+
+
+def primary(rep: dict) -> tuple[str, float, float | None]:
+    """(label, ppl, se) a run is compared on: gpt exact; db_ar ppl@0; looped ppl at K = 4."""
+    if rep["model_kind"] == "gpt":
+        return "ppl", rep["ppl"], None
+    k = "4" if rep["model_kind"] == "huginn" else "0"
+    return f"ppl@{k}", rep["ppl_at_k"][k], (rep.get("ppl_se") or {}).get(k)
+
+
+def summarize() -> dict:
+    recs: dict[str, list] = {}
+    for path in sorted((RESULTS / "runs").glob("*.json")):
+        r = json.loads(path.read_text())
+        recs.setdefault(r["name"], []).append(r)
+    source = recs["source"][0]["eval"]["ppl"]
+    rows = {}
+    for name, rs in sorted(recs.items()):
+        rs.sort(key=lambda r: r["seed"])
+        ks = sorted({k for r in rs for k in (r["eval"].get("ppl_at_k") or {})}, key=int)
+        row = {"seeds": [r["seed"] for r in rs], "steps": rs[0]["steps"], "kind": rs[0]["eval"]["model_kind"],
+               "converted": bool(rs[0]["config"]["model"].get("init_from")),
+               "lora": bool(rs[0]["config"]["train"].get("lora_rank")),
+               "clean_lm_weight": rs[0]["config"]["diffusion"].get("clean_lm_weight", 0.0),
+               "train_cpu_seconds": [r["train_cpu_seconds"] for r in rs]}
+        label = primary(rs[0]["eval"])[0]
+        vals = [primary(r["eval"])[1] for r in rs]
+        m, se = _mean_se(vals)
+        row.update({"metric": label, "per_seed": vals, "mean": m, "se_seeds": se,
+                    "eval_se_per_seed": [primary(r["eval"])[2] for r in rs],
+                    "ratio_to_source": m / source, "ratio_se": None if se is None else se / source})
+        for k in ks:
+            kv = [r["eval"]["ppl_at_k"][k] for r in rs if r["eval"].get("ppl_at_k", {}).get(k) is not None]
+            if kv:
+                km, kse = _mean_se(kv)
+                row[f"ppl@{k}"] = {"mean": km, "se_seeds": kse, "n": len(kv)}
+        rows[name] = row
+    return {"source_ppl": source, "source_steps": SOURCE_STEPS, "eval_tokens": EVAL_TOKENS, "draws": DRAWS,
+            "target_ratio": TARGET, "runs": rows}
+
+
+def _fmt(m, se, digits=3) -> str:
+    return f"{m:.{digits}f}" if se is None else f"{m:.{digits}f} ± {se:.{digits}f}"
+
+
+def table(summary: dict, memory: dict | None) -> str:
+    lines = [f"Source (gpt, {summary['source_steps']} steps, seed 0): PPL {summary['source_ppl']:.3f}. "
+             f"Mean ± standard error over seeds; ratio = PPL / the source's.", "",
+             "| run | kind | init | tuning | anchor | steps | seeds | metric | PPL | ratio to source |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in summary["runs"].items():
+        if name == "source":
+            continue
+        lines.append(f"| {name} | {r['kind']} | {'source' if r['converted'] else 'scratch'} | "
+                     f"{'LoRA' if r['lora'] else 'full'} | {r['clean_lm_weight']} | {r['steps']} | "
+                     f"{','.join(map(str, r['seeds']))} | {r['metric']} | {_fmt(r['mean'], r['se_seeds'])} | "
+                     f"{_fmt(r['ratio_to_source'], r['ratio_se'])} |")
+    if memory:
+        lines += ["", "Per training step (batch 8 x 64, fp32; exact bytes; activation = saved for backward, max "
+                  "over the block a step trains; optimizer = AdamW state after every owned unit stepped):", "",
+                  "| configuration | activation KiB | optimizer state KiB | trainable elements | MFLOPs/step |",
+                  "|---|---|---|---|---|"]
+        for name, m in memory.items():
+            lines.append(f"| {name} | {m['activation_bytes_max'] / 1024:.1f} | {m['optimizer_state_bytes'] / 1024:.1f} "
+                         f"| {m['trainable_elements']:,} | {m['flops_per_step'] / 1e6:.1f} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def main() -> int:
-    global SOURCE_STEPS, FT_STEPS, EVAL_TOKENS, WORK
+    global SOURCE_STEPS, FT_STEPS, EVAL_TOKENS, WORK, RESULTS, SEEDS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true")
-    p.add_argument("--ft-steps", type=int, default=FT_STEPS, help="fine-tuning budget in steps")
-    p.add_argument("--only", default="", help="comma-separated runs (default: all); summary.json covers every "
-                   "<run>.json in the results folder")
+    p.add_argument("--phase", default="all", choices=["all", "source", "memory", "runs"])
+    p.add_argument("--only", default="", help="comma-separated runs (default: all)")
+    p.add_argument("--seeds", default=",".join(map(str, SEEDS)))
+    p.add_argument("--summary", action="store_true", help="only rebuild summary.json and print the table")
     args = p.parse_args()
-    FT_STEPS = args.ft_steps
-    if args.smoke:  # its own work folder: a smoke source must never replace the real one
+    SEEDS = tuple(int(s) for s in args.seeds.split(","))
+    if args.smoke:  # its own folders: a smoke source must never replace the real one
         SOURCE_STEPS, FT_STEPS, EVAL_TOKENS, WORK = 4, 2, 512, WORK / "smoke"
-    results = RESULTS / f"ft{FT_STEPS}" if not args.smoke else WORK / "results"
-    results.mkdir(parents=True, exist_ok=True)
+        RESULTS = WORK / "results"
+    (RESULTS / "runs").mkdir(parents=True, exist_ok=True)
     WORK.mkdir(parents=True, exist_ok=True)
     import torch
 
     torch.set_num_threads(1)
+    if args.summary:
+        summary = summarize()
+        (RESULTS / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        memory = json.loads((RESULTS / "memory.json").read_text()) if (RESULTS / "memory.json").is_file() else None
+        print(table(summary, memory))
+        return 0
 
-    # the source: the project's gpt, pretrained here and exported as a stock Llama
-    src_raw = run_config("source", {"kind": "gpt"}, train={"max_steps": SOURCE_STEPS, "lr": 3e-3, "min_lr": 3e-4})
-    hf_dir, rows = WORK / "source_hf", {}
-    if not (args.only and (hf_dir / "config.json").is_file() and (results / "source.json").is_file()):
-        src_ckpt, src_s = train("source", src_raw)
+    if args.phase in ("all", "source") or not (hf_dir() / "config.json").is_file():
+        raw = run_config("source", 0, {"kind": "gpt"}, {}, {"lr": 3e-3, "min_lr": 3e-4}, SOURCE_STEPS)
+        ckpt, secs = train(raw, "source")
         from looped_lm.export import export
 
-        export(src_ckpt, hf_dir, overwrite=True, format="llama")
-        rows["source"] = (src_raw, SOURCE_STEPS, src_s, evaluate("source", src_ckpt, "gpt"))
-
-    db = {"kind": "db_ar", "init_from": str(hf_dir)}
-    ft = {"max_steps": FT_STEPS, "lr": 1e-3, "min_lr": 1e-4}
-    lora = {**ft, "lr": 3e-3, "lora_rank": 8, "lora_alpha": 16.0}
-    stacked, independent = {"num_blocks": 2, "context": "stacked"}, {"num_blocks": 2}
-    anchor = {"clean_lm_weight": 0.3}
-    runs = {
-        "converted_stacked_full": (db, stacked, ft),
-        "converted_stacked_full_anchor": (db, {**stacked, **anchor}, ft),
-        "converted_stacked_lora": (db, stacked, lora),
-        "converted_stacked_lora_anchor": (db, {**stacked, **anchor}, lora),
-        "converted_independent_full": (db, independent, ft),
-        "converted_prelude2_blocks11_anchor": ({**db, "n_prelude": 2, "n_layers": 2},
-                                               {**stacked, **anchor, "layers_per_block": [1, 1]}, ft),
-        "converted_blocks11_coda2_anchor": ({**db, "n_coda": 2, "n_layers": 2},
-                                            {**stacked, **anchor, "layers_per_block": [1, 1]}, ft),
-        "scratch_equal_ft": ({"kind": "db_ar"}, stacked, {**ft, "lr": 3e-3, "min_lr": 3e-4}),
-        "scratch_equal_total": ({"kind": "db_ar"}, stacked,
-                                {**ft, "max_steps": SOURCE_STEPS + FT_STEPS, "lr": 3e-3, "min_lr": 3e-4}),
-    }
-    only = [n for n in args.only.split(",") if n]
-    unknown = sorted(set(only) - set(runs))
-    if unknown:
-        sys.exit(f"--only: unknown run {unknown[0]} (have: {', '.join(runs)})")
-    for name, (model, diffusion, tr) in runs.items():
-        if only and name not in only:
-            continue
-        raw = run_config(name, model, diffusion, tr)
-        ckpt, seconds = train(name, raw)
-        rows[name] = (raw, tr["max_steps"], seconds, evaluate(name, ckpt, "db_ar"))
-
-    summary = {"seed": SEED, "source_steps": SOURCE_STEPS, "ft_steps": FT_STEPS, "eval_tokens": EVAL_TOKENS,
-               "runs": {}, "optimizer_state_bytes": {}}
-    for name, (raw, steps, seconds, rep) in rows.items():
-        record = {"name": name, "config": raw, "steps": steps, "train_cpu_seconds": round(seconds, 1),
-                  "optimizer_state_bytes": optimizer_bytes(raw) if name != "source" else None, "eval": rep}
-        (results / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
-    for path in sorted(results.glob("*.json")):
-        if path.name == "summary.json":
-            continue
-        record = json.loads(path.read_text())
-        name, steps, rep = record["name"], record["steps"], record["eval"]
-        summary["runs"][name] = {"steps": steps, "ppl": rep.get("ppl"), "ppl_at_k": rep.get("ppl_at_k"),
-                                 "ppl_se": rep.get("ppl_se"), "unresolved": rep.get("unresolved"),
-                                 "optimizer_state_bytes": record["optimizer_state_bytes"]}
-    one_block = {"num_blocks": 2, "blocks_to_train": [0]}
-    for name, (diffusion, tr) in {"full_all_blocks": (stacked, ft), "lora_all_blocks": (stacked, lora),
-                                  "full_block0_job": (one_block, ft), "lora_block0_job": (one_block, lora)}.items():
-        summary["optimizer_state_bytes"][name] = optimizer_bytes(run_config(name, db, diffusion, tr))
-    (results / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps(summary, indent=2))
+        export(ckpt, hf_dir(), overwrite=True, format="llama")
+        rep = evaluate("source", ckpt, "gpt", 0)
+        (RESULTS / "runs" / "source_s0.json").write_text(json.dumps(
+            {"name": "source", "seed": 0, "config": raw, "steps": SOURCE_STEPS, "train_cpu_seconds": round(secs, 1),
+             "eval": rep}, indent=2) + "\n")
+    if args.phase in ("all", "memory"):
+        memory = memory_table()
+        (RESULTS / "memory.json").write_text(json.dumps(memory, indent=2) + "\n")
+        print(json.dumps({k: {kk: v[kk] for kk in ("activation_bytes_max", "optimizer_state_bytes", "flops_per_step")}
+                          for k, v in memory.items()}, indent=1))
+    if args.phase in ("all", "runs"):
+        table_runs = runs(FT_STEPS)
+        # db2 from scratch at equal TOTAL FLOPs: the source's pretraining + the fine-tuning, in db2 steps
+        mem = json.loads((RESULTS / "memory.json").read_text()) if (RESULTS / "memory.json").is_file() else None
+        if mem:
+            total = SOURCE_STEPS * mem["gpt_source_full"]["flops_per_step"] + FT_STEPS * mem["db2_full_anchor"]["flops_per_step"]
+            table_runs["db2_scratch_equal_total"] = ("db2", False, SCRATCH, ANCHOR,
+                                                     round(total / mem["db2_full_anchor"]["flops_per_step"]))
+            for lever in ("lnf_full_anchor1", "lnf_full_anchor_x5"):  # the levers last
+                table_runs[lever] = table_runs.pop(lever)
+        only = [n for n in args.only.split(",") if n]
+        unknown = sorted(set(only) - set(table_runs))
+        if unknown:
+            sys.exit(f"--only: unknown run {unknown[0]} (have: {', '.join(table_runs)})")
+        # seed by seed (every run at seed 0 first): a budget cut short still covers every run
+        for seed, (name, spec) in ((s, item) for s in SEEDS for item in table_runs.items()):
+            if only and name not in only:
+                continue
+            if True:
+                out = RESULTS / "runs" / f"{name}_s{seed}.json"
+                if out.is_file() and not only:
+                    continue  # done: a rerun continues where it stopped
+                raw = config_of(name, seed, spec)
+                ckpt, secs = train(raw, f"{name}_s{seed}")
+                rep = evaluate(f"{name}_s{seed}", ckpt, raw["model"]["kind"], seed)
+                out.write_text(json.dumps({"name": name, "seed": seed, "config": raw, "steps": spec[4],
+                                           "train_cpu_seconds": round(secs, 1), "eval": rep}, indent=2) + "\n")
+                print(f"{name} seed {seed}: {primary(rep)[0]} {primary(rep)[1]} ({secs:.0f} CPU-s)", flush=True)
+    summary = summarize()
+    (RESULTS / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return 0
 
 
