@@ -71,18 +71,6 @@ def parse_k_grid(text: str | None) -> list[int] | None:
     return ks
 
 
-def check_k_grid(ks: list[int] | None, limits) -> None:
-    """The one rule for K (settings.IterationLimits, the same bound generate, serve and export apply):
-    every K in 1..max_iterations, and for DiffusionBlocks models 0 = ppl@0 (one call at sigma_top)."""
-    if ks is None or limits is None:
-        return
-    low = 0 if limits.default_bridge is not None else 1  # ppl@0 is DiffusionBlocks' (huginn: exact PPL at K >= 1)
-    bad = [k for k in ks if not low <= k <= limits.max_iterations]
-    if bad:
-        raise UserError(f"--num-iterations {bad[0]} is outside {low}..{limits.max_iterations} (this model's "
-                        "model.max_iterations, the bound generate and serve apply too)")
-
-
 def check_arguments(args) -> None:
     """What eval can check before the checkpoint is read: one line naming the flag."""
     from looped_lm.checkpoint import check_device
@@ -250,7 +238,7 @@ def run(args) -> int:
 
     from looped_lm.checkpoint import load_checkpoint, no_verify_note, resolve_checkpoint
     from looped_lm.models.contract import Iterative, Scorable
-    from looped_lm.settings import ScoreSettings
+    from looped_lm.settings import resolve_score_settings
 
     check_arguments(args)
     if args.no_verify:
@@ -267,10 +255,10 @@ def run(args) -> int:
             raise UserError(f"{args.checkpoint} does not record its data directory: pass --data VAL.bin")
         data = str(Path(manifest["data"]["dir"]) / "val.bin")
     block = args.block_size or cfg.eval.block_size or cfg.model.seq_len
-    k_grid = parse_k_grid(args.num_iterations)
-    check_k_grid(k_grid, model.iteration_limits() if isinstance(model, Iterative) else None)
-    settings = ScoreSettings(k_grid=None if k_grid is None else tuple(k_grid), draws=args.draws,
-                             candidates=args.candidates).validate()
+    # the K grid by the rule every K follows (1..model.max_iterations, DB models also 0), resolved once
+    settings = resolve_score_settings(model.iteration_limits() if isinstance(model, Iterative) else None,
+                                      parse_k_grid(args.num_iterations), kind=cfg.model.kind, draws=args.draws,
+                                      candidates=args.candidates)
     with tempfile.TemporaryDirectory() as work:
         tokens_file = data_tokens(data, manifest["tokenizer"], work)
         sums, variances, tokens = perplexity(model, tokens_file, block, args.stride, args.max_tokens,

@@ -144,13 +144,14 @@ def resolve_settings(limits: IterationLimits | None, *, num_iterations: int | No
 
 
 def resolve_score_settings(limits: IterationLimits | None, k_grid: list[int] | tuple[int, ...] | None = None,
-                           **kwargs) -> ScoreSettings:
+                           kind: str | None = None, **kwargs) -> ScoreSettings:
     """`looped_lm eval`'s settings: the K grid by the rule every K follows (1..max_iterations, the bound
     generate and serve apply; DiffusionBlocks models also take 0, ppl@0), one line naming the first bad K.
-    kwargs: the other ScoreSettings fields (draws, candidates, ...)."""
+    kind: the model's, for the message; kwargs: the other ScoreSettings fields (draws, candidates, ...)."""
     if k_grid is not None:
         if limits is None:
-            raise UserError("--num-iterations applies to DiffusionBlocks and looped models; this model has no K",
+            who = f"a {kind} model" if kind else "this model"
+            raise UserError(f"--num-iterations applies to DiffusionBlocks and looped models; {who} has no K",
                             "num_iterations")
         low = 0 if limits.default_bridge is not None else 1  # ppl@0 is DiffusionBlocks' (huginn: exact at K >= 1)
         for k in k_grid:

@@ -13,7 +13,9 @@ runs depends on the capability the model offers (models/contract.py):
               TextDiffusion (mdm)   samples printed one per line
 
 K (`--num-iterations`) is the number of inference steps, split across the blocks; fewer than one per
-block is refused (exit 2). Data defaults to what the checkpoint trained on (its manifest's source).
+block is refused (exit 2). It is resolved once per command by `looped_lm.settings.resolve_steps` (the
+flag, else the config's default: diffusion.sample_steps for dit / mdm, else 50 / the sample's length;
+diffusion.num_iterations for vit, else B) and passed down as an int. Data defaults to what the checkpoint trained on (its manifest's source).
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ import json
 import sys
 from pathlib import Path
 
-from looped_lm.config import MODULE_SOURCES
+from looped_lm.kinds import kind_of
 from looped_lm.errors import UserError
 from looped_lm.models.contract import Classifier, ImageGenerator, TextDiffusion
+from looped_lm.settings import resolve_steps
 
 
 def module_data(cfg, manifest: dict, source: str | None):
@@ -35,7 +38,7 @@ def module_data(cfg, manifest: dict, source: str | None):
     if not source:
         raise UserError("the checkpoint does not record its data source: pass --data SOURCE")
     kind = source.partition(":")[0]
-    readers = MODULE_SOURCES[cfg.model.kind]
+    readers = kind_of(cfg).data_sources
     if kind not in readers:
         raise UserError(f"--data {source}: model.kind {cfg.model.kind} reads {' / '.join(readers)} "
                         f"(as digits, cifar10:PATH, text8:PATH, ...)")
@@ -54,7 +57,7 @@ def single_k(text: str | None) -> int | None:
     try:
         return int(text)
     except ValueError:
-        raise UserError(f"--num-iterations for a {'/'.join(MODULE_SOURCES)} checkpoint is one integer K, "
+        raise UserError(f"--num-iterations for a vit / dit / mdm checkpoint is one integer K, "
                         f"got '{text}'") from None
 
 
@@ -71,8 +74,9 @@ def evaluate(model, cfg, manifest: dict, args) -> int:
         data, source = module_data(cfg, manifest, args.data)
         n = args.max_tokens or len(data.test_y)
         images, labels = data.test_x[:n], data.test_y[:n]
-        rep = model.accuracy(images.to(args.device), labels.to(args.device), single_k(args.num_iterations),
-                             generator=gen)
+        K = resolve_steps(single_k(args.num_iterations), model.num_blocks, cfg.diffusion.num_iterations,
+                          model.num_blocks)
+        rep = model.accuracy(images.to(args.device), labels.to(args.device), K, generator=gen)
         rep = {"model_kind": cfg.model.kind, **rep, "data": source, "split": "test (held out)"}
         summary = f"top-1 accuracy {rep['accuracy']:.4f} on {rep['examples']} held-out images, K = " \
                   f"{rep['num_iterations']}"
@@ -139,8 +143,7 @@ def frechet_report(model, cfg, manifest: dict, args, gen) -> dict:
                         f"with {shape[0]}")
     data, source = module_data(cfg, manifest, args.data)
     n = min(args.max_tokens or len(data.test_y), len(data.test_y), len(data.train_y))
-    steps = single_k(args.num_iterations)
-    steps = (cfg.diffusion.sample_steps or 50) if steps is None else steps
+    steps = model.resolve_steps(single_k(args.num_iterations))
     cfg_scale = cfg.diffusion.cfg_scale if args.cfg_scale is None else args.cfg_scale
     batch = 256
     labels = data.test_y[:n].to(args.device)
@@ -210,7 +213,7 @@ def generate(model, cfg, manifest: dict, args) -> int:
             data, _ = module_data(cfg, manifest, None)
             scale = float(data.meta.get("scaling_factor", 0.18215))
         labels = torch.tensor(parse_labels(args.labels, model.num_classes, args.num_samples), device=args.device)
-        steps = (d.sample_steps or 50) if args.num_iterations is None else args.num_iterations
+        steps = model.resolve_steps(args.num_iterations)
         cfg_scale = d.cfg_scale if args.cfg_scale is None else args.cfg_scale
         images = model.sample(labels, steps, cfg_scale, generator=gen)
         if vae is not None:
@@ -229,7 +232,7 @@ def generate(model, cfg, manifest: dict, args) -> int:
     if args.cfg_scale is not None or args.labels is not None or args.out is not None:
         raise UserError("--cfg-scale, --labels and --out are for dit; mdm prints its samples")
     length = model.seq_len if args.length is None else args.length
-    steps = (d.sample_steps or length) if args.num_iterations is None else args.num_iterations
+    steps = model.resolve_steps(args.num_iterations, length)
     ids = model.sample(args.num_samples or 4, length, steps, generator=gen, device=args.device)
     for row in ids:
         print(decode(row))

@@ -119,3 +119,28 @@ def test_jackknife_never_swings_past_the_estimates():
     assert bool((nll >= 0).all()) and bool((nll <= plain).all()) and bool((plain - nll <= var).all())
     assert float(nll[0]) == pytest.approx(float(plain[0]))  # -log(3e-3 / 4) = 7.2, not -505
     assert float(var[1]) < 1 and 0 <= float(nll[1]) < 0.01
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("bridge", ["hard", "soft"])
+@pytest.mark.parametrize("K", [2, 2 * B + 1])
+def test_deterministic_bridges_score_the_chain_generate_runs(bridge, K, one_thread):
+    """Hard and soft chains are deterministic given z_0: the estimator's probability of every token is the
+    softmax of `run_chain`'s last call from the same z_0, through the one bridge and Euler step both use
+    (a copy of the bridge in the estimator that drifted, e.g. soft without the table or hard by another
+    rule, fails here)."""
+    from looped_lm.diffusion.estimator import sampler_probs
+
+    model = model_for("sigma_min")
+    x, y = markov_batch(torch.Generator().manual_seed(7), batch=2, T=6)
+    context = WindowContext(model, x)
+    random = SharedGenerator(torch.Generator().manual_seed(8))
+    z0 = model.initial_noise(x.shape[0], x.shape[1], random)
+    settings = [InferenceSettings(num_iterations=K, bridge=bridge)] * x.shape[0]
+    chain = run_chain(context.denoise, model.grid(), settings, z0, random, model.targets, model.target_table)
+    p, full, used = sampler_probs(context.denoise, model.grid(), K, z0, y, random, model.targets,
+                                  model.target_table, bridge, full=True)
+    expected = chain.logits.float().softmax(-1)
+    torch.testing.assert_close(full, expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(p.float(), expected.gather(-1, y[..., None])[..., 0], rtol=0, atol=1e-6)
+    assert (used == K).all() and (chain.iterations == K).all()

@@ -36,6 +36,19 @@ class ChainResult:
     iterations: torch.Tensor  # (R, n): calls each slot used
 
 
+def fixed_bridge(logits: torch.Tensor, kind: str, targets: Callable, table: Callable) -> torch.Tensor:
+    """The deterministic bridges, logits (R', n, V) -> denoised points (R', n, d): hard = the argmax
+    token's target, soft = the targets' expectation. (The estimator runs these chains too.)"""
+    if kind == "hard":
+        return targets(logits.argmax(-1))
+    return logits.float().softmax(-1) @ table()
+
+
+def euler_to(z: torch.Tensor, points: torch.Tensor, sigma, sigma_next) -> torch.Tensor:
+    """One Euler step of the chain from sigma to sigma_next towards `points`, in float64, back in z's dtype."""
+    return euler_step(z.double(), points.double(), sigma, sigma_next).to(z.dtype)
+
+
 def bridge_points(logits: torch.Tensor, kinds: list[str], sampling: list[SamplingParams], random: RandomSource,
                   rows: torch.Tensor, targets: Callable, table: Callable) -> torch.Tensor:
     """Logits (R', n, V) -> denoised points (R', n, d), row i with bridge kinds[i]: hard = the argmax
@@ -44,10 +57,8 @@ def bridge_points(logits: torch.Tensor, kinds: list[str], sampling: list[Samplin
     for kind in sorted(set(kinds)):
         sel = torch.tensor([i for i, k in enumerate(kinds) if k == kind], device=logits.device)
         part = logits if len(sel) == len(kinds) else logits[sel]
-        if kind == "hard":
-            points = targets(part.argmax(-1))
-        elif kind == "soft":
-            points = part.float().softmax(-1) @ table()
+        if kind in ("hard", "soft"):
+            points = fixed_bridge(part, kind, targets, table)
         else:
             points = targets(draw_rows(part, [sampling[i] for i in sel.tolist()], random, rows[sel], part.shape[1]))
         if len(sel) == len(kinds):
@@ -109,6 +120,6 @@ def run_chain(denoise: Denoise, grid: ChainGrid, settings: list[InferenceSetting
             s_next = torch.tensor([plans[Ks[r]][0][k + 1] for r in rows.tolist()], device=device,
                                   dtype=torch.float64)[:, None, None]
             z_rows = z[rows]
-            stepped = euler_step(z_rows.double(), denoised.double(), s_now, s_next).to(z.dtype)
+            stepped = euler_to(z_rows, denoised, s_now, s_next)
             z[rows] = torch.where(done[rows][..., None], z_rows, stepped)
     return ChainResult(final, used)

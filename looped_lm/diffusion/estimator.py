@@ -32,8 +32,7 @@ from typing import Callable
 import torch
 
 from looped_lm.diffusion.adaptive_exit import ExitTracker
-from looped_lm.diffusion.chain import ChainGrid, Denoise
-from looped_lm.diffusion.sampler import euler_step
+from looped_lm.diffusion.chain import ChainGrid, Denoise, euler_to, fixed_bridge
 from looped_lm.sampling import RandomSource, draw
 from looped_lm.settings import ExitRule
 
@@ -43,10 +42,6 @@ BRANCH_BUDGET = 2 ** 26  # logits entries per call: branches run in chunks that 
 # mean NLL (log-ppl) whose se exceeds 0.25 nats (docs/method.md §6).
 UNRESOLVED_TOKEN_SE = 1.0
 UNRESOLVED_MEAN_SE = 0.25
-
-
-def _step(z, points, s, s_next):
-    return euler_step(z.double(), points.double(), s, s_next).to(z.dtype)
 
 
 def sampler_probs(denoise: Denoise, grid: ChainGrid, K: int, z0: torch.Tensor, y: torch.Tensor,
@@ -65,9 +60,8 @@ def sampler_probs(denoise: Denoise, grid: ChainGrid, K: int, z0: torch.Tensor, y
         return p0.gather(-1, y[..., None])[..., 0].double(), (p0 if full else None), ones
     if bridge != "sample":
         z, logits = z0, first
-        for k in range(K - 1):
-            points = targets(logits.argmax(-1)) if bridge == "hard" else logits.softmax(-1) @ table()
-            z = _step(z, points, sigmas[k], sigmas[k + 1])
+        for k in range(K - 1):  # deterministic given z0: the chain itself, through its own bridge and step
+            z = euler_to(z, fixed_bridge(logits, bridge, targets, table), sigmas[k], sigmas[k + 1])
             logits = denoise(blocks[k + 1], z, torch.full((R,), sigmas[k + 1], device=device), rows).float()
         p = logits.softmax(-1)
         return p.gather(-1, y[..., None])[..., 0].double(), (p if full else None), ones * K
@@ -100,7 +94,7 @@ def sampler_probs(denoise: Denoise, grid: ChainGrid, K: int, z0: torch.Tensor, y
         idx = rows.repeat(c)
         yb = y.repeat(c, 1)
         w = torch.cat([weights[..., j] for j in js])
-        z = _step(z0.repeat(c, 1, 1), targets(torch.cat([cands[..., j] for j in js])), sigmas[0], sigmas[1])
+        z = euler_to(z0.repeat(c, 1, 1), targets(torch.cat([cands[..., j] for j in js])), sigmas[0], sigmas[1])
         tracker = ExitTracker([exit_rule] * (R * c), n, device)
         if exit_rule is not None:
             tracker.update(torch.arange(R * c, device=device), first.repeat(c, 1, 1))
@@ -127,7 +121,7 @@ def sampler_probs(denoise: Denoise, grid: ChainGrid, K: int, z0: torch.Tensor, y
             step_ratio = (q.gather(-1, v[..., None])[..., 0].double().log()
                           - p.gather(-1, v[..., None])[..., 0].double().log())  # +inf where p(v) = 0
             log_q_over_p = torch.where(done, log_q_over_p, log_q_over_p + step_ratio)
-            z = torch.where(done[..., None], z, _step(z, targets(v), sigmas[k], sigmas[k + 1]))
+            z = torch.where(done[..., None], z, euler_to(z, targets(v), sigmas[k], sigmas[k + 1]))
         w = w * 2 / (1 + log_q_over_p.clamp(max=700).exp())  # the mixture weight, <= 2
         if K == 2:  # the first draw was the last one: one final call per branch
             logits = denoise(blocks[1], z, torch.full((R * c,), sigmas[1], device=device), idx).float()
@@ -141,7 +135,7 @@ def sampler_probs(denoise: Denoise, grid: ChainGrid, K: int, z0: torch.Tensor, y
             v_rest = draw(rest + (rest.sum(-1, keepdim=True) == 0).float(), random.uniform(idx, n, device))
             outs = []
             for v, share in ((yb, p_y_last), (v_rest, 1 - p_y_last)):
-                z_v = torch.where(done[..., None], z, _step(z, targets(v), sigmas[K - 2], sigmas[K - 1]))
+                z_v = torch.where(done[..., None], z, euler_to(z, targets(v), sigmas[K - 2], sigmas[K - 1]))
                 logits = denoise(blocks[K - 1], z_v, torch.full((R * c,), sigmas[K - 1], device=device), idx).float()
                 outs.append((share, logits.softmax(-1)))
             live = ~done

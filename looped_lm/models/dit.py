@@ -26,7 +26,7 @@ Public API:
     validation_loss(images, labels, seed) -> the EDM loss at sigmas drawn per block (deterministic)
     sample(labels, steps=None, cfg_scale=None, generator=None) -> images (N, C, H, W) in [-1, 1]
         (latents: unclipped)
-        (defaults: the settings' sample_steps 50 and cfg_scale 2.0, the paper's)
+        (defaults: the settings' sample_steps, else 50 (settings.resolve_steps), and cfg_scale 2.0: the paper's)
     frechet_distance(features_a, features_b) -> float   (FID's formula; `looped_lm.data.images.
         write_png_grid` writes samples as a PNG grid with Pillow)
 """
@@ -44,13 +44,13 @@ from looped_lm.diffusion.blocks import LAST_CALLS, chain_grid
 from looped_lm.diffusion.chain import run_chain
 from looped_lm.errors import UserError
 from looped_lm.models.adaln import (BLOCK_SAMPLING, AdaLNLayer, Blockwise, TimestepEmbedding, check_blocks,
-                                    check_choice, check_image_size, check_images, check_iterations, check_labels,
+                                    check_choice, check_image_size, check_images, check_labels,
                                     check_positive_ints, check_width, finish_build, noise_schedule, patchify,
                                     unpatchify)
 from looped_lm.models.contract import ImageGenerator
 from looped_lm.models.layers import ffn_width, init_weights
 from looped_lm.models.two_stream import modulate
-from looped_lm.settings import InferenceSettings
+from looped_lm.settings import DIT_SAMPLE_STEPS, InferenceSettings, resolve_steps
 
 
 @dataclass
@@ -72,7 +72,7 @@ class DiTSettings:
     partition: str = "equi_probability"
     block_sampling: str = "uniform"
     label_dropout: float = 0.1  # share of training labels replaced by the null class (for CFG)
-    sample_steps: int = 50  # default Euler steps of `sample`
+    sample_steps: int = 0  # default Euler steps of `sample`; 0 = DIT_SAMPLE_STEPS (50, the paper's)
     cfg_scale: float = 2.0  # default guidance scale of `sample`
     last_call: str = "sigma_min"  # the last call at sigma_min, its D the sample (method.md §5), or "edge"
     sample_top_quantile: float = 0.999  # chains start at this quantile of block 0's sigma law; 1 = sigma_max
@@ -207,9 +207,8 @@ class DiffusionDiT(nn.Module, Blockwise, ImageGenerator):
                generator: torch.Generator | None = None) -> torch.Tensor:
         """Images (N, C, H, W) in [-1, 1] for `labels` (N,): `steps` routed Euler steps from pure noise.
         cfg_scale 1 = plain conditional sampling (one pass per step); > 1 adds the null-label pass."""
-        steps = self.settings.sample_steps if steps is None else steps
+        steps = self.resolve_steps(steps)
         cfg_scale = self.settings.cfg_scale if cfg_scale is None else cfg_scale
-        check_iterations(steps, self.num_blocks, "num_iterations (sampler steps)")
         if isinstance(cfg_scale, bool) or not isinstance(cfg_scale, (int, float)) or cfg_scale < 0:
             raise UserError(f"cfg_scale must be a number >= 0 (got {cfg_scale!r})")
         s, device = self.settings, labels.device
@@ -236,6 +235,11 @@ class DiffusionDiT(nn.Module, Blockwise, ImageGenerator):
                         points=lambda D, rows: D)  # D is already the denoised point: no bridge
         images = out.logits.view(shape)  # the last call's D
         return images.clamp(-1, 1) if s.clip_samples else images
+
+    def resolve_steps(self, steps: int | None) -> int:
+        """The Euler steps a sample runs: `steps`, else the config's diffusion.sample_steps, else 50."""
+        return resolve_steps(steps, self.num_blocks, self.settings.sample_steps, DIT_SAMPLE_STEPS,
+                             "num_iterations (sampler steps)")
 
     def steps_per_block(self, steps: int) -> list[int]:
         """How many of `steps` sampling calls each block runs (block 0 first)."""
@@ -269,7 +273,7 @@ def build(cfg, vocab_size: int = 0, state: dict | None = None) -> DiffusionDiT:
         image_size=m.image_size, channels=m.channels, num_classes=m.num_classes, patch=m.patch, n_layers=m.n_layers,
         d_model=m.d_model, n_heads=m.n_heads, ffn_hidden=m.ffn_hidden, num_blocks=d.num_blocks, overlap=d.overlap,
         end_to_end=m.end_to_end, partition=d.partition, block_sampling=d.block_sampling,
-        label_dropout=d.label_dropout, sample_steps=d.sample_steps or 50, cfg_scale=d.cfg_scale,
+        label_dropout=d.label_dropout, sample_steps=d.sample_steps, cfg_scale=d.cfg_scale,
         last_call=d.last_call, sample_top_quantile=d.sample_top_quantile,
         clip_samples=cfg.data.source != "latents",
         noise=noise_schedule(cfg), norm_eps=m.norm_eps, init_std=m.init_std)

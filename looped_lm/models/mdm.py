@@ -43,11 +43,12 @@ import torch.nn.functional as F
 
 from looped_lm.errors import UserError
 from looped_lm.models.adaln import (BLOCK_SAMPLING, AdaLNLayer, Blockwise, check_blocks, check_choice,
-                                    check_iterations, check_labels, check_positive_ints, check_width,
+                                    check_labels, check_positive_ints, check_width,
                                     finish_build)
 from looped_lm.models.contract import TextDiffusion
 from looped_lm.models.layers import RotaryEmbedding, ffn_width, init_weights
 from looped_lm.models.two_stream import NoiseEmbedding
+from looped_lm.settings import resolve_steps
 
 SCHEDULES = ("linear", "cosine")
 T_FLOOR = 1e-6  # t is never exactly 0 (w(0) is infinite); no mask can be drawn below it anyway
@@ -260,8 +261,7 @@ class MaskedDiffusionLM(nn.Module, Blockwise, TextDiffusion):
                device=None) -> torch.Tensor:
         """n sequences of `length` character ids, unmasked over `steps` steps (at least one per block;
         default: the settings' sample_steps, else one step per character)."""
-        steps = (self.settings.sample_steps or length) if steps is None else steps
-        check_iterations(steps, self.num_blocks, "num_iterations (sampler steps)")
+        steps = self.resolve_steps(steps, length)
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise UserError(f"the number of samples must be an integer >= 1 (got {n!r})")
         if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= self.settings.seq_len:
@@ -280,6 +280,11 @@ class MaskedDiffusionLM(nn.Module, Blockwise, TextDiffusion):
             u = torch.rand(n, length, generator=generator, device=gen_device).to(device)
             x = torch.where((x == self.mask_id) & (u < reveal), draw, x)
         return x
+
+    def resolve_steps(self, steps: int | None, length: int) -> int:
+        """The unmasking steps a sample of `length` runs: `steps`, else the config's diffusion.sample_steps,
+        else one per character."""
+        return resolve_steps(steps, self.num_blocks, self.settings.sample_steps, length, "num_iterations (sampler steps)")
 
     def steps_per_block(self, steps: int) -> list[int]:
         """How many of `steps` unmasking steps each block runs (block 0, the highest t, first)."""
