@@ -12,6 +12,14 @@ cover 0..B-1 exactly once. Any disagreement is one line, exit 2, and nothing is 
 weights plus a manifest naming its sources (`merged_from`), no optimizer state: a model that `eval`,
 `generate`, `serve` and `export` load, not a run to resume. It is written to a temp directory beside
 --out and renamed into place.
+
+LoRA block jobs (train.lora_rank, docs/pretrained.md) merge the same way, by ownership: every job must
+hold adapters over the same base (the sha256 its manifest's `base` records) with the same rank, alpha
+and targets, and, since a block job trains none of the shared part, the same frozen shared tensors
+(the noise embedding, ...: equal when the jobs share train.seed). The result is again an adapter
+checkpoint over that base: block b's adapters and adaLN from the job that owns it, the rest from
+--shared-from, and zero updates (lora_B = 0) on the prelude and coda, which no block job adapts. A load
+verifies the base's hash as for any adapter checkpoint; `export` folds the adapters into plain weights.
 """
 
 from __future__ import annotations
@@ -25,10 +33,12 @@ from looped_lm.config import block_layers
 from looped_lm.errors import UserError
 
 # settings a job may choose for itself: how it trains (not what a block computes) and inference defaults
-PER_JOB = {"model": {"num_iterations", "bridge", "max_iterations", "loss_chunk"},
+# (model.init_from: where a job started; an adapter job's base is checked by its sha256 instead)
+PER_JOB = {"model": {"num_iterations", "bridge", "max_iterations", "loss_chunk", "init_from"},
            "diffusion": {"blocks_to_train", "block_sampling", "curve_every", "curve_until", "loss_weight",
                          "target_fraction", "clean_lm_weight", "num_iterations", "bridge", "last_call",
                          "sample_top_quantile"}}
+LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets")  # what an adapter computes (dropout only trains)
 
 
 def add_arguments(p) -> None:
@@ -61,9 +71,11 @@ class _Job:
         if self.kind != "db_ar":
             raise UserError(f"cannot merge {self.path}: it is model.kind {self.kind}; merge joins the block jobs of "
                             "a db_ar model")
-        if self.cfg.train.lora_rank:  # its file holds adapters over a base, not the block's weights
-            raise UserError(f"cannot merge {self.path}: it is a LoRA job (train.lora_rank {self.cfg.train.lora_rank}); "
-                            "merge joins full-weight block jobs (docs/pretrained.md)")
+        self.lora = bool(self.cfg.train.lora_rank)  # its file holds adapters over a base, not the block's weights
+        self.base = self.manifest.get("base") if self.lora else None
+        if self.lora and not (isinstance(self.base, dict) and self.base.get("sha256") and self.base.get("path")):
+            raise UserError(f"cannot merge {self.path}: it is a LoRA job without a 'base' record (path and sha256 "
+                            "of the weights its adapters were trained on) in its manifest")
         d = self.cfg.diffusion
         if d.context == "stacked":  # a block reads the blocks before it: there are no independent block jobs
             raise UserError(f"cannot merge {self.path}: it has diffusion.context stacked, where each block continues "
@@ -74,13 +86,19 @@ class _Job:
         self.edges = [float(e) for e in self.manifest.get("model_state", {}).get("edges", [])]
 
     def shapes(self) -> dict:
+        """Tensor name -> shape (an adapter job's LoRA tensors left out: each job has its own blocks')."""
         from safetensors import SafetensorError, safe_open
 
         try:
             with safe_open(str(self.path / ckpt_io.WEIGHTS), "pt") as f:
-                return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+                return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if not (self.lora and "lora_" in k)}
         except (SafetensorError, OSError) as e:
             raise UserError(f"cannot read {self.path / ckpt_io.WEIGHTS}: {e}") from None
+
+    def tensors(self) -> dict:
+        from safetensors.torch import load_file
+
+        return load_file(str(self.path / ckpt_io.WEIGHTS))
 
 
 def check_compatible(jobs: list[_Job]) -> None:
@@ -93,6 +111,18 @@ def _check_pair(job: _Job, first: _Job) -> None:
     def differ(what: str, mine, theirs) -> UserError:
         return UserError(f"cannot merge: {job.path} has {what} {mine}, {first.path} {theirs}")
 
+    if job.lora != first.lora:
+        lora, full = (job, first) if job.lora else (first, job)
+        raise UserError(f"cannot merge: {lora.path} is a LoRA job (train.lora_rank {lora.cfg.train.lora_rank}), "
+                        f"{full.path} holds full weights; merge joins jobs of one kind")
+    if job.lora:
+        if job.base["sha256"] != first.base["sha256"]:
+            raise UserError(f"cannot merge: {job.path} holds adapters over base {job.base['sha256'][:16]}... "
+                            f"({job.base['path']}), {first.path} over {first.base['sha256'][:16]}... "
+                            f"({first.base['path']}): a different base")
+        for key in LORA_FIELDS:
+            if getattr(job.cfg.train, key) != getattr(first.cfg.train, key):
+                raise differ(f"train.{key}", repr(getattr(job.cfg.train, key)), repr(getattr(first.cfg.train, key)))
     tokens = (job.manifest["tokenizer"], job.manifest["vocab_size"])
     if tokens != (first.manifest["tokenizer"], first.manifest["vocab_size"]):
         raise differ("tokenizer", "{} ({} tokens)".format(*tokens),
@@ -149,7 +179,26 @@ def merge(checkpoints: list, out, shared_from=None, verify: bool = True) -> Path
         shared = next((j for j in jobs if j.path.resolve() == wanted), None) or _Job(shared_from, verify)
     check_compatible(jobs + ([shared] if shared not in jobs else []))
     owner = check_ownership(jobs, shared.cfg.diffusion.num_blocks)
+    if shared.lora:
+        check_frozen_shared(jobs + ([shared] if shared not in jobs else []))
     return _write(out, shared, owner, jobs)
+
+
+def check_frozen_shared(jobs: list[_Job]) -> None:
+    """LoRA block jobs train none of the shared part (lora.attach): what they hold of it is its frozen
+    init, which every job's blocks were trained against, so it must be the same tensor in all of them."""
+    import torch
+
+    if len(jobs) < 2:
+        return
+    first = {k: v for k, v in jobs[0].tensors().items() if not k.startswith("blocks.")}
+    for job in jobs[1:]:
+        mine = job.tensors()
+        for name in sorted(first):
+            if name in mine and not torch.equal(mine[name], first[name]):
+                raise UserError(f"cannot merge: {job.path} has another {name} than {jobs[0].path}: a LoRA block job "
+                                "keeps the shared parameters at their init, and these jobs' inits differ (another "
+                                "train.seed?), so their blocks were trained against different ones")
 
 
 def _write(out: Path, shared: _Job, owner: dict, jobs: list[_Job]) -> Path:
@@ -161,13 +210,16 @@ def _write(out: Path, shared: _Job, owner: dict, jobs: list[_Job]) -> Path:
     cfg = shared.cfg.model_copy(deep=True)
     cfg.diffusion.blocks_to_train = []
     model = build_model(cfg, shared.manifest["vocab_size"], shared.manifest.get("model_state"))
-    ckpt_io.load_weights(model, shared.path / ckpt_io.WEIGHTS)
-    with torch.no_grad():
-        for b, job in sorted(owner.items()):
-            with safe_open(str(job.path / ckpt_io.WEIGHTS), "pt") as f:
-                for name, p in model.named_parameters():
-                    if name.startswith(f"blocks.{b}."):
-                        p.copy_(f.get_tensor(name))
+    if shared.lora:
+        _fill_adapters(model, cfg, shared, owner)
+    else:
+        ckpt_io.load_weights(model, shared.path / ckpt_io.WEIGHTS)
+        with torch.no_grad():
+            for b, job in sorted(owner.items()):
+                with safe_open(str(job.path / ckpt_io.WEIGHTS), "pt") as f:
+                    for name, p in model.named_parameters():
+                        if name.startswith(f"blocks.{b}."):
+                            p.copy_(f.get_tensor(name))
     manifest = {"config": cfg.to_dict(), "model_kind": cfg.model.kind, "vocab_size": shared.manifest["vocab_size"],
                 "tokenizer": shared.manifest["tokenizer"], "model_state": shared.manifest.get("model_state", {}),
                 "data": shared.manifest.get("data", {}), "world_size": 1,
@@ -175,6 +227,8 @@ def _write(out: Path, shared: _Job, owner: dict, jobs: list[_Job]) -> Path:
                 "merged_from": [{"checkpoint": str(j.path), "step": j.manifest["step"], "blocks": j.blocks,
                                  "shared": j is shared, "manifest_sha256": j.manifest.get("manifest_sha256")}
                                 for j in jobs + ([shared] if shared not in jobs else [])]}
+    if shared.lora:  # an adapter checkpoint: every load reads this base and checks its hash
+        manifest["base"] = shared.base
     step = max(j.manifest["step"] for j in jobs)
     named = ckpt_io.step_of(out)
     if named is not None and named != step:
@@ -194,3 +248,31 @@ def _write(out: Path, shared: _Job, owner: dict, jobs: list[_Job]) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; what a failure left otherwise
     return out
+
+
+def _fill_adapters(model, cfg, shared: _Job, owner: dict) -> None:
+    """The merged adapter model: the base (its hash checked), then every adapter tensor from the job that
+    owns its block, the rest from `shared`; the prelude's and coda's adapters, which no block job has,
+    keep lora_B = 0 (peft's init: no update)."""
+    import torch
+
+    from looped_lm.lora import adapter_names
+    from looped_lm.pretrained import load_base
+
+    load_base(model, cfg, shared.base)
+    params = dict(model.named_parameters())
+    files: dict[int, dict] = {}  # id(job) -> its tensors, each file read once
+    with torch.no_grad():
+        for name in adapter_names(model):
+            job = owner[int(name.split(".")[1])] if name.startswith("blocks.") else shared
+            if id(job) not in files:
+                files[id(job)] = job.tensors()
+            tensor = files[id(job)].get(name)
+            if tensor is None:
+                if "lora_" not in name or name.startswith("blocks."):
+                    raise UserError(f"cannot merge: {job.path / ckpt_io.WEIGHTS} does not hold {name}, which its "
+                                    "blocks' adapters need")
+                if "lora_B" in name:
+                    params[name].zero_()
+                continue
+            params[name].copy_(tensor)

@@ -1,0 +1,221 @@
+"""LoRA block jobs end to end: `looped_lm merge` joins per-block adapter jobs by ownership (same base
+hash, disjoint complete coverage) into an adapter checkpoint that eval, generate, export and serve load;
+a LoRA checkpoint served through the real `openai` client (in process, and the `looped_lm serve` verb)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from looped_lm import checkpoint as ckpt_io
+from looped_lm import cli
+from test_pretrained import D, FFN, HEADS, V, make_llama
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SPLIT = {"kind": "db_ar", "n_layers": 2, "n_prelude": 1, "n_coda": 1, "d_model": D, "n_heads": HEADS,
+         "ffn_hidden": FFN, "vocab_size": V, "seq_len": 16}
+
+
+def _job(write_config, root, base, name: str, blocks: list[int] | None, seed: int = 0, **train):
+    """A 3-step LoRA db_ar job (B = 2, context independent) over `base` training `blocks` -> its checkpoint."""
+    from looped_lm import train as trainer
+
+    diffusion = {"num_blocks": 2, "block_sampling": "round_robin"}
+    if blocks is not None:
+        diffusion["blocks_to_train"] = blocks
+    path = write_config(root / f"{name}.yaml", {
+        "model": {**SPLIT, "init_from": str(base)}, "diffusion": diffusion,
+        "train": {"out_dir": str(root / name), "max_steps": 3, "lr": 3e-2, "lora_rank": 4, "seed": seed, **train}})
+    assert trainer.main(["--config", str(path)]) == 0
+    return root / name / "step_0000003"
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_jobs_base")
+    make_llama(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory, write_config, base):
+    """LoRA jobs for block 0 and block 1 of one model, over the same base."""
+    root = tmp_path_factory.mktemp("lora_jobs")
+    return root, [_job(write_config, root, base, f"job{b}", [b]) for b in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def merged(jobs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora_merged") / "merged"
+    assert cli.main(["merge", *map(str, jobs[1]), "--out", str(out)]) == 0
+    return out
+
+
+def block_loss(model, b: int) -> torch.Tensor:
+    """Block b's per-slot CE at a fixed sigma in its interval, fixed noise: a function of block b and the
+    shared parts only."""
+    g = torch.Generator().manual_seed(b)
+    x = torch.randint(0, V, (2, 16), generator=g)
+    y = torch.randint(0, V, (2, 16), generator=g)
+    lo, hi = model.train_ranges[b]  # block 0 = the highest noise
+    sigma = torch.full((2,), hi if b else (lo * hi) ** 0.5)  # block 1: its top (below, z gives y away)
+    noise = torch.randn(2, 16, D, generator=g)
+    with torch.no_grad():
+        return model.objective.slot_losses(x, y, b, sigma, noise, None)
+
+
+def test_merged_adapters_are_each_jobs_blocks(jobs, merged, base):
+    from safetensors import safe_open
+
+    _, (job0, job1) = jobs
+    model, cfg, manifest = ckpt_io.load_checkpoint(merged)
+    parts = [ckpt_io.load_checkpoint(j)[0] for j in (job0, job1)]
+    assert manifest["ownership"] == {"blocks": [0, 1]} and cfg.diffusion.blocks_to_train == []
+    assert manifest["base"] == json.loads((job0 / "manifest.json").read_text())["base"]
+    assert manifest["base"]["path"] == str(base.resolve())
+    for b, part in enumerate(parts):
+        torch.testing.assert_close(block_loss(model, b), block_loss(part, b), atol=0, rtol=0)
+    # not trivially so: each job's other block is the untrained base, unlike the merged one
+    assert not torch.allclose(block_loss(model, 1), block_loss(parts[0], 1))
+    assert not torch.allclose(block_loss(model, 0), block_loss(parts[1], 0))
+    with safe_open(str(merged / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+        shared_b = [f.get_tensor(n) for n in names if "lora_B" in n and n.startswith(("prelude", "coda"))]
+    assert {n.split(".")[1] for n in names if n.startswith("blocks.") and "lora_" in n} == {"0", "1"}
+    assert shared_b and all(not t.any() for t in shared_b)  # no block job adapts them: no update
+
+
+def test_every_verb_loads_the_merged_adapter_checkpoint(merged, tmp_path, capsys):
+    assert cli.main(["eval", "--checkpoint", str(merged), "--num-iterations", "2", "--draws", "1",
+                     "--max-tokens", "64", "--no-progress"]) == 0
+    assert cli.main(["generate", "--checkpoint", str(merged), "--prompt", "And", "--max-tokens", "4"]) == 0
+    assert "And" in capsys.readouterr().out
+    out = tmp_path / "plain"
+    assert cli.main(["export", "--checkpoint", str(merged), "--out", str(out)]) == 0
+    plain, plain_cfg, _ = ckpt_io.load_checkpoint(out) if (out / "manifest.json").is_file() else (None, None, None)
+    if plain is not None:  # the project format: plain weights that compute what the adapters did
+        model = ckpt_io.load_checkpoint(merged)[0]
+        assert plain_cfg.train.lora_rank == 0
+        for b in (0, 1):
+            torch.testing.assert_close(block_loss(plain, b), block_loss(model, b), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["base", "mixed", "alpha", "seed"])
+def test_merge_refuses_lora_jobs_that_disagree(case, jobs, base, tmp_path, write_config, capsys, one_line_error):
+    _, (job0, job1) = jobs
+    if case == "base":  # adapters trained on another base: one line naming the hash mismatch
+        other = tmp_path / "other_base"
+        make_llama(other, seed=1)
+        inputs, needles = [job0, _job(write_config, tmp_path, other, "other", [1])], ["a different base", str(other)]
+    elif case == "mixed":
+        inputs = [job0, _full_job(write_config, tmp_path, base)]
+        needles = ["is a LoRA job", "holds full weights"]
+    elif case == "alpha":
+        inputs = [job0, _job(write_config, tmp_path, base, "alpha", [1], lora_alpha=4.0)]
+        needles = ["train.lora_alpha", "4.0", "16.0"]
+    else:  # another seed: the frozen shared init (noise embedding) differs from job 0's
+        inputs = [job0, _job(write_config, tmp_path, base, "seed1", [1], seed=1)]
+        needles = ["trained against different ones", "train.seed"]
+    out = tmp_path / "merged"
+    capsys.readouterr()
+    assert cli.main(["merge", *map(str, inputs), "--out", str(out)]) == 2
+    one_line_error(capsys.readouterr(), *needles)
+    assert not out.exists() and not list(tmp_path.glob(".tmp-merge-*"))
+
+
+def _full_job(write_config, root, base):
+    from looped_lm import train as trainer
+
+    path = write_config(root / "full.yaml", {
+        "model": {**SPLIT, "init_from": str(base)}, "diffusion": {"num_blocks": 2, "blocks_to_train": [1]},
+        "train": {"out_dir": str(root / "full"), "max_steps": 1}})
+    assert trainer.main(["--config", str(path)]) == 0
+    return root / "full" / "step_0000001"
+
+
+# ------------------------------------------------------------------------------------------------
+# serving an adapter checkpoint through the real openai client
+
+
+@pytest.fixture(scope="module")
+def gpt_adapters(tmp_path_factory, write_config, base):
+    from looped_lm import train as trainer
+
+    root = tmp_path_factory.mktemp("lora_gpt")
+    path = write_config(root / "run.yaml", {
+        "model": {"kind": "gpt", "n_layers": 4, "d_model": D, "n_heads": HEADS, "ffn_hidden": FFN, "vocab_size": V,
+                  "seq_len": 16, "init_from": str(base)},
+        "train": {"out_dir": str(root / "out"), "max_steps": 3, "lr": 3e-2, "lora_rank": 4}})
+    assert trainer.main(["--config", str(path)]) == 0
+    return root / "out" / "step_0000003"
+
+
+def _served(ckpt, name):
+    from looped_lm.data.tokenizer import get_tokenizer
+    from looped_lm.engine.engine import Engine
+    from looped_lm.serve.app import BackgroundServer, build_app
+
+    model, _, manifest = ckpt_io.load_checkpoint(ckpt)
+    tok = get_tokenizer(manifest["tokenizer"])
+    engine = Engine.from_memory_budget(model, 0.25, vocab_size=tok.vocab_size)
+    return model, tok, BackgroundServer(build_app(engine, tok, name))
+
+
+@pytest.mark.parametrize("which", ["gpt", "db_ar merged"])
+def test_an_adapter_checkpoint_is_served_to_the_openai_client(which, gpt_adapters, merged):
+    ckpt = gpt_adapters if which == "gpt" else merged
+    model, tok, server = _served(ckpt, "lora")
+    with server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data][0] == "lora"
+        r = client.completions.create(model="lora", prompt="And the", max_tokens=5, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 5 and len(r.choices[0].text) > 0
+        chat = client.chat.completions.create(model="lora", messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=3, extra_body={"ignore_eos": True})
+        assert chat.usage.completion_tokens == 3
+        if which == "gpt":  # greedy: the served tokens are the adapted model's own argmax continuation
+            ids = tok.encode("And the")
+            want = []
+            with torch.no_grad():
+                for _ in range(5):
+                    logits = model(torch.tensor([ids + want]))[0][0, -1]
+                    want.append(int(logits.argmax()))
+            assert r.choices[0].text == tok.decode(want)
+
+
+@pytest.mark.slow
+def test_serve_verb_on_an_adapter_checkpoint(gpt_adapters, clean_env):
+    from test_server import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "looped_lm", "serve", "--checkpoint", str(gpt_adapters), "--port", str(port),
+           "--max-slots", "2", "--served-model-name", "lora-gpt", "--log-level", "warning", "--threads", "1"]
+    proc = subprocess.Popen(cmd, env=clean_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        r = client.completions.create(model="lora-gpt", prompt="And", max_tokens=4, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 4
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert "serving lora-gpt (gpt)" in out and "Traceback" not in out
