@@ -138,8 +138,8 @@ def resolve_settings(limits: IterationLimits | None, *, num_iterations: int | No
         if bridge not in BRIDGES:
             raise UserError(f"bridge must be one of {', '.join(BRIDGES)} (got {bridge!r})", "bridge")
     if exit_rule is not None and not limits.adaptive_exit:
-        raise UserError("adaptive exit needs a looped DiffusionBlocks model (its KV cache does not depend on K)",
-                        exit_name)
+        raise UserError("adaptive exit needs a DiffusionBlocks model (db_ar, looped_db: a KV cache that does not "
+                        "depend on K)", exit_name)
     return InferenceSettings(sampling, K, bridge, exit_rule)
 
 

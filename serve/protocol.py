@@ -102,7 +102,7 @@ class SamplingFields(RequestModel):
         None, description="extension (looped_db): adaptive exit, a token stops iterating once "
                           "KL(p_k || p_k-1) < this (as `generate --exit-threshold`); default: off")
     exit_criterion: str | None = Field(
-        None, pattern=r"^(kl:\S+|argmax-stable:\d+)$",
+        None, json_schema_extra={"pattern": r"^(kl:\S+|argmax-stable:\d+)$"},  # checked by _exit_criterion
         description="extension (looped_db): adaptive exit as `kl:<eps>` or `argmax-stable:<m>` (a token stops "
                     "once its argmax held m steps), as `generate --exit-criterion`; default: off")
     ignore_eos: bool = Field(False, description="extension: keep generating past the end-of-text token")

@@ -1,0 +1,204 @@
+"""Inference settings over HTTP: one resolution per request, the CLI's rules, the bridge and the exit rule.
+
+- `bridge` in the body is the bridge `looped_lm generate --bridge` runs: the same greedy tokens, and the
+  engine receives it (a spy on the settings each engine request carries);
+- an exit rule (`exit_threshold`, `exit_criterion`) cuts the denoising calls a looped_db model runs;
+- bad values, and an exit rule on a model without adaptive exit (gpt; huginn, whose cache depends on K),
+  are a 400 naming the field, never a 500;
+- a request's settings are resolved once, whatever its number of prompts and choices (a counter on the
+  engine's `resolve_settings`).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import looped_lm.engine.engine as engine_module
+from looped_lm import cli
+from looped_lm.data.tokenizer import get_tokenizer
+from looped_lm.engine.engine import Engine
+from looped_lm.serve.app import BackgroundServer, build_app
+from test_server import Served, train_tiny_db
+from tiny_models import build_tiny
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = ["And", "The LORD", "In the", "Then"]
+
+
+@pytest.fixture(scope="module")
+def db_ckpt(tmp_path_factory, write_config):
+    return train_tiny_db(tmp_path_factory, write_config)
+
+
+@pytest.fixture(scope="module")
+def db(db_ckpt):
+    with Served(db_ckpt, "tiny-db") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def gpt(tiny_run):
+    with Served(tiny_run[1], "tiny-gpt") as s:
+        yield s
+
+
+class TinyServer:
+    """An untrained tiny model of `kind` (tests/tiny_models.py: 47 token ids, K up to 8) behind the real
+    app; prompts are token ids, which the byte tokenizer still detokenizes."""
+
+    def __init__(self, kind: str):
+        import httpx
+
+        self.model = build_tiny(kind)
+        self.engine = Engine(self.model, 2)
+        self.server = BackgroundServer(build_app(self.engine, get_tokenizer("byte"), f"tiny-{kind}"))
+        self.server.__enter__()
+        self.http = httpx.Client(base_url=self.server.url, timeout=60)
+
+    def close(self):
+        self.http.close()
+        self.server.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def looped():
+    s = TinyServer("looped_db")
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def huginn():
+    s = TinyServer("huginn")
+    yield s
+    s.close()
+
+
+def cli_text(capsys, ckpt, prompt: str, *flags: str) -> str:
+    """What `looped_lm generate` prints after the prompt."""
+    assert cli.main(["generate", "--checkpoint", str(ckpt), "--prompt", prompt, *flags]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(prompt) and out.endswith("\n")
+    return out[len(prompt):-1]
+
+
+@pytest.fixture
+def engine_settings(monkeypatch):
+    """The settings of every request the engine accepts, in order (a spy on Engine.add_request)."""
+    seen = []
+    original = Engine.add_request
+
+    def spy(self, request, sink):
+        settings = original(self, request, sink)
+        seen.append(settings)
+        return settings
+
+    monkeypatch.setattr(Engine, "add_request", spy)
+    return seen
+
+
+def test_the_bridge_over_http_is_the_bridge_generate_runs(db, db_ckpt, capsys, engine_settings):
+    """Greedy: the openai client's `bridge` gives the text `looped_lm generate --bridge` prints (both stop
+    at the end-of-text token), the engine runs the bridge asked for, and the bridges differ."""
+    texts = {}
+    for bridge in ("hard", "soft"):
+        for prompt in PROMPTS:
+            r = db.client.completions.create(model="tiny-db", prompt=prompt, max_tokens=8, temperature=0,
+                                             extra_body={"bridge": bridge})
+            assert r.num_iterations == 2 and engine_settings[-1].bridge == bridge
+            texts[bridge, prompt] = r.choices[0].text
+        # the CLI agrees (one prompt per bridge: each CLI call loads the checkpoint)
+        assert cli_text(capsys, db_ckpt, PROMPTS[0], "--bridge", bridge, "--temperature", "0",
+                        "--max-tokens", "8") == texts[bridge, PROMPTS[0]]
+    assert any(texts["hard", p] != texts["soft", p] for p in PROMPTS), texts
+    db.client.completions.create(model="tiny-db", prompt="And", max_tokens=1)
+    assert engine_settings[-1].bridge == "sample"  # nothing asked: the config's diffusion.bridge
+    chat = db.client.chat.completions.create(model="tiny-db", messages=[{"role": "user", "content": "Hi"}],
+                                             max_tokens=2, extra_body={"bridge": "soft"})
+    assert chat.choices[0].finish_reason and engine_settings[-1].bridge == "soft"
+
+
+def test_an_exit_rule_over_http_cuts_the_iterations_of_a_looped_model(looped, engine_settings):
+    """K = 8 on every token without a rule; `exit_threshold` (KL eps) or `exit_criterion` stop a token's
+    chain early (a huge eps: as soon as two steps can be compared), counted by the engine and /metrics."""
+    body = {"prompt": [5, 9, 2, 33], "max_tokens": 6, "temperature": 0, "num_iterations": 8, "ignore_eos": True}
+
+    def iterations(extra: dict) -> int:
+        before = looped.engine.stats.iterations
+        r = looped.http.post("/v1/completions", json={**body, **extra})
+        assert r.status_code == 200, r.text
+        assert r.json()["num_iterations"] == 8 and r.json()["usage"]["completion_tokens"] == 6
+        return looped.engine.stats.iterations - before
+
+    assert iterations({}) == 8 * 6
+    assert engine_settings[-1].exit_rule is None
+    assert iterations({"exit_threshold": 1e9}) == 2 * 6  # the first comparison is possible after 2 steps
+    assert engine_settings[-1].exit_rule.kl_threshold == 1e9
+    assert iterations({"exit_criterion": "kl:1e9"}) == 2 * 6
+    assert iterations({"exit_criterion": "argmax-stable:1"}) < 8 * 6
+    assert engine_settings[-1].exit_rule.argmax_stable == 1
+    assert iterations({"exit_threshold": 0}) == 8 * 6  # KL < 0 never holds: every token runs K
+    metrics = looped.http.get("/metrics").text
+    assert f"looped_lm_iterations_total {float(looped.engine.stats.iterations)}" in metrics
+
+
+BAD_SETTINGS = [  # (which server, body fields, the field the 400 names)
+    ("db", {"bridge": "medium"}, "bridge"),
+    ("db", {"bridge": 1}, "bridge"),
+    ("db", {"exit_threshold": -0.5}, "exit_threshold"),
+    ("db", {"exit_threshold": "0.1"}, "exit_threshold"),
+    ("db", {"exit_criterion": "entropy:3"}, "exit_criterion"),
+    ("db", {"exit_criterion": "kl:abc"}, "exit_criterion"),
+    ("db", {"exit_criterion": "argmax-stable:0"}, "exit_criterion"),
+    ("db", {"num_iterations": 65}, "num_iterations"),
+    ("db", {"model": "tiny-db@65"}, "model"),
+    ("gpt", {"bridge": "hard"}, "bridge"),  # no chain, no bridge
+    ("gpt", {"exit_threshold": 0.1}, "exit_threshold"),
+    ("huginn", {"exit_threshold": 0.1}, "exit_threshold"),  # no adaptive exit: its cache depends on K
+    ("huginn", {"exit_criterion": "argmax-stable:2"}, "exit_criterion"),
+    ("huginn", {"bridge": "soft"}, "bridge"),  # a recurrence, no DiffusionBlocks chain
+    ("gpt", {"num_iterations": 2}, "num_iterations"),
+    ("looped", {"num_iterations": 9}, "num_iterations"),  # above this model's max_iterations (8)
+    ("looped", {"exit_criterion": "kl:-1"}, "exit_criterion"),
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_bad_settings_are_a_400_naming_the_field(db, gpt, looped, huginn, path):
+    servers = {"db": db, "gpt": gpt, "looped": looped, "huginn": huginn}
+    for which, fields, param in BAD_SETTINGS:
+        tiny = which in ("looped", "huginn")  # 47 token ids: prompts are ids (the chat template's bytes are not)
+        if tiny and path != "/v1/completions":
+            continue
+        base = {"prompt": [1, 2] if tiny else "Hi"} if path == "/v1/completions" else \
+            {"messages": [{"role": "user", "content": "Hi"}]}
+        r = servers[which].http.post(path, json={**base, "max_tokens": 1, **fields})
+        assert r.status_code == 400, (which, fields, r.text)
+        error = r.json()["error"]
+        assert error["param"] == param and error["message"].startswith(param), (fields, error)
+        assert "\n" not in error["message"]
+
+
+def test_a_request_is_resolved_once_for_all_its_choices(db, looped, monkeypatch, engine_settings):
+    """Two prompts x n = 3 are six engine requests and ONE resolution of their settings, which every
+    engine request carries unchanged (the engine resolves nothing)."""
+    calls = []
+    original = engine_module.resolve_settings
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "resolve_settings", counting)
+    r = db.client.completions.create(model="tiny-db@4", prompt=["And", "The"], n=3, max_tokens=2, seed=5,
+                                     extra_body={"bridge": "hard"})
+    assert len(r.choices) == 6 and r.num_iterations == 4
+    assert len(calls) == 1 and calls[0]["num_iterations"] == 4 and calls[0]["bridge"] == "hard"
+    assert len(engine_settings) == 6 and all(s is engine_settings[0] for s in engine_settings)
+    stream = db.client.chat.completions.create(model="tiny-db", messages=[{"role": "user", "content": "Hi"}],
+                                               n=2, max_tokens=2, stream=True)
+    assert sum(1 for _ in stream) > 0 and len(calls) == 2
+    r = looped.http.post("/v1/completions", json={"prompt": [[1, 2], [3, 4]], "n": 2, "max_tokens": 2,
+                                                  "exit_criterion": "argmax-stable:2"})
+    assert r.status_code == 200 and len(calls) == 3 and calls[2]["exit_rule"].argmax_stable == 2
