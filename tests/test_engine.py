@@ -268,3 +268,40 @@ def test_a_failing_model_call_fails_its_requests_and_the_engine_goes_on(models, 
     assert engine.num_free_slots == 2
     monkeypatch.setattr(model, "forward_cached", real)
     assert engine.run([req])[0].token_ids == solo(model, req)
+
+
+def test_resolved_settings_pass_through_unchanged(models, monkeypatch):
+    """A request that carries resolved settings (what the server sends) runs them as they are: the engine
+    resolves nothing, and the tokens equal the same request given as loose fields (resolved once on arrival)."""
+    import looped_lm.engine.engine as engine_module
+
+    model = models["looped_db"]
+    engine = Engine(model, 2, default_iterations=3)
+    settings = engine.resolve(sampling=GREEDY, bridge="soft")
+    assert (settings.num_iterations, settings.bridge) == (3, "soft")  # this engine's default K
+    calls = []
+    monkeypatch.setattr(engine_module, "resolve_settings", lambda *a, **k: calls.append(k))
+    by_settings = engine.run([Request([5, 9, 2], max_tokens=4, seed=1, settings=settings)])[0]
+    assert calls == [] and by_settings.num_iterations == 3
+    monkeypatch.undo()
+    loose = Engine(model, 1, default_iterations=3).run([Request([5, 9, 2], 4, GREEDY, seed=1, bridge="soft")])[0]
+    assert by_settings.token_ids == loose.token_ids
+    with pytest.raises(ValueError, match="not both"):
+        Request([1], 1, GREEDY, settings=settings)
+    # settings resolved against the model's own limits may exceed this engine's cap: refused, not run
+    capped = Engine(model, 1, max_iterations=4)
+    with pytest.raises(InvalidRequest, match="1..4") as e:
+        capped.check(Request([1], 1, settings=resolve_settings(model.iteration_limits(), num_iterations=8)))
+    assert e.value.param == "num_iterations"
+
+
+def test_the_engine_counts_the_iterations_a_rule_leaves(models):
+    """stats.iterations sums the denoising calls each generated token took: K without a rule, fewer with."""
+    from looped_lm.settings import ExitRule
+
+    model = models["looped_db"]
+    for rule, per_token in ((None, 6), (ExitRule(kl_threshold=float("inf")), 2)):
+        engine = Engine(model, 1)
+        engine.run([Request([5, 9, 2], max_tokens=5, settings=engine.resolve(sampling=GREEDY, num_iterations=6,
+                                                                              exit_rule=rule))])
+        assert engine.stats.iterations == per_token * 5
