@@ -36,6 +36,7 @@ from pathlib import Path
 from looped_lm import __version__
 from looped_lm.config import Config, config_from_dict
 from looped_lm.errors import UserError
+from looped_lm.kinds import kind_of
 
 MANIFEST = "manifest.json"
 WEIGHTS = "model.safetensors"
@@ -485,12 +486,11 @@ def load_checkpoint(ckpt: str | Path, device="cpu", verify: bool = True):
 def run_vocab(cfg: Config) -> tuple[int, str]:
     """(output vocabulary, tokenizer name) a run of `cfg` has: the tokenizer's (or model.vocab_size,
     padded), or a module's classes / characters."""
-    from looped_lm.config import MODULE_KINDS
-    from looped_lm.data.batches import module_vocab
     from looped_lm.data.tokenizer import get_tokenizer
 
-    if cfg.model.kind in MODULE_KINDS:
-        return module_vocab(cfg)
+    fixed = kind_of(cfg).vocab(cfg)
+    if fixed is not None:  # a module's classes or characters
+        return fixed
     tokenizer = get_tokenizer(cfg.data.tokenizer)
     vocab_size = cfg.model.vocab_size or tokenizer.vocab_size
     if vocab_size < tokenizer.vocab_size:
@@ -520,7 +520,7 @@ def check_agreement(ckpt: str | Path, manifest: dict, cfg: Config) -> None:
     except UserError as e:
         raise UserError(f"{where}: its config is invalid: {e}") from None
     if manifest["tokenizer"] != tokenizer:
-        source = "data.tokenizer" if cfg.model.kind not in ("vit", "dit", "mdm") else f"model.kind {cfg.model.kind}"
+        source = "data.tokenizer" if kind_of(cfg).vocab(cfg) is None else f"model.kind {cfg.model.kind}"
         raise bad("tokenizer", f"is {manifest['tokenizer']!r}, but its config's {source} gives {tokenizer!r}")
     if manifest["vocab_size"] != vocab:
         raise bad("vocab_size", f"is {manifest['vocab_size']}, but its config and tokenizer ({tokenizer}) give {vocab}")
@@ -529,7 +529,7 @@ def check_agreement(ckpt: str | Path, manifest: dict, cfg: Config) -> None:
 
 
 def _check_ownership(manifest: dict, cfg: Config, bad) -> None:
-    if "ownership" not in manifest or cfg.model.kind != "db_ar":
+    if "ownership" not in manifest or not kind_of(cfg).offers("merge"):
         return
     own = manifest["ownership"]
     blocks = own.get("blocks") if isinstance(own, dict) else None
@@ -558,8 +558,9 @@ def _check_edges(manifest: dict, cfg: Config, bad) -> None:
                                              and math.isfinite(e) for e in edges)
     if not numbers or len(edges) < 2 or any(a >= b for a, b in zip(edges, edges[1:])):
         raise bad("model_state.edges", f"must be at least 2 finite, strictly ascending numbers, got {edges!r}")
-    if cfg.model.kind in ("db_ar", "looped_db"):
-        blocks = 1 if cfg.model.kind == "looped_db" else cfg.diffusion.num_blocks
+    partitioned = kind_of(cfg).offers("partition_edges")
+    if partitioned:
+        blocks = kind_of(cfg).num_blocks(cfg)
     else:
         blocks = state.get("num_blocks", len(edges) - 1)
     if state.get("num_blocks", blocks) != blocks:
@@ -567,7 +568,7 @@ def _check_edges(manifest: dict, cfg: Config, bad) -> None:
     if len(edges) != blocks + 1:
         raise bad("model_state.edges", f"has {len(edges)} edges ({len(edges) - 1} blocks), but the model has "
                                        f"{blocks} blocks: {blocks + 1} edges")
-    if cfg.model.kind in ("db_ar", "looped_db"):  # the edges follow from the config alone
+    if partitioned:  # the edges follow from the config alone
         from looped_lm.diffusion.noise import NoiseSchedule
         from looped_lm.diffusion.partition import make_edges
 

@@ -20,53 +20,20 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError
 
 from looped_lm.errors import UserError
+from looped_lm.fields import Float, Str
+from looped_lm.fields import Section as _Section
+from looped_lm.fields import field as _f
+from looped_lm.kinds import LanguageModelSection, ModelSection, SequenceSection, get_kind, kind_of, registered, require
+from looped_lm.kinds.builtin import BUILTIN
 
-
-def _number_from_text(value):
-    """YAML 1.1 reads `3e-4` (no dot) as a string: accept it where a number is expected."""
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    return value
-
-
-def _text_from_number(value):
-    """`--set train.out_dir=2024` arrives as an int: a string field takes it as written."""
-    return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
-
-
-Float = Annotated[float, BeforeValidator(_number_from_text)]
-Str = Annotated[str, BeforeValidator(_text_from_number)]
-
-
-def _f(default, doc: str):
-    """A field with a one-line doc (its description)."""
-    if isinstance(default, list):
-        return Field(default_factory=lambda: list(default), description=doc)
-    return Field(default, description=doc)
-
-
-class _Section(BaseModel):
-    # strict: no silent int->bool or "1"->1; ints are still taken where floats are expected
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
-
-MODEL_KINDS = ("gpt", "db_ar", "looped_db", "huginn", "vit", "dit", "mdm")
 LORA_TARGETS = ("qkv", "proj", "gate_up", "down")  # the Linears of a layer that train.lora_targets may name
-MODULE_KINDS = ("vit", "dit", "mdm")  # the supporting modules: not language models (method.md §7)
-# which data.source each module reads (the language models read the others)
-MODULE_SOURCES = {"vit": ("digits", "cifar10", "cifar100"), "dit": ("digits", "cifar10", "cifar100", "latents"),
-                  "mdm": ("bible", "text8")}
 # the choices of each choice field
-ModelKind = Literal["gpt", "db_ar", "looped_db", "huginn", "vit", "dit", "mdm"]
 Partition = Literal["equi_probability", "uniform"]
 Parameterization = Literal["edm", "likelihood"]
 NoisyInput = Literal["noise", "prev_token"]
@@ -85,41 +52,17 @@ Tokenizer = Literal["gpt2", "byte"]
 ResumeChanges = Literal["refuse", "allow"]
 TrainMode = Literal["data_parallel", "block_parallel"]
 
-
-class ModelConfig(_Section):
-    kind: ModelKind = _f("gpt", "gpt (end-to-end), db_ar (DiffusionBlocks AR), looped_db, huginn; supporting "
-                         "modules: vit (classifier), dit (image denoiser), mdm (masked diffusion over characters)")
-    n_layers: int = _f(4, "decoder layers (db_ar: split into diffusion.num_blocks blocks; looped: the core)")
-    d_model: int = _f(128, "residual width")
-    n_heads: int = _f(4, "attention heads (d_model must divide by it)")
-    seq_len: int = _f(256, "training context length in tokens")
-    vocab_size: int = _f(0, "0 = the tokenizer's size; larger pads the embedding (e.g. 50304 for speed)")
-    ffn_hidden: int = _f(0, "SwiGLU hidden width; 0 = 8/3 * d_model rounded up to a multiple of 64")
-    rope_theta: Float = _f(10000.0, "RoPE base")
-    norm_eps: Float = _f(1e-5, "RMSNorm epsilon")
-    init_std: Float = _f(0.02, "std of the normal init of linear and embedding weights")
-    n_prelude: int = _f(0, "shared clean-stream layers before the blocks / core (looped models: 2)")
-    n_coda: int = _f(0, "shared layers after the blocks / core (looped models: 2)")
-    mean_recurrence: int = _f(32, "huginn: mean of the Poisson-log-normal iteration count r")
-    backprop_depth: int = _f(8, "huginn: gradients flow through the last k iterations only")
-    allow_full_backprop: bool = _f(False, "huginn: allow backprop_depth > mean_recurrence")
-    loss_chunk: int = _f(0, "training: head + CE in chunks of this many positions, recomputed in backward, so "
-                         "the (tokens, vocab) logits are never stored (0 = off; e.g. 128 with a 50257 vocab)")
-    activation_checkpointing: bool = _f(False, "gpt: recompute each layer in backward instead of storing its "
-                                        "activations (the end-to-end alternative to DiffusionBlocks' memory)")
-    max_iterations: int = _f(64, "looped models: the largest K accepted at inference")
-    end_to_end: bool = _f(False, "vit / dit / mdm: the same network trained end-to-end over the whole noise range "
-                          "(the baseline), instead of diffusion.num_blocks blocks")
-    image_size: int = _f(32, "vit / dit: side of the (square) images or latents; must match the data")
-    channels: int = _f(3, "vit / dit: image (or latent) channels; must match the data")
-    patch: int = _f(4, "vit / dit: patch side; image_size must divide by it (the paper: vit 4, dit 2)")
-    num_classes: int = _f(10, "vit: classes; dit: classes it is conditioned on (0 = unconditional); must match "
-                          "the data")
-    init_from: Str = _f("", "a local Hugging Face directory (config.json + safetensors) of LlamaForCausalLM / "
-                        "MistralForCausalLM, or a `looped_lm export` of a gpt: a fresh run starts from its weights "
-                        "(docs/pretrained.md); '' = random init")
-    init_core_start: int = _f(-1, "init_from, looped_db / huginn: the first source layer of the core; -1 = right "
-                              "after the prelude")
+DEFAULT_KIND = "gpt"
+BUILTIN_NAMES = tuple(kind.name for kind in BUILTIN)  # what configs/README.md documents
+# The model section of configs written before kinds owned their sections held every kind's fields. A
+# manifest (or an export) of that era carries the other kinds' fields at these defaults: loading it drops
+# them. A field of another kind at any other value is refused, as in a user's YAML.
+FLAT_ERA_DEFAULTS = {
+    "seq_len": 256, "vocab_size": 0, "ffn_hidden": 0, "rope_theta": 10000.0, "n_prelude": 0, "n_coda": 0,
+    "mean_recurrence": 32, "backprop_depth": 8, "allow_full_backprop": False, "loss_chunk": 0,
+    "activation_checkpointing": False, "max_iterations": 64, "end_to_end": False, "image_size": 32, "channels": 3,
+    "patch": 4, "num_classes": 10, "init_from": "", "init_core_start": -1,
+}
 
 
 class DiffusionConfig(_Section):
@@ -247,9 +190,12 @@ class EvalConfig(_Section):
 
 
 class Config(BaseModel):
+    """The run. `model` is the section of `model.kind`'s plugin (a discriminated union over the registry,
+    resolved by `config_from_dict`: out-of-tree kinds join it by registering)."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    model: ModelConfig = Field(default_factory=ModelConfig)
+    model: SerializeAsAny[ModelSection] = Field(default_factory=lambda: get_kind(DEFAULT_KIND).section())
     diffusion: DiffusionConfig = Field(default_factory=DiffusionConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -261,6 +207,7 @@ class Config(BaseModel):
 
 
 SECTIONS = {name: f.annotation for name, f in Config.model_fields.items()}
+SECTIONS["model"] = ModelSection
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,7 +239,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
             raise UserError(f"config file {path} must hold a mapping of sections, got {type(raw).__name__}")
     for item in overrides:
         _apply_override(raw, item)
-    return config_from_dict(raw)
+    return config_from_dict(raw, flat_era=False)
 
 
 def _refuse_duplicate_keys(node, path: str, where: str = "") -> None:
@@ -313,9 +260,13 @@ def _refuse_duplicate_keys(node, path: str, where: str = "") -> None:
             _refuse_duplicate_keys(item, path, where)
 
 
-def config_from_dict(raw: dict) -> Config:
-    """Validate a {section: {key: value}} dict (a parsed YAML file, a manifest's config) into a Config."""
+def config_from_dict(raw: dict, flat_era: bool = True) -> Config:
+    """Validate a {section: {key: value}} dict (a parsed YAML file, a manifest's config) into a Config.
+    `flat_era`: drop other kinds' model fields at the defaults older manifests wrote (FLAT_ERA_DEFAULTS);
+    a user's YAML (load_config) gets no such leniency."""
     raw = {section: values for section, values in raw.items() if values is not None}  # `model:` alone
+    if "model" in raw:
+        raw["model"] = model_section(raw["model"], flat_era)
     try:
         cfg = Config.model_validate(raw)
     except ValidationError as e:
@@ -324,27 +275,58 @@ def config_from_dict(raw: dict) -> Config:
     return cfg
 
 
+def model_section(values, flat_era: bool = False) -> ModelSection:
+    """The `model:` mapping -> the section of its kind (the union's discriminator is `kind`)."""
+    if isinstance(values, ModelSection):
+        return values
+    if not isinstance(values, dict):
+        raise UserError(f"config section 'model' must be a mapping, got {type(values).__name__}")
+    name = values.get("kind", DEFAULT_KIND)
+    if not isinstance(name, str):
+        raise UserError(f"model.kind must be a string naming a kind, got {name!r}")
+    section = get_kind(name).section
+    kept = {}
+    for key, value in values.items():
+        if key in section.model_fields:
+            kept[key] = value
+            continue
+        owners = [k.name for k in registered().values() if key in k.section.model_fields]
+        if flat_era and key in FLAT_ERA_DEFAULTS and value == FLAT_ERA_DEFAULTS[key]:
+            continue
+        if owners:
+            raise UserError(f"model.{key} is a field of model.kind {' / '.join(owners)}, not of {name}; delete it "
+                            f"(`looped_lm train --help-config` lists each kind's fields)")
+        known = list(section.model_fields)
+        raise UserError(f"unknown config key 'model.{key}' for model.kind {name}{_suggest(key, known)}")
+    try:
+        return section.model_validate(kept)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise UserError(_message({**err, "loc": ("model", *err["loc"])}, {"model": section})) from None
+
+
 REMOVED = {  # options the quality study measured worse everywhere (docs/results.md)
     "diffusion.noise": "noise: adaptive lost every measurement",
 }
 
 
-def _message(err: dict) -> str:
+def _message(err: dict, sections: dict | None = None) -> str:
     """pydantic's first error as one line naming the key (`train.lr must be a number, got 'fast'`)."""
+    sections = {**SECTIONS, **(sections or {})}
     loc, kind, value = err["loc"], err["type"], err.get("input")
     key = ".".join(str(p) for p in loc[:2]) + "".join(f"[{p}]" for p in loc[2:])
     if kind == "extra_forbidden":
         if key in REMOVED:
             return f"{key} was removed: {REMOVED[key]}; delete it from the config"
         if len(loc) == 1:
-            return f"unknown config section '{loc[0]}'{_suggest(str(loc[0]), SECTIONS)}"
-        return f"unknown config key '{key}'{_suggest(str(loc[1]), SECTIONS[loc[0]].model_fields)}"
+            return f"unknown config section '{loc[0]}'{_suggest(str(loc[0]), sections)}"
+        return f"unknown config key '{key}'{_suggest(str(loc[1]), sections[loc[0]].model_fields)}"
     if len(loc) == 1:  # the section itself
         return f"config section '{loc[0]}' must be a mapping, got {type(value).__name__}"
     if len(loc) > 2 and loc[2] in ("int", "list[int]"):  # a field that takes an integer or a list of them
         return f"{'.'.join(str(p) for p in loc[:2])} must be an integer or a list of integers, got {value!r}"
     if kind == "literal_error":
-        field = SECTIONS[loc[0]].model_fields[loc[1]]
+        field = sections[loc[0]].model_fields[loc[1]]
         return f"{key} must be one of {', '.join(typing.get_args(field.annotation))} (got '{value}')"
     if kind == "list_type":
         return f"{key} must be a list of int, got {value!r}"
@@ -388,30 +370,31 @@ def _require(ok: bool, message: str) -> None:
 
 
 def validate(cfg: Config) -> None:
+    """The checks of every run; then the kind's own (`Kind.validate`)."""
     m, d, t = cfg.model, cfg.diffusion, cfg.train
-    for key in ("n_layers", "d_model", "n_heads", "seq_len"):
+    kind = kind_of(cfg)
+    for key in ("n_layers", "d_model", "n_heads"):
         _require(getattr(m, key) >= 1, f"model.{key} must be >= 1 (got {getattr(m, key)})")
     _require(m.d_model % m.n_heads == 0, f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
     _require((m.d_model // m.n_heads) % 2 == 0, "model.d_model / model.n_heads must be even (RoPE rotates pairs)")
-    for key in ("vocab_size", "ffn_hidden", "n_prelude", "n_coda"):
-        _require(getattr(m, key) >= 0, f"model.{key} must be >= 0 (got {getattr(m, key)})")
-    _require(m.init_std > 0 and m.norm_eps > 0 and m.rope_theta > 0, "model.init_std, norm_eps and rope_theta must be > 0")
-    _require(m.mean_recurrence >= 1, f"model.mean_recurrence must be >= 1 (got {m.mean_recurrence})")
-    _require(m.backprop_depth >= 1, f"model.backprop_depth must be >= 1 (got {m.backprop_depth})")
-    _require(m.backprop_depth <= m.mean_recurrence or m.allow_full_backprop,
-             f"model.backprop_depth ({m.backprop_depth}) exceeds model.mean_recurrence ({m.mean_recurrence});"
-             " set model.allow_full_backprop: true if that is intended")
-    _require(m.max_iterations >= 1, f"model.max_iterations must be >= 1 (got {m.max_iterations})")
-    if m.init_from and "tokenizer" not in cfg.data.model_fields_set:
-        # the checkpoint's own tokenizer.json, absolute: the manifest's name must not depend on the cwd
-        cfg.data.tokenizer = str(Path(m.init_from).expanduser().absolute())
+    _require(m.ffn_hidden >= 0, f"model.ffn_hidden must be >= 0 (got {m.ffn_hidden})")
+    _require(m.init_std > 0 and m.norm_eps > 0, "model.init_std and norm_eps must be > 0")
+    if isinstance(m, SequenceSection):
+        _require(m.seq_len >= 1, f"model.seq_len must be >= 1 (got {m.seq_len})")
+        _require(m.rope_theta > 0, f"model.rope_theta must be > 0 (got {m.rope_theta})")
+    if isinstance(m, LanguageModelSection):
+        _require(m.vocab_size >= 0, f"model.vocab_size must be >= 0 (got {m.vocab_size})")
+        _require(m.loss_chunk >= 0, f"model.loss_chunk must be >= 0 (got {m.loss_chunk})")
+        if m.init_from:
+            require(kind, "init_from", "model.init_from")
+            if "tokenizer" not in cfg.data.model_fields_set:
+                # the checkpoint's own tokenizer.json, absolute: the manifest's name must not depend on the cwd
+                cfg.data.tokenizer = str(Path(m.init_from).expanduser().absolute())
 
     _require(d.num_blocks >= 1, f"diffusion.num_blocks must be >= 1 (got {d.num_blocks})")
-    if m.kind == "db_ar":
-        _resolve_layers_per_block(cfg)
-    else:
-        _require(d.layers_per_block in (0, []), f"diffusion.layers_per_block applies to model.kind db_ar only "
-                                                f"(got {d.layers_per_block!r} with {m.kind})")
+    if not kind.offers("layer_split"):
+        _require(d.layers_per_block in (0, []), f"diffusion.layers_per_block applies to kinds with a layer split "
+                 f"(db_ar), not {kind.name} (got {d.layers_per_block!r})")
     _require(0.0 <= d.overlap <= 0.5, f"diffusion.overlap must be in [0, 0.5] (got {d.overlap})")
     _require(0 < d.sigma_min < d.sigma_max,
              f"diffusion.sigma_min ({d.sigma_min}) must be > 0 and below diffusion.sigma_max ({d.sigma_max})")
@@ -424,28 +407,21 @@ def validate(cfg: Config) -> None:
     _require(0 < d.sample_top_quantile <= 1,
              f"diffusion.sample_top_quantile must be in (0, 1] (got {d.sample_top_quantile})")
     _require(d.num_iterations >= 0, f"diffusion.num_iterations must be >= 1, or 0 for num_blocks (got {d.num_iterations})")
-    if m.kind == "looped_db":
-        _require(d.num_blocks == 1, f"looped_db has one weight-tied core: diffusion.num_blocks must be 1 "
-                                    f"(got {d.num_blocks})")
-    n_blocks = d.num_blocks if m.kind == "db_ar" or (m.kind in MODULE_KINDS and not m.end_to_end) else 1
+    kind.validate(cfg)  # before the block checks: db_ar's layers_per_block sets num_blocks
+    n_blocks = kind.num_blocks(cfg)
     for b in d.blocks_to_train:
         _require(0 <= b < n_blocks, f"diffusion.blocks_to_train has {b}, outside 0..{n_blocks - 1}")
     _require(len(set(d.blocks_to_train)) == len(d.blocks_to_train),
              f"diffusion.blocks_to_train has duplicates: {d.blocks_to_train}")
-
-    _require(not m.activation_checkpointing or m.kind == "gpt", f"model.activation_checkpointing is for model.kind "
-             f"gpt (got {m.kind}): a DiffusionBlocks step already holds one block's activations")
     if d.context == "stacked":
-        _require(m.kind == "db_ar", f"diffusion.context stacked chains the blocks of a db_ar model (got model.kind "
-                                    f"{m.kind})")
+        require(kind, "stacked_context", "diffusion.context stacked")
         _require(not d.blocks_to_train, "diffusion.context stacked cannot train independent block jobs "
                  "(diffusion.blocks_to_train): block b's clean stream runs blocks < b's current weights, so a "
                  "block trained apart would read stale ones; train every block in one run (train.mode "
                  "data_parallel or block_parallel)")
 
     if t.mode == "block_parallel":
-        _require(m.kind == "db_ar", f"train.mode block_parallel trains DiffusionBlocks blocks apart: it needs model.kind "
-                                    f"db_ar (got {m.kind})")
+        require(kind, "block_parallel", "train.mode block_parallel")
         _require(cfg.deepspeed.zero_stage == 0,
                  f"train.mode block_parallel needs deepspeed.zero_stage 0 (got {cfg.deepspeed.zero_stage}): each rank "
                  "already keeps optimiser state for its own block only, and ZeRO would partition it over ranks that "
@@ -468,6 +444,7 @@ def validate(cfg: Config) -> None:
     _require(t.out_dir != "", "train.out_dir must not be empty")
     _require(t.lora_rank >= 0, f"train.lora_rank must be >= 0 (got {t.lora_rank})")
     if t.lora_rank:
+        require(kind, "lora", "train.lora_rank")
         _require(bool(m.init_from), "train.lora_rank needs model.init_from: adapters train on a pretrained base")
         _require(t.lora_alpha > 0 and 0 <= t.lora_dropout < 1,
                  "train.lora_alpha must be > 0 and train.lora_dropout in [0, 1)")
@@ -479,7 +456,8 @@ def validate(cfg: Config) -> None:
     _require(cfg.deepspeed.zero_stage in (0, 1, 2), f"deepspeed.zero_stage must be 0, 1 or 2 (got {cfg.deepspeed.zero_stage})")
     if cfg.data.source in ("files", "hf", "bin", "cifar10", "cifar100", "text8", "latents"):
         _require(cfg.data.path != "", f"data.path is required when data.source is {cfg.data.source}")
-    validate_module(cfg)
+    _require(cfg.data.source in kind.data_sources, f"model.kind {kind.name} reads data.source "
+             f"{' / '.join(kind.data_sources)} (got {cfg.data.source})")
     _require(0 < cfg.data.val_fraction < 1, f"data.val_fraction must be in (0, 1) (got {cfg.data.val_fraction})")
     e = cfg.eval
     for key in ("block_size", "stride", "max_tokens"):
@@ -487,95 +465,50 @@ def validate(cfg: Config) -> None:
     _require(e.draws >= 1, f"eval.draws must be >= 1 (got {e.draws})")
 
 
-def validate_module(cfg: Config) -> None:
-    """The supporting modules (vit / dit / mdm): their data source, block layout and the options they
-    implement; a language model may not name a module's data source."""
-    m, d, source = cfg.model, cfg.diffusion, cfg.data.source
-    if m.kind not in MODULE_KINDS:
-        readers = [k for k, sources in MODULE_SOURCES.items() if source in sources]
-        _require(source == "bible" or not readers, f"data.source {source} is read by model.kind "
-                 f"{' / '.join(readers)}, not {m.kind}")
-        return
-    _require(source in MODULE_SOURCES[m.kind], f"model.kind {m.kind} reads data.source "
-             f"{' / '.join(MODULE_SOURCES[m.kind])} (got {source})")
-    if not m.end_to_end:
-        _require(d.num_blocks <= m.n_layers, f"diffusion.num_blocks ({d.num_blocks}) is larger than model.n_layers "
-                 f"({m.n_layers}): every block needs at least one layer")
-        _require(m.n_layers % d.num_blocks == 0,
-                 f"diffusion.num_blocks ({d.num_blocks}) must divide model.n_layers ({m.n_layers})")
-    _require(d.block_sampling in ("uniform", "round_robin"), f"diffusion.block_sampling {d.block_sampling} (the "
-             f"default) is for the language models; set diffusion.block_sampling: uniform (the paper) or round_robin "
-             f"for {m.kind}")
-    blocks = 1 if m.end_to_end else d.num_blocks
-    if d.num_iterations:
-        _require(d.num_iterations >= blocks, f"diffusion.num_iterations ({d.num_iterations}) must be >= the number of "
-                 f"blocks ({blocks}): {m.kind} runs at least one step per block")
-    if d.sample_steps:
-        _require(d.sample_steps >= blocks, f"diffusion.sample_steps ({d.sample_steps}) must be >= the number of "
-                 f"blocks ({blocks}): {m.kind} runs at least one step per block")
-    _require(d.sample_steps >= 0, f"diffusion.sample_steps must be >= 0 (got {d.sample_steps})")
-    if m.kind == "mdm":
-        return
-    for key in ("image_size", "channels", "patch"):
-        _require(getattr(m, key) >= 1, f"model.{key} must be >= 1 (got {getattr(m, key)})")
-    _require(m.image_size % m.patch == 0, f"model.image_size ({m.image_size}) is not divisible by model.patch "
-             f"({m.patch})")
-    if m.kind == "vit":
-        _require(m.num_classes >= 2, f"model.num_classes must be >= 2 for vit (got {m.num_classes})")
-    else:
-        _require(m.num_classes >= 0, f"model.num_classes must be >= 0 for dit, 0 = unconditional (got "
-                 f"{m.num_classes})")
-        _require(0 <= d.label_dropout < 1, f"diffusion.label_dropout must be in [0, 1) (got {d.label_dropout})")
-        _require(d.cfg_scale >= 0, f"diffusion.cfg_scale must be >= 0 (got {d.cfg_scale})")
-
-
-def _resolve_layers_per_block(cfg: Config) -> None:
-    """db_ar: check diffusion.layers_per_block against model.n_layers, and set num_blocks from it (a
-    num_blocks given in the same config must agree)."""
-    m, d = cfg.model, cfg.diffusion
-    lpb = d.layers_per_block
-    if lpb in (0, []):
-        _require(m.n_layers % d.num_blocks == 0,
-                 f"diffusion.num_blocks ({d.num_blocks}) must divide model.n_layers ({m.n_layers})")
-        return
-    if isinstance(lpb, list):
-        _require(all(n >= 1 for n in lpb), f"diffusion.layers_per_block must list counts >= 1 (got {lpb})")
-        _require(sum(lpb) == m.n_layers, f"diffusion.layers_per_block {lpb} sums to {sum(lpb)}, but model.n_layers "
-                                         f"is {m.n_layers}")
-        blocks = len(lpb)
-    else:
-        _require(lpb >= 1, f"diffusion.layers_per_block must be >= 1, a list, or 0 for n_layers / num_blocks (got {lpb})")
-        _require(m.n_layers % lpb == 0, f"diffusion.layers_per_block ({lpb}) must divide model.n_layers ({m.n_layers})")
-        blocks = m.n_layers // lpb
-    if "num_blocks" in d.model_fields_set and d.num_blocks != blocks:
-        raise UserError(f"diffusion.num_blocks ({d.num_blocks}) contradicts diffusion.layers_per_block {lpb!r} "
-                        f"({blocks} blocks); give one of them")
-    d.num_blocks = blocks
+def init_source(cfg: Config) -> str:
+    """model.init_from, or '' for a kind whose section has none (only language models start from one)."""
+    return cfg.model.init_from if isinstance(cfg.model, LanguageModelSection) else ""
 
 
 def block_layers(cfg: Config) -> list[int]:
-    """The layers of each block, block 0 (highest noise) first: db_ar's split of model.n_layers;
-    looped_db's one weight-tied core."""
-    m, d = cfg.model, cfg.diffusion
-    if m.kind != "db_ar":
-        return [m.n_layers]
-    if isinstance(d.layers_per_block, list) and d.layers_per_block:
-        return list(d.layers_per_block)
-    per = d.layers_per_block or m.n_layers // d.num_blocks
-    return [per] * (m.n_layers // per)
+    """The layers of each block, block 0 (highest noise) first (the kind's layout: db_ar's split of
+    model.n_layers, looped_db's one weight-tied core)."""
+    return kind_of(cfg).block_layers(cfg)
 
 
-def describe_fields() -> str:
-    """Every config field with its type, default and doc: the text of `--help-config`."""
-    lines = []
+def describe_fields(builtin_only: bool = False) -> str:
+    """Every config field with its type, default and doc: the text of `--help-config`. The model section
+    lists the fields every kind has, then each group of kinds' own (a section class and the kinds whose
+    section derives from it), so a shared field is listed once."""
+    users: dict[type, list[str]] = {}
+    for kind in registered().values():
+        if builtin_only and kind.name not in BUILTIN_NAMES:
+            continue
+        for cls in kind.section.__mro__:
+            if isinstance(cls, type) and issubclass(cls, ModelSection) and cls is not ModelSection:
+                users.setdefault(cls, []).append(kind.name)
+    lines = ["model:"] + _describe(ModelSection, ModelSection.model_fields)
+    for cls, names in sorted(users.items(), key=lambda item: len(item[0].__mro__)):
+        own = [n for n in cls.__annotations__ if n != "kind" and n in cls.model_fields]
+        if own:
+            lines.append(f"  # model.kind {' / '.join(names)}:")
+            lines += _describe(cls, own)
     for section, typ in SECTIONS.items():
-        lines.append(f"{section}:")
-        for name, f in typ.model_fields.items():
-            default = f.get_default(call_default_factory=True)
-            kinds = typing.get_args(f.annotation) if isinstance(f.annotation, types.UnionType) else ()
-            typ = " or ".join(getattr(k, "__name__", str(k)) for k in kinds) or type(default).__name__
-            lines.append(f"  {name} ({typ}, default {default!r}): {f.description}")
+        if section != "model":
+            lines.append(f"{section}:")
+            lines += _describe(typ, typ.model_fields)
     return "\n".join(lines)
+
+
+def _describe(section, names, indent: str = "  ") -> list[str]:
+    lines = []
+    for name in names:
+        f = section.model_fields[name]
+        default = f.get_default(call_default_factory=True)
+        kinds = typing.get_args(f.annotation) if isinstance(f.annotation, types.UnionType) else ()
+        typ = " or ".join(getattr(k, "__name__", str(k)) for k in kinds) or type(default).__name__
+        lines.append(f"{indent}{name} ({typ}, default {default!r}): {f.description}")
+    return lines
 
 
 def write_reference(readme: Path) -> None:
@@ -583,7 +516,7 @@ def write_reference(readme: Path) -> None:
     text = readme.read_text()
     start = text.index("```\n") + 4
     end = text.index("\n```", start)
-    readme.write_text(text[:start] + describe_fields() + text[end:])
+    readme.write_text(text[:start] + describe_fields(builtin_only=True) + text[end:])
 
 
 if __name__ == "__main__":  # python -m looped_lm.config: regenerate configs/README.md's field list

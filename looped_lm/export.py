@@ -31,8 +31,7 @@ from pathlib import Path
 
 from looped_lm.checkpoint import NO_VERIFY_HELP
 from looped_lm.errors import UserError
-
-DB_KINDS = ("db_ar", "looped_db")
+from looped_lm.kinds import kind_of, require
 FORMATS = ("auto", "llama", "looped_lm")
 
 
@@ -101,13 +100,12 @@ def hf_config_dict(model, cfg, manifest: dict, num_iterations: int | None = None
     """The fields of LoopedLMConfig for a loaded native model."""
     m = cfg.model
     kind = m.kind
-    if kind not in ("gpt", *DB_KINDS):
-        raise UserError(f"export supports model.kind gpt, db_ar and looped_db (not '{kind}')")
+    require(kind_of(cfg), "export_native", "looped_lm export --format looped_lm")
     fields = {"looped_lm_config": cfg.to_dict(), "kind": kind, "vocab_size": manifest["vocab_size"],
               "model_state": manifest.get("model_state") or {}, "tokenizer": manifest["tokenizer"],
               "hidden_size": m.d_model, "num_attention_heads": m.n_heads, "num_hidden_layers": m.n_layers,
               "max_position_embeddings": model.max_positions}
-    if kind in DB_KINDS:
+    if kind_of(cfg).offers("iterative"):
         from looped_lm.settings import resolve_settings  # imports torch: not at `looped_lm export --help`
 
         settings = resolve_settings(model.iteration_limits(), num_iterations=num_iterations)
@@ -151,17 +149,18 @@ def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, num
     if not isinstance(model, CachedDecoding):  # vit / dit / mdm
         raise UserError(f"looped_lm export is for language models; a {cfg.model.kind} checkpoint is used through "
                         "looped_lm eval and looped_lm generate")
-    kind = cfg.model.kind
+    kind = kind_of(cfg)
     if format == "auto":
-        format = "llama" if kind == "gpt" else "looped_lm"
-    if format == "llama" and kind != "gpt":
-        raise UserError(f"--format llama applies to model.kind gpt only (this checkpoint is '{kind}'); "
-                        f"use --format looped_lm")
+        format = "llama" if kind.offers("export_llama") else "looped_lm"
+    if format == "llama" and not kind.offers("export_llama"):
+        raise UserError(f"--format llama: model.kind {kind.name} does not offer export_llama (it is not a stock "
+                        f"Llama); use --format looped_lm")
     tok = get_tokenizer(manifest["tokenizer"])
     gen = {"eos_token_id": tok.eot_id, "bos_token_id": tok.eot_id, "pad_token_id": tok.eot_id}
     if format == "llama":
         if num_iterations is not None:
-            raise UserError("--num-iterations applies to DiffusionBlocks and looped models, not to model.kind 'gpt'")
+            raise UserError(f"--num-iterations applies to DiffusionBlocks and looped models, not to model.kind "
+                            f"'{kind.name}'")
         config = llama_config_dict(model, cfg, tok.eot_id)
         weights = llama_state_dict(model)
     else:
@@ -172,7 +171,7 @@ def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, num
         config = LoopedLMConfig(**hf_config_dict(model, cfg, manifest, num_iterations),
                                 architectures=["LoopedLMForCausalLM"], eos_token_id=tok.eot_id,
                                 bos_token_id=tok.eot_id, pad_token_id=tok.eot_id, dtype="float32")
-        if config.kind in DB_KINDS:
+        if kind.offers("iterative"):
             gen.update(num_iterations=config.num_iterations, bridge=config.bridge, seed=0)
         weights = None  # the native weights, tied embedding once, under the wrapper's "model." prefix
     tmp.mkdir(parents=True)

@@ -79,11 +79,9 @@ def rank_config(cfg: Config, rank: int, world: int) -> Config:
 def unit_writers(cfg: Config, world: int) -> dict[str, int]:
     """{optimiser unit: the rank that writes its state into a checkpoint}. Data parallel: rank 0 holds
     everything; block parallel: a block's first rank."""
-    units = {"shared": 0}
-    if cfg.model.kind in ("db_ar", "looped_db"):
-        owners = ranks_of_blocks(cfg, world) if cfg.train.mode == "block_parallel" else \
-            {b: [0] for b in trained_blocks(cfg)}
-        units.update({f"block{b}": ranks[0] for b, ranks in owners.items()})
+    units = {"shared": 0}  # every other unit: rank 0
+    if cfg.train.mode == "block_parallel":
+        units.update({f"block{b}": ranks[0] for b, ranks in ranks_of_blocks(cfg, world).items()})
     return units
 
 

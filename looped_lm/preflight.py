@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from looped_lm import checkpoint as ckpt_io
-from looped_lm.config import MODULE_KINDS, Config, block_layers
+from looped_lm.config import Config, block_layers, init_source
+from looped_lm.data.batches import data_source_string, prepare_data
 from looped_lm.errors import UserError
 from looped_lm.parallel import check_world
 
@@ -39,38 +40,6 @@ class Plan:
     changes: list[str] = field(default_factory=list)  # what a resume allowed to change
 
 
-def data_source_string(cfg: Config) -> str:
-    d = cfg.data
-    return {"bible": "bible", "shakespeare": "shakespeare", "files": d.path, "hf": f"hf:{d.path}",
-            "bin": d.path}[d.source]
-
-
-def prepare_data(cfg: Config, vocab_size: int) -> str:
-    """Where the run's data is, checked against the model: a language model's corpus tokenized once
-    into the cache (its absolute directory); a module's images, latents or characters (their source
-    string, `data.batches.module_source`)."""
-    from looped_lm.data.batches import check_module_data
-    from looped_lm.data.bin_dataset import TokenStream
-    from looped_lm.data.prepare import ensure_prepared
-
-    if cfg.model.kind in MODULE_KINDS:
-        return check_module_data(cfg)
-    cache = Path(cfg.data.cache_dir)
-    existing = next((p for p in [cache, *cache.parents] if p.exists()), None)
-    if existing is not None and not existing.is_dir():
-        raise UserError(f"data.cache_dir {cache}: {existing} is a file, not a directory")
-    if cfg.data.source == "bin":
-        root = Path(cfg.data.path)
-        for split in ("train.bin", "val.bin"):
-            if not (root / split).is_file():
-                raise UserError(f"data.path {root} has no {split} (expected nanoGPT's train.bin / val.bin)")
-    data_dir = Path(ensure_prepared(data_source_string(cfg), cfg.data.cache_dir, cfg.data.tokenizer,
-                                    cfg.data.val_fraction, cfg.train.seed)).resolve()
-    for split in ("train.bin", "val.bin"):
-        TokenStream(str(data_dir / split), cfg.model.seq_len, vocab_size)
-    return str(data_dir)
-
-
 def preflight(cfg: Config, verify: bool = True, world_size: int | None = None) -> Plan:
     """Check the run (world_size None: the checks that depend on it wait for the launcher's count)."""
     vocab_size, tokenizer = run_vocab(cfg)
@@ -81,7 +50,7 @@ def preflight(cfg: Config, verify: bool = True, world_size: int | None = None) -
         check_world(cfg, world_size)
     plan = Plan(vocab_size, tokenizer, "")
     resume = find_resume(cfg, out_dir)
-    if resume is None and cfg.model.init_from:  # before anything is written: the source must map
+    if resume is None and init_source(cfg):  # before anything is written: the source must map
         from looped_lm.pretrained import check_source
 
         check_source(cfg, vocab_size)
@@ -160,7 +129,7 @@ def check_resume(manifest: dict, cfg: Config, vocab_size: int, world_size: int |
                 raise UserError(f"cannot resume from checkpoint: {section}.{key} is {value!r} there but "
                                 f"{mine[section].get(key)!r} in this config")
     split = block_layers(ckpt_io.config_of(manifest, path))
-    if cfg.model.kind == "db_ar" and split != block_layers(cfg):
+    if split != block_layers(cfg):
         raise UserError(f"cannot resume from checkpoint: its blocks have {split} layers, this config "
                         f"{block_layers(cfg)} (diffusion.layers_per_block)")
     if manifest["vocab_size"] != vocab_size:

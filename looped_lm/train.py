@@ -31,7 +31,8 @@ from pathlib import Path
 
 from looped_lm import checkpoint as ckpt_io
 from looped_lm import parallel
-from looped_lm.config import MODULE_KINDS, Config, describe_fields, load_config
+from looped_lm.config import Config, describe_fields, init_source, load_config
+from looped_lm.kinds import kind_of
 from looped_lm.errors import UserError
 from looped_lm.preflight import Plan, data_source_string, describe_os_error, nothing_to_train, preflight
 
@@ -150,7 +151,7 @@ def on_rank0(fn):
 def bf16_autocast(cfg: Config) -> bool:
     """bf16 as autocast over fp32 weights (not DeepSpeed's pure-bf16 weights): block parallel, and the
     supporting modules, whose float inputs (images, noise levels) meet the weights directly."""
-    return cfg.deepspeed.bf16 and (cfg.train.mode == "block_parallel" or cfg.model.kind in MODULE_KINDS)
+    return cfg.deepspeed.bf16 and (cfg.train.mode == "block_parallel" or kind_of(cfg).offers("autocast"))
 
 
 def deepspeed_config(cfg: Config, world_size: int) -> dict:
@@ -274,7 +275,7 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
             load_base(model, cfg, manifest.get("base") or {"path": cfg.model.init_from, "sha256": "(not recorded)"})
         if layout == "units":
             ckpt_io.load_weights(model, Path(plan.resume) / ckpt_io.WEIGHTS)
-    elif cfg.model.init_from:  # a fresh run from a pretrained checkpoint (preflight checked it maps)
+    elif init_source(cfg):  # a fresh run from a pretrained checkpoint (preflight checked it maps)
         from looped_lm.pretrained import init_from_pretrained
 
         plan.base = init_from_pretrained(model, cfg)
@@ -515,7 +516,7 @@ def save(engine, model, optimizer, cfg: Config, plan: Plan, out_dir: Path, step:
             base = getattr(plan, "base", None) or (plan.manifest or {}).get("base")
             if base is not None:  # the pretrained source this run started from (model.init_from)
                 manifest["base"] = base
-            if cfg.model.kind == "db_ar":  # which blocks' weights this run trained (looped_lm merge reads it)
+            if kind_of(cfg).offers("merge"):  # which blocks' weights this run trained (looped_lm merge reads it)
                 manifest["ownership"] = {"blocks": parallel.trained_blocks(cfg)}
             final = ckpt_io.finalize(out_dir, step, model, manifest, cfg.train.keep_last)
     except Exception as e:

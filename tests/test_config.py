@@ -10,6 +10,7 @@ import yaml
 from looped_lm import cli
 from looped_lm.config import Config, config_from_dict, describe_fields, load_config
 from looped_lm.errors import UserError
+from looped_lm.kinds.builtin import BUILTIN
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -19,9 +20,7 @@ NON_DEFAULT = {
     "model": {
         "kind": "db_ar", "n_layers": 6, "d_model": 96, "n_heads": 3, "seq_len": 64, "vocab_size": 300,
         "ffn_hidden": 200, "rope_theta": 500000.0, "norm_eps": 1.0e-6, "init_std": 0.01, "n_prelude": 2,
-        "n_coda": 2, "mean_recurrence": 16, "backprop_depth": 20, "allow_full_backprop": True, "loss_chunk": 64,
-        "max_iterations": 32, "end_to_end": True, "image_size": 16, "channels": 1, "patch": 2, "num_classes": 5,
-        "init_from": "hf_dir", "init_core_start": 3,
+        "n_coda": 2, "loss_chunk": 64, "max_iterations": 32, "init_from": "hf_dir",
     },
     "diffusion": {
         "num_blocks": 3, "layers_per_block": [3, 2, 1], "partition": "uniform", "overlap": 0.25, "p_mean": -0.5, "p_std": 1.5,
@@ -52,8 +51,20 @@ NON_DEFAULT = {
 APART = {"train": {"mode": ("block_parallel", {"deepspeed": {"zero_stage": 0}})},
          # context stacked trains no independent block jobs; activation checkpointing is gpt's
          "diffusion": {"context": ("stacked", {"diffusion": {"blocks_to_train": [], "context": "stacked"}})}}
-# Fields of one model kind that the table's db_ar cannot take: round-tripped on their own kind below.
-ALONE = {"model": {"activation_checkpointing": (True, {"kind": "gpt"})}}
+# Fields of the other kinds' model sections (the table's is db_ar's), each round-tripped on its own kind
+# below with the other sections it needs.
+MODULE = {"model": {"kind": "vit"}, "diffusion": {"num_blocks": 2, "block_sampling": "uniform"},
+          "data": {"source": "digits"}}
+ALONE = {"model": {
+    "activation_checkpointing": (True, {"model": {"kind": "gpt"}}),
+    "init_core_start": (3, {"model": {"kind": "looped_db"}, "diffusion": {"num_blocks": 1}}),
+    "mean_recurrence": (16, {"model": {"kind": "huginn"}}),
+    "backprop_depth": (20, {"model": {"kind": "huginn", "allow_full_backprop": True}}),
+    "allow_full_backprop": (True, {"model": {"kind": "huginn"}}),
+    "num_iterations": (5, {"model": {"kind": "huginn"}}),
+    "end_to_end": (True, MODULE), "image_size": (16, MODULE), "channels": (1, MODULE), "patch": (2, MODULE),
+    "num_classes": (5, MODULE),
+}}
 
 
 def write(tmp_path: Path, raw, name="run.yaml") -> str:
@@ -77,11 +88,13 @@ def test_defaults_load_and_validate():
 def test_non_default_table_covers_every_field():
     cfg = Config()
     for section, values in NON_DEFAULT.items():
-        names = set(type(getattr(cfg, section)).model_fields)
+        names = set(type(getattr(cfg, section)).model_fields) if section != "model" else \
+            {name for kind in BUILTIN for name in kind.section.model_fields}
         assert set(values) | set(APART.get(section, {})) | set(ALONE.get(section, {})) == names, \
             f"NON_DEFAULT.{section} must list every field"
+        defaults = getattr(cfg if section != "model" else config_from_dict({"model": {"kind": "db_ar"}}), section)
         for key, value in values.items():
-            assert getattr(getattr(cfg, section), key) != value, f"{section}.{key} equals its default"
+            assert key == "kind" or getattr(defaults, key) != value, f"{section}.{key} equals its default"
     assert set(NON_DEFAULT) == set(Config.model_fields)
 
 
@@ -111,11 +124,37 @@ def test_round_trip_of_the_fields_kept_apart(tmp_path):
 def test_round_trip_of_the_fields_of_one_kind(tmp_path):
     for section, fields in ALONE.items():
         for key, (value, needs) in fields.items():
-            cfg = load_config(write(tmp_path, {section: {key: value, **needs}}))
-            assert getattr(getattr(cfg, section), key) == value != getattr(getattr(Config(), section), key)
+            raw = {**needs, section: {**needs.get(section, {}), key: value}}
+            cfg = load_config(write(tmp_path, raw))
+            default = type(cfg.model)().model_dump()[key]
+            assert getattr(getattr(cfg, section), key) == value != default
             assert config_from_dict(cfg.to_dict()) == cfg
-    with pytest.raises(UserError, match="model.activation_checkpointing is for model.kind gpt"):
-        config_from_dict({"model": {"kind": "db_ar", "activation_checkpointing": True}})
+
+
+def test_a_field_of_another_kind_is_refused_naming_its_owner(tmp_path):
+    with pytest.raises(UserError, match="model.activation_checkpointing is a field of model.kind gpt, not of db_ar"):
+        load_config(write(tmp_path, {"model": {"kind": "db_ar", "activation_checkpointing": True}}))
+    with pytest.raises(UserError, match="model.image_size is a field of model.kind vit / dit, not of gpt"):
+        load_config(None, ["model.image_size=16"])
+    # at its default, too, in a user's YAML: a key that does nothing is not silently accepted
+    with pytest.raises(UserError, match="model.mean_recurrence is a field of model.kind huginn, not of db_ar"):
+        load_config(write(tmp_path, {"model": {"kind": "db_ar", "mean_recurrence": 32}}))
+    with pytest.raises(UserError, match="unknown config key 'model.n_layer' for model.kind gpt .did you mean 'n_layers'"):
+        load_config(None, ["model.n_layer=3"])
+
+
+def test_a_config_of_the_flat_era_loads():
+    """Manifests written before kinds owned their sections hold every kind's model fields at their
+    defaults: they load (as checkpoints must), and a field set away from its default is still refused."""
+    flat = {"kind": "db_ar", "n_layers": 4, "mean_recurrence": 32, "backprop_depth": 8, "allow_full_backprop": False,
+            "activation_checkpointing": False, "end_to_end": False, "image_size": 32, "channels": 3, "patch": 4,
+            "num_classes": 10, "init_core_start": -1, "n_prelude": 0, "max_iterations": 64}
+    cfg = config_from_dict({"model": flat, "diffusion": {"num_blocks": 2}})
+    assert cfg.model.kind == "db_ar" and "mean_recurrence" not in cfg.to_dict()["model"]
+    with pytest.raises(UserError, match="model.mean_recurrence is a field of model.kind huginn"):
+        config_from_dict({"model": {**flat, "mean_recurrence": 8}, "diffusion": {"num_blocks": 2}})
+    with pytest.raises(UserError, match="model.mean_recurrence is a field of model.kind huginn"):
+        config_from_dict({"model": flat, "diffusion": {"num_blocks": 2}}, flat_era=False)
 
 
 def test_empty_file_and_empty_section_mean_defaults(tmp_path):
@@ -185,8 +224,8 @@ BAD = {
                                  ["diffusion.layers_per_block", ">= 1"]),
     "layer split not a list": ({"model": {"kind": "db_ar"}, "diffusion": {"layers_per_block": "3,1"}},
                                ["diffusion.layers_per_block", "integer or a list of integers"]),
-    "layer split on gpt": ({"diffusion": {"layers_per_block": 2}}, ["diffusion.layers_per_block", "db_ar only"]),
-    "block parallel on gpt": ({"train": {"mode": "block_parallel"}}, ["train.mode block_parallel", "db_ar", "gpt"]),
+    "layer split on gpt": ({"diffusion": {"layers_per_block": 2}}, ["diffusion.layers_per_block", "db_ar", "not gpt"]),
+    "block parallel on gpt": ({"train": {"mode": "block_parallel"}}, ["train.mode block_parallel", "model.kind gpt does not offer block_parallel"]),
     "block parallel with ZeRO": ({"model": {"kind": "db_ar"}, "diffusion": {"block_sampling": "uniform"},
                                  "train": {"mode": "block_parallel"}, "deepspeed": {"zero_stage": 1}},
                                 ["train.mode block_parallel", "deepspeed.zero_stage 0", "got 1"]),

@@ -129,7 +129,7 @@ def test_export_errors_are_one_line(exported, tmp_path, capsys, one_line_error):
     assert cli.main(["export", "--checkpoint", str(ckpt), "--out", str(hf), "--overwrite", "--format", "looped_lm"]) == 0
     db_ckpt, _ = exported["db_ar"]
     assert cli.main(["export", "--checkpoint", str(db_ckpt), "--out", str(tmp_path / "l"), "--format", "llama"]) == 2
-    one_line_error(capsys.readouterr(), "--format llama", "gpt only")
+    one_line_error(capsys.readouterr(), "--format llama", "model.kind db_ar does not offer export_llama")
     assert cli.main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "l"), "--num-iterations", "2"]) == 2
     one_line_error(capsys.readouterr(), "--num-iterations")
     assert not (tmp_path / "l").exists() and not (tmp_path / ".tmp-l").exists()

@@ -182,7 +182,7 @@ def test_build_model_uses_the_config():
     assert model.max_positions == 80
     cfg2 = Config()
     cfg2.model.kind = "no_such_kind"
-    with pytest.raises(UserError, match="model.kind 'no_such_kind' is not available"):
+    with pytest.raises(UserError, match="model.kind 'no_such_kind' is not a registered kind"):
         build_model(cfg2, V)
 
 

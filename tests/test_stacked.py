@@ -207,7 +207,7 @@ def test_a_stacked_decode_state_holds_each_blocks_inputs_once():
     assert [int(c.lengths[0]) for blk in a.blocks for c in blk] == [3] * 4
     assert sorted(a.handed) == [1, 2, 3]  # block 0 starts from the shared input
     for blk in a.handed:
-        torch.testing.assert_close(a.handed[blk][:, :3], b.handed[blk][:, :3], rtol=0, atol=1e-6)
+        torch.testing.assert_close(a.handed[blk][:, :3], b.handed[blk][:, :3], rtol=0, atol=1e-5)  # float order of a catch-up batch
     assert a.handed[3][:, :3].abs().sum() > 0
 
 

@@ -11,6 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # import graph (function-level imports included) has no circle. Prefixes are matched longest first.
 LAYERS = [
     ("looped_lm.errors", "looped_lm.console", "looped_lm.cost"),
+    ("looped_lm.fields",),
+    ("looped_lm.kinds",),  # the kind plugins: their builders and data functions are named, not imported
     ("looped_lm.config", "looped_lm.sampling"),
     ("looped_lm.settings",),
     ("looped_lm.diffusion",),
@@ -195,4 +197,50 @@ def test_model_code_knows_nothing_of_files_or_training_infrastructure():
 
 def test_config_reference_matches_the_code():
     text = (ROOT / "configs" / "README.md").read_text()
-    assert describe_fields() in text, "configs/README.md is stale: paste `looped_lm train --help-config`"
+    assert describe_fields(builtin_only=True) in text, "configs/README.md is stale: paste `looped_lm train --help-config`"
+
+
+def kind_name_branches(path: Path) -> list[str]:
+    """Comparisons (==, !=, in) and dict keys that name a built-in model kind, as a string constant."""
+    from looped_lm.kinds.builtin import BUILTIN
+
+    names = {k.name for k in BUILTIN}
+
+    def named(node) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in names
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(named(e) for e in node.elts)
+        return False
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare) and (named(node.left) or any(named(c) for c in node.comparators)):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+        elif isinstance(node, ast.Dict) and any(k is not None and named(k) for k in node.keys):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    return found
+
+
+def test_no_kind_name_is_branched_on_outside_its_plugin():
+    """Callers ask the kind's plugin (looped_lm/kinds: capabilities, layout, data) instead of comparing
+    `model.kind` with a name; a kind's own model module is its plugin's implementation."""
+    own_modules = {"looped_lm/kinds", "looped_lm/models/gpt.py", "looped_lm/models/huginn.py", "looped_lm/models/vit.py",
+                   "looped_lm/models/dit.py", "looped_lm/models/mdm.py", "looped_lm/models/db"}
+    offenders = []
+    for path in sorted(ROOT.glob("looped_lm/**/*.py")) + sorted(ROOT.glob("serve/**/*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if not any(rel == m or rel.startswith(m + "/") for m in own_modules):
+            offenders += kind_name_branches(path)
+    assert not offenders, "branches on a kind's name (ask its plugin instead): " + ", ".join(offenders)
+
+
+def test_the_kind_branch_check_sees_a_branch(tmp_path, monkeypatch):
+    """The check above is not vacuous: it finds each shape of branch in a file written here."""
+    probe = ROOT / "looped_lm" / "_probe_kind_branch.py"
+    try:
+        probe.write_text('def f(cfg):\n    if cfg.model.kind == "db_ar":\n        pass\n'
+                         '    x = cfg.model.kind in ("vit", "dit")\n    y = {"mdm": 1}\n')
+        assert len(kind_name_branches(probe)) == 3
+    finally:
+        probe.unlink()

@@ -16,10 +16,13 @@ PAPER = {"parameterization": "edm", "noisy_self": True, "noisy_input": "noise", 
 def build_tiny(kind: str, seq_len: int = 16, **diffusion):
     """A 2-layer d-32 model of `kind` (db_ar: B = 2; looped kinds: prelude 1 + core 2 + coda 1), with
     adaLN weights perturbed (adaLN-Zero starts at zero) so the noise level matters, in eval mode."""
-    model = {"kind": kind, "n_layers": 2, "d_model": D, "n_heads": 4, "seq_len": seq_len, "init_std": 0.2,
-             "max_iterations": 8}
+    model = {"kind": kind, "n_layers": 2, "d_model": D, "n_heads": 4, "seq_len": seq_len, "init_std": 0.2}
+    if kind != "gpt":
+        model["max_iterations"] = 8
     if kind in ("looped_db", "huginn"):
-        model.update(n_prelude=1, n_coda=1, mean_recurrence=3, backprop_depth=2)
+        model.update(n_prelude=1, n_coda=1)
+    if kind == "huginn":
+        model.update(mean_recurrence=3, backprop_depth=2)
     if kind == "db_ar":
         model["n_prelude"] = 1
     diffusion = {"num_blocks": 2 if kind == "db_ar" else 1, **PAPER, **diffusion}

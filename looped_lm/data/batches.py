@@ -1,8 +1,8 @@
 """Batches for every model kind behind one interface, so the trainer's loop, its validation and
-preflight never ask which kind they train: a new kind is a model plus a data source.
+preflight never ask which kind they train: each kind's plugin names its data functions (`Kind.prepare`,
+`Kind.batches`), and these are the built-in ones.
 
-    module_vocab(cfg) -> (vocab_size, tokenizer)   a module's output vocabulary, from its config alone
-    check_module_data(cfg) -> source string         preflight: a module's data, checked against the model
+    prepare_data(cfg, vocab_size) -> location       preflight: the kind's data, found and checked
     open_batches(cfg, data_dir, split) -> batches   split "train" or "val"; data_dir: what preflight found
     batches.get_batch(batch_size, seed, step, micro_step, rank) -> (x, y)
         a pure function of the five numbers (a resumed run sees the batches an uninterrupted one would)
@@ -20,9 +20,10 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from looped_lm.config import MODULE_KINDS, Config
+from looped_lm.config import Config
 from looped_lm.data.bin_dataset import batch_seed
 from looped_lm.errors import UserError
+from looped_lm.kinds import kind_of, resolve
 
 SPLITS = ("train", "val")
 
@@ -51,23 +52,13 @@ def load_module_data(source: str):
     return load_images(source)
 
 
-def module_vocab(cfg: Config) -> tuple[int, str]:
-    """(output vocabulary, tokenizer name for the manifest) of a module: its classes (vit, dit) or
-    text8's 27 characters (mdm)."""
-    if cfg.model.kind == "mdm":
-        from looped_lm.data.text8 import VOCAB_SIZE
-
-        return VOCAB_SIZE, "text8"
-    return cfg.model.num_classes, "none"
-
-
 def check_module_data(cfg: Config) -> str:
     """Load a module's data and check it against model.*: image side and channels, classes, and enough
     characters for one window. One line naming the mismatch and the setting to change. Returns the
     source string (`module_source`): what the manifest records and `open_batches` reads."""
     m, source = cfg.model, module_source(cfg)
     data = load_module_data(source)
-    if m.kind == "mdm":
+    if kind_of(cfg).batches == CHARS:
         for split in SPLITS:
             n = len(data.split(split))
             if n < m.seq_len:
@@ -79,9 +70,10 @@ def check_module_data(cfg: Config) -> str:
     if (data.image_size, data.channels) != (m.image_size, m.channels):
         raise UserError(f"{what}; set model.image_size: {data.image_size} and model.channels: {data.channels} "
                         f"(got {m.image_size} and {m.channels})")
-    allowed = (data.num_classes, 0) if m.kind == "dit" else (data.num_classes,)
+    unconditional = getattr(kind_of(cfg), "unconditional", False)  # the kind may ignore the labels
+    allowed = (data.num_classes, 0) if unconditional else (data.num_classes,)
     if m.num_classes not in allowed:
-        raise UserError(f"{what}; set model.num_classes: {data.num_classes}{' (or 0: unconditional)' if m.kind == 'dit' else ''} "
+        raise UserError(f"{what}; set model.num_classes: {data.num_classes}{' (or 0: unconditional)' if unconditional else ''} "
                         f"(got {m.num_classes})")
     return source
 
@@ -135,18 +127,67 @@ class CharBatches:
         return self.chars.batch(batch_size, self.units_per_example, g, self.split), None
 
 
-def open_batches(cfg: Config, data_dir: str, split: str):
-    """The `split` batches of a run whose data preflight found (`Plan.data_dir`: a token directory, or a
-    module's source string)."""
-    if split not in SPLITS:
-        raise UserError(f"split must be train or val (got {split!r})")
-    if cfg.model.kind not in MODULE_KINDS:
-        return TokenBatches(str(Path(data_dir) / f"{split}.bin"), cfg.model.seq_len)
-    data = load_module_data(data_dir)
-    if cfg.model.kind == "mdm":
-        return CharBatches(data, split, cfg.model.seq_len)
+CHARS = "looped_lm.data.batches:char_batches"  # mdm's `Kind.batches`
+
+
+def token_batches(cfg: Config, data_dir: str, split: str) -> TokenBatches:
+    """A language model's `split` token file in the directory preflight prepared."""
+    return TokenBatches(str(Path(data_dir) / f"{split}.bin"), cfg.model.seq_len)
+
+
+def char_batches(cfg: Config, source: str, split: str) -> CharBatches:
+    return CharBatches(load_module_data(source), split, cfg.model.seq_len)
+
+
+def image_batches(cfg: Config, source: str, split: str) -> ImageBatches:
+    data = load_module_data(source)
     train = split == "train"
     images, labels = (data.train_x, data.train_y) if train else (data.test_x, data.test_y)
     # augmentation is for pixels: a flipped or shifted latent is not the latent of the shifted image
     augment = train and cfg.data.augment and cfg.data.source != "latents"
     return ImageBatches(images, labels, augment=augment, flip=cfg.data.source != "digits")
+
+
+def open_batches(cfg: Config, data_dir: str, split: str):
+    """The `split` batches of a run whose data preflight found (`Plan.data_dir`: a token directory, or a
+    module's source string), through the kind's `batches` function."""
+    if split not in SPLITS:
+        raise UserError(f"split must be train or val (got {split!r})")
+    return resolve(kind_of(cfg).batches)(cfg, data_dir, split)
+
+
+def prepare_data(cfg: Config, vocab_size: int) -> str:
+    """Where the run's data is, checked against the model (the kind's `prepare` function)."""
+    return resolve(kind_of(cfg).prepare)(cfg, vocab_size)
+
+
+def prepare_module_data(cfg: Config, vocab_size: int) -> str:
+    """A module's images, latents or characters: their source string (`module_source`), checked."""
+    return check_module_data(cfg)
+
+
+def prepare_tokens(cfg: Config, vocab_size: int) -> str:
+    """A language model's corpus, tokenized once into the cache: its absolute directory."""
+    from looped_lm.data.bin_dataset import TokenStream
+    from looped_lm.data.prepare import ensure_prepared
+
+    cache = Path(cfg.data.cache_dir)
+    existing = next((p for p in [cache, *cache.parents] if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise UserError(f"data.cache_dir {cache}: {existing} is a file, not a directory")
+    if cfg.data.source == "bin":
+        root = Path(cfg.data.path)
+        for split in ("train.bin", "val.bin"):
+            if not (root / split).is_file():
+                raise UserError(f"data.path {root} has no {split} (expected nanoGPT's train.bin / val.bin)")
+    data_dir = Path(ensure_prepared(data_source_string(cfg), cfg.data.cache_dir, cfg.data.tokenizer,
+                                    cfg.data.val_fraction, cfg.train.seed)).resolve()
+    for split in ("train.bin", "val.bin"):
+        TokenStream(str(data_dir / split), cfg.model.seq_len, vocab_size)
+    return str(data_dir)
+
+
+def data_source_string(cfg: Config) -> str:
+    d = cfg.data
+    return {"bible": "bible", "shakespeare": "shakespeare", "files": d.path, "hf": f"hf:{d.path}",
+            "bin": d.path}[d.source]

@@ -100,7 +100,9 @@ class Engine:
         max_len = max_len or model.max_positions
         limits = served_limits(model, None, max_iterations)
         per_slot = kv_bytes_per_token(model, limits and limits.max_iterations) * max_len
-        slots = min(max_slots, int(kv_memory_gb * 2 ** 30 // per_slot))
+        # a model whose decode state does not grow with the sequence (a recurrent or n-gram one) is bounded
+        # by max_slots alone
+        slots = min(max_slots, int(kv_memory_gb * 2 ** 30 // per_slot)) if per_slot else max_slots
         if slots < 1:
             raise UserError(f"a KV budget of {kv_memory_gb} GiB holds no sequence: one slot of {max_len} tokens "
                             f"needs {per_slot / 2 ** 30:.4f} GiB (raise --kv-memory-gb or lower --max-model-len)")

@@ -23,10 +23,9 @@ from transformers import Cache, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from looped_lm.hf.configuration import LoopedLMConfig
+from looped_lm.kinds import get_kind
 from looped_lm.sampling import SamplingParams, SharedGenerator
 from looped_lm.settings import InferenceSettings, RowBatch, resolve_settings
-
-DB_KINDS = ("db_ar", "looped_db")
 
 
 def bridge_sampler(gc, kwargs) -> SamplingParams:
@@ -121,7 +120,7 @@ class LoopedLMForCausalLM(PreTrainedModel, GenerationMixin):
 
     @property
     def is_db(self) -> bool:
-        return self.config.kind in DB_KINDS
+        return get_kind(self.config.kind).offers("iterative")
 
     def call_settings(self, num_iterations=None, bridge=None, generation_config=None,
                       sampling: SamplingParams | None = None) -> InferenceSettings:

@@ -129,7 +129,7 @@ class HuginnLM(nn.Module, Trainable, Scorable, CachedDecoding, Iterative):
     # --- generation: a KV cache per (iteration, layer) ------------------------------------------
 
     def iteration_limits(self) -> IterationLimits:
-        return IterationLimits(default_iterations=self.cfg.diffusion.num_iterations or self.mean_recurrence,
+        return IterationLimits(default_iterations=self.cfg.model.num_iterations or self.mean_recurrence,
                                max_iterations=self.max_iterations, num_blocks=1, default_bridge=None,
                                adaptive_exit=False)
 

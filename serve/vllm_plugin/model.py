@@ -20,6 +20,7 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 
 from looped_lm.config import config_from_dict
+from looped_lm.kinds import get_kind
 from looped_lm.models import build_model
 from looped_lm.sampling import PLAIN
 from looped_lm.settings import resolve_settings
@@ -33,13 +34,13 @@ class LoopedLMForCausalLM(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_config
-        if config.kind not in ("gpt", "db_ar", "looped_db"):
+        if not get_kind(config.kind).offers("vllm"):
             raise ValueError(UNSUPPORTED.format(kind=config.kind))
         self.config = config
         self.model = build_model(config_from_dict(config.looped_lm_config), config.vocab_size,
                                  config.model_state or None)
         self.db = None
-        if config.kind != "gpt":
+        if get_kind(config.kind).offers("iterative"):
             from looped_lm.serve.vllm_plugin.db_model import DiffusionBlocksRunner
 
             settings = resolve_settings(self.model.iteration_limits(), num_iterations=config.num_iterations,

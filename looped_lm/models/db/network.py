@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from looped_lm import diffusion as dm
 from looped_lm.config import Config, block_layers
+from looped_lm.kinds import kind_of
 from looped_lm.errors import UserError
 from looped_lm.models.layers import (RotaryEmbedding, TransformerLayer, TransposedCopy, chunked, ffn_width,
                                      init_weights, positions_after)
@@ -55,7 +56,7 @@ class DBNetwork(nn.Module):
         self.cfg, self.vocab_size, self.n_heads = cfg, vocab_size, m.n_heads
         self.seq_len, self.max_positions = m.seq_len, 4 * m.seq_len
         self.sched = dm.NoiseSchedule(d.p_mean, d.p_std, d.sigma_min, d.sigma_max, d.sigma_data).validate()
-        num_blocks = 1 if m.kind == "looped_db" else d.num_blocks
+        num_blocks = kind_of(cfg).num_blocks(cfg)  # looped_db: its one weight-tied core
         self.set_edges(dm.check_edges(edges) if edges is not None else dm.make_edges(d.partition, num_blocks, self.sched))
         if len(self.edges) != num_blocks + 1:
             raise UserError(f"saved edges have {len(self.edges) - 1} blocks but the model has {num_blocks}")

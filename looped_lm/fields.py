@@ -1,0 +1,43 @@
+"""The building blocks of the typed config: strict pydantic sections and documented fields.
+
+Every config section (config.py's and each model kind's `model:` section, looped_lm/kinds) is a
+`Section`: unknown keys, wrong types and non-finite numbers are refused; every field carries a
+one-line reason (its pydantic `description`), which `looped_lm train --help-config` prints.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+
+def _number_from_text(value):
+    """YAML 1.1 reads `3e-4` (no dot) as a string: accept it where a number is expected."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _text_from_number(value):
+    """`--set train.out_dir=2024` arrives as an int: a string field takes it as written."""
+    return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+Float = Annotated[float, BeforeValidator(_number_from_text)]
+Str = Annotated[str, BeforeValidator(_text_from_number)]
+
+
+def field(default, doc: str):
+    """A field with a one-line doc (its description)."""
+    if isinstance(default, list):
+        return Field(default_factory=lambda: list(default), description=doc)
+    return Field(default, description=doc)
+
+
+class Section(BaseModel):
+    # strict: no silent int->bool or "1"->1; ints are still taken where floats are expected
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)

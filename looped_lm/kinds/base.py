@@ -1,0 +1,136 @@
+"""What a model kind is: a self-describing plugin.
+
+A `Kind` owns everything the rest of the project needs to know about one `model.kind`:
+
+    section        its typed `model:` config section (a `ModelSection` subclass; `kind` is its tag)
+    builder        "package.module:function" -> the nn.Module, called with (cfg, vocab_size, saved state)
+    capabilities   what it offers (the names below); a verb that needs one asks `kind.offers(...)` and
+                   refuses in one line naming the kind and what is missing (`require`)
+    data_sources   the `data.source` values it reads; `prepare` / `batches` ("module:function") find and
+                   serve its data (token files for language models, images or characters for the modules)
+    num_blocks / block_layers / vocab / validate   its block layout, output vocabulary, own config checks
+
+Callers (config, batches, parallel, train, merge, preflight, export, hf, checkpoint) ask the kind and
+never branch on its name. Builders and data functions are named by string and imported on first use, so
+this package imports no model and no data module (vLLM's lazy-registry pattern): the kinds sit below the
+config in the import layers, and an out-of-tree kind is a module that calls `looped_lm.kinds.register`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import ClassVar
+
+from looped_lm.errors import UserError
+from looped_lm.fields import Float, Section, Str, field
+
+
+# --- capabilities: what a kind may offer ------------------------------------------------------------
+CAPABILITIES = {
+    "language_model": "token data, perplexity, prompts and the OpenAI server",
+    "iterative": "K denoising or recurrence steps at inference (model.max_iterations)",
+    "block_jobs": "diffusion.blocks_to_train: jobs that each train some blocks",
+    "merge": "looped_lm merge: joining block jobs by ownership",
+    "block_parallel": "train.mode block_parallel: one block per rank every step",
+    "stacked_context": "diffusion.context stacked: a clean stream continued through the blocks",
+    "layer_split": "diffusion.layers_per_block: blocks of their own depth",
+    "partition_edges": "block edges computed from diffusion.partition (checked on every load)",
+    "activation_checkpointing": "model.activation_checkpointing",
+    "init_from": "model.init_from: starting from a Hugging Face checkpoint",
+    "lora": "train.lora_rank: LoRA adapters on a pretrained base",
+    "export_llama": "looped_lm export --format llama (a stock LlamaForCausalLM)",
+    "export_native": "looped_lm export --format looped_lm (LoopedLMForCausalLM)",
+    "vllm": "the vLLM plugin",
+    "estimated_ppl": "ppl@k from the DiffusionBlocks estimator (a standard error beside every number)",
+    "autocast": "bf16 under autocast with fp32 weights and optimizer state (deepspeed.bf16)",
+}
+
+LANGUAGE_SOURCES = ("bible", "shakespeare", "files", "hf", "bin")
+
+
+# --- the model: section, common to every kind --------------------------------------------------------
+class ModelSection(Section):
+    """Fields every kind has. A kind's section subclasses this (or one below) and narrows `kind`."""
+
+    kind: str = field("gpt", "which network (a registered kind; `looped_lm train --help-config` lists them)")
+    n_layers: int = field(4, "layers (db_ar: split into diffusion.num_blocks blocks; looped: the core)")
+    d_model: int = field(128, "residual width")
+    n_heads: int = field(4, "attention heads (d_model must divide by it)")
+    ffn_hidden: int = field(0, "SwiGLU hidden width; 0 = 8/3 * d_model rounded up to a multiple of 64")
+    norm_eps: Float = field(1e-5, "RMSNorm epsilon")
+    init_std: Float = field(0.02, "std of the normal init of linear and embedding weights")
+
+
+class SequenceSection(ModelSection):
+    """Models over sequences (RoPE positions)."""
+
+    seq_len: int = field(256, "training context length in tokens")
+    rope_theta: Float = field(10000.0, "RoPE base")
+
+
+class LanguageModelSection(SequenceSection):
+    """Autoregressive language models over a tokenizer's vocabulary."""
+
+    vocab_size: int = field(0, "0 = the tokenizer's size; larger pads the embedding (e.g. 50304 for speed)")
+    loss_chunk: int = field(0, "training: head + CE in chunks of this many positions, recomputed in backward, "
+                               "so the (tokens, vocab) logits are never stored (0 = off; e.g. 128 with a 50257 "
+                               "vocab)")
+    init_from: Str = field("", "a local Hugging Face directory (config.json + safetensors) of LlamaForCausalLM / "
+                               "MistralForCausalLM, or a `looped_lm export` of a gpt: a fresh run starts from its "
+                               "weights (docs/pretrained.md); '' = random init")
+
+
+# --- the plugin ---------------------------------------------------------------------------------------
+def resolve(target: str):
+    """"package.module:name" -> the object (imported on first use)."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class Kind:
+    """One model kind. Subclass it, set the class attributes, override what differs, and `register` an
+    instance. The defaults describe an end-to-end language model (one unit of parameters, token data).
+    Every method takes `cfg`, the validated run config (looped_lm.config.Config: this package sits below
+    it and never imports it)."""
+
+    name: ClassVar[str]
+    section: ClassVar[type[ModelSection]]
+    builder: ClassVar[str]
+    summary: ClassVar[str] = ""
+    capabilities: ClassVar[frozenset[str]] = frozenset({"language_model"})
+    data_sources: ClassVar[tuple[str, ...]] = LANGUAGE_SOURCES
+    prepare: ClassVar[str] = "looped_lm.data.batches:prepare_tokens"  # (cfg, vocab_size) -> data location
+    batches: ClassVar[str] = "looped_lm.data.batches:token_batches"  # (cfg, data location, split) -> batches
+
+    def offers(self, capability: str) -> bool:
+        return capability in self.capabilities
+
+    def num_blocks(self, cfg) -> int:
+        """Blocks a training step chooses among (1: the whole network is one unit)."""
+        return 1
+
+    def block_layers(self, cfg) -> list[int]:
+        """The layers of each block, block 0 (highest noise) first."""
+        return [cfg.model.n_layers]
+
+    def vocab(self, cfg) -> tuple[int, str] | None:
+        """(output vocabulary, tokenizer name for the manifest) when the config alone fixes them (a
+        module's classes or characters); None: the tokenizer's (data.tokenizer, model.vocab_size)."""
+        return None
+
+    def validate(self, cfg) -> None:
+        """Checks of this kind's own fields and of the other sections' options it gives meaning to.
+        Raise UserError naming the key."""
+
+    def build(self, cfg, vocab_size: int, state: dict | None):
+        return resolve(self.builder)(cfg, vocab_size, state)
+
+    def __repr__(self) -> str:
+        return f"<model.kind {self.name}>"
+
+
+def require(kind: Kind, capability: str, needed_by: str) -> None:
+    """One line naming the kind and what it lacks, for `needed_by` (a verb or a config option)."""
+    if not kind.offers(capability):
+        raise UserError(f"model.kind {kind.name} does not offer {capability} ({CAPABILITIES.get(capability, '')}), "
+                        f"which {needed_by} needs")

@@ -1,0 +1,253 @@
+"""The kinds that ship with looped_lm: four language models and the paper's three supporting modules.
+
+    gpt        Llama-style decoder, end-to-end next-token CE (the baseline)
+    db_ar      DiffusionBlocks AR LM: B untied two-stream blocks, one trained per step
+    looped_db  recurrent depth: prelude -> one weight-tied two-stream core -> coda, one forward per step
+    huginn     recurrent depth trained with truncated BPTT (the looped baseline)
+    vit / dit / mdm   ViT classifier, DiT image denoiser, MD4 masked diffusion over characters
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from looped_lm.errors import UserError
+from looped_lm.fields import field
+from looped_lm.kinds.base import Kind, LanguageModelSection, ModelSection, SequenceSection
+
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise UserError(message)
+
+
+# --- sections ----------------------------------------------------------------------------------------
+class GptSection(LanguageModelSection):
+    kind: Literal["gpt"] = field("gpt", "gpt: end-to-end next-token CE")
+    activation_checkpointing: bool = field(False, "recompute each layer in backward instead of storing its "
+                                                  "activations (the end-to-end alternative to DiffusionBlocks' "
+                                                  "memory)")
+
+
+class DbArSection(LanguageModelSection):
+    kind: Literal["db_ar"] = field("db_ar", "db_ar: DiffusionBlocks AR LM, one block trained per step")
+    n_prelude: int = field(0, "shared clean-stream layers before the blocks")
+    n_coda: int = field(0, "shared layers after the blocks")
+    max_iterations: int = field(64, "the largest K accepted at inference")
+
+
+class LoopedDbSection(DbArSection):
+    kind: Literal["looped_db"] = field("looped_db", "looped_db: prelude -> weight-tied two-stream core -> coda")
+    n_prelude: int = field(0, "shared clean-stream layers before the core (the paper: 2)")
+    n_coda: int = field(0, "shared layers after the core (the paper: 2)")
+    n_layers: int = field(4, "layers of the weight-tied core")
+    init_core_start: int = field(-1, "init_from: the first source layer of the core; -1 = right after the prelude")
+
+
+class HuginnSection(LoopedDbSection):
+    kind: Literal["huginn"] = field("huginn", "huginn: recurrent depth trained with truncated BPTT")
+    mean_recurrence: int = field(32, "mean of the Poisson-log-normal iteration count r (training), and the "
+                                     "default K at inference unless num_iterations is set")
+    backprop_depth: int = field(8, "gradients flow through the last k iterations only")
+    allow_full_backprop: bool = field(False, "allow backprop_depth > mean_recurrence")
+    num_iterations: int = field(0, "default K (core iterations) at inference; 0 = mean_recurrence")
+
+
+class ImageSection(ModelSection):
+    end_to_end: bool = field(False, "the same network trained end-to-end over the whole noise range (the "
+                                    "baseline), instead of diffusion.num_blocks blocks")
+    image_size: int = field(32, "side of the (square) images or latents; must match the data")
+    channels: int = field(3, "image (or latent) channels; must match the data")
+    patch: int = field(4, "patch side; image_size must divide by it (the paper: vit 4, dit 2)")
+
+
+class VitSection(ImageSection):
+    kind: Literal["vit"] = field("vit", "vit: a ViT classifier whose noisy label is denoised block by block")
+    num_classes: int = field(10, "classes; must match the data")
+
+
+class DitSection(ImageSection):
+    kind: Literal["dit"] = field("dit", "dit: a DiT image (or latent) denoiser")
+    num_classes: int = field(10, "classes it is conditioned on (0 = unconditional); must match the data")
+
+
+class MdmSection(SequenceSection):
+    kind: Literal["mdm"] = field("mdm", "mdm: MD4 masked diffusion over text8's characters")
+    end_to_end: bool = field(False, "the same network trained end-to-end over the whole masking range (the "
+                                    "baseline), instead of diffusion.num_blocks blocks")
+
+
+# --- kinds -------------------------------------------------------------------------------------------
+_LM = frozenset({"language_model", "init_from", "lora"})
+
+
+class Gpt(Kind):
+    name, section, builder = "gpt", GptSection, "looped_lm.models.gpt:build"
+    summary = "Llama-style decoder (RMSNorm, RoPE, SwiGLU, tied head), end-to-end next-token CE"
+    capabilities = _LM | {"activation_checkpointing", "export_llama", "export_native", "vllm"}
+
+
+class DbAr(Kind):
+    name, section, builder = "db_ar", DbArSection, "looped_lm.models.db:build"
+    summary = "DiffusionBlocks AR LM: B untied two-stream blocks, one trained per step (docs/method.md)"
+    capabilities = _LM | {"iterative", "block_jobs", "merge", "block_parallel", "stacked_context", "layer_split",
+                          "partition_edges", "export_native", "vllm", "estimated_ppl"}
+
+    def num_blocks(self, cfg) -> int:
+        return cfg.diffusion.num_blocks
+
+    def block_layers(self, cfg) -> list[int]:
+        m, d = cfg.model, cfg.diffusion
+        if isinstance(d.layers_per_block, list) and d.layers_per_block:
+            return list(d.layers_per_block)
+        per = d.layers_per_block or m.n_layers // d.num_blocks
+        return [per] * (m.n_layers // per)
+
+    def validate(self, cfg) -> None:
+        _check_prelude_coda(cfg)
+        _resolve_layers_per_block(cfg)
+
+
+class LoopedDb(Kind):
+    name, section, builder = "looped_db", LoopedDbSection, "looped_lm.models.db:build"
+    summary = "recurrent depth: prelude -> one weight-tied two-stream core -> coda, one forward pass per step"
+    capabilities = _LM | {"iterative", "partition_edges", "export_native", "vllm", "estimated_ppl"}
+
+    def validate(self, cfg) -> None:
+        _check_prelude_coda(cfg)
+        _require(cfg.diffusion.num_blocks == 1, f"looped_db has one weight-tied core: diffusion.num_blocks must be 1 "
+                                                f"(got {cfg.diffusion.num_blocks})")
+
+
+class Huginn(Kind):
+    name, section, builder = "huginn", HuginnSection, "looped_lm.models.huginn:build"
+    summary = "recurrent depth, Huginn-style: prelude -> core x r -> coda, truncated BPTT (r = 32, k = 8)"
+    capabilities = _LM | {"iterative"}
+
+    def validate(self, cfg) -> None:
+        m = cfg.model
+        _check_prelude_coda(cfg)
+        _require(m.mean_recurrence >= 1, f"model.mean_recurrence must be >= 1 (got {m.mean_recurrence})")
+        _require(m.backprop_depth >= 1, f"model.backprop_depth must be >= 1 (got {m.backprop_depth})")
+        _require(m.backprop_depth <= m.mean_recurrence or m.allow_full_backprop,
+                 f"model.backprop_depth ({m.backprop_depth}) exceeds model.mean_recurrence ({m.mean_recurrence});"
+                 " set model.allow_full_backprop: true if that is intended")
+        _require(0 <= m.num_iterations <= m.max_iterations, f"model.num_iterations must be in 0..model.max_iterations "
+                 f"({m.max_iterations}) (got {m.num_iterations})")
+        _require(cfg.diffusion.num_iterations == 0, "diffusion.num_iterations is the DiffusionBlocks kinds' default K; "
+                 "huginn's is model.num_iterations (0 = model.mean_recurrence)")
+
+
+def _check_prelude_coda(cfg) -> None:
+    m = cfg.model
+    for key in ("n_prelude", "n_coda"):
+        _require(getattr(m, key) >= 0, f"model.{key} must be >= 0 (got {getattr(m, key)})")
+    _require(m.max_iterations >= 1, f"model.max_iterations must be >= 1 (got {m.max_iterations})")
+
+
+def _resolve_layers_per_block(cfg) -> None:
+    """db_ar: check diffusion.layers_per_block against model.n_layers, and set num_blocks from it (a
+    num_blocks given in the same config must agree)."""
+    m, d = cfg.model, cfg.diffusion
+    lpb = d.layers_per_block
+    if lpb in (0, []):
+        _require(m.n_layers % d.num_blocks == 0,
+                 f"diffusion.num_blocks ({d.num_blocks}) must divide model.n_layers ({m.n_layers})")
+        return
+    if isinstance(lpb, list):
+        _require(all(n >= 1 for n in lpb), f"diffusion.layers_per_block must list counts >= 1 (got {lpb})")
+        _require(sum(lpb) == m.n_layers, f"diffusion.layers_per_block {lpb} sums to {sum(lpb)}, but model.n_layers "
+                                         f"is {m.n_layers}")
+        blocks = len(lpb)
+    else:
+        _require(lpb >= 1, f"diffusion.layers_per_block must be >= 1, a list, or 0 for n_layers / num_blocks (got {lpb})")
+        _require(m.n_layers % lpb == 0, f"diffusion.layers_per_block ({lpb}) must divide model.n_layers ({m.n_layers})")
+        blocks = m.n_layers // lpb
+    if "num_blocks" in d.model_fields_set and d.num_blocks != blocks:
+        raise UserError(f"diffusion.num_blocks ({d.num_blocks}) contradicts diffusion.layers_per_block {lpb!r} "
+                        f"({blocks} blocks); give one of them")
+    d.num_blocks = blocks
+
+
+class _Module(Kind):
+    """The supporting modules (method.md §7): blocks over their own noise (or masking) range, their own
+    data, evaluated by accuracy, Fréchet distance or bits per character; not language models."""
+
+    capabilities = frozenset({"block_jobs", "autocast"})
+    prepare = "looped_lm.data.batches:prepare_module_data"
+
+    def num_blocks(self, cfg) -> int:
+        return 1 if cfg.model.end_to_end else cfg.diffusion.num_blocks
+
+    def validate(self, cfg) -> None:
+        m, d = cfg.model, cfg.diffusion
+        if not m.end_to_end:
+            _require(d.num_blocks <= m.n_layers, f"diffusion.num_blocks ({d.num_blocks}) is larger than model.n_layers "
+                     f"({m.n_layers}): every block needs at least one layer")
+            _require(m.n_layers % d.num_blocks == 0,
+                     f"diffusion.num_blocks ({d.num_blocks}) must divide model.n_layers ({m.n_layers})")
+        _require(d.block_sampling in ("uniform", "round_robin"), f"diffusion.block_sampling {d.block_sampling} (the "
+                 f"default) is for the language models; set diffusion.block_sampling: uniform (the paper) or "
+                 f"round_robin for {self.name}")
+        blocks = self.num_blocks(cfg)
+        if d.num_iterations:
+            _require(d.num_iterations >= blocks, f"diffusion.num_iterations ({d.num_iterations}) must be >= the number "
+                     f"of blocks ({blocks}): {self.name} runs at least one step per block")
+        _require(d.sample_steps >= 0, f"diffusion.sample_steps must be >= 0 (got {d.sample_steps})")
+        if d.sample_steps:
+            _require(d.sample_steps >= blocks, f"diffusion.sample_steps ({d.sample_steps}) must be >= the number of "
+                     f"blocks ({blocks}): {self.name} runs at least one step per block")
+
+
+class _ImageModule(_Module):
+    batches = "looped_lm.data.batches:image_batches"
+
+    def vocab(self, cfg) -> tuple[int, str]:
+        return cfg.model.num_classes, "none"
+
+    def validate(self, cfg) -> None:
+        super().validate(cfg)
+        m = cfg.model
+        for key in ("image_size", "channels", "patch"):
+            _require(getattr(m, key) >= 1, f"model.{key} must be >= 1 (got {getattr(m, key)})")
+        _require(m.image_size % m.patch == 0, f"model.image_size ({m.image_size}) is not divisible by model.patch "
+                 f"({m.patch})")
+
+
+class Vit(_ImageModule):
+    name, section, builder = "vit", VitSection, "looped_lm.models.vit:build"
+    summary = "supporting module: ViT classifier (the noisy label denoised block by block)"
+    data_sources = ("digits", "cifar10", "cifar100")
+
+    def validate(self, cfg) -> None:
+        super().validate(cfg)
+        _require(cfg.model.num_classes >= 2, f"model.num_classes must be >= 2 for vit (got {cfg.model.num_classes})")
+
+
+class Dit(_ImageModule):
+    name, section, builder = "dit", DitSection, "looped_lm.models.dit:build"
+    summary = "supporting module: DiT image / latent denoiser with classifier-free guidance"
+    data_sources = ("digits", "cifar10", "cifar100", "latents")
+    unconditional = True  # model.num_classes 0 is allowed: the data's labels are ignored
+
+    def validate(self, cfg) -> None:
+        super().validate(cfg)
+        d = cfg.diffusion
+        _require(cfg.model.num_classes >= 0, f"model.num_classes must be >= 0 for dit, 0 = unconditional (got "
+                 f"{cfg.model.num_classes})")
+        _require(0 <= d.label_dropout < 1, f"diffusion.label_dropout must be in [0, 1) (got {d.label_dropout})")
+        _require(d.cfg_scale >= 0, f"diffusion.cfg_scale must be >= 0 (got {d.cfg_scale})")
+
+
+class Mdm(_Module):
+    name, section, builder = "mdm", MdmSection, "looped_lm.models.mdm:build"
+    summary = "supporting module: MD4 masked diffusion over characters (text8's alphabet)"
+    data_sources = ("bible", "text8")
+    batches = "looped_lm.data.batches:char_batches"
+
+    def vocab(self, cfg) -> tuple[int, str]:
+        return 27, "text8"  # text8's alphabet: a-z and space (looped_lm.data.text8.VOCAB_SIZE)
+
+
+BUILTIN = (Gpt(), DbAr(), LoopedDb(), Huginn(), Vit(), Dit(), Mdm())
