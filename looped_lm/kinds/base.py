@@ -118,6 +118,18 @@ class Kind:
         module's classes or characters); None: the tokenizer's (data.tokenizer, model.vocab_size)."""
         return None
 
+    def source_layers(self, cfg, n_source: int) -> dict[str, list]:
+        """model.init_from: which source layer each part of the network takes, {part: [indices]} (parts as
+        in the module's parameter names: "layers", "prelude", "blocks" (a list per block), "core", "coda").
+        Raise UserError when the source's n_source layers cannot take the split. Kinds offering
+        `init_from` override it."""
+        raise UserError(f"model.kind {self.name} does not offer init_from ({CAPABILITIES['init_from']})")
+
+    def lora_layers(self, cfg) -> tuple[list[str], bool]:
+        """train.lora_rank: (regexes of the layer lists a job adapts, whether it trains the shared parts),
+        for the blocks it owns (diffusion.blocks_to_train). Kinds offering `lora` override it."""
+        raise UserError(f"model.kind {self.name} does not offer lora ({CAPABILITIES['lora']})")
+
     def validate(self, cfg) -> None:
         """Checks of this kind's own fields and of the other sections' options it gives meaning to.
         Raise UserError naming the key."""

@@ -87,6 +87,15 @@ class Gpt(Kind):
     summary = "Llama-style decoder (RMSNorm, RoPE, SwiGLU, tied head), end-to-end next-token CE"
     capabilities = _LM | {"activation_checkpointing", "export_llama", "export_native", "vllm"}
 
+    def source_layers(self, cfg, n_source: int) -> dict[str, list]:
+        if cfg.model.n_layers != n_source:
+            raise UserError(f"model.n_layers is {cfg.model.n_layers} but model.init_from has {n_source} layers (gpt "
+                            "takes all of them)")
+        return {"layers": list(range(n_source))}
+
+    def lora_layers(self, cfg) -> tuple[list[str], bool]:
+        return [r"layers"], True
+
 
 class DbAr(Kind):
     name, section, builder = "db_ar", DbArSection, "looped_lm.models.db:build"
@@ -108,6 +117,28 @@ class DbAr(Kind):
         _check_prelude_coda(cfg)
         _resolve_layers_per_block(cfg)
 
+    def source_layers(self, cfg, n_source: int) -> dict[str, list]:
+        m, d = cfg.model, cfg.diffusion
+        if m.n_prelude + m.n_layers + m.n_coda != n_source:
+            raise UserError(f"model.init_from has {n_source} layers, but db_ar's model.n_prelude ({m.n_prelude}) + "
+                            f"model.n_layers ({m.n_layers}) + model.n_coda ({m.n_coda}) = "
+                            f"{m.n_prelude + m.n_layers + m.n_coda}: every source layer needs a place")
+        # the blocks take the source's layers in the order the clean stream runs through them: block 0
+        # first, unless context stacked with stack_order low_noise_first (block B-1 first, block 0 last)
+        depths = self.block_layers(cfg)
+        order = list(range(len(depths)))
+        if d.context == "stacked" and d.stack_order == "low_noise_first" and len(depths) > 1:
+            order.reverse()
+        blocks, start = [[] for _ in depths], m.n_prelude
+        for b in order:
+            blocks[b] = list(range(start, start + depths[b]))
+            start += depths[b]
+        return {"prelude": list(range(m.n_prelude)), "blocks": blocks,
+                "coda": list(range(n_source - m.n_coda, n_source))}
+
+    def lora_layers(self, cfg) -> tuple[list[str], bool]:
+        return _block_lora_layers(cfg, self.num_blocks(cfg))
+
 
 class LoopedDb(Kind):
     name, section, builder = "looped_db", LoopedDbSection, "looped_lm.models.db:build"
@@ -118,6 +149,13 @@ class LoopedDb(Kind):
         _check_prelude_coda(cfg)
         _require(cfg.diffusion.num_blocks == 1, f"looped_db has one weight-tied core: diffusion.num_blocks must be 1 "
                                                 f"(got {cfg.diffusion.num_blocks})")
+
+    def source_layers(self, cfg, n_source: int) -> dict[str, list]:
+        prelude, core, coda = _retrofit(cfg, n_source)
+        return {"prelude": prelude, "blocks": [core], "coda": coda}
+
+    def lora_layers(self, cfg) -> tuple[list[str], bool]:
+        return _block_lora_layers(cfg, 1)
 
 
 class Huginn(Kind):
@@ -137,6 +175,33 @@ class Huginn(Kind):
                  f"({m.max_iterations}) (got {m.num_iterations})")
         _require(cfg.diffusion.num_iterations == 0, "diffusion.num_iterations is the DiffusionBlocks kinds' default K; "
                  "huginn's is model.num_iterations (0 = model.mean_recurrence)")
+
+    def source_layers(self, cfg, n_source: int) -> dict[str, list]:
+        prelude, core, coda = _retrofit(cfg, n_source)
+        return {"prelude": prelude, "core": core, "coda": coda}
+
+    def lora_layers(self, cfg) -> tuple[list[str], bool]:
+        return [r"prelude", r"core", r"coda"], True
+
+
+def _retrofit(cfg, n_source: int) -> tuple[list[int], list[int], list[int]]:
+    """Retrofitted recurrence: the source's first n_prelude layers, a core of n_layers from
+    model.init_core_start (default: right after the prelude) and its last n_coda layers."""
+    m = cfg.model
+    start = m.n_prelude if m.init_core_start < 0 else m.init_core_start
+    core = list(range(start, start + m.n_layers))
+    if m.n_prelude + m.n_coda + m.n_layers > n_source or start < m.n_prelude or core[-1] >= n_source - m.n_coda:
+        raise UserError(f"model.init_from has {n_source} layers: prelude 0..{m.n_prelude - 1}, core {start}.."
+                        f"{start + m.n_layers - 1} (model.init_core_start, model.n_layers) and the last "
+                        f"{m.n_coda} as coda do not fit in it without overlap")
+    return list(range(m.n_prelude)), core, list(range(n_source - m.n_coda, n_source))
+
+
+def _block_lora_layers(cfg, num_blocks: int) -> tuple[list[str], bool]:
+    """The owned blocks' layers; the prelude and coda only for a job that owns every block."""
+    owned = list(cfg.diffusion.blocks_to_train) or list(range(num_blocks))
+    shared = not cfg.diffusion.blocks_to_train
+    return [rf"blocks\.{b}" for b in owned] + ([r"prelude", r"coda"] if shared else []), shared
 
 
 def _check_prelude_coda(cfg) -> None:
