@@ -26,7 +26,9 @@ seq 64, batch 8, fp32, one torch thread.
                network, batch and steps as the full fine-tuning; the FLOPs per step are measured and
                recorded), and db2 at equal TOTAL FLOPs (the source's pretraining + the fine-tuning,
                converted to db2 steps with the measured FLOPs per step)
-    levers     what might close the 1.10x target: 5x the fine-tuning steps, anchor weight 1.0
+    levers     what might close the 1.10x target, on db2c (block 0's noisy path = 3 source layers):
+               5x the fine-tuning steps, anchor weight 1.0; the control db1 (one block of all 4 layers:
+               its noisy path is the source's whole forward); and each layout at conversion (`_init`)
 
 Metric: `looped_lm eval` on the run's held-out books, EVAL_TOKENS tokens, disjoint windows of 64: the
 gpt exact PPL; db_ar ppl@0 (one call at sigma_top) and ppl@2 (the K = 2 sampler), looped_db ppl@1,4,
@@ -38,7 +40,7 @@ the max over the block a step trains), the AdamW state after every unit has step
 tensors' bytes), trainable elements, and FLOPs per step (torch FlopCounterMode, mean over blocks).
 
 Output: bench/results/pretrained/study/runs/<run>_s<seed>.json (config, steps, CPU seconds, eval),
-memory.json, summary.json; the table in docs/pretrained.md is printed by --summary (`table()`).
+memory.json, summary.json; the table in docs/pretrained.md is written by --summary --write-docs.
 Work files (checkpoints, the export) in bench/work/pretrained/ (not committed).
 """
 
@@ -59,6 +61,8 @@ WORK = ROOT / "bench" / "work" / "pretrained"
 SEEDS = (0, 1, 2)
 SOURCE_STEPS, FT_STEPS, EVAL_TOKENS, DRAWS = 800, 200, 8192, 4
 TARGET = 1.10
+DOCS_BEGIN = "<!-- table: python bench/pretrained.py --summary --write-docs -->"
+DOCS_END = "<!-- end of table -->"
 
 MODEL = {"n_layers": 4, "d_model": 64, "n_heads": 4, "seq_len": 64}
 TRAIN = {"batch_size": 8, "warmup_steps": 20, "save_every": 0, "eval_every": 0, "log_every": 100,
@@ -66,6 +70,7 @@ TRAIN = {"batch_size": 8, "warmup_steps": 20, "save_every": 0, "eval_every": 0, 
 FT = {"lr": 1e-3, "min_lr": 1e-4}
 LORA = {"lr": 3e-3, "min_lr": 1e-4, "lora_rank": 8, "lora_alpha": 16.0}
 SCRATCH = {"lr": 3e-3, "min_lr": 3e-4}
+INIT = {"lr": 1e-9, "min_lr": 0.0, "warmup_steps": 0}
 ANCHOR = {"clean_lm_weight": 0.3}
 LOOPED = {"n_prelude": 1, "n_layers": 2, "n_coda": 1}
 HUGINN = {**LOOPED, "mean_recurrence": 4, "backprop_depth": 2, "max_iterations": 16}
@@ -82,7 +87,12 @@ def kinds() -> dict:
             "db4": ({"kind": "db_ar"}, {"num_blocks": 4, "context": "stacked"}),
             "lnf": ({"kind": "db_ar"}, {**db2, "stack_order": "low_noise_first"}),
             "looped_db": ({"kind": "looped_db", **LOOPED}, {"num_blocks": 1}),
-            "huginn": ({"kind": "huginn", **HUGINN}, {})}
+            "huginn": ({"kind": "huginn", **HUGINN}, {}),
+            # block 0 = source layer 0, block 1 = layer 1, a shared coda = layers 2-3: block 0's noisy path
+            # (its layers, then the coda) is 3 of the source's 4 layers in order
+            "db2c": ({"kind": "db_ar", "n_layers": 2, "n_coda": 2}, {**db2, "layers_per_block": [1, 1]}),
+            # the control: one block owning every layer, whose noisy path is the source's whole forward
+            "db1": ({"kind": "db_ar"}, {"num_blocks": 1})}
 
 
 def runs(ft_steps: int) -> dict:
@@ -91,6 +101,14 @@ def runs(ft_steps: int) -> dict:
     return {  # in priority order
         "db2_full_anchor": ("db2", True, FT, ANCHOR, n), "db2_scratch": ("db2", False, SCRATCH, ANCHOR, n),
         "lnf_full_anchor": ("lnf", True, FT, ANCHOR, n), "lnf_scratch": ("lnf", False, SCRATCH, ANCHOR, n),
+        "db2c_full_anchor": ("db2c", True, FT, ANCHOR, n), "db1_full_anchor": ("db1", True, FT, ANCHOR, n),
+        # at conversion (one step at lr 1e-9, seed 0 only): where fine-tuning starts
+        **{f"{net}_init": (net, True, INIT, {}, 1) for net in ("db2", "db4", "lnf", "db2c", "db1", "looped_db", "huginn")},
+        # the noisy stream's adaLN gates open at conversion (looped_lm.pretrained.NOISY_GATES): its layers
+        # start as the source's instead of as identity
+        **{f"{net}_open_init": (net, True, INIT, {}, 1) for net in ("db2", "db2c", "db1")},
+        "db2_full_anchor_open": ("db2", True, FT, ANCHOR, n), "db2c_full_anchor_open": ("db2c", True, FT, ANCHOR, n),
+        "db1_full_anchor_open": ("db1", True, FT, ANCHOR, n),
         "db4_full_anchor": ("db4", True, FT, ANCHOR, n), "db4_scratch": ("db4", False, SCRATCH, ANCHOR, n),
         "looped_db_full_anchor": ("looped_db", True, FT, ANCHOR, n),
         "looped_db_scratch": ("looped_db", False, SCRATCH, ANCHOR, n),
@@ -98,8 +116,8 @@ def runs(ft_steps: int) -> dict:
         "db2_full": ("db2", True, FT, {}, n), "db2_lora_anchor": ("db2", True, LORA, ANCHOR, n),
         "db2_lora": ("db2", True, LORA, {}, n), "db4_lora_anchor": ("db4", True, LORA, ANCHOR, n),
         # levers on the best converted layout
-        "lnf_full_anchor1": ("lnf", True, FT, {"clean_lm_weight": 1.0}, n),
-        "lnf_full_anchor_x5": ("lnf", True, FT, ANCHOR, 5 * n),
+        "db2c_full_anchor1": ("db2c", True, FT, {"clean_lm_weight": 1.0}, n),
+        "db2c_full_anchor_x5": ("db2c", True, FT, ANCHOR, 5 * n),
     }
 
 
@@ -119,7 +137,10 @@ def config_of(name: str, seed: int, spec) -> dict:
 def train(raw: dict, name: str) -> tuple[Path, float]:
     import yaml
 
+    from looped_lm import pretrained
     from looped_lm import train as trainer
+
+    pretrained.NOISY_GATES = "open" if "_open" in name else "closed"
 
     path = WORK / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
@@ -344,6 +365,8 @@ def main() -> int:
     p.add_argument("--only", default="", help="comma-separated runs (default: all)")
     p.add_argument("--seeds", default=",".join(map(str, SEEDS)))
     p.add_argument("--summary", action="store_true", help="only rebuild summary.json and print the table")
+    p.add_argument("--write-docs", action="store_true", help="with --summary: put the table into docs/pretrained.md "
+                   "between its DOCS_BEGIN / DOCS_END markers")
     args = p.parse_args()
     SEEDS = tuple(int(s) for s in args.seeds.split(","))
     if args.smoke:  # its own folders: a smoke source must never replace the real one
@@ -358,7 +381,14 @@ def main() -> int:
         summary = summarize()
         (RESULTS / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         memory = json.loads((RESULTS / "memory.json").read_text()) if (RESULTS / "memory.json").is_file() else None
-        print(table(summary, memory))
+        text = table(summary, memory)
+        print(text)
+        if args.write_docs:
+            doc = ROOT / "docs" / "pretrained.md"
+            body = doc.read_text()
+            head, _, rest = body.partition(DOCS_BEGIN)
+            _, _, tail = rest.partition(DOCS_END)
+            doc.write_text(f"{head}{DOCS_BEGIN}\n{text}\n{DOCS_END}{tail}")
         return 0
 
     if args.phase in ("all", "source") or not (hf_dir() / "config.json").is_file():
@@ -384,7 +414,7 @@ def main() -> int:
             total = SOURCE_STEPS * mem["gpt_source_full"]["flops_per_step"] + FT_STEPS * mem["db2_full_anchor"]["flops_per_step"]
             table_runs["db2_scratch_equal_total"] = ("db2", False, SCRATCH, ANCHOR,
                                                      round(total / mem["db2_full_anchor"]["flops_per_step"]))
-            for lever in ("lnf_full_anchor1", "lnf_full_anchor_x5"):  # the levers last
+            for lever in ("db2c_full_anchor1", "db2c_full_anchor_x5"):  # the levers last
                 table_runs[lever] = table_runs.pop(lever)
         only = [n for n in args.only.split(",") if n]
         unknown = sorted(set(only) - set(table_runs))
@@ -392,7 +422,7 @@ def main() -> int:
             sys.exit(f"--only: unknown run {unknown[0]} (have: {', '.join(table_runs)})")
         # seed by seed (every run at seed 0 first): a budget cut short still covers every run
         for seed, (name, spec) in ((s, item) for s in SEEDS for item in table_runs.items()):
-            if only and name not in only:
+            if (only and name not in only) or (name.endswith("_init") and seed != SEEDS[0]):
                 continue
             if True:
                 out = RESULTS / "runs" / f"{name}_s{seed}.json"
@@ -402,6 +432,7 @@ def main() -> int:
                 ckpt, secs = train(raw, f"{name}_s{seed}")
                 rep = evaluate(f"{name}_s{seed}", ckpt, raw["model"]["kind"], seed)
                 out.write_text(json.dumps({"name": name, "seed": seed, "config": raw, "steps": spec[4],
+                                           "noisy_gates": "open" if "_open" in name else "closed",
                                            "train_cpu_seconds": round(secs, 1), "eval": rep}, indent=2) + "\n")
                 print(f"{name} seed {seed}: {primary(rep)[0]} {primary(rep)[1]} ({secs:.0f} CPU-s)", flush=True)
     summary = summarize()

@@ -53,6 +53,11 @@ REFUSED = {
     "gemma": "a scaled embedding, (1 + w) RMSNorm and GeLU",
     "opt": "learned position embeddings and LayerNorm",
 }
+# the noisy stream's adaLN gates at conversion: "closed" (adaLN-Zero, the documented default: the noisy
+# stream starts as identity) or "open" (gate biases 1: its layers start as the source's). An experiment
+# switch for bench/pretrained.py, not a config field yet: a load of a full-weight checkpoint never reads it,
+# and an adapter checkpoint stores its `ada` (lora.NEW), which overwrite what the base load set.
+NOISY_GATES = "closed"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -335,7 +340,22 @@ def init_from_pretrained(model, cfg: Config, source: Source | None = None) -> di
         else:
             for block, idx in zip(model.blocks, plan["blocks"], strict=True):
                 copy(block, idx)
+            if NOISY_GATES == "open":
+                open_gates(model)
     return {"path": str(source.path.resolve()), "sha256": source.sha256, "layers": plan}
+
+
+def open_gates(model) -> None:
+    """Every two-stream layer's adaLN gates (chunks 2 and 5 of its shift/scale/gate x 2) biased to 1, the
+    rest of `ada` zero: the noisy stream then runs each layer as the source does (its queries against
+    the clean keys), instead of passing its input through."""
+    import torch
+
+    with torch.no_grad():
+        for layer in [*model.coda, *(l for block in model.blocks for l in block)]:
+            d = layer.ada.bias.shape[0] // 6
+            layer.ada.bias[2 * d:3 * d] = 1.0
+            layer.ada.bias[5 * d:6 * d] = 1.0
 
 
 def check_source(cfg: Config, vocab_size: int) -> Source:

@@ -317,3 +317,30 @@ def test_bad_sources_are_one_line_and_write_nothing(tmp_path, write_config, llam
     assert cli.main(["train", "--config", str(path)]) == 2
     one_line_error(capsys.readouterr(), *needles)
     assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
+
+
+def test_open_gates_start_the_noisy_stream_as_the_source_layers(llama, monkeypatch):
+    """pretrained.NOISY_GATES "open" (bench switch): each two-stream layer's gates are 1, so a noisy
+    vector equal to a clean one goes through the layer as the clean one does (attending the same keys)."""
+    from looped_lm import pretrained
+
+    monkeypatch.setattr(pretrained, "NOISY_GATES", "open")
+    root, _ = llama
+    net, cfg, _ = converted("db_ar", root, n_layers=4, diffusion={"num_blocks": 1})
+    layer = net.blocks[0][0]
+    d = D
+    assert (layer.ada.bias[2 * d:3 * d] == 1).all() and (layer.ada.bias[5 * d:6 * d] == 1).all()
+    assert not layer.ada.weight.any() and not layer.ada.bias[:2 * d].any()
+    x = net.tok_emb(tokens())
+    pos = torch.arange(x.shape[1])
+    cos, sin = net.rope(pos)
+    with torch.no_grad():
+        out, k, v = layer.clean(x, cos, sin)
+        cond = net.noise_emb(torch.zeros(2))
+        from looped_lm.models.two_stream import CAUSAL
+
+        noisy = layer.noisy(x, cond, cos, sin, k, v, CAUSAL, attend_self=False)
+        torch.testing.assert_close(noisy, out, atol=1e-5, rtol=0)
+    monkeypatch.setattr(pretrained, "NOISY_GATES", "closed")
+    net, _, _ = converted("db_ar", root, n_layers=4, diffusion={"num_blocks": 1})
+    assert not net.blocks[0][0].ada.bias.any()  # the default: adaLN-Zero
