@@ -1,0 +1,139 @@
+"""looped_lm/settings.py: every boundary's settings come from one resolution, by one rule.
+
+- eval's K grid: every K checked against the model's limits (the bound generate and serve apply), one
+  line naming the bad K, exit 2, before anything is scored; resolved once per command;
+- a server's --default-iterations / --max-iterations narrow the model's limits once (`serving_limits`);
+- the supporting modules' step counts: the flag, else the config's default, else the kind's (dit 50,
+  mdm the sample's length, vit B), at least one per block (`resolve_steps`, through the models);
+- the exit rule's flags or body fields are named in its errors.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import looped_lm.settings as settings_module
+from looped_lm import cli
+from looped_lm.errors import UserError
+from looped_lm.settings import (DIT_SAMPLE_STEPS, ExitRule, resolve_score_settings, resolve_settings, resolve_steps,
+                                serving_limits)
+from tiny_models import build_tiny, tiny_module
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def db_ckpt(tmp_path_factory, write_config):
+    from test_server import train_tiny_db
+
+    return train_tiny_db(tmp_path_factory, write_config)
+
+
+# --- eval's K grid --------------------------------------------------------------------------------
+
+
+def test_eval_refuses_a_k_outside_the_models_range_in_one_line(db_ckpt, capsys, one_line_error, tmp_path):
+    out = tmp_path / "ppl.json"
+    base = ["eval", "--checkpoint", str(db_ckpt), "--max-tokens", "32", "--draws", "1", "--no-progress",
+            "--json", str(out)]
+    for grid, bad in (("1,65,2", "65"), ("2,100000", "100000"), ("-1", "-1")):
+        assert cli.main([*base, "--num-iterations", grid]) == 2
+        one_line_error(capsys.readouterr(), f"--num-iterations {bad} is outside 0..64")
+        assert not out.exists()  # refused before anything was scored
+    # the same bound as generate's: 64 runs there and here, 65 is refused by both
+    assert cli.main(["generate", "--checkpoint", str(db_ckpt), "--prompt", "A", "--num-iterations", "65"]) == 2
+    one_line_error(capsys.readouterr(), "num_iterations must be an integer in 1..64")
+
+
+def test_eval_resolves_its_settings_once(db_ckpt, capsys, monkeypatch):
+    calls = []
+    original = settings_module.resolve_score_settings
+
+    def counting(*args, **kwargs):
+        calls.append(args[1])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(settings_module, "resolve_score_settings", counting)
+    assert cli.main(["eval", "--checkpoint", str(db_ckpt), "--max-tokens", "32", "--draws", "1", "--no-progress",
+                     "--num-iterations", "0,2"]) == 0
+    assert calls == [[0, 2]]
+    assert "| 0 |" in capsys.readouterr().out  # ppl@0: a DiffusionBlocks model's one call at sigma_top
+
+
+def test_the_k_grid_rule_per_kind():
+    db, huginn = build_tiny("db_ar").iteration_limits(), build_tiny("huginn").iteration_limits()
+    assert resolve_score_settings(db, [0, 1, 8], draws=2).k_grid == (0, 1, 8)  # tiny models: max_iterations 8
+    assert resolve_score_settings(db, None).k_grid is None  # the model's default
+    with pytest.raises(UserError, match=r"--num-iterations 9 is outside 0\.\.8") as e:
+        resolve_score_settings(db, [2, 9])
+    assert e.value.param == "num_iterations"
+    with pytest.raises(UserError, match=r"--num-iterations 0 is outside 1\.\.8"):  # huginn: exact PPL at K >= 1
+        resolve_score_settings(huginn, [0])
+    with pytest.raises(UserError, match="a gpt model has no K"):
+        resolve_score_settings(None, [2], kind="gpt")
+    with pytest.raises(UserError, match="draws"):
+        resolve_score_settings(db, [2], draws=0)
+
+
+# --- a server's limits ------------------------------------------------------------------------------
+
+
+def test_serving_limits_narrow_the_models_once():
+    limits = build_tiny("looped_db").iteration_limits()  # K up to 8
+    served = serving_limits(limits, default_iterations=3, max_iterations=4)
+    assert (served.default_iterations, served.max_iterations) == (3, 4)
+    assert resolve_settings(served).num_iterations == 3
+    with pytest.raises(UserError, match=r"num_iterations must be an integer in 1\.\.4"):
+        resolve_settings(served, num_iterations=5)
+    with pytest.raises(UserError, match=r"--max-iterations must be in 1\.\.8"):
+        serving_limits(limits, max_iterations=9)
+    with pytest.raises(UserError, match=r"--default-iterations 5 is outside 1\.\.4"):
+        serving_limits(limits, default_iterations=5, max_iterations=4)
+    with pytest.raises(UserError, match="no K"):
+        serving_limits(None, default_iterations=2)
+    assert serving_limits(None) is None
+
+
+# --- the supporting modules' step counts ------------------------------------------------------------
+
+
+def test_module_steps_default_in_one_place():
+    assert resolve_steps(None, 2, fallback=DIT_SAMPLE_STEPS) == 50
+    assert resolve_steps(None, 2, configured=7, fallback=50) == 7
+    assert resolve_steps(3, 2, configured=7, fallback=50) == 3
+    with pytest.raises(UserError, match=r"steps \(1\) must be >= the number of blocks \(2\)"):
+        resolve_steps(None, 2, configured=1, fallback=50, what="steps")
+    with pytest.raises(UserError, match="must be an integer"):
+        resolve_steps(2.5, 2)
+    dit = tiny_module("dit")  # B = 2, no configured sample_steps
+    assert dit.resolve_steps(None) == DIT_SAMPLE_STEPS and dit.resolve_steps(4) == 4
+    assert tiny_module("dit", sample_steps=6).resolve_steps(None) == 6
+    with pytest.raises(UserError, match=r"num_iterations \(sampler steps\) \(1\)"):
+        dit.resolve_steps(1)
+    mdm = tiny_module("mdm")  # B = 3: one unmasking step per character by default
+    assert mdm.resolve_steps(None, 10) == 10 and mdm.resolve_steps(5, 10) == 5
+    assert tiny_module("mdm", sample_steps=4).resolve_steps(None, 10) == 4
+    with pytest.raises(UserError, match="must be >= the number of blocks"):
+        mdm.resolve_steps(None, 2)  # 2 characters, 3 blocks: ask for --num-iterations
+
+
+# --- the exit rule ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("names", [("--exit-threshold", "--exit-criterion"), ("exit_threshold", "exit_criterion")])
+def test_exit_rule_errors_name_where_the_rule_came_from(names):
+    threshold, criterion = names
+    assert ExitRule.parse(0.1, None, names) == ExitRule(kl_threshold=0.1)
+    assert ExitRule.parse(None, "argmax-stable:3", names) == ExitRule(argmax_stable=3)
+    for args, param in (((-1.0, None), threshold), ((None, "kl:x"), criterion), ((None, "kl:-2"), criterion),
+                        ((None, "argmax-stable:0"), criterion), ((None, "entropy:3"), criterion)):
+        with pytest.raises(UserError, match=param) as e:
+            ExitRule.parse(*args, names)
+        assert e.value.param == param
+    rule = ExitRule.parse(None, "kl:0.5", names)
+    with pytest.raises(UserError, match="adaptive exit") as e:  # huginn's cache grows with K: no exit rule
+        resolve_settings(build_tiny("huginn").iteration_limits(), exit_rule=rule)
+    assert e.value.param == criterion
+    with pytest.raises(UserError, match="no K") as e:
+        resolve_settings(None, exit_rule=rule)
+    assert e.value.param == criterion
