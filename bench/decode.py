@@ -43,8 +43,10 @@ def build(kind: str, vocab: int, **extra):
     if kind == "db_ar":
         diffusion = {"num_blocks": 2}
     if kind in ("looped_db", "huginn"):
-        model.update(n_layers=2, n_prelude=1, n_coda=1, mean_recurrence=8, backprop_depth=4)
+        model.update(n_layers=2, n_prelude=1, n_coda=1)
         diffusion = {"num_blocks": 1}
+    if kind == "huginn":
+        model.update(mean_recurrence=8, backprop_depth=4)
     torch.manual_seed(0)
     return build_model(config_from_dict({"model": model, "diffusion": diffusion}), vocab).eval()
 

@@ -201,7 +201,7 @@ def val_windows(val: TokenStream, n: int, offset: float = 0.0, seq: int = SEQ):
 def cm_shape(cfg) -> cm.Shape:
     m = cfg.model
     return cm.Shape(d=m.d_model, layers=m.n_layers, heads=m.n_heads, vocab=VOCAB, seq=SEQ, batch=BATCH,
-                    ffn=m.ffn_hidden, prelude=m.n_prelude, coda=m.n_coda)
+                    ffn=m.ffn_hidden, prelude=getattr(m, "n_prelude", 0), coda=getattr(m, "n_coda", 0))
 
 
 def cm_step(cfg, key, attention: str) -> cm.Ledger:
