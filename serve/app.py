@@ -29,7 +29,8 @@ DESCRIPTION = """OpenAI-compatible API for looped_lm models (DiffusionBlocks, lo
 
 K (denoising iterations per token) is chosen per request: `num_iterations` in the body (the openai client
 sends it through `extra_body`), or a model alias `NAME@K` from `/v1/models`, else the server default;
-responses report it in `num_iterations`. With `--api-key`, every route but /health, /metrics and the docs
+responses report it in `num_iterations`. `bridge`, `exit_threshold` and `exit_criterion` choose the
+chain's bridge and adaptive exit, as `looped_lm generate`'s flags do. With `--api-key`, every route but /health, /metrics and the docs
 needs `Authorization: Bearer KEY`."""
 
 
@@ -71,10 +72,14 @@ def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str, api_key: st
 
 
 def _limits(engine: Engine, tokenizer: Tokenizer) -> dict[str, dict | None]:
-    """This server's bounds on request integers, by field (None: the field does not apply)."""
+    """This server's bounds on request integers, by field (None: the field does not apply to this model,
+    and the document leaves it out; {}: it applies, unbounded)."""
     k = {"minimum": 1, "maximum": engine.max_iterations} if engine.max_iterations else None
     tokens = {"maximum": engine.max_len}
-    return {"num_iterations": k, "max_tokens": tokens, "max_completion_tokens": tokens,
+    chain = {} if engine.limits is not None and engine.limits.default_bridge is not None else None
+    exit_rule = {} if engine.limits is not None and engine.limits.adaptive_exit else None
+    return {"num_iterations": k, "bridge": chain, "exit_threshold": exit_rule, "exit_criterion": exit_rule,
+            "max_tokens": tokens, "max_completion_tokens": tokens,
             "prompt": {"maximum": tokenizer.vocab_size - 1}, "tokens": {"maximum": tokenizer.vocab_size - 1}}
 
 

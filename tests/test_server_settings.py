@@ -202,3 +202,14 @@ def test_a_request_is_resolved_once_for_all_its_choices(db, looped, monkeypatch,
     r = looped.http.post("/v1/completions", json={"prompt": [[1, 2], [3, 4]], "n": 2, "max_tokens": 2,
                                                   "exit_criterion": "argmax-stable:2"})
     assert r.status_code == 200 and len(calls) == 3 and calls[2]["exit_rule"].argmax_stable == 2
+
+
+def test_the_openapi_document_lists_the_chain_fields_where_they_apply(db, gpt, looped, huginn):
+    for server, chain, exit_rule in ((db, True, True), (looped, True, True), (huginn, False, False),
+                                     (gpt, False, False)):
+        props = server.http.get("/openapi.json").json()["components"]["schemas"]["CompletionRequest"]["properties"]
+        assert ("bridge" in props) == chain and ("exit_threshold" in props) == ("exit_criterion" in props) == exit_rule
+    props = db.http.get("/openapi.json").json()["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert props["bridge"]["anyOf"][0]["enum"] == ["soft", "hard", "sample"]
+    assert props["exit_threshold"]["anyOf"][0]["minimum"] == 0
+    assert "argmax-stable" in props["exit_criterion"]["pattern"]  # (pattern applies to strings only)
