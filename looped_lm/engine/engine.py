@@ -2,7 +2,8 @@
 
     engine = Engine.from_memory_budget(model, kv_memory_gb=1.0)
     engine.start()                                          # steps run on a background thread
-    async for out in engine.generate(Request(prompt=[5, 6, 7], max_tokens=32, seed=0)):
+    settings = engine.resolve(sampling=SamplingParams(0.8), num_iterations=4, bridge="hard")  # once per request
+    async for out in engine.generate(Request(prompt=[5, 6, 7], max_tokens=32, seed=0, settings=settings)):
         out.token_ids, out.logprobs, out.finish_reason     # deltas; closing the iterator aborts
 
     engine.run([Request(...), ...])                         # or step it on this thread (tests, bench)
