@@ -137,3 +137,10 @@ def test_exit_rule_errors_name_where_the_rule_came_from(names):
     with pytest.raises(UserError, match="no K") as e:
         resolve_settings(None, exit_rule=rule)
     assert e.value.param == criterion
+
+
+def test_a_cap_below_the_models_default_k_asks_for_a_default():
+    limits = build_tiny("huginn").iteration_limits()  # default K: the mean recurrence, 3
+    with pytest.raises(UserError, match=r"default K \(3\) exceeds --max-iterations 2: pass --default-iterations"):
+        serving_limits(limits, max_iterations=2)
+    assert serving_limits(limits, default_iterations=2, max_iterations=2).default_iterations == 2
