@@ -144,3 +144,23 @@ def test_a_cap_below_the_models_default_k_asks_for_a_default():
     with pytest.raises(UserError, match=r"default K \(3\) exceeds --max-iterations 2: pass --default-iterations"):
         serving_limits(limits, max_iterations=2)
     assert serving_limits(limits, default_iterations=2, max_iterations=2).default_iterations == 2
+
+
+def test_the_hf_wrapper_resolves_once_per_generate_call(db_ckpt, tmp_path, monkeypatch):
+    """`generate()` of an exported DB model resolves its settings once, however many tokens it makes
+    (each step reuses the cache's settings), and a bad K is refused there, by the same rule."""
+    import looped_lm  # noqa: F401 (registers the architecture)
+    import looped_lm.hf.modeling as hf_modeling
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    assert cli.main(["export", "--checkpoint", str(db_ckpt), "--out", str(tmp_path / "hf")]) == 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    calls = []
+    original = hf_modeling.resolve_settings
+    monkeypatch.setattr(hf_modeling, "resolve_settings",
+                        lambda *a, **k: calls.append(k.get("num_iterations")) or original(*a, **k))
+    out = model.generate(torch.tensor([[65, 110, 100]]), max_new_tokens=6, do_sample=False, num_iterations=4)
+    assert out.shape[1] == 3 + 6 and calls == [4]
+    with pytest.raises(UserError, match=r"num_iterations must be an integer in 1\.\.64"):
+        model.generate(torch.tensor([[65]]), max_new_tokens=1, do_sample=False, num_iterations=65)
