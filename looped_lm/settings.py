@@ -95,7 +95,8 @@ def serving_limits(limits: IterationLimits | None, default_iterations: int | Non
     default = limits.default_iterations if default_iterations is None else default_iterations
     if isinstance(default, bool) or not isinstance(default, int) or not 1 <= default <= top:
         if default_iterations is None:  # the config's default K (diffusion.num_iterations, B, huginn's recurrence)
-            raise UserError(f"the model's default K ({default}) exceeds --max-iterations {top}: pass --default-iterations")
+            raise UserError(f"the model's default K ({default}) exceeds --max-iterations {top}: "
+                            "pass --default-iterations")
         raise UserError(f"--default-iterations {default} is outside 1..{top} (the largest K a request may ask for)")
     return replace(limits, default_iterations=default, max_iterations=top)
 

@@ -15,7 +15,8 @@ runs depends on the capability the model offers (models/contract.py):
 K (`--num-iterations`) is the number of inference steps, split across the blocks; fewer than one per
 block is refused (exit 2). It is resolved once per command by `looped_lm.settings.resolve_steps` (the
 flag, else the config's default: diffusion.sample_steps for dit / mdm, else 50 / the sample's length;
-diffusion.num_iterations for vit, else B) and passed down as an int. Data defaults to what the checkpoint trained on (its manifest's source).
+diffusion.num_iterations for vit, else B) and passed down as an int. Data defaults to what the
+checkpoint trained on (its manifest's source).
 """
 
 from __future__ import annotations

@@ -205,7 +205,8 @@ class OpenAIServing:
         top_k = 0 if req.top_k in (None, -1) else req.top_k
         sampling = SamplingParams(temperature, top_k, 1.0 if req.top_p is None else req.top_p)
         try:
-            exit_rule = ExitRule.parse(req.exit_threshold, req.exit_criterion, names=("exit_threshold", "exit_criterion"))
+            exit_rule = ExitRule.parse(req.exit_threshold, req.exit_criterion,
+                                       names=("exit_threshold", "exit_criterion"))
             return self.engine.resolve(sampling=sampling, num_iterations=k, bridge=req.bridge, exit_rule=exit_rule)
         except UserError as e:
             if e.param == "num_iterations" and req.num_iterations is None:  # K came from the NAME@K alias

@@ -284,7 +284,8 @@ class MaskedDiffusionLM(nn.Module, Blockwise, TextDiffusion):
     def resolve_steps(self, steps: int | None, length: int) -> int:
         """The unmasking steps a sample of `length` runs: `steps`, else the config's diffusion.sample_steps,
         else one per character."""
-        return resolve_steps(steps, self.num_blocks, self.settings.sample_steps, length, "num_iterations (sampler steps)")
+        return resolve_steps(steps, self.num_blocks, self.settings.sample_steps, length,
+                             "num_iterations (sampler steps)")
 
     def steps_per_block(self, steps: int) -> list[int]:
         """How many of `steps` unmasking steps each block runs (block 0, the highest t, first)."""
