@@ -178,6 +178,10 @@ def test_bad_settings_are_a_400_naming_the_field(db, gpt, looped, huginn, path):
         error = r.json()["error"]
         assert error["param"] == param and error["message"].startswith(param), (fields, error)
         assert "\n" not in error["message"]
+    # streamed: refused before the stream starts (a 400 envelope, not an error event inside a 200 stream)
+    base = {"prompt": "Hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    r = db.http.post(path, json={**base, "max_tokens": 1, "stream": True, "exit_criterion": "kl:x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "exit_criterion"
 
 
 def test_a_request_is_resolved_once_for_all_its_choices(db, looped, monkeypatch, engine_settings):
