@@ -21,6 +21,7 @@ from pathlib import Path
 
 from looped_lm.checkpoint import NO_VERIFY_HELP
 from looped_lm.errors import UserError
+from looped_lm.kinds import get_kind
 
 # torch and the model stack are imported where they are used: `looped_lm eval --help` stays instant
 
@@ -163,7 +164,7 @@ def report(sums: dict, variances: dict, tokens: int, block_size: int, stride: in
         out.update(ppl=ppl["exact"], nll=sums["exact"] / tokens)
         return out
     se = {label: ppl[label] * math.sqrt(v) / tokens for label, v in variances.items()}
-    estimated = kind in ("db_ar", "looped_db")  # huginn's per-K scores are exact: no se, none needed
+    estimated = get_kind(kind).offers("estimated_ppl")  # huginn's per-K scores are exact: no se, none needed
     # the se covers the estimates' spread, not -log(mean)'s own Jensen bias, about var / 2 per token (left
     # uncorrected on unresolved tokens): the mean of that bound must be small too
     unresolved = sorted(label for label in ppl if estimated and (
