@@ -5,7 +5,8 @@ reason (its pydantic `description`, printed by `looped_lm train --help-config` a
 configs/README.md by `python -m looped_lm.config`). Unknown keys, wrong types, repeated keys and
 impossible values raise `UserError` naming the key, so a bad run fails in its first second.
 
-    model:      what network to build (language models; vit / dit / mdm: the supporting modules)
+    model:      what network to build: `model.kind` names a registered kind (looped_lm/kinds), whose own
+                typed section this is (gpt, db_ar, looped_db, huginn; vit / dit / mdm: the supporting modules)
     diffusion:  DiffusionBlocks noise schedule, partition, training and sampling knobs
     data:       where tokens (images, characters) come from
     train:      optimisation, logging, checkpoints
