@@ -22,14 +22,16 @@ seq 64, batch 8, fp32, one torch thread.
                looped_db, huginn   prelude = source layer 0, core = layers 1-2, coda = layer 3
                (retrofitted recurrence; huginn mean_recurrence 4, backprop_depth 2)
                full vs LoRA, with and without the clean next-token anchor (diffusion.clean_lm_weight 0.3)
+    gpt_continued  the source given the fine-tuning steps as more gpt training (its own upper reference)
     scratch    the same networks from random init (lr 3e-3): FT_STEPS steps (equal FLOPs: the same
                network, batch and steps as the full fine-tuning; the FLOPs per step are measured and
                recorded), and db2 at equal TOTAL FLOPs (the source's pretraining + the fine-tuning,
                converted to db2 steps with the measured FLOPs per step)
     open       `_open` runs: the noisy stream's adaLN gates opened at conversion (pretrained.NOISY_GATES):
                its layers start as the source's instead of as identity
-    levers     what might close the 1.10x target: 5x the fine-tuning steps (db2c and the control db1:
-               one block of all 4 layers, whose noisy path is the source's whole forward), anchor weight
+    levers     what might close the 1.10x target: 5x the fine-tuning steps (db2, db2c, db4 and the
+               control db1: one block of all 4 layers, whose noisy path is the source's whole forward;
+               against gpt_continued_x5, the source given the same 1000 steps), anchor weight
                1.0; and each layout at conversion (`_init`, one step at lr 1e-9). Runs in ONE_SEED and the
                `_init` ones are seed 0 only.
 
@@ -75,7 +77,8 @@ LORA = {"lr": 3e-3, "min_lr": 1e-4, "lora_rank": 8, "lora_alpha": 16.0}
 SCRATCH = {"lr": 3e-3, "min_lr": 3e-4}
 INIT = {"lr": 1e-9, "min_lr": 0.0, "warmup_steps": 0}
 # first readings left at seed 0 (the budget): layouts the seed-0 runs showed no better than the ones kept
-ONE_SEED = {"lnf_full_anchor", "lnf_scratch", "db2c_full_anchor", "db2c_full_anchor1_open"}
+ONE_SEED = {"lnf_full_anchor", "lnf_scratch", "db2c_full_anchor", "db2c_full_anchor1_open", "db1_full_anchor_open_x5",
+            "db4_full_anchor_open_x5"}
 ANCHOR = {"clean_lm_weight": 0.3}
 LOOPED = {"n_prelude": 1, "n_layers": 2, "n_coda": 1}
 HUGINN = {**LOOPED, "mean_recurrence": 4, "backprop_depth": 2, "max_iterations": 16}
@@ -97,7 +100,8 @@ def kinds() -> dict:
             # (its layers, then the coda) is 3 of the source's 4 layers in order
             "db2c": ({"kind": "db_ar", "n_layers": 2, "n_coda": 2}, {**db2, "layers_per_block": [1, 1]}),
             # the control: one block owning every layer, whose noisy path is the source's whole forward
-            "db1": ({"kind": "db_ar"}, {"num_blocks": 1})}
+            "db1": ({"kind": "db_ar"}, {"num_blocks": 1}),
+            "gpt": ({"kind": "gpt"}, {})}
 
 
 def runs(ft_steps: int) -> dict:
@@ -118,12 +122,17 @@ def runs(ft_steps: int) -> dict:
         "looped_db_full_anchor": ("looped_db", True, FT, ANCHOR, n),
         "looped_db_scratch": ("looped_db", False, SCRATCH, ANCHOR, n),
         "huginn_full": ("huginn", True, FT, {}, n), "huginn_scratch": ("huginn", False, SCRATCH, {}, n),
+        # the source itself given the fine-tuning budget as more next-token training (the same lr schedule)
+        "gpt_continued": ("gpt", True, FT, {}, n),
         "db2_full": ("db2", True, FT, {}, n), "db2_lora_anchor": ("db2", True, LORA, ANCHOR, n),
         "db2_lora": ("db2", True, LORA, {}, n), "db4_lora_anchor": ("db4", True, LORA, ANCHOR, n),
         # levers on the best converted layout
         "db2c_full_anchor1_open": ("db2c", True, FT, {"clean_lm_weight": 1.0}, n),
         "db2c_full_anchor_open_x5": ("db2c", True, FT, ANCHOR, 5 * n),
         "db1_full_anchor_open_x5": ("db1", True, FT, ANCHOR, 5 * n),
+        "db2_full_anchor_open_x5": ("db2", True, FT, ANCHOR, 5 * n),
+        "db4_full_anchor_open_x5": ("db4", True, FT, ANCHOR, 5 * n),
+        "gpt_continued_x5": ("gpt", True, FT, {}, 5 * n),
     }
 
 
@@ -283,6 +292,53 @@ def memory_table() -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# why a converted db_ar does not start at its source: ppl@0 at conversion, with the noisy input's
+# differences from the source's forward taken away one at a time
+
+
+def diagnose(windows: int = 32) -> dict:
+    """ppl@0 at conversion (no training) on `windows` held-out windows of 64, for db1 / db2 / db2c with the
+    adaLN gates closed or open, then with the posterior-mean embedding left out of the noisy input, then
+    also with the noisy slot at the RoPE position of its previous token (t instead of t + 1): with all
+    three, db1's noisy path is the source's forward at position t, so its ppl@0 is the source's."""
+    import glob
+
+    import numpy as np
+    import torch
+
+    from looped_lm import pretrained
+    from looped_lm.settings import ScoreSettings
+
+    val = np.fromfile(glob.glob(str(WORK / "data_cache" / "*" / "val.bin"))[0], dtype=np.uint16)
+    T = MODEL["seq_len"]
+    x = torch.tensor(val[:windows * T + 1].astype(np.int64))
+    X, Y = x[:-1].view(windows, T), x[1:].view(windows, T)
+    out = {"windows": windows, "tokens": windows * T, "ppl_at_0": {}}
+    for net_name in ("db1", "db2", "db2c"):
+        model, diffusion = kinds()[net_name]
+        raw = run_config("diag", 0, {**model, "init_from": str(hf_dir())}, diffusion, {}, 1)
+        for gates in ("closed", "open"):
+            for variant in ("as built", "no posterior-mean input", "no posterior-mean input, RoPE at t"):
+                pretrained.NOISY_GATES = gates
+                net, _ = build(raw, init=True)
+                pretrained.NOISY_GATES = "closed"
+                net.eval()
+                if variant != "as built":
+                    post = net.posterior_embedding
+                    net.posterior_embedding = lambda ll, post=post: post(ll) * 0
+                if variant.endswith("RoPE at t"):
+                    noisy = net.noisy_pass
+                    net.noisy_pass = lambda b, z, s, prev, pos, kv, mask, head=True, noisy=noisy: \
+                        noisy(b, z, s, prev, pos - 1, kv, mask, head)
+                g = torch.Generator().manual_seed(0)
+                with torch.no_grad():
+                    nll = float(net.score(X, Y, ScoreSettings(k_grid=(), draws=1), g)[0].nll.mean())
+                out["ppl_at_0"][f"{net_name} gates {gates}: {variant}"] = math.exp(nll)
+                print(net_name, gates, variant, math.exp(nll), flush=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # summary
 
 
@@ -309,13 +365,16 @@ def summarize() -> dict:
         recs.setdefault(r["name"], []).append(r)
     source = recs["source"][0]["eval"]["ppl"]
     rows = {}
-    for name, rs in sorted(recs.items()):
+    order = [*runs(FT_STEPS), "db2_scratch_equal_total"]
+    for name, rs in sorted(recs.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order else -1, kv[0])):
         rs.sort(key=lambda r: r["seed"])
         ks = sorted({k for r in rs for k in (r["eval"].get("ppl_at_k") or {})}, key=int)
         row = {"seeds": [r["seed"] for r in rs], "steps": rs[0]["steps"], "kind": rs[0]["eval"]["model_kind"],
                "converted": bool(rs[0]["config"]["model"].get("init_from")),
                "lora": bool(rs[0]["config"]["train"].get("lora_rank")),
                "clean_lm_weight": rs[0]["config"]["diffusion"].get("clean_lm_weight", 0.0),
+               "noisy_gates": rs[0].get("noisy_gates", "closed") if rs[0]["eval"]["model_kind"] in ("db_ar", "looped_db")
+               else None,
                "train_cpu_seconds": [r["train_cpu_seconds"] for r in rs]}
         label = primary(rs[0]["eval"])[0]
         vals = [primary(r["eval"])[1] for r in rs]
@@ -334,20 +393,27 @@ def summarize() -> dict:
 
 
 def _fmt(m, se, digits=3) -> str:
+    if m > 1e4:
+        return f"{m:.1e}"
     return f"{m:.{digits}f}" if se is None else f"{m:.{digits}f} ± {se:.{digits}f}"
 
 
 def table(summary: dict, memory: dict | None) -> str:
     lines = [f"Source (gpt, {summary['source_steps']} steps, seed 0): PPL {summary['source_ppl']:.3f}. "
-             f"Mean ± standard error over seeds; ratio = PPL / the source's.", "",
-             "| run | kind | init | tuning | anchor | steps | seeds | metric | PPL | ratio to source |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"Mean ± standard error over seeds (eval se: over the eval's draws and windows, one seed); "
+             "ratio = PPL / the source's. gates: the noisy stream's adaLN gates at conversion.", "",
+             "| run | kind | init | gates | tuning | anchor | steps | seeds | metric | PPL | ratio to source |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in summary["runs"].items():
         if name == "source":
             continue
+        tuning = "none (at conversion)" if name.endswith("_init") else "LoRA" if r["lora"] else "full"
+        ppl = _fmt(r["mean"], r["se_seeds"])
+        if r["se_seeds"] is None and r["eval_se_per_seed"][0] is not None and r["mean"] < 1e4:
+            ppl += f" (one seed; eval se {r['eval_se_per_seed'][0]:.3f})"
         lines.append(f"| {name} | {r['kind']} | {'source' if r['converted'] else 'scratch'} | "
-                     f"{'LoRA' if r['lora'] else 'full'} | {r['clean_lm_weight']} | {r['steps']} | "
-                     f"{','.join(map(str, r['seeds']))} | {r['metric']} | {_fmt(r['mean'], r['se_seeds'])} | "
+                     f"{(r['noisy_gates'] or '') if r['converted'] else ''} | {tuning} | {r['clean_lm_weight']} | "
+                     f"{r['steps']} | {','.join(map(str, r['seeds']))} | {r['metric']} | {ppl} | "
                      f"{_fmt(r['ratio_to_source'], r['ratio_se'])} |")
     if memory:
         lines += ["", "Per training step (batch 8 x 64, fp32; exact bytes; activation = saved for backward, max "
@@ -367,7 +433,7 @@ def main() -> int:
     global SOURCE_STEPS, FT_STEPS, EVAL_TOKENS, WORK, RESULTS, SEEDS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true")
-    p.add_argument("--phase", default="all", choices=["all", "source", "memory", "runs"])
+    p.add_argument("--phase", default="all", choices=["all", "source", "memory", "runs", "diagnose"])
     p.add_argument("--only", default="", help="comma-separated runs (default: all)")
     p.add_argument("--seeds", default=",".join(map(str, SEEDS)))
     p.add_argument("--summary", action="store_true", help="only rebuild summary.json and print the table")
@@ -412,6 +478,8 @@ def main() -> int:
         (RESULTS / "memory.json").write_text(json.dumps(memory, indent=2) + "\n")
         print(json.dumps({k: {kk: v[kk] for kk in ("activation_bytes_max", "optimizer_state_bytes", "flops_per_step")}
                           for k, v in memory.items()}, indent=1))
+    if args.phase in ("all", "diagnose"):
+        (RESULTS / "diagnose.json").write_text(json.dumps(diagnose(), indent=2) + "\n")
     if args.phase in ("all", "runs"):
         table_runs = runs(FT_STEPS)
         # db2 from scratch at equal TOTAL FLOPs: the source's pretraining + the fine-tuning, in db2 steps
@@ -420,7 +488,8 @@ def main() -> int:
             total = SOURCE_STEPS * mem["gpt_source_full"]["flops_per_step"] + FT_STEPS * mem["db2_full_anchor"]["flops_per_step"]
             table_runs["db2_scratch_equal_total"] = ("db2", False, SCRATCH, ANCHOR,
                                                      round(total / mem["db2_full_anchor"]["flops_per_step"]))
-            for lever in ("db2c_full_anchor1_open", "db2c_full_anchor_open_x5", "db1_full_anchor_open_x5"):  # last
+            for lever in ("db2c_full_anchor1_open", "db2c_full_anchor_open_x5", "db2_full_anchor_open_x5",
+                          "gpt_continued_x5", "db1_full_anchor_open_x5", "db4_full_anchor_open_x5"):  # last
                 table_runs[lever] = table_runs.pop(lever)
         only = [n for n in args.only.split(",") if n]
         unknown = sorted(set(only) - set(table_runs))
