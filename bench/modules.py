@@ -3,6 +3,14 @@
     python bench/modules.py                      # every module, both variants, seeds 0 1 2 (~1 h on 1 core)
     python bench/modules.py --modules vit --seeds 0 --jobs 2
     python bench/modules.py --retable            # reprint the table from bench/results/modules.json
+    python bench/modules.py --modules vit --split dev --seeds 0 --lr-mults 0.5 1 2   # LR sweep on the dev split
+    python bench/modules.py --modules vit --seeds 0 1 2   # test runs, each variant at its LR chosen on dev
+
+Settings are chosen on a DEV split and reported on the test split: `--split dev` trains on 80% of the
+digits' training images and scores on the other 20% (DEV_FRACTION, a fixed permutation; the test images
+are never seen), writing bench/results/modules_dev.json. A test run takes each variant's learning rate
+from that file (the dev-best mean over seeds, ties to the module's base LR; a DB option variant without
+dev runs of its own takes `db`'s), or the module's base LR where it has no dev runs.
 
 Per module, the same network trained end-to-end (`end_to_end: true`) and as B DiffusionBlocks, at
 EQUAL TRAINING FLOPs: the FLOPs of one training step (forward + backward) are counted with
@@ -55,6 +63,12 @@ VARIANTS = {
     "dit": {"e2e": {"end_to_end": True}, "db": {}},
     "mdm": {"e2e": {"end_to_end": True}, "db": {}},
 }
+# DB recipe options (explicit, never the default unless they win on dev): the official DiffusionBlocks code
+# learns its label embeddings (normalised); its CE weight w(sigma) is per-sample in the paper's text
+OPTION_VARIANTS = {
+    "vit": {"db_edm_weight": {"loss_weight": "edm"}, "db_learned_labels": {"label_table": "learned"}},
+}
+DEV_FRACTION = 0.2  # of the training images, held out for choosing settings (`--split dev`)
 CURVE_POINTS = 4  # evaluations along each run (at equal shares of its FLOPs)
 DIT_SAMPLES_PER_CLASS, DIT_STEPS, DIT_CFG = 100, 50, 2.0
 MDM_EVAL_WINDOWS, MDM_T_SAMPLES = 128, 8
@@ -71,17 +85,37 @@ def build(module: str, variant: str, overrides: dict | None = None):
 
     cls, settings = {"vit": (DiffusionViT, ViTSettings), "dit": (DiffusionDiT, DiTSettings),
                      "mdm": (MaskedDiffusionLM, MDMSettings)}[module]
-    return cls(settings(**{**MODULES[module]["settings"], **VARIANTS[module].get(variant, {}), **(overrides or {})}))
+    return cls(settings(**{**MODULES[module]["settings"], **variants_of(module).get(variant, {}), **(overrides or {})}))
 
 
-def load_data(module: str):
+def variants_of(module: str) -> dict:
+    return {**VARIANTS[module], **OPTION_VARIANTS.get(module, {})}
+
+
+def load_data(module: str, split: str = "test"):
+    """`split` test: train on the training images, score on the test images. dev: train on (1 -
+    DEV_FRACTION) of the training images and score on the rest (a fixed permutation): the test images
+    stay unseen while settings are chosen."""
     if module == "mdm":
         from looped_lm.data.text8 import load_bible
 
+        if split != "test":
+            raise SystemExit("mdm has no dev split here")
         return load_bible()
+    import dataclasses
+
+    import torch
+
     from looped_lm.data.images import load_digits
 
-    return load_digits()
+    data = load_digits()
+    if split == "test":
+        return data
+    perm = torch.randperm(data.train_x.shape[0], generator=torch.Generator().manual_seed(12345))
+    n_dev = round(DEV_FRACTION * len(perm))
+    dev, train = perm[:n_dev], perm[n_dev:]
+    return dataclasses.replace(data, name=data.name + "_dev", train_x=data.train_x[train], train_y=data.train_y[train],
+                               test_x=data.train_x[dev], test_y=data.train_y[dev])
 
 
 def make_batch(module: str, data, batch: int, g):
@@ -251,31 +285,32 @@ def chain_variants(model, data, g) -> dict:
 
 
 def run(module: str, variant: str, seed: int, steps: int, overrides: dict | None = None,
-        only_block: int | None = None) -> dict:
-    """Train one variant for `steps` steps; `overrides` change its settings, `only_block` trains that block
-    alone (a diagnosis: how well one block learns from all of the updates)."""
+        only_block: int | None = None, lr: float | None = None, split: str = "test") -> dict:
+    """Train one variant for `steps` steps at peak learning rate `lr` (default: the module's) on `split`'s
+    training images, scored on its held-out images; `overrides` change its settings, `only_block` trains
+    that block alone (a diagnosis: how well one block learns from all of the updates)."""
     import torch
 
     from looped_lm.optim import BlockwiseAdamW, cosine_with_warmup, param_groups
 
     torch.set_num_threads(1)
     spec = MODULES[module]
-    data = load_data(module)
+    peak = spec["lr"] if lr is None else lr
+    data = load_data(module, split)
     features = feature_net(data)[0] if module == "dit" else None
     torch.manual_seed(seed)
     model = build(module, variant, overrides)
     if only_block is not None:
         model.choose_block = lambda step, seed: only_block
     model.train()
-    opt = BlockwiseAdamW(param_groups(model, 0.05), lr=spec["lr"], betas=(0.9, 0.99))
+    opt = BlockwiseAdamW(param_groups(model, 0.05), lr=peak, betas=(0.9, 0.99))
     g = torch.Generator().manual_seed(seed)
     warmup = max(1, steps // 20)
     checkpoints = {round(steps * (i + 1) / CURVE_POINTS) - 1 for i in range(CURVE_POINTS)}
     losses, curve, t0, cpu0 = [], [], time.perf_counter(), time.process_time()
     for step in range(steps):
-        lr = cosine_with_warmup(step, warmup, steps, spec["lr"], spec["lr"] / 10)
         for group in opt.param_groups:
-            group["lr"] = lr
+            group["lr"] = cosine_with_warmup(step, warmup, steps, peak, peak / 10)
         x, y = make_batch(module, data, spec["batch"], g)
         opt.set_active_units(model.step_units(step, seed))
         loss, _ = model.training_loss(x, y, step, seed)
@@ -289,29 +324,76 @@ def run(module: str, variant: str, seed: int, steps: int, overrides: dict | None
             point = {"step": step + 1, "share_of_flops": (step + 1) / steps,
                      **evaluate(module, model, data, seed, final, features)}
             curve.append(point)
-    return {"module": module, "variant": variant, "seed": seed, "steps": steps,
+    return {"module": module, "variant": variant, "seed": seed, "steps": steps, "lr": peak, "split": split,
+            "overrides": overrides or {}, "only_block": only_block,
             "train_cpu_s": time.process_time() - cpu0, "wall_s": time.perf_counter() - t0,
             "loss_curve": [sum(losses[i:i + 25]) / len(losses[i:i + 25]) for i in range(0, steps, 25)],
             "curve": curve, "final": curve[-1]}
 
 
 def run_job(args):
-    return run(*args)
+    module, variant, seed, steps, lr, split = args
+    return run(module, variant, seed, steps, lr=lr, split=split)
 
 
-def diagnose_vit(out: Path, seeds=(0, 1, 2)) -> None:
-    """Where the DB ViT's remaining gap comes from. Its K = B chain scores what block 0 alone scores from
-    pure noise (the chain's later calls read the label block 0 chose back from z), and block 0 is L/B = 2
-    layers deep with ~1/B of the updates: so the reference is a 2-layer end-to-end classifier with the same
-    600 updates block 0 gets, beside the 6-layer one (the main table's e2e)."""
-    steps = MODULES["vit"]["e2e_steps"]
-    results = {}
-    for seed in seeds:
-        r = run("vit", "e2e", seed, steps, {"n_layers": 2, "num_blocks": 1})
-        results[f"e2e_2_layers_seed{seed}"] = {"steps": steps, "seed": seed, "n_layers": 2,
-                                               "accuracy": r["final"]["accuracy"], "train_cpu_s": r["train_cpu_s"]}
-        print(results[f"e2e_2_layers_seed{seed}"], flush=True)
-        out.write_text(json.dumps(results, indent=1))
+DEV_FILE = RESULTS / "modules_dev.json"
+
+
+def dev_lr(module: str, variant: str, dev: dict) -> tuple[float, str]:
+    """The peak LR a test run of `variant` uses, and where it came from: the best mean dev metric over the
+    variant's dev runs (ties to the LR nearest the module's base), `db`'s choice for a DB option variant with
+    no dev runs of its own, else the module's base LR."""
+    import math
+
+    base = MODULES[module]["lr"]
+    key, _, scale, better = METRIC[module]
+    runs = [r for r in dev.get("modules", {}).get(module, {}).get("runs", []) if r["variant"] == variant]
+    if not runs:
+        if variant.startswith("db_") and dev.get("modules", {}).get(module, {}).get("runs"):
+            lr, _ = dev_lr(module, "db", dev)
+            return lr, "db's, chosen on dev"
+        return base, "the module's base (no dev runs)"
+    by_lr: dict[float, list[float]] = {}
+    for r in runs:
+        by_lr.setdefault(r["lr"], []).append(r["final"][key] * scale)
+    sign = 1 if better == "higher" else -1
+    best = max(by_lr, key=lambda lr: (round(sign * sum(by_lr[lr]) / len(by_lr[lr]), 9), -abs(math.log(lr / base))))
+    return best, f"dev-best of {sorted(by_lr)}"
+
+
+DIAGNOSES = ("e2e_2_layers", "block0_only")
+
+
+def diagnose_vit(out: Path, seeds=(0, 1, 2), kinds=("e2e_2_layers",)) -> None:
+    """Where the DB ViT's remaining gap comes from (test split; the LRs chosen on dev). Its K = B chain scores
+    about what block 0 alone scores from pure noise (the chain's later calls read the label block 0 chose back
+    from z), and block 0 is L/B = 2 layers deep with ~1/B of the updates. Two references, each appended to
+    `out` by (kind, seed):
+      e2e_2_layers  a 2-layer end-to-end classifier (block 0's depth) with the e2e run's 600 updates, at
+                    e2e's LR: what block 0's depth and update count allow with plain CE
+      block0_only   the DB network with every one of the DB run's equal-FLOPs updates given to block 0, at
+                    db's LR, scored as block 0 alone from pure noise at sigma_top: what block 0's
+                    noisy-label objective reaches with 3x its updates"""
+    dev = json.loads(DEV_FILE.read_text()) if DEV_FILE.exists() else {"modules": {}}
+    results = json.loads(out.read_text()) if out.exists() else {}
+    main_file = RESULTS / "modules.json"
+    db_steps = json.loads(main_file.read_text())["modules"]["vit"]["steps"]["db"] if main_file.exists() else None
+    for kind in kinds:
+        for seed in seeds:
+            if kind == "e2e_2_layers":
+                lr, steps = dev_lr("vit", "e2e", dev)[0], MODULES["vit"]["e2e_steps"]
+                r = run("vit", "e2e", seed, steps, {"n_layers": 2, "num_blocks": 1}, lr=lr)
+                acc = r["final"]["accuracy"]
+            else:
+                if db_steps is None:
+                    raise SystemExit("block0_only needs modules.json's equal-FLOPs db steps: run the vit first")
+                lr, steps = dev_lr("vit", "db", dev)[0], db_steps
+                r = run("vit", "db", seed, steps, only_block=0, lr=lr)
+                acc = r["final"]["block0_accuracy"]
+            results[f"{kind}_seed{seed}"] = {"kind": kind, "steps": steps, "seed": seed, "lr": lr, "accuracy": acc,
+                                             "train_cpu_s": r["train_cpu_s"], "split": "test"}
+            print(results[f"{kind}_seed{seed}"], flush=True)
+            out.write_text(json.dumps(results, indent=1))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -327,26 +409,46 @@ def mean_spread(values):
     return sum(values) / len(values), (max(values) - min(values)) / 2
 
 
-def summarise(results: dict) -> str:
-    lines = ["DiffusionBlocks (DB) vs end-to-end (e2e) at equal training FLOPs (torch.utils.flop_counter), "
-             "written by `python bench/modules.py`: vit / dit on scikit-learn's 8x8 digits (6 layers, d 64, B = 3), "
-             "mdm on the Bible in text8's alphabet (6 layers, d 96, sequence 64, B = 3); spread = half the range "
-             "over seeds; activation memory = bytes autograd saves in one training step.", "",
-             "| module | metric | variant | result (mean ± spread, n seeds) | DB − e2e | target | met "
-             "| training steps | activation memory / e2e (floor 1/B) |", "|---|---|---|---:|---:|---|---|---:|---:|"]
+def run_lr(entry: dict, r: dict, module: str) -> float:
+    """A run's peak LR (runs written before the LR was recorded ran at the module's base)."""
+    return r.get("lr", entry.get("base_lr", entry.get("lr", MODULES[module]["lr"])))
+
+
+def finals_of(entry: dict, module: str) -> dict[str, list[float]]:
+    key, _, scale, _ = METRIC[module]
+    finals: dict[str, list[float]] = {}
+    for r in entry.get("runs", []):
+        finals.setdefault(r["variant"], []).append(r["final"][key] * scale)
+    return finals
+
+
+def summarise(results: dict, dev: dict | None = None) -> str:
+    if dev is None:
+        dev = json.loads(DEV_FILE.read_text()) if DEV_FILE.exists() else {"modules": {}}
+    lines = ["DiffusionBlocks (DB) vs end-to-end (e2e) at equal training FLOPs (torch.utils.flop_counter: the DB run "
+             "gets round(600 x e2e FLOPs/step / DB FLOPs/step) steps), written by `python bench/modules.py`: vit / dit "
+             "on scikit-learn's 8x8 digits (6 layers, d 64, B = 3; test = the held-out 20% of the digits), mdm on "
+             "the Bible in text8's alphabet (6 layers, d 96, sequence 64, B = 3); spread = half the range over "
+             "seeds; activation memory = bytes autograd saves in one training step. Settings are chosen on a dev "
+             f"split ({round(100 * DEV_FRACTION)}% of the training images held out; modules_dev.json), never on test.",
+             "", "| module | metric | variant | peak LR | result (mean ± spread, n seeds) | DB − e2e | target | met "
+             "| training steps | activation memory / e2e (floor 1/B) |", "|---|---|---|---|---:|---:|---|---|---:|---:|"]
     for module, res in results.get("modules", {}).items():
-        key, label, scale, better = METRIC[module]
-        finals = {}
-        for r in res.get("runs", []):
-            finals.setdefault(r["variant"], []).append(r["final"][key] * scale)
+        _, label, _, _ = METRIC[module]
+        finals = finals_of(res, module)
         if "e2e" not in finals:
             continue
         e2e_mean, _ = mean_spread(finals["e2e"])
-        for variant in [v for v in VARIANTS[module] if v in finals]:
+        for variant in [v for v in variants_of(module) if v in finals]:
             mean, spread = mean_spread(finals[variant])
             cost = res["cost"][variant]
             memory = cost["act_bytes"] / res["cost"]["e2e"]["act_bytes"]
-            row = [module, label, variant, f"{mean:.2f} ± {spread:.2f} ({len(finals[variant])})"]
+            lrs = sorted({run_lr(res, r, module) for r in res["runs"] if r["variant"] == variant})
+            source = res.get("lr_source", {}).get(variant, "the module's base (no dev runs)")
+            lr_cell = "/".join(f"{lr:g}" for lr in lrs) + (" (dev-chosen)" if source.startswith(("dev", "db's"))
+                                                          else " (base, not swept)")
+            name = variant if variant in VARIANTS[module] else f"{variant} (option)"
+            row = [module, label, name, lr_cell, f"{mean:.2f} ± {spread:.2f} ({len(finals[variant])})"]
             if variant == "e2e":
                 row += ["", "", "", str(res["steps"][variant]), "1.00"]
             else:
@@ -355,16 +457,39 @@ def summarise(results: dict) -> str:
                 row += [f"{diff:+.2f}", MODULES[module]["target"], "yes" if met else "no", str(res["steps"][variant]),
                         f"{memory:.2f} ({1 / cost['num_blocks']:.2f})"]
             lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines + diagnostics(results) + NOTES)
+    dev_lines = summarise_dev(dev)
+    if dev_lines:
+        lines += ["", "Dev split (seed 0 unless the bracket says more; the LR marked `chosen` is what the test rows "
+                  "use):", dev_lines]
+    return "\n".join(lines + diagnostics(results) + reading(results))
 
 
-NOTES = ["", "Reading (vit and dit measured with the recipe of docs/method.md §7: the official DiffusionBlocks code's "
-         "grid, the last call at sigma_min, its network term, batch-mean weight and smooth noise embedding, and the "
-         "language models' chain start; mdm's rows come from the earlier run, its code unchanged since):",
-         "- vit: the K = B chain scores within about a point of block 0 alone from pure noise, and a 2-layer "
-         "end-to-end classifier with block 0's updates matches the 6-layer one: the remaining gap is how well "
-         "block 0 learns the image from its noisy-label objective, not the depth L/B nor the chain.",
-         "- n seeds per row: the count in brackets (dit: one seed, all the shared machine allowed)."]
+def summarise_dev(dev: dict) -> str:
+    """The dev split's runs (settings chosen here, never on test): per module, variant and peak LR, the mean ±
+    spread over seeds, and the LR each variant's test runs take."""
+    lines = []
+    for module, res in dev.get("modules", {}).items():
+        key, label, scale, _ = METRIC[module]
+        cells: dict[tuple[str, float], list[float]] = {}
+        for r in res.get("runs", []):
+            cells.setdefault((r["variant"], r["lr"]), []).append(r["final"][key] * scale)
+        for variant in [v for v in variants_of(module) if any(c[0] == v for c in cells)]:
+            chosen, _ = dev_lr(module, variant, dev)
+            parts = [f"lr {lr:g}: {mean_spread(vals)[0]:.2f} ± {mean_spread(vals)[1]:.2f} ({len(vals)})"
+                     + (" <- chosen" if lr == chosen else "")
+                     for (v, lr), vals in sorted(cells.items()) if v == variant]
+            lines.append(f"- {module} {variant}, dev {label}: " + "; ".join(parts))
+    return "\n".join(lines)
+
+
+def vit_diagnosis() -> dict[str, list[dict]]:
+    """modules_vit_diagnosis.json by kind (entries written before kinds were recorded are e2e_2_layers)."""
+    path = RESULTS / "modules_vit_diagnosis.json"
+    out: dict[str, list[dict]] = {}
+    if path.exists():
+        for r in json.loads(path.read_text()).values():
+            out.setdefault(r.get("kind", "e2e_2_layers"), []).append(r)
+    return out
 
 
 def diagnostics(results: dict) -> list[str]:
@@ -379,7 +504,7 @@ def diagnostics(results: dict) -> list[str]:
                 ("accuracy_sample_bridge", "sampled bridge")]
         parts = [f"{label} {mean_spread([100 * r['final'][k] for r in runs])[0]:.2f}" for k, label in keys
                  if all(k in r["final"] for r in runs)]
-        out.append(f"- vit db, the same trained blocks under other inference choices (mean of {len(runs)} seeds): "
+        out.append(f"- vit db, the same trained blocks under other inference choices (test, mean of {len(runs)} seeds): "
                    + "; ".join(parts))
     for variant in ("e2e", "db"):
         runs = [r for r in mods.get("mdm", {}).get("runs", []) if r["variant"] == variant]
@@ -392,75 +517,136 @@ def diagnostics(results: dict) -> list[str]:
         out.append(f"- dit: held-out real digits vs the training digits: Frechet distance "
                    f"{d['real_test_vs_train_frechet']:.2f} (the floor; the feature classifier's test accuracy "
                    f"{100 * d['feature_net_test_accuracy']:.1f}%)")
-    diag = RESULTS / "modules_vit_diagnosis.json"
-    if diag.exists():  # written by --diagnose-vit
-        d = list(json.loads(diag.read_text()).values())
-        acc = mean_spread([100 * r["accuracy"] for r in d])
-        out.append(f"- vit diagnosis (modules_vit_diagnosis.json, {len(d)} seeds): a 2-layer end-to-end classifier (block "
-                   f"0's depth) with block 0's {d[0]['steps']} updates: {acc[0]:.2f} ± {acc[1]:.2f}")
+    what = {"e2e_2_layers": "a 2-layer end-to-end classifier (block 0's depth) with {steps} updates",
+            "block0_only": "block 0 alone (from pure noise) after ALL {steps} of the DB run's equal-FLOPs updates"}
+    for kind, entries in vit_diagnosis().items():
+        acc = mean_spread([100 * r["accuracy"] for r in entries])
+        lrs = "/".join(f"{lr:g}" for lr in sorted({r.get("lr", MODULES["vit"]["lr"]) for r in entries}))
+        out.append(f"- vit diagnosis (modules_vit_diagnosis.json, test, lr {lrs}, seeds "
+                   f"{sorted(r['seed'] for r in entries)}): {what[kind].format(steps=entries[0]['steps'])}: "
+                   f"{acc[0]:.2f} ± {acc[1]:.2f}")
     return out if len(out) > 1 else []
+
+
+def reading(results: dict) -> list[str]:
+    """What the numbers say, computed from them (no number is written here by hand)."""
+    mods, out = results.get("modules", {}), ["", "Reading (vit and dit: the recipe of docs/method.md §7, the official "
+                                             "DiffusionBlocks code's grid, last call at sigma_min, network term, "
+                                             "batch-mean weight and smooth noise embedding; mdm's rows come from the "
+                                             "earlier run at the base LR, its code unchanged since):"]
+    vit = mods.get("vit", {})
+    finals = finals_of(vit, "vit")
+    if "e2e" in finals and "db" in finals:
+        e2e, db = mean_spread(finals["e2e"])[0], mean_spread(finals["db"])[0]
+        runs = [r for r in vit["runs"] if r["variant"] == "db" and "block0_accuracy" in r["final"]]
+        chain = mean_spread([100 * (r["final"]["accuracy"] - r["final"]["block0_accuracy"]) for r in runs])[0]
+        line = (f"- vit: DB − e2e = {db - e2e:+.2f} points on test ({'met' if db - e2e >= -1.5 else 'missed'}: the "
+                f"target is −1.5). The K = B chain adds {chain:+.2f} points to block 0 alone from pure noise, so the "
+                "prediction is block 0's")
+        diag = vit_diagnosis()
+        if "block0_only" in diag:
+            b0 = mean_spread([100 * r["accuracy"] for r in diag["block0_only"]])[0]
+            own = mean_spread([100 * r["final"]["block0_accuracy"] for r in runs])[0]
+            line += (f"; block 0 with all the DB run's updates (3x its share) scores {b0:.2f} vs {own:.2f} at its "
+                     f"share and {e2e:.2f} for e2e: ")
+            line += ("the update share explains most of the gap" if b0 - own > (e2e - own) / 2 else
+                     "more updates do not close it: block 0's noisy-label objective at its depth is the limit")
+        if "e2e_2_layers" in diag:
+            two = mean_spread([100 * r["accuracy"] for r in diag["e2e_2_layers"]])[0]
+            line += f"; a 2-layer e2e classifier with 600 updates scores {two:.2f}"
+        out.append(line + ".")
+    for module in ("dit", "mdm"):
+        n = {v: len(x) for v, x in finals_of(mods.get(module, {}), module).items()}
+        if n:
+            out.append(f"- {module}: seeds per variant {n}.")
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modules", nargs="+", default=list(MODULES), choices=list(MODULES))
-    ap.add_argument("--variants", nargs="+", default=None, help="default: every variant of the module")
+    ap.add_argument("--variants", nargs="+", default=None,
+                    help="default: the module's e2e and db (the DB option variants only when named)")
     ap.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2], help="none: only re-measure costs and floors")
     ap.add_argument("--jobs", type=int, default=1, help="runs in parallel, one thread each")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every run's steps (quick checks: 0.1)")
-    ap.add_argument("--out", type=Path, default=RESULTS / "modules.json")
+    ap.add_argument("--split", choices=("test", "dev"), default="test",
+                    help="dev: train on 80%% of the training images, score on the other 20%% (modules_dev.json)")
+    ap.add_argument("--lr-mults", nargs="+", type=float, default=None,
+                    help="dev sweep: peak LR = the module's base LR times each (default: the dev-chosen LR)")
+    ap.add_argument("--out", type=Path, default=None, help="default: modules.json (test) / modules_dev.json (dev)")
     ap.add_argument("--retable", action="store_true")
     ap.add_argument("--fresh", action="store_true", help="drop the modules' earlier runs (after their code changed)")
-    ap.add_argument("--diagnose-vit", action="store_true", help="write modules_vit_diagnosis.json and stop")
+    ap.add_argument("--diagnose-vit", nargs="*", choices=DIAGNOSES, default=None,
+                    help="append these diagnoses (default e2e_2_layers) to modules_vit_diagnosis.json and stop")
     args = ap.parse_args()
-    if args.diagnose_vit:
+    out = args.out or (DEV_FILE if args.split == "dev" else RESULTS / "modules.json")
+    if args.lr_mults and args.split != "dev":
+        raise SystemExit("--lr-mults is a dev sweep: settings are chosen on dev (--split dev)")
+    if args.diagnose_vit is not None:
         import torch
 
         torch.set_num_threads(1)
-        diagnose_vit(args.out.parent / "modules_vit_diagnosis.json", args.seeds)
+        diagnose_vit(RESULTS / "modules_vit_diagnosis.json", args.seeds, args.diagnose_vit or ("e2e_2_layers",))
         return
-    results = json.loads(args.out.read_text()) if args.out.exists() else {"modules": {}}
+    results = json.loads(out.read_text()) if out.exists() else {"modules": {}}
     if args.retable:
-        print(summarise(results))
+        print(summarise(results) if args.split == "test" else summarise_dev(results))
         return
+    dev = json.loads(DEV_FILE.read_text()) if DEV_FILE.exists() else {"modules": {}}
     import torch
 
     torch.set_num_threads(1)
     jobs = []
     for module in args.modules:
-        variants = [v for v in VARIANTS[module] if args.variants is None or v in args.variants]
-        cost = flops_and_memory(module, VARIANTS[module], load_data(module))
+        every = variants_of(module)
+        variants = [v for v in every if (v in args.variants if args.variants else v in VARIANTS[module])]
+        cost = flops_and_memory(module, every, load_data(module))
         e2e_steps = max(CURVE_POINTS, round(MODULES[module]["e2e_steps"] * args.scale))
         steps = {v: round(e2e_steps * cost["e2e"]["flops_per_step"] / cost[v]["flops_per_step"]) for v in cost}
         entry = results["modules"].setdefault(module, {})
-        entry.update(cost=cost, steps=steps, settings=MODULES[module]["settings"], variants=VARIANTS[module],
-                     batch=MODULES[module]["batch"], lr=MODULES[module]["lr"])
-        entry["runs"] = [r for r in entry.get("runs", []) if r["variant"] in VARIANTS[module] and not args.fresh and
-                         (r["seed"], r["variant"]) not in {(s, v) for s in args.seeds for v in variants}]
+        if args.lr_mults:
+            lrs = {v: [MODULES[module]["lr"] * m for m in args.lr_mults] for v in variants}
+            entry.setdefault("lr_source", {}).update({v: "sweep" for v in variants})
+        else:
+            chosen = {v: dev_lr(module, v, dev) for v in variants}
+            lrs = {v: [lr] for v, (lr, _) in chosen.items()}
+            entry.setdefault("lr_by_variant", {}).update({v: lr for v, (lr, _) in chosen.items()})
+            entry.setdefault("lr_source", {}).update({v: src for v, (_, src) in chosen.items()})
+        entry.update(cost=cost, steps=steps, settings=MODULES[module]["settings"], variants=every,
+                     batch=MODULES[module]["batch"], base_lr=MODULES[module]["lr"], split=args.split)
+        entry.pop("lr", None)
+        redo = {(s, v, lr) for s in args.seeds for v in variants for lr in lrs[v]}
+        keep_lr = args.split == "dev"  # dev: one run per (seed, variant, lr); test: one per (seed, variant)
+        entry["runs"] = [r for r in entry.get("runs", []) if r["variant"] in every and not args.fresh and
+                         not any(r["seed"] == s and r["variant"] == v and (not keep_lr or r.get("lr") == lr)
+                                 for s, v, lr in redo)]
         print(f"{module}: flops/step " + ", ".join(f"{v} {c['flops_per_step']:.3g}" for v, c in cost.items())
-              + f" -> steps {steps}; activation bytes " + ", ".join(f"{v} {c['act_bytes']}" for v, c in cost.items()),
-              flush=True)
-        if module == "dit":  # the distance of real held-out digits: the floor a perfect sampler would reach
+              + f" -> steps {steps}; activation bytes " + ", ".join(f"{v} {c['act_bytes']}" for v, c in cost.items())
+              + f"; lr {lrs}", flush=True)
+        if module == "dit" and args.split == "test":  # the distance of real held-out digits: the floor
             from looped_lm.models.dit import frechet_distance
 
             data = load_data(module)
             features, accuracy = feature_net(data)
             entry["feature_net_test_accuracy"] = accuracy
             entry["real_test_vs_train_frechet"] = frechet_distance(features(data.test_x), features(data.train_x))
-        jobs += [(module, v, s, steps[v]) for s in args.seeds for v in variants]
+        jobs += [(module, v, s, steps[v], lr, args.split) for s in args.seeds for v in variants for lr in lrs[v]]
+    out.parent.mkdir(parents=True, exist_ok=True)
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         for res in pool.map(run_job, jobs):
             results["modules"][res["module"]]["runs"].append(res)
             key = METRIC[res["module"]][0]
-            print(f"{res['module']} {res['variant']} seed {res['seed']}: {key} {res['final'][key]:.4f} "
-                  f"({res['train_cpu_s']:.0f} s CPU)", flush=True)
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(results, indent=1))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1))
+            print(f"{res['module']} {res['variant']} seed {res['seed']} lr {res['lr']:g} ({res['split']}): {key} "
+                  f"{res['final'][key]:.4f} ({res['train_cpu_s']:.0f} s CPU)", flush=True)
+            out.write_text(json.dumps(results, indent=1))
+    out.write_text(json.dumps(results, indent=1))
+    if args.split == "dev":
+        print(summarise_dev(results))
+        return
     table = summarise(results)
-    args.out.with_suffix(".md").write_text(table + "\n")
-    write_figures(results, args.out.parent / args.out.stem)
+    out.with_suffix(".md").write_text(table + "\n")
+    write_figures(results, out.parent / out.stem)
     print(table)
 
 

@@ -58,6 +58,7 @@ from looped_lm.sampling import SharedGenerator
 from looped_lm.settings import InferenceSettings
 
 LOSS_WEIGHTS = ("batch_mean", "edm", "none")
+LABEL_TABLES = ("fixed", "learned")
 
 
 @dataclass
@@ -85,6 +86,8 @@ class ViTSettings:
     sample_top_quantile: float = 0.999  # chains start at this quantile of block 0's sigma law; 1 = sigma_max
     num_iterations: int = 0  # default K of predict; 0 = num_blocks
     parameterization: str = "edm"  # edm (the paper); likelihood: logits + <z, y_v>/sigma^2 (method.md §9) [ours]
+    label_table: str = "fixed"  # the clean label points: fixed random unit vectors, or learned (normalised to unit
+    # norm at every use, trained with the shared parts through the target and the chain: the official code's)
     noise: dm.NoiseSchedule = field(default_factory=dm.NoiseSchedule)
     norm_eps: float = 1e-6
     init_std: float = 0.02
@@ -105,6 +108,7 @@ class ViTSettings:
         if not 0 < self.sample_top_quantile <= 1:
             raise UserError(f"{p}.sample_top_quantile must be in (0, 1] (got {self.sample_top_quantile})")
         check_choice(self.parameterization, ("edm", "likelihood"), f"{p}.parameterization")
+        check_choice(self.label_table, LABEL_TABLES, f"{p}.label_table")
         if self.num_iterations and not self.end_to_end:
             check_iterations(self.num_iterations, self.num_blocks, f"{p}.num_iterations")
         self.noise.validate()
@@ -133,11 +137,17 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
         else:
             self.noise_emb = TimestepEmbedding(d)
             self.final_ada = nn.Linear(d, 2 * d)  # shift, scale of h before the head (the official code's)
-        # Clean label points: fixed random unit vectors (no gradient into the targets, as in dblm)
-        self.register_buffer("label_table", F.normalize(torch.randn(s.num_classes, d), dim=-1))
+        # Clean label points: fixed random unit vectors (no gradient into the targets, as in dblm), or learned
+        if s.label_table == "learned" and not s.end_to_end:
+            self.label_emb = nn.Parameter(torch.randn(s.num_classes, d))
+        else:
+            self.register_buffer("label_table", F.normalize(torch.randn(s.num_classes, d), dim=-1))
         self.norm = nn.LayerNorm(d, eps=s.norm_eps)  # learnable gain: the network's term is not capped
         self.head = nn.Linear(d, s.num_classes)
+        learned = self.label_emb.data.clone() if hasattr(self, "label_emb") else None
         init_weights(self, s.init_std, s.n_layers)
+        if learned is not None:
+            self.label_emb.data.copy_(learned)  # the same random start as the fixed table (unit after normalising)
         nn.init.xavier_uniform_(self.patch_embed.weight)  # O(1) patch tokens from the first step (DiT's init)
         for layer in (layer for block in self.blocks for layer in block):
             nn.init.zeros_(layer.ada.weight)
@@ -155,6 +165,10 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
         return {**super().checkpoint_state(), "end_to_end": self.end_to_end}
 
     # --- forward pieces -------------------------------------------------------------------------
+
+    def labels(self):
+        """The clean label points (num_classes, d_model), unit norm: the fixed table or the learned one."""
+        return F.normalize(self.label_emb, dim=-1) if hasattr(self, "label_emb") else self.label_table
 
     def embed_patches(self, images):
         check_images(images, self.settings.channels, self.settings.image_size)
@@ -178,7 +192,7 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
             # the exact log-likelihood of z under each label (unit-norm targets): the network only has to
             # supply the image's prior over labels, and what z already says is never lost
             features = self.norm(out)
-            logits = self.head(features) + (z @ self.label_table.T) / sigma[:, None] ** 2
+            logits = self.head(features) + (z @ self.labels().T) / sigma[:, None] ** 2
         else:  # EDM's skip, as the official code: c_out * LayerNorm(F) + c_skip * z, adaLN, head
             shift, scale = self.final_ada(F.silu(cond)).unsqueeze(1).chunk(2, dim=-1)
             features = modulate((c_out * self.norm(out) + c_skip * z)[:, None], shift, scale)[:, 0]
@@ -203,7 +217,7 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
             return ce.mean(), {"block": 0, "loss_block0": float(ce.detach().mean())}
         b = self.choose_block(step, seed)
         sigma = dm.sample_sigma(x.shape[0], *self.train_ranges[b], self.sched, device=x.device)
-        z = self.label_table[y] + sigma[:, None] * torch.randn(x.shape[0], self.settings.d_model, device=x.device)
+        z = self.labels()[y] + sigma[:, None] * torch.randn(x.shape[0], self.settings.d_model, device=x.device)
         ce = F.cross_entropy(self.block_logits(b, patches, z, sigma).float(), y, reduction="none")
         loss = (ce * self.loss_weights(sigma, b)).mean()
         return loss, {"block": b, f"loss_block{b}": float(ce.detach().mean()), "sigma_mean": float(sigma.mean())}
@@ -246,10 +260,11 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
             logits, last["features"] = self.block_logits(b, patches[rows], z_rows[:, 0], sigma, True)
             return logits[:, None]
 
-        table = lambda: self.label_table  # noqa: E731
+        labels = self.labels()
+        table = lambda: labels  # noqa: E731
         settings = [InferenceSettings(num_iterations=K, bridge=self.settings.bridge)] * N
         out = run_chain(denoise, self.grid, settings, z.to(images.device), SharedGenerator(generator),
-                        lambda ids: self.label_table[ids], table)
+                        lambda ids: labels[ids], table)
         logits = out.logits[:, 0]
         return (logits, last["features"]) if with_features else logits
 
