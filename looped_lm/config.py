@@ -42,7 +42,7 @@ PosteriorInput = Literal["full", "detached", "topk"]
 Head = Literal["tied", "cosine"]
 LossWeight = Literal["none", "edm", "batch_mean"]
 TargetScale = Literal["unit", "sigma_data"]
-BlockSampling = Literal["uniform", "round_robin", "loss_share"]
+BlockSampling = Literal["uniform", "round_robin", "loss_share", "network_gain"]
 Bridge = Literal["soft", "hard", "sample"]
 LastCall = Literal["edge", "sigma_min"]
 Context = Literal["independent", "stacked"]
@@ -72,7 +72,7 @@ class DiffusionConfig(_Section):
                                            "deep, num_blocks = n_layers / N) or one count per block from block 0 "
                                            "(highest noise) down, e.g. [3, 1]; 0 = n_layers / num_blocks each")
     partition: Partition = _f("equi_probability", "block edges: equal noise mass (equi_probability) or equal ln-width")
-    curve_every: int = _f(200, "block_sampling loss_share: re-measure held-out CE(sigma) every N steps")
+    curve_every: int = _f(200, "block_sampling loss_share / network_gain: re-measure held-out CE(sigma) every N steps")
     curve_until: int = _f(0, "stop re-measuring (freeze the block shares) after this step; 0 = never")
     context: Context = _f("independent", "db_ar: where block b's clean stream starts: the embedding (independent, the "
                           "paper: a prediction has the context depth of one block) or the clean states of "
@@ -107,9 +107,11 @@ class DiffusionConfig(_Section):
     target_fraction: Float = _f(1.0, "share of noisy slots trained per sequence (clean stream stays whole)")
     blocks_to_train: list[int] = _f([], "train only these blocks (others frozen, no optimiser state; the checkpoint "
                                     "records them, and `looped_lm merge` joins such jobs); [] = all")
-    block_sampling: BlockSampling = _f("loss_share", "which block a step trains: uniform (paper), round_robin, or loss_share "
-                             "(in proportion to each block's share of the CE drop); train.mode block_parallel: "
-                             "which of its own blocks a rank trains (uniform or round_robin)")
+    block_sampling: BlockSampling = _f("loss_share", "which block a step trains: uniform (paper), round_robin, loss_share "
+                             "(in proportion to each block's share of the CE drop) or network_gain (to what the "
+                             "network adds to z's own likelihood in each block's interval: block 0 learns the "
+                             "whole context prior); train.mode block_parallel: which of its own blocks a rank "
+                             "trains (uniform or round_robin)")
     bridge: Bridge = _f("sample", "logits -> denoised embedding between steps: soft (expectation), hard (argmax), "
                      "or sample (a token drawn from the logits)")
     num_iterations: int = _f(0, "default K denoising steps per token at inference; 0 = num_blocks")

@@ -50,11 +50,13 @@ def check_world(cfg: Config, world: int) -> None:
     if world % n and n % world:
         raise UserError(f"train.mode block_parallel: world size {world} does not fit {n} trained blocks (one must be "
                         f"a multiple of the other: e.g. {n} or {2 * n} ranks)")
-    # one block per rank: block_sampling has nothing to choose; several: loss_share's shared draw cannot apply
-    if world < n and cfg.diffusion.block_sampling == "loss_share":
+    # one block per rank: block_sampling has nothing to choose; several: a curve rule's shared draw cannot apply
+    rule = cfg.diffusion.block_sampling
+    if world < n and rule in ("loss_share", "network_gain"):
         raise UserError(f"train.mode block_parallel on {world} rank(s) for {n} blocks: each rank trains one of its "
-                        f"{n // world} blocks per step, which diffusion.block_sampling loss_share (the default) cannot "
-                        f"choose; set diffusion.block_sampling=uniform (or round_robin), or use {n} ranks")
+                        f"{n // world} blocks per step, which diffusion.block_sampling {rule}"
+                        f"{' (the default)' if rule == 'loss_share' else ''} cannot choose; set "
+                        f"diffusion.block_sampling=uniform (or round_robin), or use {n} ranks")
 
 
 def ranks_of_blocks(cfg: Config, world: int) -> dict[int, list[int]]:

@@ -1,4 +1,4 @@
-"""The measured CE(sigma) curve and the options around it: loss_share, prev_token, clean_lm_weight.
+"""The measured CE(sigma) curve and the options around it: loss_share, network_gain, prev_token, clean_lm_weight.
 Hand-computed values on curves whose answers are known in closed form."""
 
 import math
@@ -28,6 +28,20 @@ def test_block_shares_by_hand():
     assert ce_curve.block_shares([math.exp(-2), 1.0, math.exp(2)], SIGMAS, LINEAR) == pytest.approx([0.5, 0.5])
     # block 0 owns [e^1, e^2]: CE 3 -> 4 of a 0 -> 4 drop
     assert ce_curve.block_shares([math.exp(-2), math.e, math.exp(2)], SIGMAS, LINEAR) == pytest.approx([0.25, 0.75])
+
+
+def test_gain_shares_by_hand():
+    """What the network adds, ce_z - ce, linear in ln(sigma): each block's mean is its midpoint value."""
+    zero = [0.0] * len(SIGMAS)
+    # ce_z = 2 * LINEAR, ce = LINEAR: the gain is LINEAR itself, mean 1 over [e^-2, 1] and 3 over [1, e^2]
+    doubled = [2 * c for c in LINEAR]
+    assert ce_curve.gain_shares([math.exp(-2), 1.0, math.exp(2)], SIGMAS, LINEAR, doubled) == pytest.approx([0.75, 0.25])
+    # the same CE drop, all of it free (ce = ce_z): the network adds nothing anywhere, shares are even
+    assert ce_curve.gain_shares([math.exp(-2), 1.0, math.exp(2)], SIGMAS, LINEAR, LINEAR) == pytest.approx([0.5, 0.5])
+    # a network worse than z alone gains nothing there (clipped at 0), so the other block takes every share
+    worse = [2 * c + 1 if s < 1 else c for c, s in zip(LINEAR, SIGMAS)]
+    assert ce_curve.gain_shares([math.exp(-2), 1.0, math.exp(2)], SIGMAS, worse, doubled)[0] > 0.95
+    assert ce_curve.gain_shares([math.exp(-2), 1.0, math.exp(2)], SIGMAS, zero, zero) == [0.5, 0.5]
 
 
 def make(**diffusion):
@@ -93,6 +107,25 @@ def test_loss_share_sampling_follows_the_curve():
     picks = [model.choose_block(s, 0) for s in range(2000)]
     assert abs(picks.count(0) / 2000 - 0.25) < 0.04
     assert [model.choose_block(s, 0) for s in range(50)] == picks[:50]  # deterministic per step
+
+
+def test_network_gain_sampling_follows_the_gain_not_the_drop():
+    model = make(block_sampling="network_gain")
+    model.set_edges([math.exp(-2), 1.0, math.exp(2)])
+    # the drop splits 0.5 / 0.5 (loss_share), the gain 0.75 / 0.25 in block 0's favour
+    model.apply_curve({"sigmas": SIGMAS, "ce": LINEAR, "ce_z": [2 * c for c in LINEAR]})
+    picks = [model.choose_block(s, 0) for s in range(2000)]
+    assert abs(picks.count(0) / 2000 - 0.75) < 0.04
+    assert model.uses_curve()
+
+
+def test_measured_curve_has_z_alone_from_uniform_to_exact():
+    """ce_z is the CE of z's own likelihood: log V where z carries nothing (sigma_max), ~0 at sigma_min."""
+    model = make(block_sampling="network_gain")
+    x = torch.randint(0, 41, (2, 16))
+    curve = model.measure_curve(x[:, :-1], x[:, 1:], seed=0)
+    assert len(curve["ce_z"]) == len(curve["sigmas"])
+    assert curve["ce_z"][-1] == pytest.approx(math.log(41), abs=0.15) and curve["ce_z"][0] < 0.01
 
 
 def test_measured_curve_has_one_point_per_sigma_and_is_saved():

@@ -2,8 +2,9 @@
 
 A step picks block b from (step, seed) alone (every rank agrees), draws sigma per sample from b's
 widened interval, noises the next-token targets, runs b's two streams, and takes the noisy slots' CE.
-`block_sampling: loss_share` picks blocks in proportion to their share of the held-out CE drop, from a
-CE(sigma) curve the trainer re-measures every `diffusion.curve_every` steps.
+`block_sampling: loss_share` picks blocks in proportion to their share of the held-out CE drop,
+`network_gain` in proportion to what the network adds to z's own likelihood in each block's interval
+(diffusion/ce_curve.py), from CE(sigma) curves the trainer re-measures every `diffusion.curve_every` steps.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from looped_lm.models.layers import chunked, token_cross_entropy
 from looped_lm.models.two_stream import slot_mask
 
 
+CURVE_RULES = ("loss_share", "network_gain")  # block_sampling rules driven by the measured curves
+
+
 class BlockObjective:
     def __init__(self, net, trainable_blocks: list[int]):
         self.net, self.cfg = net, net.cfg.diffusion
@@ -30,13 +34,20 @@ class BlockObjective:
     def choose_block(self, step: int, seed: int) -> int:
         """The block trained at `step`: the same on every rank (it depends on step and seed only)."""
         weights = None
-        if self.cfg.block_sampling == "loss_share" and self.curve is not None:
-            shares = ce_curve.block_shares(self.net.edges, self.curve["sigmas"], self.curve["ce"])
+        if self.uses_curve() and self.curve is not None:
+            shares = self.shares()
             weights = torch.tensor([shares[b] for b in self.trainable_blocks], dtype=torch.float64) + 1e-3  # never starve one
         return choose_block(step, seed, self.trainable_blocks, self.cfg.block_sampling, weights)
 
+    def shares(self) -> list[float]:
+        """Each block's share of the steps under the curve-driven rules (loss_share, network_gain)."""
+        c = self.curve
+        if self.cfg.block_sampling == "network_gain":
+            return ce_curve.gain_shares(self.net.edges, c["sigmas"], c["ce"], c["ce_z"])
+        return ce_curve.block_shares(self.net.edges, c["sigmas"], c["ce"])
+
     def uses_curve(self) -> bool:
-        return self.cfg.block_sampling == "loss_share" and len(self.trainable_blocks) > 1
+        return self.cfg.block_sampling in CURVE_RULES and len(self.trainable_blocks) > 1
 
     def loss_weights(self, sigma, b: int):
         kind = self.cfg.loss_weight
@@ -113,9 +124,12 @@ class BlockObjective:
         net = self.net
         g = torch.Generator(device=x.device).manual_seed(seed)
         window, y_emb = WindowContext(net, x), net.targets(y)
-        sigmas, ce = ce_curve.sigma_grid(net.sched, n_sigma), []
+        sigmas, ce, ce_z = ce_curve.sigma_grid(net.sched, n_sigma), [], []
         for s in sigmas:
             z = y_emb + s * torch.randn(y_emb.shape, device=x.device, generator=g)
-            logits = window.denoise(dm.route_sigma(s, net.edges), z, torch.full((x.shape[0],), s, device=x.device))
+            sigma = torch.full((x.shape[0],), s, device=x.device)
+            logits = window.denoise(dm.route_sigma(s, net.edges), z, sigma)
             ce.append(float(token_cross_entropy(logits, y).mean()))
-        return {"sigmas": sigmas, "ce": ce}
+            # z's own likelihood, no context: what the network's prediction is measured against (network_gain)
+            ce_z.append(float(token_cross_entropy(net.token_loglik(z, sigma), y).mean()))
+        return {"sigmas": sigmas, "ce": ce, "ce_z": ce_z}
