@@ -21,8 +21,9 @@ Which source layer goes where (`layer_plan`), L = the source's layer count:
     gpt          all L layers, in order (model.n_layers = L)
     db_ar        prelude = the first n_prelude, then block 0, block 1, ... (each its layers_per_block;
                  with context stacked and stack_order low_noise_first block B-1 first, ..., block 0
-                 last: the order the clean stream runs), coda = the last n_coda (n_prelude + model.n_layers + n_coda = L). The noisy stream's
-                 additions start as identity (adaLN-Zero: `ada` zero); with diffusion.context stacked
+                 last: the order the clean stream runs), coda = the last n_coda (n_prelude +
+                 model.n_layers + n_coda = L). The noisy stream's adaLN gates start open (NOISY_GATES:
+                 its layers run as the source's, shift and scale zero); with diffusion.context stacked
                  the clean stream through every block is the source's forward pass exactly.
     looped_db,   prelude = the first n_prelude, core = model.n_layers layers from model.init_core_start
     huginn       (-1: right after the prelude), coda = the last n_coda; the layers in between are dropped
@@ -53,11 +54,12 @@ REFUSED = {
     "gemma": "a scaled embedding, (1 + w) RMSNorm and GeLU",
     "opt": "learned position embeddings and LayerNorm",
 }
-# the noisy stream's adaLN gates at conversion: "closed" (adaLN-Zero, the documented default: the noisy
-# stream starts as identity) or "open" (gate biases 1: its layers start as the source's). An experiment
-# switch for bench/pretrained.py, not a config field yet: a load of a full-weight checkpoint never reads it,
-# and an adapter checkpoint stores its `ada` (lora.NEW), which overwrite what the base load set.
-NOISY_GATES = "closed"
+# the noisy stream's adaLN gates at conversion: "open" (gate biases 1: its layers start as the source's;
+# the default since bench/results/pretrained/study: lower PPL after fine-tuning at every B, 3 seeds) or
+# "closed" (adaLN-Zero as in a fresh model: the noisy stream starts as identity). A module switch for
+# bench/pretrained.py, not a config field: a load of a full-weight checkpoint never reads it, and an
+# adapter checkpoint stores its `ada` (lora.NEW), which overwrites what the base load set.
+NOISY_GATES = "open"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -293,7 +295,8 @@ class _Tensors:
 
 
 def copy_layer(layer, tensors: _Tensors, i: int, heads: tuple[int, int]) -> None:
-    """Source layer i into a TransformerLayer / TwoStreamLayer (its `ada` is left as it is: zero)."""
+    """Source layer i into a TransformerLayer / TwoStreamLayer (its `ada` is left as it is: zero;
+    `open_gates` sets the gates after)."""
     import torch
 
     norm1, q, k, v, o, norm2, gate, up, down = (tensors[n] for n in _layer_names(i))

@@ -96,8 +96,10 @@ def test_db_ar_stacked_clean_stream_is_the_source(llama, split, order):
     x = tokens()
     with torch.no_grad():
         torch.testing.assert_close(clean_logits(net, x), hf(x).logits, atol=1e-5, rtol=0)
-        for layer in (l for block in net.blocks for l in block):  # adaLN-Zero: the noisy additions start at 0
-            assert not layer.ada.weight.any() and not layer.ada.bias.any()
+        d = D
+        for layer in (l for block in net.blocks for l in block):  # gates open (NOISY_GATES), shift/scale 0
+            assert not layer.ada.weight.any() and not layer.ada.bias[:2 * d].any() and not layer.ada.bias[3 * d:5 * d].any()
+            assert (layer.ada.bias[2 * d:3 * d] == 1).all() and (layer.ada.bias[5 * d:] == 1).all()
 
 
 def test_db_ar_blocks_own_their_layers(llama):
@@ -320,11 +322,11 @@ def test_bad_sources_are_one_line_and_write_nothing(tmp_path, write_config, llam
 
 
 def test_open_gates_start_the_noisy_stream_as_the_source_layers(llama, monkeypatch):
-    """pretrained.NOISY_GATES "open" (bench switch): each two-stream layer's gates are 1, so a noisy
+    """pretrained.NOISY_GATES "open" (the default): each two-stream layer's gates are 1, so a noisy
     vector equal to a clean one goes through the layer as the clean one does (attending the same keys)."""
     from looped_lm import pretrained
 
-    monkeypatch.setattr(pretrained, "NOISY_GATES", "open")
+    assert pretrained.NOISY_GATES == "open"
     root, _ = llama
     net, cfg, _ = converted("db_ar", root, n_layers=4, diffusion={"num_blocks": 1})
     layer = net.blocks[0][0]
@@ -343,4 +345,4 @@ def test_open_gates_start_the_noisy_stream_as_the_source_layers(llama, monkeypat
         torch.testing.assert_close(noisy, out, atol=1e-5, rtol=0)
     monkeypatch.setattr(pretrained, "NOISY_GATES", "closed")
     net, _, _ = converted("db_ar", root, n_layers=4, diffusion={"num_blocks": 1})
-    assert not net.blocks[0][0].ada.bias.any()  # the default: adaLN-Zero
+    assert not net.blocks[0][0].ada.bias.any()  # closed: adaLN-Zero, as a fresh model
