@@ -1,7 +1,8 @@
 """DiffusionBlocks ViT classifier (method.md §7; the paper's §5.1) and its end-to-end baseline.
 
 The label is the diffused variable. Its clean point is y = label_table[label] (fixed random unit
-vectors, one per class); training noises it, z = y + sigma*eps, and the noisy embedding c_in*z takes the
+vectors, one per class; `label_table: learned`, an option, learns them normalised to unit norm, as the
+official code does); training noises it, z = y + sigma*eps, and the noisy embedding c_in*z takes the
 [CLS] slot in front of the image patches. Every layer is modulated by adaLN-Zero from the noise level
 through DiT's smooth timestep embedder. The recipe follows the official DiffusionBlocks code where it and
 the paper disagree (docs/method.md §7):
