@@ -214,15 +214,15 @@ def commit(path: Path) -> None:
 
 
 def seed_jobs(smoke: bool) -> list:
-    """Seeds 1, 2, ... at each row's chosen lr, seed by seed across the db rows, the one best on dev (seed 0)
-    first; gpt_L2's further seeds after the best db row's last one (its seeds 0 and 1 agree to 0.001 nats,
-    the db rows' are bimodal: the db seeds are worth more of a tight budget)."""
+    """Seeds 1, 2, ... at each row's chosen lr: every seed of the db row best on dev (seed 0) first (the
+    verdicts rest on it), then gpt_L2's further seeds (its seeds 0 and 1 agree to 0.001 nats), then the
+    other db rows seed by seed."""
     dev = {n: json.loads(path_of(n, best_lr(n, smoke), 0, smoke).read_text())["dev"]["copy_nll"] for n in SWEEP}
     dbs = sorted((n for n in SWEEP if n.startswith("db_")), key=dev.get)
-    jobs = [(n, s) for s in range(1, max(SEEDS.values())) for n in dbs if s < SEEDS[n]]
-    after = max(i for i, (n, s) in enumerate(jobs) if n == dbs[0]) + 1
-    others = [(n, s) for n in SWEEP if not n.startswith("db_") for s in range(1, SEEDS[n])]
-    return [(n, best_lr(n, smoke), s) for n, s in jobs[:after] + others + jobs[after:]]
+    jobs = [(dbs[0], s) for s in range(1, SEEDS[dbs[0]])]
+    jobs += [(n, s) for n in SWEEP if not n.startswith("db_") for s in range(1, SEEDS[n])]
+    jobs += [(n, s) for s in range(1, max(SEEDS.values())) for n in dbs[1:] if s < SEEDS[n]]
+    return [(n, best_lr(n, smoke), s) for n, s in jobs]
 
 
 def run_all(lanes: int, smoke: bool, git: bool) -> None:
