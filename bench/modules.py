@@ -555,6 +555,23 @@ def reading(results: dict) -> list[str]:
             two = mean_spread([100 * r["accuracy"] for r in diag["e2e_2_layers"]])[0]
             line += f"; a 2-layer e2e classifier with 600 updates scores {two:.2f}"
         out.append(line + ".")
+        dev = json.loads(DEV_FILE.read_text()) if DEV_FILE.exists() else {"modules": {}}
+        for variant in ("e2e", "db"):
+            cells: dict[float, list[float]] = {}
+            examples = 0
+            for r in dev.get("modules", {}).get("vit", {}).get("runs", []):
+                if r["variant"] == variant:
+                    cells.setdefault(r["lr"], []).append(100 * r["final"]["accuracy"])
+                    examples = r["final"]["examples"]
+            if len(cells) < 2:
+                continue
+            means = sorted(((sum(v) / len(v), lr) for lr, v in cells.items()), reverse=True)
+            n_seeds = min(len(v) for v in cells.values())
+            out.append(f"- vit {variant}: LR {means[0][1]:g} chosen on dev by {means[0][0] - means[1][0]:.2f} points over "
+                       f"the next LR ({means[1][1]:g}), {n_seeds} seed(s) of {examples} dev images; "
+                       f"its test spread over seeds is ± {mean_spread(finals[variant])[1]:.2f}"
+                       + (" (the dev margin is inside the test seed-to-seed range: one dev seed does not resolve the choice)"
+                          if means[0][0] - means[1][0] < 2 * mean_spread(finals[variant])[1] else "") + ".")
     for module in ("dit", "mdm"):
         n = {v: len(x) for v, x in finals_of(mods.get(module, {}), module).items()}
         if n:
