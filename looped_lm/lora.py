@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from looped_lm.config import LORA_TARGETS, Config
 from looped_lm.errors import UserError
+from looped_lm.kinds import kind_of, require
 
 TARGETS = {"qkv": r"attn\.qkv", "proj": r"attn\.proj", "gate_up": r"mlp\.gate_up", "down": r"mlp\.down"}
 assert set(TARGETS) == set(LORA_TARGETS)  # the names config validation accepts
@@ -32,17 +33,11 @@ NEW = re.compile(r"(^|\.)ada\.|^noise_emb\.|^log_scale$|^adapter\.")  # not in a
 
 
 def _owned(model, cfg: Config) -> tuple[list[str], bool]:
-    """(regex prefixes of the layer lists this job adapts, whether it owns the shared part)."""
-    kind = cfg.model.kind
-    if kind == "gpt":
-        return [r"layers"], True
-    if kind == "huginn":
-        return [r"prelude", r"core", r"coda"], True
-    if kind not in ("db_ar", "looped_db"):
-        raise UserError(f"train.lora_rank applies to the language models (gpt, db_ar, looped_db, huginn), not {kind}")
-    blocks = list(cfg.diffusion.blocks_to_train) or list(range(len(model.blocks)))
-    shared = not cfg.diffusion.blocks_to_train
-    return [rf"blocks\.{b}" for b in blocks] + ([r"prelude", r"coda"] if shared else []), shared
+    """(regex prefixes of the layer lists this job adapts, whether it owns the shared part): the kind's
+    `lora_layers` (looped_lm/kinds/builtin.py)."""
+    kind = kind_of(cfg)
+    require(kind, "lora", "train.lora_rank")
+    return kind.lora_layers(cfg)
 
 
 def target_regex(model, cfg: Config) -> str:

@@ -31,6 +31,7 @@ from pathlib import Path
 from looped_lm import checkpoint as ckpt_io
 from looped_lm.config import block_layers
 from looped_lm.errors import UserError
+from looped_lm.kinds import kind_of
 
 # settings a job may choose for itself: how it trains (not what a block computes) and inference defaults
 # (model.init_from: where a job started; an adapter job's base is checked by its sha256 instead)
@@ -68,9 +69,9 @@ class _Job:
         ckpt_io.verify_files(self.path, self.manifest, [ckpt_io.WEIGHTS], verify)
         self.cfg = ckpt_io.check_checkpoint_agrees(self.path, self.manifest)  # kind, tokens, ownership, edges
         self.kind = self.cfg.model.kind
-        if self.kind != "db_ar":
-            raise UserError(f"cannot merge {self.path}: it is model.kind {self.kind}; merge joins the block jobs of "
-                            "a db_ar model")
+        if not kind_of(self.cfg).offers("merge"):
+            raise UserError(f"cannot merge {self.path}: model.kind {self.kind} does not offer merge (merge joins the "
+                            "block jobs of a db_ar model)")
         self.lora = bool(self.cfg.train.lora_rank)  # its file holds adapters over a base, not the block's weights
         self.base = self.manifest.get("base") if self.lora else None
         if self.lora and not (isinstance(self.base, dict) and self.base.get("sha256") and self.base.get("path")):

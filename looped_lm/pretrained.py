@@ -41,8 +41,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from looped_lm.config import Config, block_layers
+from looped_lm.config import Config
 from looped_lm.errors import UserError
+from looped_lm.kinds import kind_of, require
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 # why the architectures people ask for do not map (the first clause names what differs)
@@ -240,41 +241,11 @@ def check_run(cfg: Config, source: Source, vocab_size: int, tokenizer_size: int 
 
 def layer_plan(cfg: Config, n_source: int) -> dict[str, list]:
     """Source layer indices per part: {"prelude": [...], "blocks": [[...], ...], "coda": [...]} (db kinds),
-    {"core": [...]} (huginn: prelude/core/coda), {"layers": [...]} (gpt). The rule is the module doc's."""
-    m = cfg.model
-    if m.kind == "gpt":
-        if m.n_layers != n_source:
-            raise UserError(f"model.n_layers is {m.n_layers} but model.init_from has {n_source} layers (gpt takes "
-                            "all of them)")
-        return {"layers": list(range(n_source))}
-    if m.kind not in ("db_ar", "looped_db", "huginn"):
-        raise UserError(f"model.init_from applies to gpt, db_ar, looped_db and huginn (not {m.kind})")
-    prelude, coda = list(range(m.n_prelude)), list(range(n_source - m.n_coda, n_source))
-    if m.kind == "db_ar":
-        if m.n_prelude + m.n_layers + m.n_coda != n_source:
-            raise UserError(f"model.init_from has {n_source} layers, but db_ar's model.n_prelude ({m.n_prelude}) + "
-                            f"model.n_layers ({m.n_layers}) + model.n_coda ({m.n_coda}) = "
-                            f"{m.n_prelude + m.n_layers + m.n_coda}: every source layer needs a place")
-        # the blocks take the source's layers in the order the clean stream runs through them: block 0
-        # first, unless context stacked with stack_order low_noise_first (block B-1 first, block 0 last)
-        depths = block_layers(cfg)
-        d = cfg.diffusion
-        order = list(range(len(depths)))
-        if d.context == "stacked" and d.stack_order == "low_noise_first" and len(depths) > 1:
-            order.reverse()
-        blocks, start = [[] for _ in depths], m.n_prelude
-        for b in order:
-            blocks[b] = list(range(start, start + depths[b]))
-            start += depths[b]
-        return {"prelude": prelude, "blocks": blocks, "coda": coda}
-    start = m.n_prelude if m.init_core_start < 0 else m.init_core_start
-    core = list(range(start, start + m.n_layers))
-    if m.n_prelude + m.n_coda + m.n_layers > n_source or start < m.n_prelude or core[-1] >= n_source - m.n_coda:
-        raise UserError(f"model.init_from has {n_source} layers: prelude 0..{m.n_prelude - 1}, core {start}.."
-                        f"{start + m.n_layers - 1} (model.init_core_start, model.n_layers) and the last "
-                        f"{m.n_coda} as coda do not fit in it without overlap")
-    key = "core" if m.kind == "huginn" else "blocks"
-    return {"prelude": prelude, key: core if key == "core" else [core], "coda": coda}
+    {"core": [...]} (huginn: prelude/core/coda), {"layers": [...]} (gpt). The rule is the kind's own
+    (`Kind.source_layers`, looped_lm/kinds/builtin.py), as the module doc describes."""
+    kind = kind_of(cfg)
+    require(kind, "init_from", "model.init_from")
+    return kind.source_layers(cfg, n_source)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -134,6 +134,9 @@ def test_plugin_evaluates_and_refuses_what_it_lacks(bigram_run, tmp_path, capsys
     assert cli.main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf")]) == 2
     one_line_error(capsys.readouterr(), "model.kind bigram does not offer export_native")
     assert not (tmp_path / "hf").exists()
+    assert cli.main(["merge", str(ckpt), str(ckpt), "--out", str(tmp_path / "merged")]) == 2
+    one_line_error(capsys.readouterr(), "model.kind bigram does not offer merge")
+    assert not (tmp_path / "merged").exists()
 
 
 def test_plugin_serves_through_the_openai_client(bigram_run):
