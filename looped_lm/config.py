@@ -140,6 +140,8 @@ class DataConfig(_Section):
                         "tokenizer.json (or a directory holding one); with model.init_from the default is its "
                         "directory's")
     val_fraction: Float = _f(0.05, "share of documents held out for validation")
+    split_seed: int = _f(-1, "seed of the train / validation document split; -1 = train.seed (so a seed sweep "
+                         "that must score on the same held-out documents sets this once)")
     cache_dir: Str = _f("data_cache", "where tokenized corpora are cached as train.bin / val.bin")
     augment: bool = _f(True, "vit / dit on images: random crop (padding 1/8 of the side) and horizontal flip of "
                        "training images (digits: never flipped)")
@@ -462,6 +464,8 @@ def validate(cfg: Config) -> None:
     _require(cfg.data.source in kind.data_sources, f"model.kind {kind.name} reads data.source "
              f"{' / '.join(kind.data_sources)} (got {cfg.data.source})")
     _require(0 < cfg.data.val_fraction < 1, f"data.val_fraction must be in (0, 1) (got {cfg.data.val_fraction})")
+    _require(-1 <= cfg.data.split_seed < 2 ** 62, f"data.split_seed must be -1 (train.seed) or in 0..2**62 - 1 "
+                                                 f"(got {cfg.data.split_seed})")
     e = cfg.eval
     for key in ("block_size", "stride", "max_tokens"):
         _require(getattr(e, key) >= 0, f"eval.{key} must be >= 0 (got {getattr(e, key)})")

@@ -181,10 +181,16 @@ def prepare_tokens(cfg: Config, vocab_size: int) -> str:
             if not (root / split).is_file():
                 raise UserError(f"data.path {root} has no {split} (expected nanoGPT's train.bin / val.bin)")
     data_dir = Path(ensure_prepared(data_source_string(cfg), cfg.data.cache_dir, cfg.data.tokenizer,
-                                    cfg.data.val_fraction, cfg.train.seed)).resolve()
+                                    cfg.data.val_fraction, split_seed(cfg))).resolve()
     for split in ("train.bin", "val.bin"):
         TokenStream(str(data_dir / split), cfg.model.seq_len, vocab_size)
     return str(data_dir)
+
+
+def split_seed(cfg: Config) -> int:
+    """The seed of the train / validation document split: data.split_seed, or train.seed when it is -1
+    (every run before the field existed), so seeds can vary without moving the held-out documents."""
+    return cfg.train.seed if cfg.data.split_seed < 0 else cfg.data.split_seed
 
 
 def data_source_string(cfg: Config) -> str:
