@@ -572,6 +572,19 @@ def reading(results: dict) -> list[str]:
                        f"its test spread over seeds is ± {mean_spread(finals[variant])[1]:.2f}"
                        + (" (the dev margin is inside the test seed-to-seed range: one dev seed does not resolve the choice)"
                           if means[0][0] - means[1][0] < 2 * mean_spread(finals[variant])[1] else "") + ".")
+        for option, change in OPTION_VARIANTS.get("vit", {}).items():  # explicit recipe options, judged on dev
+            mine = [r for r in dev.get("modules", {}).get("vit", {}).get("runs", []) if r["variant"] == option]
+            if not mine or option in finals:
+                continue
+            lr = mine[0]["lr"]
+            base = [100 * r["final"]["accuracy"] for r in dev["modules"]["vit"]["runs"]
+                    if r["variant"] == "db" and r["lr"] == lr and r["seed"] in {m["seed"] for m in mine}]
+            acc = mean_spread([100 * r["final"]["accuracy"] for r in mine])[0]
+            if base:
+                won = acc > mean_spread(base)[0]
+                out.append(f"- vit option {option} ({change}): dev {acc:.2f} vs db {mean_spread(base)[0]:.2f} at lr "
+                           f"{lr:g}, seeds {sorted(m['seed'] for m in mine)}: "
+                           + ("won on dev" if won else "lost on dev, so not run on test; the default stays"))
     for module in ("dit", "mdm"):
         n = {v: len(x) for v, x in finals_of(mods.get(module, {}), module).items()}
         if n:
