@@ -48,6 +48,7 @@ def run_one(blocks: int, rule: str, seed: int, work: Path) -> dict:
                     "--json", str(ppl_json), "--no-progress"], check=True, env=env, cwd=ROOT, capture_output=True)
     c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     ppl = json.loads(ppl_json.read_text())
+    chain = chain_ppl(ckpt, blocks, work / f"{name}_chain.json", env)
     manifest = json.loads((ckpt / "manifest.json").read_text())
     curve = manifest["model_state"].get("curve") or {}
     from looped_lm.diffusion import ce_curve
@@ -60,7 +61,7 @@ def run_one(blocks: int, rule: str, seed: int, work: Path) -> dict:
             counts[int(r["block"])] += 1
     result = {
         "blocks": blocks, "rule": rule, "seed": seed, "steps": 1000, "ppl0": ppl["ppl"], "nll0": ppl["nll"],
-        "tokens_scored": ppl["tokens"], "logged_block_share": [c / max(sum(counts), 1) for c in counts],
+        "tokens_scored": ppl["tokens"], "chain": chain, "logged_block_share": [c / max(sum(counts), 1) for c in counts],
         "final_shares": {"loss_share": ce_curve.block_shares(edges, curve["sigmas"], curve["ce"]) if curve else None,
                          "network_gain": ce_curve.gain_shares(edges, curve["sigmas"], curve["ce"], curve["ce_z"])
                          if curve.get("ce_z") else None},
@@ -71,16 +72,29 @@ def run_one(blocks: int, rule: str, seed: int, work: Path) -> dict:
     return result
 
 
+def chain_ppl(ckpt: Path, blocks: int, out: Path, env: dict) -> dict:
+    """ppl@B (the K = B chain every block runs in, the default sampler's) on the first 8,192 held-out
+    tokens, 16 draws, with the estimator's standard error."""
+    subprocess.run([sys.executable, "-m", "looped_lm", "eval", "--checkpoint", str(ckpt), "--num-iterations",
+                    str(blocks), "--max-tokens", "8192", "--draws", "16", "--json", str(out), "--no-progress"],
+                   check=True, env=env, cwd=ROOT, capture_output=True)
+    rep = json.loads(out.read_text())
+    k = str(blocks)
+    return {"k": blocks, "ppl": rep["ppl_at_k"][k], "se": rep["ppl_se"][k], "tokens": rep["tokens"], "draws": 16}
+
+
 def report() -> str:
     runs = [json.loads(p.read_text()) for p in sorted(OUT.glob("B*_s*.json"))]
     lines = ["# block_sampling: loss_share vs network_gain (bench/allocation.py)", "",
              "DB quickstart layout, 1000 steps each (equal FLOPs within a B), held-out ppl@0 over the whole "
              "validation split; one learning rate (the quickstart's 3e-3, not tuned per rule).", "",
-             "| B | rule | seed | ppl@0 | block shares of the logged steps (block 0 first) | CPU-s |",
-             "|---|---|---|---|---|---|"]
+             "| B | rule | seed | ppl@0 (whole val) | ppl@B (8,192 tokens, 16 draws; se) | block shares of the steps (block 0 first) | CPU-s |",
+             "|---|---|---|---|---|---|---|"]
     for r in sorted(runs, key=lambda r: (r["blocks"], r["rule"], r["seed"])):
         shares = ", ".join(f"{s:.2f}" for s in r["logged_block_share"])
-        lines.append(f"| {r['blocks']} | {r['rule']} | {r['seed']} | {r['ppl0']:.3f} | {shares} | {r['cpu_s']} |")
+        c = r.get("chain") or {}
+        chain = f"{c['ppl']:.3f} ({c['se']:.3f})" if c.get("ppl") else "unresolved" if c else ""
+        lines.append(f"| {r['blocks']} | {r['rule']} | {r['seed']} | {r['ppl0']:.3f} | {chain} | {shares} | {r['cpu_s']} |")
     lines += ["", "Paired per-seed ratio ppl@0(network_gain) / ppl@0(loss_share):", ""]
     for B in sorted({r["blocks"] for r in runs}):
         by = {(r["rule"], r["seed"]): r["ppl0"] for r in runs if r["blocks"] == B}
@@ -103,7 +117,16 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--work", type=Path, default=Path("/tmp/looped_lm_allocation"))
     ap.add_argument("--report", action="store_true")
+    ap.add_argument("--backfill-chain", action="store_true", help="add ppl@B to runs measured without it")
     args = ap.parse_args()
+    if args.backfill_chain:
+        for path in sorted(OUT.glob("B*_s*.json")):
+            r = json.loads(path.read_text())
+            if "chain" not in r:
+                name = path.stem
+                env = {**os.environ, "OMP_NUM_THREADS": "1"}
+                r["chain"] = chain_ppl(args.work / name / "step_0001000", r["blocks"], args.work / f"{name}_chain.json", env)
+                path.write_text(json.dumps(r, indent=1))
     if args.report:
         print(report())
         return
