@@ -42,7 +42,7 @@ PosteriorInput = Literal["full", "detached", "topk"]
 Head = Literal["tied", "cosine"]
 LossWeight = Literal["none", "edm", "batch_mean"]
 TargetScale = Literal["unit", "sigma_data"]
-BlockSampling = Literal["uniform", "round_robin", "loss_share", "network_gain"]
+BlockSampling = Literal["uniform", "round_robin", "loss_share", "network_gain", "fixed"]
 Bridge = Literal["soft", "hard", "sample"]
 LastCall = Literal["edge", "sigma_min"]
 Context = Literal["independent", "stacked"]
@@ -110,8 +110,10 @@ class DiffusionConfig(_Section):
     block_sampling: BlockSampling = _f("loss_share", "which block a step trains: uniform (paper), round_robin, loss_share "
                              "(in proportion to each block's share of the CE drop) or network_gain (to what the "
                              "network adds to z's own likelihood in each block's interval: block 0 learns the "
-                             "whole context prior); train.mode block_parallel: which of its own blocks a rank "
-                             "trains (uniform or round_robin)")
+                             "whole context prior) or fixed (diffusion.block_weights); train.mode block_parallel: "
+                             "which of its own blocks a rank trains (uniform, round_robin or fixed)")
+    block_weights: list[Float] = _f([], "block_sampling fixed: one weight per block, block 0 (highest noise) first, "
+                                    "e.g. [3, 1, 1]: block 0 gets 60 % of the steps; normalised")
     bridge: Bridge = _f("sample", "logits -> denoised embedding between steps: soft (expectation), hard (argmax), "
                      "or sample (a token drawn from the logits)")
     num_iterations: int = _f(0, "default K denoising steps per token at inference; 0 = num_blocks")
@@ -414,6 +416,13 @@ def validate(cfg: Config) -> None:
     _require(d.num_iterations >= 0, f"diffusion.num_iterations must be >= 1, or 0 for num_blocks (got {d.num_iterations})")
     kind.validate(cfg)  # before the block checks: db_ar's layers_per_block sets num_blocks
     n_blocks = kind.num_blocks(cfg)
+    if d.block_sampling == "fixed":
+        _require(len(d.block_weights) == n_blocks and all(w > 0 for w in d.block_weights),
+                 f"diffusion.block_sampling fixed needs diffusion.block_weights: {n_blocks} weights > 0, one per "
+                 f"block (got {d.block_weights})")
+    else:
+        _require(not d.block_weights, f"diffusion.block_weights applies to block_sampling fixed (got "
+                                      f"{d.block_sampling})")
     for b in d.blocks_to_train:
         _require(0 <= b < n_blocks, f"diffusion.blocks_to_train has {b}, outside 0..{n_blocks - 1}")
     _require(len(set(d.blocks_to_train)) == len(d.blocks_to_train),

@@ -119,6 +119,12 @@ def test_network_gain_sampling_follows_the_gain_not_the_drop():
     assert model.uses_curve()
 
 
+def test_fixed_block_weights_set_each_blocks_share():
+    model = make(block_sampling="fixed", block_weights=[3.0, 1.0])
+    picks = [model.choose_block(s, 0) for s in range(2000)]
+    assert abs(picks.count(0) / 2000 - 0.75) < 0.04 and not model.uses_curve()
+
+
 def test_measured_curve_has_z_alone_from_uniform_to_exact():
     """ce_z is the CE of z's own likelihood: log V where z carries nothing (sigma_max), ~0 at sigma_min."""
     model = make(block_sampling="network_gain")

@@ -50,7 +50,9 @@ NON_DEFAULT = {
 # (train.mode block_parallel needs deepspeed.zero_stage 0).
 APART = {"train": {"mode": ("block_parallel", {"deepspeed": {"zero_stage": 0}})},
          # context stacked trains no independent block jobs; activation checkpointing is gpt's
-         "diffusion": {"context": ("stacked", {"diffusion": {"blocks_to_train": [], "context": "stacked"}})}}
+         "diffusion": {"context": ("stacked", {"diffusion": {"blocks_to_train": [], "context": "stacked"}}),
+                       "block_weights": ([3.0, 1.0, 1.0], {"diffusion": {"block_sampling": "fixed",
+                                                                      "block_weights": [3.0, 1.0, 1.0]}})}}
 # Fields of the other kinds' model sections (the table's is db_ar's), each round-tripped on its own kind
 # below with the other sections it needs.
 MODULE = {"model": {"kind": "vit"}, "diffusion": {"num_blocks": 2, "block_sampling": "uniform"},
@@ -225,6 +227,13 @@ BAD = {
     "layer split not a list": ({"model": {"kind": "db_ar"}, "diffusion": {"layers_per_block": "3,1"}},
                                ["diffusion.layers_per_block", "integer or a list of integers"]),
     "layer split on gpt": ({"diffusion": {"layers_per_block": 2}}, ["diffusion.layers_per_block", "db_ar", "not gpt"]),
+    "fixed without weights": ({"model": {"kind": "db_ar"}, "diffusion": {"num_blocks": 2, "block_sampling": "fixed"}},
+                              ["diffusion.block_sampling fixed needs diffusion.block_weights: 2 weights"]),
+    "weights of the wrong count": ({"model": {"kind": "db_ar"}, "diffusion": {"num_blocks": 2, "block_sampling": "fixed",
+                                                                            "block_weights": [1, 1, 1]}},
+                                   ["2 weights > 0", "got [1.0, 1.0, 1.0]"]),
+    "weights without fixed": ({"model": {"kind": "db_ar"}, "diffusion": {"num_blocks": 2, "block_weights": [2, 1]}},
+                              ["diffusion.block_weights applies to block_sampling fixed"]),
     "block parallel on gpt": ({"train": {"mode": "block_parallel"}}, ["train.mode block_parallel", "model.kind gpt does not offer block_parallel"]),
     "block parallel with ZeRO": ({"model": {"kind": "db_ar"}, "diffusion": {"block_sampling": "uniform"},
                                  "train": {"mode": "block_parallel"}, "deepspeed": {"zero_stage": 1}},

@@ -18,6 +18,20 @@ def test_block_choice_is_seeded_round_robin_or_weighted():
     assert 0.8 < heavy.count(0) / 400 < 0.97
 
 
+def test_a_module_built_from_a_config_takes_fixed_block_weights():
+    """block_sampling fixed reaches the modules through their build (adaln.finish_build): block 0 first."""
+    from looped_lm.config import config_from_dict
+    from looped_lm.models import build_model
+
+    cfg = config_from_dict({"model": {"kind": "vit", "n_layers": 3, "d_model": 32, "n_heads": 2, "image_size": 8,
+                                      "channels": 1, "patch": 2},
+                            "diffusion": {"num_blocks": 3, "block_sampling": "fixed", "block_weights": [6, 2, 2]},
+                            "data": {"source": "digits"}})
+    model = build_model(cfg, 10)
+    picks = [model.choose_block(s, 0) for s in range(2000)]
+    assert abs(picks.count(0) / 2000 - 0.6) < 0.04 and abs(picks.count(2) / 2000 - 0.2) < 0.04
+
+
 @pytest.mark.parametrize("kind", ["vit", "dit", "mdm"])
 def test_every_module_chooses_by_the_shared_rule(kind):
     model = tiny_module(kind)

@@ -252,9 +252,9 @@ class _Module(Kind):
                      f"({m.n_layers}): every block needs at least one layer")
             _require(m.n_layers % d.num_blocks == 0,
                      f"diffusion.num_blocks ({d.num_blocks}) must divide model.n_layers ({m.n_layers})")
-        _require(d.block_sampling in ("uniform", "round_robin"), f"diffusion.block_sampling {d.block_sampling} (the "
-                 f"default) is for the language models; set diffusion.block_sampling: uniform (the paper) or "
-                 f"round_robin for {self.name}")
+        _require(d.block_sampling in ("uniform", "round_robin", "fixed"), f"diffusion.block_sampling "
+                 f"{d.block_sampling} is for the language models (it reads their CE curve); set "
+                 f"diffusion.block_sampling: uniform (the paper), round_robin or fixed for {self.name}")
         blocks = self.num_blocks(cfg)
         if d.num_iterations:
             _require(d.num_iterations >= blocks, f"diffusion.num_iterations ({d.num_iterations}) must be >= the number "

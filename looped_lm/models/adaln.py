@@ -28,7 +28,7 @@ from looped_lm.models.contract import Trainable
 from looped_lm.models.layers import TransformerLayer, apply_rope
 from looped_lm.models.two_stream import modulate
 
-BLOCK_SAMPLING = ("uniform", "round_robin")
+BLOCK_SAMPLING = ("uniform", "round_robin", "fixed")  # fixed: diffusion.block_weights
 
 
 class TimestepEmbedding(nn.Module):
@@ -106,13 +106,16 @@ class Blockwise(Trainable):
     edges: list[float]
     block_sampling: str = "uniform"
     trainable_blocks: list[int] | None = None  # None: all (diffusion.blocks_to_train)
+    block_weights: list[float] | None = None  # block_sampling fixed: one weight per block, block 0 first
 
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
 
     def choose_block(self, step: int, seed: int) -> int:
-        return choose_block(step, seed, self.trainable_blocks or range(self.num_blocks), self.block_sampling)
+        pool = self.trainable_blocks or list(range(self.num_blocks))
+        weights = [self.block_weights[b] for b in pool] if self.block_sampling == "fixed" and self.block_weights else None
+        return choose_block(step, seed, pool, self.block_sampling, weights)
 
     def step_units(self, step: int, seed: int) -> set[str] | None:
         if self.num_blocks == 1:
@@ -130,6 +133,7 @@ def finish_build(model: Blockwise, cfg, state: dict | None):
     """Freeze the blocks outside `diffusion.blocks_to_train` (before any optimiser exists), and check the
     partition a checkpoint saved against the one this config builds (ValueError naming the difference)."""
     chosen = list(cfg.diffusion.blocks_to_train)
+    model.block_weights = list(cfg.diffusion.block_weights) or None
     if chosen and model.num_blocks > 1:
         model.trainable_blocks = sorted(chosen)
         for b, block in enumerate(model.blocks):

@@ -34,7 +34,9 @@ class BlockObjective:
     def choose_block(self, step: int, seed: int) -> int:
         """The block trained at `step`: the same on every rank (it depends on step and seed only)."""
         weights = None
-        if self.uses_curve() and self.curve is not None:
+        if self.cfg.block_sampling == "fixed":
+            weights = [self.cfg.block_weights[b] for b in self.trainable_blocks]
+        elif self.uses_curve() and self.curve is not None:
             shares = self.shares()
             weights = torch.tensor([shares[b] for b in self.trainable_blocks], dtype=torch.float64) + 1e-3  # never starve one
         return choose_block(step, seed, self.trainable_blocks, self.cfg.block_sampling, weights)
