@@ -56,7 +56,7 @@ from looped_lm.models.contract import Classifier
 from looped_lm.models.layers import ffn_width, init_weights
 from looped_lm.models.two_stream import modulate
 from looped_lm.sampling import SharedGenerator
-from looped_lm.settings import InferenceSettings
+from looped_lm.settings import InferenceSettings, resolve_steps
 
 LOSS_WEIGHTS = ("batch_mean", "edm", "none")
 LABEL_TABLES = ("fixed", "learned")
@@ -249,9 +249,7 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
         patches = self.embed_patches(images)
         if self.end_to_end:
             return self.classify(patches, with_features)
-        K = self.default_iterations() if num_iterations is None else num_iterations
-        if check:  # `features` alone runs one call (block 0)
-            check_iterations(K, self.num_blocks)
+        K = self.resolve_steps(num_iterations) if check else num_iterations  # `features` runs one call (block 0)
         N, d = images.shape[0], self.settings.d_model
         gen_device = generator.device if generator is not None else None
         z = self.grid.sigma_top * torch.randn(N, 1, d, generator=generator, device=gen_device)
@@ -279,8 +277,10 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
             return self.predict(images, with_features=True)[1]
         return self.predict(images, 1, generator, with_features=True, check=False)[1]
 
-    def default_iterations(self) -> int:
-        return self.settings.num_iterations or self.num_blocks
+    def resolve_steps(self, num_iterations: int | None) -> int:
+        """K of a prediction: the request's, else the config's diffusion.num_iterations, else B (the one rule
+        of settings.resolve_steps: at least one call per block)."""
+        return resolve_steps(num_iterations, self.num_blocks, self.settings.num_iterations, self.num_blocks)
 
     def steps_per_block(self, K: int) -> list[int]:
         return self.grid.steps_per_block(K)
@@ -290,7 +290,7 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
                  generator: torch.Generator | None = None) -> dict:
         """Top-1 accuracy over (images, labels), in batches: what `looped_lm eval` prints for vit."""
         check_labels(labels, self.settings.num_classes)
-        K = self.default_iterations() if num_iterations is None else num_iterations
+        K = self.resolve_steps(num_iterations)
         correct = 0
         for i in range(0, images.shape[0], batch_size):
             logits = self.predict(images[i:i + batch_size], K, generator)
