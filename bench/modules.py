@@ -66,7 +66,12 @@ VARIANTS = {
 # DB recipe options (explicit, never the default unless they win on dev): the official DiffusionBlocks code
 # learns its label embeddings (normalised); its CE weight w(sigma) is per-sample in the paper's text
 OPTION_VARIANTS = {
-    "vit": {"db_edm_weight": {"loss_weight": "edm"}, "db_learned_labels": {"label_table": "learned"}},
+    "vit": {"db_edm_weight": {"loss_weight": "edm"}, "db_learned_labels": {"label_table": "learned"},
+            # block 0 favoured (diffusion.block_sampling fixed + block_weights, block 0 = highest noise first):
+            # the K = B chain's prediction is block 0's, and uniform sampling gives it a third of the steps
+            "db_w211": {"block_sampling": "fixed", "block_weights": [2, 1, 1]},
+            "db_w411": {"block_sampling": "fixed", "block_weights": [4, 1, 1]},
+            "db_w811": {"block_sampling": "fixed", "block_weights": [8, 1, 1]}},
 }
 DEV_FRACTION = 0.2  # of the training images, held out for choosing settings (`--split dev`)
 CURVE_POINTS = 4  # evaluations along each run (at equal shares of its FLOPs)
@@ -85,7 +90,12 @@ def build(module: str, variant: str, overrides: dict | None = None):
 
     cls, settings = {"vit": (DiffusionViT, ViTSettings), "dit": (DiffusionDiT, DiTSettings),
                      "mdm": (MaskedDiffusionLM, MDMSettings)}[module]
-    return cls(settings(**{**MODULES[module]["settings"], **variants_of(module).get(variant, {}), **(overrides or {})}))
+    kw = {**MODULES[module]["settings"], **variants_of(module).get(variant, {}), **(overrides or {})}
+    weights = kw.pop("block_weights", None)  # a model attribute (set by adaln.finish_build from the config)
+    model = cls(settings(**kw))
+    if weights is not None:
+        model.block_weights = [float(w) for w in weights]
+    return model
 
 
 def variants_of(module: str) -> dict:
@@ -496,16 +506,18 @@ def diagnostics(results: dict) -> list[str]:
     """Where the DiffusionBlocks numbers come from: vit's chain vs its first block, mdm's per-interval BPC,
     dit's real-data floor."""
     out, mods = [""], results.get("modules", {})
-    runs = [r for r in mods.get("vit", {}).get("runs", []) if r["variant"] == "db" and "block0_accuracy" in r["final"]]
-    if runs:
+    for db_variant in [v for v in variants_of("vit") if v != "e2e"]:
+        runs = [r for r in mods.get("vit", {}).get("runs", []) if r["variant"] == db_variant and "block0_accuracy" in r["final"]]
+        if not runs:
+            continue
         keys = [("accuracy", "K = B"), ("accuracy_2B", "K = 2B"), ("block0_accuracy", "block 0 alone from pure noise at "
                 "sigma_top"), ("accuracy_start_sigma_max", "K = B started at sigma_max (the official code)"),
                 ("accuracy_edge_grid", "K = B on the `edge` grid"), ("accuracy_hard_bridge", "hard bridge"),
                 ("accuracy_sample_bridge", "sampled bridge")]
         parts = [f"{label} {mean_spread([100 * r['final'][k] for r in runs])[0]:.2f}" for k, label in keys
                  if all(k in r["final"] for r in runs)]
-        out.append(f"- vit db, the same trained blocks under other inference choices (test, mean of {len(runs)} seeds): "
-                   + "; ".join(parts))
+        out.append(f"- vit {db_variant}, the same trained blocks under other inference choices (test, mean of {len(runs)} "
+                   "seeds): " + "; ".join(parts))
     for variant in ("e2e", "db"):
         runs = [r for r in mods.get("mdm", {}).get("runs", []) if r["variant"] == variant]
         if runs:
@@ -572,19 +584,54 @@ def reading(results: dict) -> list[str]:
                        f"its test spread over seeds is ± {mean_spread(finals[variant])[1]:.2f}"
                        + (" (the dev margin is inside the test seed-to-seed range: one dev seed does not resolve the choice)"
                           if means[0][0] - means[1][0] < 2 * mean_spread(finals[variant])[1] else "") + ".")
+        dev_runs = dev.get("modules", {}).get("vit", {}).get("runs", [])
         for option, change in OPTION_VARIANTS.get("vit", {}).items():  # explicit recipe options, judged on dev
-            mine = [r for r in dev.get("modules", {}).get("vit", {}).get("runs", []) if r["variant"] == option]
+            mine = [r for r in dev_runs if r["variant"] == option]
             if not mine or option in finals:
                 continue
-            lr = mine[0]["lr"]
-            base = [100 * r["final"]["accuracy"] for r in dev["modules"]["vit"]["runs"]
-                    if r["variant"] == "db" and r["lr"] == lr and r["seed"] in {m["seed"] for m in mine}]
-            acc = mean_spread([100 * r["final"]["accuracy"] for r in mine])[0]
-            if base:
-                won = acc > mean_spread(base)[0]
-                out.append(f"- vit option {option} ({change}): dev {acc:.2f} vs db {mean_spread(base)[0]:.2f} at lr "
-                           f"{lr:g}, seeds {sorted(m['seed'] for m in mine)}: "
-                           + ("won on dev" if won else "lost on dev, so not run on test; the default stays"))
+            for lr in sorted({m["lr"] for m in mine}):
+                at = {m["seed"]: 100 * m["final"]["accuracy"] for m in mine if m["lr"] == lr}
+                base = {r["seed"]: 100 * r["final"]["accuracy"] for r in dev_runs
+                        if r["variant"] == "db" and r["lr"] == lr and r["seed"] in at}
+                if not base:
+                    continue
+                paired = sorted(base)  # the seeds both have: a paired comparison
+                acc, ref = (sum(d[s] for s in paired) / len(paired) for d in (at, base))
+                out.append(f"- vit option {option} ({change}): dev {acc:.2f} vs db {ref:.2f} at lr {lr:g}, seeds "
+                           f"{paired}" + (f" (the option also ran seeds {sorted(set(at) - set(base))}: mean over all "
+                                          f"{sum(at.values()) / len(at):.2f})" if set(at) - set(base) else "") + ": "
+                           + ("won on dev" if acc > ref else "lost on dev") + "; not run on test; the default stays")
+        weighted = {o: c for o, c in OPTION_VARIANTS.get("vit", {}).items() if "block_weights" in c}
+        cells: dict[tuple[str, float], list[float]] = {}
+        for r in dev_runs:
+            if r["variant"] in weighted or (r["variant"] == "db" and r["lr"] in {m["lr"] for m in dev_runs
+                                                                                  if m["variant"] in weighted}):
+                cells.setdefault((r["variant"], r["lr"]), []).append(100 * r["final"]["accuracy"])
+        best = max(((v, lr) for v, lr in cells if v in weighted), key=lambda c: sum(cells[c]) / len(cells[c]),
+                   default=None)
+        if best:
+            out.append("- vit block weights on dev (block 0 = highest noise first; mean over dev seeds, n in brackets): "
+                       + "; ".join(f"{v}{' ' + str(weighted[v]['block_weights']) if v in weighted else ' (uniform)'} "
+                                   f"lr {lr:g}: {sum(x) / len(x):.2f} ({len(x)})" for (v, lr), x in sorted(cells.items()))
+                       + f"; dev-best weights: {best[0]} at lr {best[1]:g}.")
+        for option in [o for o in weighted if o in finals]:
+            runs = [r for r in vit["runs"] if r["variant"] == option]
+            mean, spread = mean_spread(finals[option])
+            lrs = sorted({run_lr(vit, r, "vit") for r in runs})
+            model = build("vit", option)
+            steps = vit["steps"][option]
+            share = [sum(model.choose_block(t, r["seed"]) == 0 for t in range(steps)) for r in runs]
+            with_b0 = [r for r in runs if "block0_accuracy" in r["final"]]
+            chain = mean_spread([100 * (r["final"]["accuracy"] - r["final"]["block0_accuracy"]) for r in with_b0])[0]
+            b0 = mean_spread([100 * r["final"]["block0_accuracy"] for r in with_b0])[0]
+            diff = mean - mean_spread(finals["e2e"])[0]
+            out.append(f"- vit option {option} (diffusion.block_sampling fixed, block_weights "
+                       f"{weighted[option]['block_weights']}; recipe option, the default stays uniform): test "
+                       f"{mean:.2f} ± {spread:.2f} over seeds {sorted(r['seed'] for r in runs)} at lr "
+                       f"{'/'.join(f'{lr:g}' for lr in lrs)} ({'the dev-best weights and LR' if best and best[0] == option and best[1] in lrs else 'NOT the dev-best choice'}), "
+                       f"{steps} equal-FLOPs steps of which block 0 got {min(share)}-{max(share)}; DB − e2e = {diff:+.2f} "
+                       f"({'met' if diff >= -1.5 else 'missed'}: the target is −1.5; uniform db {db - e2e:+.2f}). The K = B "
+                       f"chain adds {chain:+.2f} points to block 0 alone ({b0:.2f}), so the prediction is still block 0's.")
     for module in ("dit", "mdm"):
         n = {v: len(x) for v, x in finals_of(mods.get(module, {}), module).items()}
         if n:
