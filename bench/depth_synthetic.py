@@ -1,7 +1,8 @@
 """A regime where depth matters by construction: in-context copying (induction), which one attention layer
 cannot do and two can (a previous-token head, then a head that matches it).
 
-    python bench/depth_synthetic.py run --lanes 2      # every row, 3 seeds; bench/results/depth_synthetic/
+    python bench/depth_synthetic.py run --lanes 1 --commit   # the plan (plan.md): SWEEP rows x LRS at seed 0 on dev,
+                                                             # then SEEDS at each row's dev-chosen lr
     python bench/depth_synthetic.py report             # bench/results/depth_synthetic/report.md
     python bench/depth_synthetic.py run --smoke
 
