@@ -625,13 +625,35 @@ def reading(results: dict) -> list[str]:
             chain = mean_spread([100 * (r["final"]["accuracy"] - r["final"]["block0_accuracy"]) for r in with_b0])[0]
             b0 = mean_spread([100 * r["final"]["block0_accuracy"] for r in with_b0])[0]
             diff = mean - mean_spread(finals["e2e"])[0]
+            at = {m["seed"]: 100 * m["final"]["accuracy"] for m in dev_runs if m["variant"] == option and m["lr"] in lrs}
+            base = {r["seed"]: 100 * r["final"]["accuracy"] for r in dev_runs
+                    if r["variant"] == "db" and r["lr"] in lrs and r["seed"] in at}
+            if base:
+                acc, ref = (sum(d[s] for s in base) / len(base) for d in (at, base))
+                out.append(f"- vit option {option} vs uniform db on dev (same lr, paired seeds {sorted(base)}): {acc:.2f} vs "
+                           f"{ref:.2f}: " + ("won" if acc > ref else "lost: the weights did not beat uniform sampling "
+                                             "on dev") + "; run on test as the dev-best of the block weights.")
             out.append(f"- vit option {option} (diffusion.block_sampling fixed, block_weights "
                        f"{weighted[option]['block_weights']}; recipe option, the default stays uniform): test "
                        f"{mean:.2f} ± {spread:.2f} over seeds {sorted(r['seed'] for r in runs)} at lr "
                        f"{'/'.join(f'{lr:g}' for lr in lrs)} ({'the dev-best weights and LR' if best and best[0] == option and best[1] in lrs else 'NOT the dev-best choice'}), "
                        f"{steps} equal-FLOPs steps of which block 0 got {min(share)}-{max(share)}; DB − e2e = {diff:+.2f} "
                        f"({'met' if diff >= -1.5 else 'missed'}: the target is −1.5; uniform db {db - e2e:+.2f}). The K = B "
-                       f"chain adds {chain:+.2f} points to block 0 alone ({b0:.2f}), so the prediction is still block 0's.")
+                       f"chain adds {chain:+.2f} points to block 0 alone ({b0:.2f})"
+                       + (", so the prediction is still block 0's" if abs(chain) < 1 else ", so the later blocks move the "
+                          "prediction") + ".")
+            diag = vit_diagnosis()
+            uniform = [r for r in vit["runs"] if r["variant"] == "db" and "block0_accuracy" in r["final"]]
+            if "block0_only" in diag and uniform:
+                every = mean_spread([100 * r["accuracy"] for r in diag["block0_only"]])[0]
+                third = mean_spread([100 * r["final"]["block0_accuracy"] for r in uniform])[0]
+                out.append(f"  Block 0 alone on test: {third:.2f} with uniform's third of the steps, {b0:.2f} with "
+                           f"{option}'s {sum(share) / len(share) / steps:.0%}, {every:.2f} with all of them "
+                           f"(modules_vit_diagnosis.json, lr {'/'.join(f'{x:g}' for x in sorted({r.get('lr', 0) for r in diag['block0_only']}))})" +
+                           (f": block 0 falls {every - b0:.2f} points short of the all-steps diagnosis, below the "
+                            "midpoint between a third and all of the steps, so its share of the steps does not explain "
+                            "the gap on its own at this LR" if b0 < (third + every) / 2 else
+                            ": block 0's accuracy rises with its share of the steps") + ".")
     for module in ("dit", "mdm"):
         n = {v: len(x) for v, x in finals_of(mods.get(module, {}), module).items()}
         if n:
