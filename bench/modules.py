@@ -633,6 +633,15 @@ def reading(results: dict) -> list[str]:
                 out.append(f"- vit option {option} vs uniform db on dev (same lr, paired seeds {sorted(base)}): {acc:.2f} vs "
                            f"{ref:.2f}: " + ("won" if acc > ref else "lost: the weights did not beat uniform sampling "
                                              "on dev") + "; run on test as the dev-best of the block weights.")
+            db_lr = dev_lr("vit", "db", dev)[0]
+            own = {m["seed"]: 100 * m["final"]["accuracy"] for m in dev_runs if m["variant"] == "db" and m["lr"] == db_lr}
+            paired = sorted(set(own) & set(at))
+            if paired and db_lr not in lrs:
+                acc, ref = (sum(d[s] for s in paired) / len(paired) for d in (at, own))
+                out.append(f"  At each side's dev-chosen LR ({option} {'/'.join(f'{x:g}' for x in lrs)}, db {db_lr:g}), "
+                           f"paired dev seeds {paired}: {acc:.2f} vs {ref:.2f} ("
+                           + ("the option ahead" if acc > ref else "uniform db ahead: dev, one paired seed of 288 images, "
+                              "did not show the option's test gain") + ").")
             out.append(f"- vit option {option} (diffusion.block_sampling fixed, block_weights "
                        f"{weighted[option]['block_weights']}; recipe option, the default stays uniform): test "
                        f"{mean:.2f} ± {spread:.2f} over seeds {sorted(r['seed'] for r in runs)} at lr "
@@ -642,6 +651,14 @@ def reading(results: dict) -> list[str]:
                        f"chain adds {chain:+.2f} points to block 0 alone ({b0:.2f})"
                        + (", so the prediction is still block 0's" if abs(chain) < 1 else ", so the later blocks move the "
                           "prediction") + ".")
+            on_dev = [100 * (m["final"]["accuracy"] - m["final"]["block0_accuracy"]) for m in dev_runs
+                      if m["variant"] == option and m["lr"] in lrs and "block0_accuracy" in m["final"]]
+            if on_dev and chain < 0:
+                out.append(f"  Cause of the miss: the later blocks (each ~{(1 - sum(share) / len(share) / steps) / 2:.0%} of "
+                           f"the steps) cost the chain {-chain:.2f} points on test and {-sum(on_dev) / len(on_dev):.2f} on "
+                           f"dev (seeds {len(on_dev)}, same runs' block 0 alone); block 0 alone would give DB − e2e = "
+                           f"{b0 - mean_spread(finals['e2e'])[0]:+.2f} on test, but that inference choice was not made on "
+                           "dev before this test run, so it is a lead for a dev-chosen follow-up, not a verdict.")
             diag = vit_diagnosis()
             uniform = [r for r in vit["runs"] if r["variant"] == "db" and "block0_accuracy" in r["final"]]
             if "block0_only" in diag and uniform:
