@@ -212,24 +212,11 @@ def build(raw: dict, init: bool):
 
 
 def activation_bytes(model, x, y, step: int) -> int:
-    """Bytes autograd saves for backward in one training step (parameters and buffers excluded, each
-    storage once)."""
-    import torch
+    """Bytes autograd saves for backward in one training step: the supporting modules' bench counts them
+    (parameters and buffers excluded, each storage once)."""
+    from modules import activation_bytes as counted  # bench/modules.py, beside this script
 
-    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    own |= {b.untyped_storage().data_ptr() for b in model.buffers()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in own:
-            seen.setdefault(s.data_ptr(), s.nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss, _ = model.training_loss(x, y, step, seed=0)
-    del loss
-    return sum(seen.values())
+    return counted(model, x, y, step)
 
 
 def step_flops(model, x, y, step: int) -> int:

@@ -7,9 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
-import httpx
 import openai
 import pytest
 import torch
@@ -202,7 +200,7 @@ def test_an_adapter_checkpoint_is_served_to_the_openai_client(which, gpt_adapter
 
 @pytest.mark.slow
 def test_serve_verb_on_an_adapter_checkpoint(gpt_adapters, clean_env):
-    from test_server import free_port
+    from test_server import free_port, wait_healthy
 
     port = free_port()
     cmd = [sys.executable, "-m", "looped_lm", "serve", "--checkpoint", str(gpt_adapters), "--port", str(port),
@@ -210,16 +208,7 @@ def test_serve_verb_on_an_adapter_checkpoint(gpt_adapters, clean_env):
     proc = subprocess.Popen(cmd, env=clean_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        wait_healthy(proc, url, timeout=120)
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         r = client.completions.create(model="lora-gpt", prompt="And", max_tokens=4, extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 4

@@ -410,6 +410,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(proc, url: str, timeout: float) -> None:
+    """Until a `looped_lm serve` subprocess answers /health (its output in the failure if it exits)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.2)
+
+
 def test_serve_verb_with_an_api_key(tiny_run, clean_env):
     port = free_port()
     cmd = [sys.executable, "-m", "looped_lm", "serve", "--checkpoint", str(tiny_run[1]), "--port", str(port),
@@ -418,16 +432,7 @@ def test_serve_verb_with_an_api_key(tiny_run, clean_env):
     proc = subprocess.Popen(cmd, env=clean_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:  # /health needs no key
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        wait_healthy(proc, url, timeout=90)  # /health needs no key
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
         r = httpx.post(url + "/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer wrong"})

@@ -32,16 +32,13 @@ class GptSection(LanguageModelSection):
 
 class DbArSection(LanguageModelSection):
     kind: Literal["db_ar"] = field("db_ar", "db_ar: DiffusionBlocks AR LM, one block trained per step")
-    n_prelude: int = field(0, "shared clean-stream layers before the blocks")
-    n_coda: int = field(0, "shared layers after the blocks")
+    n_prelude: int = field(0, "shared clean-stream layers before the blocks (looped: the core; the paper: 2)")
+    n_coda: int = field(0, "shared layers after the blocks (looped: the core; the paper: 2)")
     max_iterations: int = field(64, "the largest K accepted at inference")
 
 
 class LoopedDbSection(DbArSection):
     kind: Literal["looped_db"] = field("looped_db", "looped_db: prelude -> weight-tied two-stream core -> coda")
-    n_prelude: int = field(0, "shared clean-stream layers before the core (the paper: 2)")
-    n_coda: int = field(0, "shared layers after the core (the paper: 2)")
-    n_layers: int = field(4, "layers of the weight-tied core")
     init_core_start: int = field(-1, "init_from: the first source layer of the core; -1 = right after the prelude")
 
 
