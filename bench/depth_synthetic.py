@@ -63,7 +63,10 @@ RUNS = {
     "db_L4_B2_independent": ({"kind": "db_ar", "n_layers": 4}, {"num_blocks": 2}),
     "db_L4_B2_stacked_low_first": ({"kind": "db_ar", "n_layers": 4},
                                    {"num_blocks": 2, "context": "stacked", "stack_order": "low_noise_first"}),
+    # block 0 (whose call ppl@0 scores) gets the steps in proportion to what the network adds there
+    "db_L4_B2_gain": ({"kind": "db_ar", "n_layers": 4}, {"num_blocks": 2, "block_sampling": "network_gain"}),
 }
+CURVE_EVERY = 200  # network_gain / loss_share: re-measure CE(sigma) on a fixed training batch this often (the product's default)
 # The fair protocol (plan.md): the sweep rows at seed 0 over LRS (dev), then seeds at each row's dev-chosen lr
 SWEEP = ("gpt_L2", "db_L4_B2_independent", "db_L4_B2_stacked_low_first")
 SEEDS = {"gpt_L2": 3, "db_L4_B2_independent": 5, "db_L4_B2_stacked_low_first": 5}
@@ -114,6 +117,22 @@ def step_flops(model, x, y) -> tuple[float, list]:
         model.zero_grad(set_to_none=True)
         costs.append(counter.get_total_flops())
     return sum(costs) / len(costs), costs
+
+
+def refresh_curve(model, batch, seed: int) -> None:
+    """What the product's trainer does every `curve_every` steps (looped_lm/train.py refresh_curve)."""
+    model.eval()
+    model.apply_curve(model.measure_curve(batch[:, :-1], batch[:, 1:], seed=seed))
+    model.train()
+
+
+def curve_cost(model, batch) -> float:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        model.measure_curve(batch[:, :-1], batch[:, 1:], seed=0)
+    model.objective.curve = None
+    return float(counter.get_total_flops())
 
 
 @torch.no_grad()
@@ -168,13 +187,21 @@ def run_one(name: str, lr: float, seed: int, smoke: bool) -> dict:
     per_step, per_block = step_flops(model, seq0[:, :-1], seq0[:, 1:])
     steps = 5 if smoke else int(BUDGET // per_step)
     warmup = max(1, round(0.05 * steps))
+    curve_batch = sequences(BATCH, 10_000)  # a training-distribution batch no split draws (never dev or test)
+    uses_curve = hasattr(model, "objective") and model.objective.uses_curve()
+    curve_flops = curve_cost(model, curve_batch) if uses_curve else 0.0
     opt = BlockwiseAdamW(param_groups(model, 0.1), lr=lr, betas=(0.9, 0.95))
     runner = TorchRunner(model, opt, grad_clip=1.0, seed=seed)
     model.train()
     t0, curve = time.process_time(), []
+    counts = [0] * len(model.blocks) if hasattr(model, "objective") else None
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = cosine_with_warmup(step, warmup, steps, lr, lr / 10)
+        if uses_curve and step % CURVE_EVERY == 0:
+            refresh_curve(model, curve_batch, seed + step)
+        if counts is not None:
+            counts[model.choose_block(step, seed)] += 1  # the block this step trains (the same call train_step makes)
         seq = sequences(BATCH, 1_000_000 * (seed + 1) + step)
         result = train_step(model, opt, runner, [(seq[:, :-1], seq[:, 1:])], step, seed)
         if step % max(1, steps // 20) == 0:
@@ -184,6 +211,9 @@ def run_one(name: str, lr: float, seed: int, smoke: bool) -> dict:
     return {"run": name, "lr": lr, "seed": seed, "budget": BUDGET, "git": git_commit(), "steps": steps, "flops_per_step": per_step,
             "flops_per_block_step": per_block, "train_flops": per_step * steps, "train_cpu_s": round(cpu, 1),
             "train_curve": curve, "config": cfg.model_dump(),
+            # the curve refreshes are forward-only and not in train_flops; their total is stated beside it
+            "curve_flops": curve_flops * len(range(0, steps, CURVE_EVERY)) if uses_curve else 0.0,
+            "block_steps": counts,
             "dev": score(model, DEV_SEED, smoke), "test": score(model, TEST_SEED, smoke)}
 
 
@@ -199,7 +229,7 @@ def one(name: str, lr: float, seed: int, smoke: bool) -> None:
 
 def best_lr(name: str, smoke: bool) -> float:
     """The learning rate with the lowest dev copy NLL at seed 0 (among those that ran)."""
-    ran = [lr for lr in LRS if path_of(name, lr, 0, smoke).is_file()]
+    ran = [json.loads(f.read_text())["lr"] for f in path_of(name, 1.0, 0, smoke).parent.glob(f"{name}__lr*__s0.json")]
     return min(ran, key=lambda lr: json.loads(path_of(name, lr, 0, smoke).read_text())["dev"]["copy_nll"])
 
 
@@ -437,6 +467,8 @@ def main() -> None:
     r.add_argument("--lanes", type=int, default=1)
     r.add_argument("--smoke", action="store_true")
     r.add_argument("--commit", action="store_true", help="git commit each run's JSON as it lands")
+    b = sub.add_parser("best-lr", help="print a row's dev-chosen learning rate (seed 0 runs)")
+    b.add_argument("name", choices=RUNS)
     o = sub.add_parser("one")
     o.add_argument("name", choices=RUNS)
     o.add_argument("lr", type=float)
@@ -446,6 +478,8 @@ def main() -> None:
     a = p.parse_args()
     if a.cmd == "run":
         run_all(a.lanes, a.smoke, a.commit)
+    elif a.cmd == "best-lr":
+        print(best_lr(a.name, False))
     elif a.cmd == "one":
         one(a.name, a.lr, a.seed, a.smoke)
     else:
