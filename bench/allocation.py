@@ -12,6 +12,21 @@ bench/results/allocation/; `--report` writes report.md with paired per-seed rati
 
     python bench/allocation.py --blocks 4 --seeds 0 1          # ~6 CPU-min per run on a quiet machine
     python bench/allocation.py --report
+
+`--protocol`: the same comparison with each rule's learning rate tuned on held-out data that no reported
+number is measured on. The held-out books are fixed across seeds (`data.split_seed`, `--split-seed`); the
+run's val.bin is cut into two halves, dev (the first) and test (the second), written once as dev.bin /
+test.bin under the work dir. A sweep (`--lrs`, train.min_lr = lr / 10, at the seeds given, normally 0)
+scores ppl@0 on dev; each rule's learning rate is the one with the lowest dev ppl@0 at the sweep seed
+(`--sweep-seed`, 0). Runs without `--lrs` train at that chosen rate. Every run reports on test: ppl@0
+(the whole test half), ppl@B (K = B chain, the first 8,192 test tokens, 16 draws, with its standard error)
+and the block shares of its steps. One JSON per run in bench/results/allocation/protocol/;
+`--protocol-report` writes report.md there (dev sweep, chosen rates, test table, paired per-seed ratios
+network_gain / loss_share with a Student-t 95 % interval on the log ratios).
+
+    python bench/allocation.py --protocol --blocks 2 --lrs 1e-3 3e-3 1e-2 --seeds 0   # the dev sweep
+    python bench/allocation.py --protocol --blocks 2 --seeds 1 2                      # chosen lr per rule
+    python bench/allocation.py --protocol-report
 """
 
 from __future__ import annotations
@@ -110,6 +125,212 @@ def report() -> str:
     return text
 
 
+PROTOCOL_OUT = OUT / "protocol"
+# two-sided 95 % Student-t quantiles by degrees of freedom
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def lr_tag(lr: float) -> str:
+    return f"{lr:.0e}"
+
+
+def protocol_name(blocks: int, rule: str, lr: float, seed: int) -> str:
+    return f"B{blocks}_{rule}_lr{lr_tag(lr)}_s{seed}"
+
+
+def protocol_split(work: Path, split_seed: int) -> dict:
+    """Tokenize the corpus with the runs' settings (the same cache directory they use, so the same val.bin)
+    and cut its val.bin into dev.bin (first half) and test.bin (second half), once."""
+    import numpy as np
+
+    from looped_lm.config import load_config
+    from looped_lm.data.batches import data_source_string, split_seed as cfg_split_seed
+    from looped_lm.data.prepare import ensure_prepared
+
+    cfg = load_config(str(ROOT / "configs/quickstart_db.yaml"),
+                      [f"data.split_seed={split_seed}", f"data.cache_dir={work / 'cache'}"])
+    data_dir = Path(ensure_prepared(data_source_string(cfg), cfg.data.cache_dir, cfg.data.tokenizer,
+                                    cfg.data.val_fraction, cfg_split_seed(cfg), progress=False)).resolve()
+    meta = json.loads((data_dir / "meta.json").read_text())
+    dtype = np.dtype(meta.get("dtype", "uint16"))
+    val = np.fromfile(data_dir / "val.bin", dtype=dtype)
+    half = len(val) // 2
+    split_dir = work / f"split{split_seed}"
+    split_dir.mkdir(parents=True, exist_ok=True)
+    for name, part in (("dev", val[:half]), ("test", val[half:])):
+        path = split_dir / f"{name}.bin"
+        if not path.exists() or path.stat().st_size != part.nbytes:
+            part.tofile(path)
+    (split_dir / "meta.json").write_text((data_dir / "meta.json").read_text())  # the tokenizer check of eval
+    info = {"val": str(data_dir / "val.bin"), "val_tokens": int(len(val)), "dtype": str(dtype),
+            "dev": str(split_dir / "dev.bin"), "dev_tokens": int(half),
+            "test": str(split_dir / "test.bin"), "test_tokens": int(len(val) - half), "split_seed": split_seed}
+    if info["dev_tokens"] <= 0 or info["test_tokens"] <= 0:
+        raise SystemExit(f"empty dev or test half: {info}")
+    return info
+
+
+def eval_json(ckpt: Path, data: str, out: Path, env: dict, extra: list[str]) -> dict:
+    subprocess.run([sys.executable, "-m", "looped_lm", "eval", "--checkpoint", str(ckpt), "--data", data,
+                    "--json", str(out), "--no-progress", *extra], check=True, env=env, cwd=ROOT, capture_output=True)
+    return json.loads(out.read_text())
+
+
+def protocol_run(blocks: int, rule: str, lr: float, seed: int, work: Path, split: dict, out_root: Path,
+                 extra_sets: list[str]) -> dict:
+    name = protocol_name(blocks, rule, lr, seed)
+    out_dir = work / name
+    sets = [f"diffusion.num_blocks={blocks}", f"diffusion.block_sampling={rule}", f"train.seed={seed}",
+            f"train.lr={lr}", f"train.min_lr={lr / 10}", f"data.split_seed={split['split_seed']}",
+            f"train.out_dir={out_dir}", "train.save_every=0", "train.progress=false", "train.eval_every=0",
+            "train.log_every=1", f"data.cache_dir={work / 'cache'}", *extra_sets]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    c0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.time()
+    cmd = [sys.executable, "-m", "looped_lm.train", "--config", str(ROOT / "configs/quickstart_db.yaml")]
+    subprocess.run(cmd + [a for s in sets for a in ("--set", s)], check=True, env=env, cwd=ROOT,
+                   capture_output=True, text=True)
+    ckpt = sorted(out_dir.glob("step_*"))[-1]
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    run_val = Path(manifest["data"]["dir"]).resolve() / "val.bin"
+    if run_val != Path(split["val"]):
+        raise SystemExit(f"{name}: the run's val.bin {run_val} is not the one split into dev/test {split['val']}")
+    t_train = time.time()
+    dev = eval_json(ckpt, split["dev"], work / f"{name}_dev.json", env, ["--num-iterations", "0"])
+    test = eval_json(ckpt, split["test"], work / f"{name}_test.json", env, ["--num-iterations", "0"])
+    rep = eval_json(ckpt, split["test"], work / f"{name}_test_chain.json", env,
+                    ["--num-iterations", str(blocks), "--max-tokens", "8192", "--draws", "16"])
+    c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    k = str(blocks)
+    chain = {"k": blocks, "ppl": rep["ppl_at_k"][k], "se": rep["ppl_se"][k], "tokens": rep["tokens"], "draws": 16,
+             "ppl0_same_tokens": rep["ppl_at_k"].get("0"), "unresolved": rep.get("unresolved", [])}
+    from looped_lm.diffusion import ce_curve
+
+    curve = manifest["model_state"].get("curve") or {}
+    edges = manifest["model_state"]["edges"]
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    counts = [0] * blocks
+    for r in rows:
+        if "block" in r:
+            counts[int(r["block"])] += 1
+    result = {
+        "protocol": "dev/test halves of the held-out split; lr chosen on dev ppl@0", "blocks": blocks, "rule": rule,
+        "lr": lr, "min_lr": lr / 10, "seed": seed, "split_seed": split["split_seed"], "steps": int(ckpt.name.split("_")[1]),
+        "extra_sets": extra_sets, "split": {key: split[key] for key in ("val_tokens", "dev_tokens", "test_tokens", "dtype")},
+        "dev": {"ppl0": dev["ppl"], "nll0": dev["nll"], "tokens_scored": dev["tokens"]},
+        "test": {"ppl0": test["ppl"], "nll0": test["nll"], "tokens_scored": test["tokens"]},
+        "test_chain": chain, "logged_block_share": [c / max(sum(counts), 1) for c in counts], "logged_block_steps": counts,
+        "final_shares": {"loss_share": ce_curve.block_shares(edges, curve["sigmas"], curve["ce"]) if curve else None,
+                         "network_gain": ce_curve.gain_shares(edges, curve["sigmas"], curve["ce"], curve["ce_z"])
+                         if curve.get("ce_z") else None},
+        "curve": curve, "cpu_s": round((c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime), 1),
+        "wall_s": round(time.time() - t0, 1), "train_wall_s": round(t_train - t0, 1), "load": os.getloadavg()[0],
+        "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    out_root.mkdir(parents=True, exist_ok=True)
+    (out_root / f"{name}.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def protocol_runs(out_root: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out_root.glob("B*_lr*_s*.json"))]
+
+
+def chosen_lrs(runs: list[dict], blocks: int, sweep_seed: int) -> dict:
+    """Each rule's learning rate: the lowest dev ppl@0 among its sweep runs (seed sweep_seed) at this B."""
+    best = {}
+    for r in runs:
+        if r["blocks"] == blocks and r["seed"] == sweep_seed:
+            if r["rule"] not in best or r["dev"]["ppl0"] < best[r["rule"]]["dev"]["ppl0"]:
+                best[r["rule"]] = r
+    return {rule: r["lr"] for rule, r in best.items()}
+
+
+def t_interval(logs: list[float]) -> tuple[float, float, float]:
+    n = len(logs)
+    mean = sum(logs) / n
+    if n < 2:
+        return math.exp(mean), float("nan"), float("nan")
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (n - 1))
+    half = T95[n - 1] * sd / math.sqrt(n) if n - 1 in T95 else 1.96 * sd / math.sqrt(n)
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def protocol_report(out_root: Path, sweep_seed: int) -> str:
+    runs = protocol_runs(out_root)
+    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    lines = ["# block_sampling: loss_share vs network_gain, learning rate tuned per rule on dev, scored on test",
+             "", "bench/allocation.py --protocol: DB quickstart layout (4 layers, d 128, the Bible in bytes, 1000 steps "
+             "of 16 x 128 tokens, warmup 50, train.min_lr = lr / 10). Held-out books fixed across seeds "
+             "(data.split_seed). The held-out tokens (val.bin) are cut in two halves: dev (first half) chooses each "
+             "rule's lr (lowest dev ppl@0 at the sweep seed), test (second half) gives every number below except the "
+             "dev column. ppl@0: exact, whole half. ppl@B: the K = B chain on the first 8,192 test tokens, 16 draws "
+             "(standard error in brackets). Plan and deviations: plan.md.", ""]
+    if runs:
+        s = runs[0]["split"]
+        lines += [f"Held-out split (split_seed {runs[0]['split_seed']}): {s['val_tokens']} tokens; dev "
+                  f"{s['dev_tokens']}, test {s['test_tokens']}.", ""]
+    for B in sorted({r["blocks"] for r in runs}):
+        chosen = chosen_lrs(runs, B, sweep_seed)
+        lines += [f"## B = {B}", "", f"### Dev sweep (seed {sweep_seed})", "",
+                  "| rule | lr | dev ppl@0 | chosen |", "|---|---|---|---|"]
+        for r in sorted((r for r in runs if r["blocks"] == B and r["seed"] == sweep_seed), key=lambda r: (r["rule"], r["lr"])):
+            lines.append(f"| {r['rule']} | {r['lr']:g} | {r['dev']['ppl0']:.3f} | {'yes' if chosen.get(r['rule']) == r['lr'] else ''} |")
+        lines += ["", "Chosen lr: " + ", ".join(f"{rule} {lr:g}" for rule, lr in sorted(chosen.items())), "",
+                  "### Test, each rule at its chosen lr", "",
+                  "| seed | rule | lr | test ppl@0 | test ppl@B (se) | block shares of the steps (block 0 first) | CPU-s |",
+                  "|---|---|---|---|---|---|---|"]
+        at = {(r["rule"], r["seed"]): r for r in runs if r["blocks"] == B and chosen.get(r["rule"]) == r["lr"]}
+        for (rule, seed), r in sorted(at.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            c = r["test_chain"]
+            chain = f"{c['ppl']:.3f} ({c['se']:.3f})" if c.get("ppl") is not None else "unresolved"
+            shares = ", ".join(f"{x:.2f}" for x in r["logged_block_share"])
+            lines.append(f"| {seed} | {rule} | {r['lr']:g} | {r['test']['ppl0']:.3f} | {chain} | {shares} | {r['cpu_s']} |")
+        seeds = sorted(s for (rule, s) in at if rule == "loss_share" and ("network_gain", s) in at)
+        lines += ["", "### Paired ratios network_gain / loss_share (same seed, test)", ""]
+        if not seeds:
+            lines.append("No seed has both rules yet.")
+        for label, get in (("ppl@0", lambda r: r["test"]["ppl0"]), (f"ppl@{B}", lambda r: r["test_chain"]["ppl"])):
+            pairs = [(s, get(at[("network_gain", s)]), get(at[("loss_share", s)])) for s in seeds]
+            pairs = [(s, a, b) for s, a, b in pairs if a is not None and b is not None]
+            if not pairs:
+                continue
+            ratios = [a / b for _, a, b in pairs]
+            geo, lo, hi = t_interval([math.log(x) for x in ratios])
+            per = ", ".join(f"s{s} {x:.3f}" for (s, _, _), x in zip(pairs, ratios))
+            ci = f"95 % t interval [{lo:.3f}, {hi:.3f}]" if len(ratios) > 1 else "no interval with one seed"
+            lines.append(f"- {label}: {per}; geometric mean {geo:.3f}, {ci} (n = {len(ratios)} seeds, t on the log ratios, "
+                         f"{len(ratios) - 1} df)")
+        lines.append("")
+    text = "\n".join(lines) + "\n"
+    out_root.mkdir(parents=True, exist_ok=True)
+    (out_root / "report.md").write_text(text)
+    return text
+
+
+def protocol_main(args) -> None:
+    split = protocol_split(args.work, args.split_seed)
+    print(f"split: {split}", flush=True)
+    for seed in args.seeds:
+        for B in args.blocks:
+            if args.lrs:
+                plan = [(lr, rule) for lr in args.lrs for rule in args.rules]
+            else:
+                chosen = chosen_lrs(protocol_runs(args.out), B, args.sweep_seed)
+                missing = [rule for rule in args.rules if rule not in chosen]
+                if missing:
+                    raise SystemExit(f"B = {B}: no dev sweep for {missing} at seed {args.sweep_seed}: run --lrs first")
+                plan = [(chosen[rule], rule) for rule in args.rules]
+            for lr, rule in plan:
+                if (args.out / f"{protocol_name(B, rule, lr, seed)}.json").exists():
+                    continue
+                r = protocol_run(B, rule, lr, seed, args.work, split, args.out, args.set)
+                c = r["test_chain"]
+                print(f"B{B} {rule} lr {lr:g} s{seed}: dev ppl@0 {r['dev']['ppl0']:.3f}, test ppl@0 "
+                      f"{r['test']['ppl0']:.3f}, test ppl@{B} {c['ppl']} (se {c['se']:.4f}), shares "
+                      f"{[round(x, 3) for x in r['logged_block_share']]} ({r['cpu_s']} CPU-s, {r['wall_s']} s)", flush=True)
+    print(protocol_report(args.out, args.sweep_seed))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, nargs="+", default=[4])
@@ -118,7 +339,27 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/looped_lm_allocation"))
     ap.add_argument("--report", action="store_true")
     ap.add_argument("--backfill-chain", action="store_true", help="add ppl@B to runs measured without it")
+    ap.add_argument("--protocol", action="store_true", help="dev/test halves of a fixed held-out split, lr per rule")
+    ap.add_argument("--protocol-report", action="store_true", help="write the protocol's report.md")
+    ap.add_argument("--lrs", type=float, nargs="+", default=None,
+                    help="protocol: the sweep's learning rates (min_lr = lr / 10); omitted: each rule's dev-chosen lr")
+    ap.add_argument("--split-seed", type=int, default=0, help="protocol: data.split_seed of every run")
+    ap.add_argument("--sweep-seed", type=int, default=0, help="protocol: the seed whose dev ppl@0 chooses the lr")
+    ap.add_argument("--out", type=Path, default=PROTOCOL_OUT, help="protocol: where the JSONs and report.md go")
+    ap.add_argument("--set", action="append", default=[], help="protocol: extra train overrides (a smoke test)")
     args = ap.parse_args()
+    if args.protocol_report:
+        print(protocol_report(args.out, args.sweep_seed))
+        return
+    if args.protocol:
+        if "--blocks" not in sys.argv:
+            args.blocks = [2]
+        if "--seeds" not in sys.argv:
+            args.seeds = [0]
+        if "--work" not in sys.argv:
+            args.work = Path("/tmp/looped_lm_allocation_protocol")
+        protocol_main(args)
+        return
     if args.backfill_chain:
         for path in sorted(OUT.glob("B*_s*.json")):
             r = json.loads(path.read_text())
