@@ -66,6 +66,12 @@ RUNS = {
     # block 0 (whose call ppl@0 scores) gets the steps in proportion to what the network adds there
     "db_L4_B2_gain": ({"kind": "db_ar", "n_layers": 4}, {"num_blocks": 2, "block_sampling": "network_gain"}),
 }
+# Diagnosis of the stacked layout: blocks trained one after another in stack order (low noise first), each
+# with its own warmup + cosine over its equal share of the steps, so block 0 trains on a FROZEN feeder.
+# The same schedule on independent blocks separates the schedule's effect from the stacking's.
+RUNS["db_L4_B2_stacked_low_first_sequential"] = RUNS["db_L4_B2_stacked_low_first"]
+RUNS["db_L4_B2_independent_sequential"] = RUNS["db_L4_B2_independent"]
+SEQUENTIAL = {"db_L4_B2_stacked_low_first_sequential", "db_L4_B2_independent_sequential"}
 CURVE_EVERY = 200  # network_gain / loss_share: re-measure CE(sigma) on a fixed training batch this often (the product's default)
 # The fair protocol (plan.md): the sweep rows at seed 0 over LRS (dev), then seeds at each row's dev-chosen lr
 SWEEP = ("gpt_L2", "db_L4_B2_independent", "db_L4_B2_stacked_low_first")
@@ -117,6 +123,22 @@ def step_flops(model, x, y) -> tuple[float, list]:
         model.zero_grad(set_to_none=True)
         costs.append(counter.get_total_flops())
     return sum(costs) / len(costs), costs
+
+
+def sequential_phases(model, name: str, steps: int):
+    """For SEQUENTIAL rows: make the model train its blocks one after another (low noise first, equal
+    shares) and return step -> (its phase's first step, the phase's length); None for every other row."""
+    if name not in SEQUENTIAL:
+        return None
+    net = model.net if hasattr(model, "net") else model
+    order = list(range(len(net.blocks)))[::-1]  # low noise first: the stack order of low_noise_first
+    length = steps // len(order)
+
+    def index(step: int) -> int:
+        return min(step // length, len(order) - 1)
+
+    model.objective.choose_block = lambda step, seed: order[index(step)]
+    return lambda step: (index(step) * length, length if index(step) < len(order) - 1 else steps - index(step) * length)
 
 
 def refresh_curve(model, batch, seed: int) -> None:
@@ -195,9 +217,11 @@ def run_one(name: str, lr: float, seed: int, smoke: bool) -> dict:
     model.train()
     t0, curve = time.process_time(), []
     counts = [0] * len(model.blocks) if hasattr(model, "objective") else None
+    phase = sequential_phases(model, name, steps)
     for step in range(steps):
+        start, length = phase(step) if phase else (0, steps)
         for group in opt.param_groups:
-            group["lr"] = cosine_with_warmup(step, warmup, steps, lr, lr / 10)
+            group["lr"] = cosine_with_warmup(step - start, max(1, round(0.05 * length)), length, lr, lr / 10)
         if uses_curve and step % CURVE_EVERY == 0:
             refresh_curve(model, curve_batch, seed + step)
         if counts is not None:
