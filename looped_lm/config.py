@@ -142,6 +142,9 @@ class DataConfig(_Section):
                         "tokenizer.json (or a directory holding one); with model.init_from the default is its "
                         "directory's")
     val_fraction: Float = _f(0.05, "share of documents held out for validation")
+    test_fraction: Float = _f(0.0, "share of documents held out as a test split (test.bin), apart from validation "
+                              "and never read in training: choose settings on val, report on test "
+                              "(`looped_lm eval --split test`); 0 = no test split")
     split_seed: int = _f(-1, "seed of the train / validation document split; -1 = train.seed (so a seed sweep "
                          "that must score on the same held-out documents sets this once)")
     cache_dir: Str = _f("data_cache", "where tokenized corpora are cached as train.bin / val.bin")
@@ -470,9 +473,18 @@ def validate(cfg: Config) -> None:
     _require(cfg.deepspeed.zero_stage in (0, 1, 2), f"deepspeed.zero_stage must be 0, 1 or 2 (got {cfg.deepspeed.zero_stage})")
     if cfg.data.source in ("files", "hf", "bin", "cifar10", "cifar100", "text8", "latents"):
         _require(cfg.data.path != "", f"data.path is required when data.source is {cfg.data.source}")
+    _require(cfg.data.test_fraction == 0 or kind.offers("language_model"),
+             f"data.test_fraction splits a language model's token corpus; model.kind {kind.name} scores its own "
+             "held-out split (`looped_lm eval --split`)")
+    _require(cfg.data.test_fraction == 0 or cfg.data.source != "bin",
+             "data.test_fraction splits a corpus looped_lm tokenizes; a bin directory brings its own splits (score "
+             "a held-out test.bin with `looped_lm eval --data`)")
     _require(cfg.data.source in kind.data_sources, f"model.kind {kind.name} reads data.source "
              f"{' / '.join(kind.data_sources)} (got {cfg.data.source})")
     _require(0 < cfg.data.val_fraction < 1, f"data.val_fraction must be in (0, 1) (got {cfg.data.val_fraction})")
+    _require(0 <= cfg.data.test_fraction < 1 - cfg.data.val_fraction,
+             f"data.test_fraction must be in [0, 1 - data.val_fraction) = [0, {1 - cfg.data.val_fraction:g}) "
+             f"(got {cfg.data.test_fraction})")
     _require(-1 <= cfg.data.split_seed < 2 ** 62, f"data.split_seed must be -1 (train.seed) or in 0..2**62 - 1 "
                                                  f"(got {cfg.data.split_seed})")
     e = cfg.eval

@@ -38,7 +38,9 @@ def add_arguments(p) -> None:
     p.add_argument("--max-tokens", type=int, default=0, help="score only the first N tokens (vit: images, mdm: "
                    "characters); 0 = all")
     p.add_argument("--split", choices=("val", "test"), default="val",
-                   help="mdm: the text split scored (text8: 5M characters each); vit scores the held-out images")
+                   help="the run's held-out split scored: val (default), or test (language models: the test.bin "
+                   "of a run prepared with data.test_fraction > 0; mdm: text8's 5M-character splits); vit scores "
+                   "the held-out images")
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
     p.add_argument("--num-iterations", default=None,
                    help="comma-separated K grid (huginn: exact PPL per K; DB models: ppl@k); vit: one K >= B")
@@ -251,10 +253,16 @@ def run(args) -> int:
 
         return evaluate(model, cfg, manifest, args)
     data = args.data
+    if data is not None and args.split != "val":
+        raise UserError(f"--split {args.split} chooses one of the run's own token splits; --data names the file to "
+                        "score: pass one of them")
     if data is None:
         if "dir" not in manifest.get("data", {}):
             raise UserError(f"{args.checkpoint} does not record its data directory: pass --data VAL.bin")
-        data = str(Path(manifest["data"]["dir"]) / "val.bin")
+        data = str(Path(manifest["data"]["dir"]) / f"{args.split}.bin")
+        if args.split == "test" and not Path(data).is_file():
+            raise UserError(f"{args.checkpoint}'s data has no test split: prepare it with data.test_fraction > 0 "
+                            "(or pass --data FILE)")
     block = args.block_size or cfg.eval.block_size or cfg.model.seq_len
     # the K grid by the rule every K follows (1..model.max_iterations, DB models also 0), resolved once
     settings = resolve_score_settings(model.iteration_limits() if isinstance(model, Iterative) else None,

@@ -413,3 +413,45 @@ def test_the_readme_commands_hold_in_the_order_written(tmp_path, monkeypatch, cl
     assert len(ran) >= 12, ran  # train, generate, prepare, resume, 2 ranks, verify, eval, looped, serve, export...
     assert (tmp_path / "out" / "quickstart_db" / "step_0000004").is_dir()  # the quickstart's checkpoint survived
     assert (tmp_path / "hf" / "quickstart_db" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("kind", ["gpt", "db_ar"])
+def test_eval_scores_the_test_split_of_a_run_prepared_with_one(kind, tmp_path, write_config, capsys, one_line_error):
+    """data.test_fraction holds out a test split that training never reads; `eval --split test` scores it
+    (gpt: recomputed by hand on test.bin; db_ar at K = 2 through the same path), and a run without one,
+    or --split with --data, is one line."""
+    from looped_lm import train as trainer
+
+    model = {"kind": kind, "n_layers": 2} if kind == "db_ar" else {}
+    cfg = write_config(tmp_path / "run.yaml", {
+        "model": model, "diffusion": {"num_blocks": 2} if kind == "db_ar" else {},
+        "data": {"test_fraction": 0.1, "cache_dir": str(tmp_path / "cache")}, "train": {"out_dir": str(tmp_path / "out")}})
+    assert trainer.main(["--config", str(cfg)]) == 0
+    ckpt = tmp_path / "out" / "step_0000002"
+    data_dir = Path(json.loads((ckpt / "manifest.json").read_text())["data"]["dir"])
+    meta = json.loads((data_dir / "meta.json").read_text())
+    assert meta["splits"]["test"]["documents"] >= 1 and (data_dir / "test.bin").is_file()
+    N, T = 400, 16
+    args = ["eval", "--checkpoint", str(ckpt), "--max-tokens", str(N), "--no-progress"]
+    k = ["--num-iterations", "2", "--draws", "2"] if kind == "db_ar" else []
+    assert cli.main(args + k + ["--split", "test", "--json", str(tmp_path / "t.json")]) == 0
+    assert cli.main(args + k + ["--json", str(tmp_path / "v.json")]) == 0
+    capsys.readouterr()
+    test, val = (json.loads((tmp_path / f"{s}.json").read_text()) for s in ("t", "v"))
+    assert test["data"].endswith("test.bin") and val["data"].endswith("val.bin")
+    if kind == "gpt":
+        m, _, _ = load_checkpoint(ckpt)
+        tokens = np.fromfile(data_dir / "test.bin", dtype=np.uint16)[:N].astype(np.int64)
+        n_windows = (N - 1) // T
+        assert abs(test["nll"] - _nll_sum(m, [(i * T, T) for i in range(n_windows)], tokens, T) / test["tokens"]) < 1e-5
+        assert test["ppl"] != val["ppl"]
+    else:
+        assert test["ppl_at_k"]["2"] != val["ppl_at_k"]["2"] and "0" in test["ppl_at_k"]
+    assert cli.main(args + ["--split", "test", "--data", str(data_dir / "val.bin")]) == 2
+    one_line_error(capsys.readouterr(), "--split test", "--data")
+
+
+def test_eval_split_test_without_a_test_split_is_one_line(tiny_run, capsys, one_line_error):
+    _, ckpt, _ = tiny_run
+    assert cli.main(["eval", "--checkpoint", str(ckpt), "--split", "test", "--no-progress"]) == 2
+    one_line_error(capsys.readouterr(), "has no test split", "data.test_fraction")

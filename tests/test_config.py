@@ -32,7 +32,7 @@ NON_DEFAULT = {
         "clean_lm_weight": 0.3, "sample_top_quantile": 0.99, "parameterization": "edm", "last_call": "edge",
         "noisy_self": True, "label_dropout": 0.2, "cfg_scale": 1.5, "sample_steps": 10, "schedule": "cosine",
     },
-    "data": {"source": "files", "path": "corpus.txt", "tokenizer": "byte", "val_fraction": 0.1, "split_seed": 3,
+    "data": {"source": "files", "path": "corpus.txt", "tokenizer": "byte", "val_fraction": 0.1, "test_fraction": 0.05, "split_seed": 3,
              "cache_dir": "cache", "augment": False},
     "train": {
         "max_steps": 50, "batch_size": 3, "grad_accum": 4, "lr": 0.003, "min_lr": 0.0003, "warmup_steps": 7,

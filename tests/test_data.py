@@ -420,3 +420,75 @@ def test_split_seed_keeps_the_held_out_documents_across_training_seeds(tmp_path)
 
     assert val_bytes(1, 7) == val_bytes(2, 7)
     assert val_bytes(1, -1) != val_bytes(2, -1)  # the old rule: the training seed moves the split
+
+
+# ---------------------------------------------------------------- a test split (data.test_fraction)
+
+def test_document_split_takes_test_from_the_non_val_documents():
+    """With a test split, val keeps exactly its documents (so val numbers stay comparable) and about
+    test_fraction of all documents become test; without one nothing is test."""
+    plain = [document_split(i, 0.05, seed=3) for i in range(2000)]
+    three = [document_split(i, 0.05, seed=3, test_fraction=0.1) for i in range(2000)]
+    assert "test" not in plain
+    assert [s == "val" for s in three] == [s == "val" for s in plain]
+    assert 180 <= three.count("test") <= 220  # 0.1 of 2000, systematic over the non-val documents
+    assert three == [document_split(i, 0.05, seed=3, test_fraction=0.1) for i in range(2000)]
+    assert three != [document_split(i, 0.05, seed=4, test_fraction=0.1) for i in range(2000)]
+
+
+def test_prepare_writes_a_disjoint_test_split(tmp_path):
+    src = tmp_path / "docs.jsonl"
+    docs = [f"document {i}: " + "word " * (i % 7 + 1) for i in range(60)]
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    tok = get_tokenizer("byte")
+    plain = prepare_dataset(str(src), str(tmp_path / "plain"), tokenizer="byte", val_fraction=0.1, seed=2,
+                            progress=False)
+    meta = prepare_dataset(str(src), str(tmp_path / "three"), tokenizer="byte", val_fraction=0.1, seed=2,
+                           progress=False, test_fraction=0.2)
+    expected = {"train": [], "val": [], "test": []}
+    for i, doc in enumerate(docs):
+        expected[document_split(i, 0.1, 2, 0.2)] += tok.encode(doc) + [tok.eot_id]
+    for split in ("train", "val", "test"):
+        data = np.fromfile(tmp_path / "three" / f"{split}.bin", dtype=np.uint16).tolist()
+        assert data == expected[split] and data, split
+        assert meta["splits"][split]["tokens"] == len(data)
+    assert meta["test_fraction"] == 0.2 and 6 <= meta["splits"]["test"]["documents"] <= 18
+    # val is the same documents with or without the test split; train gave up exactly the test ones
+    assert (tmp_path / "three" / "val.bin").read_bytes() == (tmp_path / "plain" / "val.bin").read_bytes()
+    assert meta["splits"]["train"]["documents"] + meta["splits"]["test"]["documents"] == \
+        plain["splits"]["train"]["documents"]
+    assert not (tmp_path / "plain" / "test.bin").exists() and "test" not in plain["splits"]
+
+
+def test_a_test_split_that_would_be_empty_is_refused(tmp_path):
+    src = tmp_path / "two.jsonl"
+    src.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(2)))
+    with pytest.raises(UserError, match=r"the (val|test) split of .* got no document \(2 documents"):
+        prepare_dataset(str(src), str(tmp_path / "out"), tokenizer="byte", val_fraction=0.3, progress=False,
+                        test_fraction=0.3)
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "one.txt").write_text("x" * 50)
+    with pytest.raises(UserError, match="one document: a test split needs whole documents"):
+        prepare_dataset(str(tmp_path / "one.txt"), str(tmp_path / "out"), tokenizer="byte", progress=False,
+                        test_fraction=0.1)
+    with pytest.raises(UserError, match=r"test_fraction must be in \[0, 1 - val_fraction\)"):
+        prepare_dataset("bible", str(tmp_path / "out"), tokenizer="byte", val_fraction=0.5, test_fraction=0.5)
+
+
+def test_test_fraction_config_errors_and_cache():
+    from looped_lm.config import config_from_dict
+
+    for data, needle in (({"val_fraction": 0.5, "test_fraction": 0.5}, "data.test_fraction must be in [0, 1 - data.val_fraction) = [0, 0.5) (got 0.5)"),
+                         ({"test_fraction": -0.1}, "data.test_fraction must be in"),
+                         ({"source": "bin", "path": "x", "test_fraction": 0.1}, "a bin directory brings its own"),):
+        with pytest.raises(UserError) as e:
+            config_from_dict({"data": data})
+        assert needle in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(UserError, match="model.kind vit scores its own held-out split"):
+        config_from_dict({"model": {"kind": "vit"}, "diffusion": {"block_sampling": "uniform"},
+                          "data": {"source": "digits", "test_fraction": 0.1}})
+    from looped_lm.data.prepare import _cache_slug
+
+    # data prepared without a test split keeps its cache directory; with one it gets its own
+    assert _cache_slug("bible", "byte", 0.05, 0) == _cache_slug("bible", "byte", 0.05, 0, 0.0)
+    assert _cache_slug("bible", "byte", 0.05, 0) != _cache_slug("bible", "byte", 0.05, 0, 0.1)

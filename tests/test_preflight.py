@@ -191,3 +191,16 @@ def test_cli_train_checks_data_and_checkpoints_before_the_launcher(base_run, tmp
     rng.write_bytes(bytes(data))
     assert cli.main(["train", "--config", str(cfg)]) == 2
     one_line_error(capsys.readouterr(), "cannot resume", "rank0.pt", "corrupted")
+
+
+def test_cli_train_refuses_an_empty_test_split_before_the_launcher(tmp_path, write_config, capsys, one_line_error,
+                                                                   no_launcher):
+    """A held-out test split that would get no document is one line naming it, and nothing is launched."""
+    corpus = tmp_path / "two.jsonl"
+    corpus.write_text('{"text": "first document"}\n{"text": "second document"}\n')
+    cfg = write_config(tmp_path / "t.yaml", {
+        "data": {"source": "files", "path": str(corpus), "val_fraction": 0.3, "test_fraction": 0.3},
+        "train": {"out_dir": str(tmp_path / "o")}})
+    assert cli.main(["train", "--config", str(cfg)]) == 2
+    one_line_error(capsys.readouterr(), "split of", "got no document (2 documents")
+    assert not (tmp_path / "o").exists()

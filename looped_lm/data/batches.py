@@ -181,8 +181,9 @@ def prepare_tokens(cfg: Config, vocab_size: int) -> str:
             if not (root / split).is_file():
                 raise UserError(f"data.path {root} has no {split} (expected nanoGPT's train.bin / val.bin)")
     data_dir = Path(ensure_prepared(data_source_string(cfg), cfg.data.cache_dir, cfg.data.tokenizer,
-                                    cfg.data.val_fraction, split_seed(cfg))).resolve()
-    for split in ("train.bin", "val.bin"):
+                                    cfg.data.val_fraction, split_seed(cfg),
+                                    test_fraction=cfg.data.test_fraction)).resolve()
+    for split in ("train.bin", "val.bin") + (("test.bin",) if cfg.data.test_fraction > 0 else ()):
         TokenStream(str(data_dir / split), cfg.model.seq_len, vocab_size)
     return str(data_dir)
 

@@ -38,14 +38,21 @@ def prepare_dataset(
     seed: int = 0,
     overwrite: bool = False,
     progress: bool = True,
+    test_fraction: float = 0.0,
 ) -> dict:
-    """Write out_dir/{train.bin, val.bin, meta.json} for `source` and return the meta dict.
+    """Write out_dir/{train.bin, val.bin, meta.json} for `source` (and test.bin with test_fraction > 0)
+    and return the meta dict.
 
-    Documents go to train or val whole (see `sources.document_split`); a single-document source is cut
-    at the (1 - val_fraction) point of its tokens instead, the end-of-text token going with val.
+    Documents go to train, val (or test) whole (see `sources.document_split`); a single-document source is
+    cut at the (1 - val_fraction) point of its tokens instead, the end-of-text token going with val (it
+    cannot also have a test split). A test split that would get no document is refused.
     """
     if not 0.0 < val_fraction < 1.0:
         raise UserError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction}")
+    if not 0.0 <= test_fraction < 1.0 - val_fraction:
+        raise UserError(f"test_fraction must be in [0, 1 - val_fraction) = [0, {1 - val_fraction:g}) "
+                        f"(got {test_fraction})")
+    splits = SPLITS + (("test",) if test_fraction > 0 else ())
     tok = get_tokenizer(tokenizer)
     if tok.vocab_size - 1 > np.iinfo(np.uint16).max:
         raise UserError(f"tokenizer {tok.name} has {tok.vocab_size} tokens: too many for uint16 .bin files")
@@ -59,10 +66,10 @@ def prepare_dataset(
     os.makedirs(out_dir, exist_ok=True)
 
     tag = f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp = {split: os.path.join(out_dir, f".{split}.bin{tag}") for split in SPLITS}
-    tokens = {split: 0 for split in SPLITS}
-    docs = {split: 0 for split in SPLITS}
-    files = {split: open(tmp[split], "wb", buffering=1 << 20) for split in SPLITS}
+    tmp = {split: os.path.join(out_dir, f".{split}.bin{tag}") for split in splits}
+    tokens = {split: 0 for split in splits}
+    docs = {split: 0 for split in splits}
+    files = {split: open(tmp[split], "wb", buffering=1 << 20) for split in splits}
     # shown after a second only: a source refused at its first document (not UTF-8) prints just its error
     bar = tqdm(desc=f"tokenizing {source}", unit=" docs", disable=not progress, delay=1.0)
 
@@ -79,23 +86,28 @@ def prepare_dataset(
         for batch in _batches(documents, BATCH_DOCS):
             for ids in tok.encode_batch(batch):
                 if pending is not None:
-                    write(document_split(count - 1, val_fraction, seed), pending)
+                    write(document_split(count - 1, val_fraction, seed, test_fraction), pending)
                 pending, count = ids, count + 1
             bar.update(len(batch))
             # refresh=False: a refresh draws the bar inside its delay, and close() would then leave the line open
             bar.set_postfix(tokens=f"{sum(tokens.values()):,}", refresh=False)
         if count == 0:
             raise UserError(f"data source {source} has no documents")
+        if count == 1 and test_fraction > 0:
+            raise UserError(f"data source {source} is one document: a test split needs whole documents "
+                            "(set test_fraction 0, or give the corpus as several documents)")
         if count == 1:
             cut = _single_document_cut(len(pending), val_fraction)
             write("train", pending[:cut], ends_document=False)
             write("val", pending[cut:])
-        elif docs["train"] == 0:
-            write("train", pending)
-        elif docs["val"] == 0:
-            write("val", pending)
-        else:
-            write(document_split(count - 1, val_fraction, seed), pending)
+        else:  # the last document goes to the first split still empty, else where the rule puts it
+            empty = [split for split in splits if docs[split] == 0]
+            write(empty[0] if empty else document_split(count - 1, val_fraction, seed, test_fraction), pending)
+        empty = [split for split in splits if docs[split] == 0]
+        if empty:
+            raise UserError(f"the {' and '.join(empty)} split{'s' if len(empty) > 1 else ''} of {source} got no "
+                            f"document ({count} documents; val_fraction {val_fraction:g}, test_fraction "
+                            f"{test_fraction:g}): raise the fraction, or use a corpus with more documents")
         for f in files.values():
             f.close()
 
@@ -107,14 +119,15 @@ def prepare_dataset(
             "dtype": "uint16",
             "source": source,
             "val_fraction": val_fraction,
+            "test_fraction": test_fraction,
             "seed": seed,
             "split_rule": "within-document" if count == 1 else "by-document",
-            "splits": {s: {"tokens": tokens[s], "documents": docs[s]} for s in SPLITS},
+            "splits": {s: {"tokens": tokens[s], "documents": docs[s]} for s in splits},
             "looped_lm_version": __version__,
         }
         if os.path.exists(meta_path):  # overwriting: the old output stops counting as finished first
             os.remove(meta_path)
-        for split in SPLITS:
+        for split in splits:
             os.replace(tmp[split], os.path.join(out_dir, f"{split}.bin"))
         tmp_meta = os.path.join(out_dir, f".meta.json{tag}")
         with open(tmp_meta, "w") as f:
@@ -140,8 +153,10 @@ def ensure_prepared(
     val_fraction: float = DEFAULT_VAL_FRACTION,
     seed: int = 0,
     progress: bool = True,
+    test_fraction: float = 0.0,
 ) -> str:
-    """A directory with train.bin and val.bin for `source`, preparing it into `cache_root` at most once.
+    """A directory with train.bin and val.bin (and test.bin with test_fraction > 0) for `source`, preparing
+    it into `cache_root` at most once.
 
     A directory that already holds train.bin and val.bin (ours, or nanoGPT's OpenWebText output, which has
     no meta.json) is returned as it is. Anything else is prepared into cache_root/<slug>, where the slug
@@ -160,7 +175,7 @@ def ensure_prepared(
             if prepared_with not in (None, tokenizer):
                 raise UserError(f"{source} was prepared with tokenizer {prepared_with}, but data.tokenizer is {tokenizer}")
         return source
-    final = os.path.join(cache_root, _cache_slug(source, tokenizer, val_fraction, seed))
+    final = os.path.join(cache_root, _cache_slug(source, tokenizer, val_fraction, seed, test_fraction))
     if os.path.isfile(os.path.join(final, "meta.json")):
         return final
     if os.path.isdir(final):  # no meta.json: left by something other than this function; start afresh
@@ -168,7 +183,7 @@ def ensure_prepared(
     os.makedirs(cache_root, exist_ok=True)
     tmp = f"{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        prepare_dataset(source, tmp, tokenizer, val_fraction, seed, progress=progress)
+        prepare_dataset(source, tmp, tokenizer, val_fraction, seed, progress=progress, test_fraction=test_fraction)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -179,7 +194,7 @@ def ensure_prepared(
     return final
 
 
-def _cache_slug(source: str, tokenizer: str, val_fraction: float, seed: int) -> str:
+def _cache_slug(source: str, tokenizer: str, val_fraction: float, seed: int, test_fraction: float = 0.0) -> str:
     """Readable name plus a hash of everything that changes the output."""
     local = source not in BUILTIN_SOURCES and not source.startswith(HF_PREFIX) and os.path.exists(source)
     key = {
@@ -190,6 +205,8 @@ def _cache_slug(source: str, tokenizer: str, val_fraction: float, seed: int) -> 
         "seed": seed,
         "format": 1,
     }
+    if test_fraction > 0:  # only then: the slugs of data prepared without a test split stay as they were
+        key["test_fraction"] = test_fraction
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", os.path.basename(os.path.normpath(source)) or source).strip("-.")
     label = tokenizer if tokenizer in TOKENIZER_NAMES else "hf"  # a tokenizer.json path: in the digest only
@@ -230,6 +247,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default="gpt2", choices=TOKENIZER_NAMES, help="tokenizer (default: gpt2)")
     parser.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION,
                         help=f"share of documents held out for validation (default: {DEFAULT_VAL_FRACTION})")
+    parser.add_argument("--test-fraction", type=float, default=0.0,
+                        help="share of documents held out as a test split (test.bin), apart from val: choose "
+                        "settings on val, report on test (`looped_lm eval --split test`); default 0: none")
     parser.add_argument("--seed", type=int, default=0, help="seed of the document split (default: 0)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing prepared directory")
     vae = parser.add_argument_group("VAE latents for dit (`--source imagefolder:PATH`, the latents extra)")
@@ -261,9 +281,8 @@ def run(args: argparse.Namespace) -> int:
               f"{meta['splits']['train']:,}, val {meta['splits']['val']:,} images, {meta['num_classes']} classes")
         return 0
     meta = prepare_dataset(args.source, args.out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
-                           seed=args.seed, overwrite=args.overwrite)
-    t, v = meta["splits"]["train"], meta["splits"]["val"]
-    print(f"prepared {args.source} ({meta['tokenizer']}) in {args.out}: "
-          f"train {t['tokens']:,} tokens ({t['documents']:,} documents), "
-          f"val {v['tokens']:,} tokens ({v['documents']:,} documents)")
+                           seed=args.seed, overwrite=args.overwrite, test_fraction=args.test_fraction)
+    counts = ", ".join(f"{split} {c['tokens']:,} tokens ({c['documents']:,} documents)"
+                       for split, c in meta["splits"].items())
+    print(f"prepared {args.source} ({meta['tokenizer']}) in {args.out}: {counts}")
     return 0

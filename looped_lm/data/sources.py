@@ -41,8 +41,9 @@ def iter_documents(source: str) -> Iterator[str]:
     return _local(source)
 
 
-def document_split(doc_index: int, val_fraction: float, seed: int) -> str:
-    """Which split ("train" or "val") document number `doc_index` goes to: one in every 1/val_fraction is val.
+def document_split(doc_index: int, val_fraction: float, seed: int, test_fraction: float = 0.0) -> str:
+    """Which split ("train", "val" or, with test_fraction > 0, "test") document number `doc_index` goes to:
+    one in every 1/val_fraction is val.
 
     Systematic sampling from a seed-dependent offset o = hash(seed): document i is val when
     floor((i + o + 1) * f) > floor((i + o) * f). Like nanoGPT's OpenWebText val set, validation is a
@@ -52,10 +53,23 @@ def document_split(doc_index: int, val_fraction: float, seed: int) -> str:
     without knowing its length. `prepare_dataset` adds two guarantees: with two or more documents each split
     gets at least one (the last document goes to a split that is still empty), and a single-document source
     is cut inside the document instead, at the (1 - val_fraction) point of its tokens.
+
+    A test split (`data.test_fraction`) is taken from the documents that are not val, by the same rule with
+    its own offset and the fraction test_fraction / (1 - val_fraction): so val is the same documents with
+    or without a test split, and about test_fraction of all documents are test.
     """
-    digest = hashlib.blake2b(f"document-split:{seed}".encode(), digest_size=8).digest()
+    if _systematic(doc_index, val_fraction, f"document-split:{seed}"):
+        return "val"
+    if test_fraction > 0 and _systematic(doc_index, test_fraction / (1.0 - val_fraction), f"test-split:{seed}"):
+        return "test"
+    return "train"
+
+
+def _systematic(doc_index: int, fraction: float, key: str) -> bool:
+    """Systematic sampling: is document doc_index one of the `fraction` picked from the offset hash(key)?"""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     i = doc_index + int.from_bytes(digest, "little") % (1 << 20)
-    return "val" if math.floor((i + 1) * val_fraction) > math.floor(i * val_fraction) else "train"
+    return math.floor((i + 1) * fraction) > math.floor(i * fraction)
 
 
 def parse_hf_source(source: str) -> tuple[str, str | None, str]:
