@@ -222,8 +222,8 @@ def run_one(name: str, lr: float, seed: int, smoke: bool) -> dict:
         start, length = phase(step) if phase else (0, steps)
         for group in opt.param_groups:
             group["lr"] = cosine_with_warmup(step - start, max(1, round(0.05 * length)), length, lr, lr / 10)
-        if uses_curve and step % CURVE_EVERY == 0:
-            refresh_curve(model, curve_batch, seed + step)
+        if uses_curve and step and step % CURVE_EVERY == 0:  # as the trainer: after each CURVE_EVERY steps done;
+            refresh_curve(model, curve_batch, seed + step)     # before the first curve, blocks are drawn uniformly
         if counts is not None:
             counts[model.choose_block(step, seed)] += 1  # the block this step trains (the same call train_step makes)
         seq = sequences(BATCH, 1_000_000 * (seed + 1) + step)
@@ -236,7 +236,7 @@ def run_one(name: str, lr: float, seed: int, smoke: bool) -> dict:
             "flops_per_block_step": per_block, "train_flops": per_step * steps, "train_cpu_s": round(cpu, 1),
             "train_curve": curve, "config": cfg.model_dump(),
             # the curve refreshes are forward-only and not in train_flops; their total is stated beside it
-            "curve_flops": curve_flops * len(range(0, steps, CURVE_EVERY)) if uses_curve else 0.0,
+            "curve_flops": curve_flops * len(range(CURVE_EVERY, steps, CURVE_EVERY)) if uses_curve else 0.0,
             "block_steps": counts,
             "dev": score(model, DEV_SEED, smoke), "test": score(model, TEST_SEED, smoke)}
 
