@@ -71,6 +71,10 @@ RUNS = {
 # The same schedule on independent blocks separates the schedule's effect from the stacking's.
 RUNS["db_L4_B2_stacked_low_first_sequential"] = RUNS["db_L4_B2_stacked_low_first"]
 RUNS["db_L4_B2_independent_sequential"] = RUNS["db_L4_B2_independent"]
+# Does block 0 lose by spreading its capacity over noise levels where z already tells the token? Move the
+# sigma law up (ln-sigma mean +2 instead of -1.2, so the B = 2 edge sits at e^2 = 7.4 instead of 0.30):
+# block 0 then trains only where z says almost nothing, i.e. on the context prior that ppl@0 scores.
+RUNS["db_L4_B2_prior_block0"] = ({"kind": "db_ar", "n_layers": 4}, {"num_blocks": 2, "p_mean": 2.0})
 SEQUENTIAL = {"db_L4_B2_stacked_low_first_sequential", "db_L4_B2_independent_sequential"}
 CURVE_EVERY = 200  # network_gain / loss_share: re-measure CE(sigma) on a fixed training batch this often (the product's default)
 # The fair protocol (plan.md): the sweep rows at seed 0 over LRS (dev), then seeds at each row's dev-chosen lr
