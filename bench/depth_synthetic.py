@@ -161,6 +161,33 @@ def curve_cost(model, batch) -> float:
     return float(counter.get_total_flops())
 
 
+def first_repeat(n: int, seed: int) -> torch.Tensor:
+    """(n, T): target t is the first token of the second period (token L), the one a copy cannot be sure of:
+    after L distinct symbols the segment may end (then token L repeats token 0) or go on with a new symbol."""
+    L = lengths(n, seed)
+    return torch.arange(1, T + 1)[None] == L[:, None]
+
+
+def oracle_copy_nll(n: int, seed: int) -> float:
+    """The Bayes-optimal copy NLL on a split: 0 on every copy token but the first repeat, where the segment
+    ends after L distinct symbols with probability 1 / (SEG[1] - L) (L uniform on SEG, given it is >= L),
+    so the repeat costs ln(SEG[1] - L) nats."""
+    L = lengths(n, seed).double()
+    return float(torch.log(SEG[1] - L).sum() / copy_mask(n, seed).sum())
+
+
+def copy_parts(nll: torch.Tensor, n: int, seed: int) -> dict:
+    """Copy NLL split into the first repeat token (hazard: ambiguous even to the Bayes predictor) and the later
+    copy tokens (determined: induction), each as its share of the copy NLL's numerator, so they add up."""
+    mask, first = copy_mask(n, seed), first_repeat(n, seed)
+    later = mask & ~first
+    total = mask.sum()
+    return {"copy_nll_first_repeat_part": float(nll[first].sum() / total),
+            "copy_nll_later_part": float(nll[later].sum() / total),
+            "first_repeat_nll": float(nll[first].mean()), "later_copy_nll": float(nll[later].mean()),
+            "oracle_copy_nll": oracle_copy_nll(n, seed)}
+
+
 @torch.no_grad()
 def score(model, split_seed: int, smoke: bool) -> dict:
     n = 64 if smoke else 512
@@ -172,6 +199,7 @@ def score(model, split_seed: int, smoke: bool) -> dict:
         nll = torch.cat([model.score(x[i:i + 64], y[i:i + 64], ScoreSettings())["exact"].nll for i in range(0, n, 64)])
         out["copy_nll"] = float(nll[mask].mean())
         out["first_period_nll"] = float(nll[~mask].mean())
+        out.update(copy_parts(nll, n, split_seed))
         return out
     B = len(model.blocks)
     at0, chain, var = [], [], []
@@ -183,6 +211,7 @@ def score(model, split_seed: int, smoke: bool) -> dict:
     at0, chain, var = torch.cat(at0), torch.cat(chain), torch.cat(var)
     out["copy_nll"] = float(at0[mask].mean())  # ppl@0
     out["first_period_nll"] = float(at0[~mask].mean())
+    out.update(copy_parts(at0, n, split_seed))
     out[f"copy_nll_K{B}"] = float(chain[mask].mean())
     out[f"copy_nll_K{B}_est_se"] = float(var[mask].sum().sqrt() / mask.sum())
     return out

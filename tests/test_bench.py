@@ -100,3 +100,29 @@ def test_the_cost_table_states_its_ratios(tmp_path):
     # B one-block steps cost more than one gpt step, and the layers alone cost less than twice as much
     assert all(r["ratio"] > 1 and r["layers_ratio"] < 2.2 for r in shipped)
     assert {r["batch"] for r in data["decode"]} == {1, 8}
+
+
+def test_the_copying_task_oracle_matches_monte_carlo():
+    """bench/depth_synthetic.py's Bayes-optimal copy NLL (ln(25 - L) at the first repeat, 0 elsewhere) against
+    a plain Monte-Carlo of the real generator: the empirical chance that a segment ends after L distinct
+    symbols, given it has not ended before, on fresh sequences; and its parts of a copy NLL add up."""
+    import math
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("bench_depth_synthetic", ROOT / "bench" / "depth_synthetic.py")
+    ds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ds)
+    L = ds.lengths(20000, 99)
+    for length in (8, 12, 20, 24):
+        at_least = (L >= length).sum().item()
+        hazard = (L == length).sum().item() / at_least
+        assert abs(math.log(1 / hazard) - math.log(ds.SEG[1] - length)) < 4 / math.sqrt(at_least * hazard) + 0.02
+    at_least, exactly = (L[None] >= L[:, None]).sum(1).double(), (L[None] == L[:, None]).sum(1).double()
+    mc = float(torch.log(at_least / exactly).sum()) / float(ds.copy_mask(20000, 99).sum())
+    assert abs(mc - ds.oracle_copy_nll(20000, 99)) < 0.002  # the empirical hazard's cost per copy token
+    nll = torch.rand(64, ds.T)
+    parts = ds.copy_parts(nll, 64, 5)
+    mask = ds.copy_mask(64, 5)
+    assert abs(parts["copy_nll_first_repeat_part"] + parts["copy_nll_later_part"] - float(nll[mask].mean())) < 1e-6
+    assert int(ds.first_repeat(64, 5).sum()) == 64 and not (ds.first_repeat(64, 5) & ~mask).any()
