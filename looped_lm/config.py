@@ -107,10 +107,11 @@ class DiffusionConfig(_Section):
     target_fraction: Float = _f(1.0, "share of noisy slots trained per sequence (clean stream stays whole)")
     blocks_to_train: list[int] = _f([], "train only these blocks (others frozen, no optimiser state; the checkpoint "
                                     "records them, and `looped_lm merge` joins such jobs); [] = all")
-    block_sampling: BlockSampling = _f("loss_share", "which block a step trains: uniform (paper), round_robin, loss_share "
-                             "(in proportion to each block's share of the CE drop) or network_gain (to what the "
-                             "network adds to z's own likelihood in each block's interval: block 0 learns the "
-                             "whole context prior) or fixed (diffusion.block_weights); train.mode block_parallel: "
+    block_sampling: BlockSampling = _f("network_gain", "which block a step trains: uniform (paper), round_robin, "
+                             "network_gain (in proportion to what the network adds to z's own likelihood in each "
+                             "block's interval: block 0 learns the whole context prior; uniform until the first "
+                             "curve), loss_share (to each block's share of the CE drop, which counts what z gives "
+                             "for free) or fixed (diffusion.block_weights); train.mode block_parallel: "
                              "which of its own blocks a rank trains (uniform, round_robin or fixed)")
     block_weights: list[Float] = _f([], "block_sampling fixed: one weight per block, block 0 (highest noise) first, "
                                     "e.g. [3, 1, 1]: block 0 gets 60 % of the steps; normalised")

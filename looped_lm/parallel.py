@@ -55,7 +55,8 @@ def check_world(cfg: Config, world: int) -> None:
     if world < n and rule in ("loss_share", "network_gain"):
         raise UserError(f"train.mode block_parallel on {world} rank(s) for {n} blocks: each rank trains one of its "
                         f"{n // world} blocks per step, which diffusion.block_sampling {rule}"
-                        f"{' (the default)' if rule == 'loss_share' else ''} cannot choose; set "
+                        f"{' (the default)' if rule == type(cfg.diffusion).model_fields['block_sampling'].default else ''}"
+                        " cannot choose; set "
                         f"diffusion.block_sampling=uniform (or round_robin), or use {n} ranks")
 
 

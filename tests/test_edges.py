@@ -78,10 +78,10 @@ CASES = {
     "--master-port -5": (lambda g, d, c, t, p: ["train", "--config", c, "--master-port", "-5"],
                          2, ["--master-port must be in 1..65535"]),
     "train --config DIR": (lambda g, d, c, t, p: ["train", "--config", str(t)], 2, ["is a directory", "YAML"]),
-    "block_parallel, 1 rank for 2 blocks, loss_share": (
+    "block_parallel, 1 rank for 2 blocks, network_gain": (
         lambda g, d, c, t, p: ["train", "--config", str(REPO / "configs/quickstart_db.yaml"), "--nproc", "1",
                                "--set", "train.mode=block_parallel", "--set", f"train.out_dir={t / 'bp'}"],
-        2, ["block_sampling loss_share", "diffusion.block_sampling=uniform"]),
+        2, ["block_sampling network_gain (the default)", "diffusion.block_sampling=uniform"]),
     # eval: flags checked before the checkpoint is read; K by the model's bound
     "eval --json DIR": (lambda g, d, c, t, p: ["eval", "--checkpoint", g, "--json", str(t)], 2,
                         ["--json", "is a directory"]),
@@ -189,14 +189,14 @@ def test_argparse_errors_are_one_line_and_point_to_help(argv, fragment, capsys):
 
 
 def test_block_parallel_on_the_quickstart_when_each_rank_owns_one_block():
-    """loss_share is moot with one block per rank (B ranks): not refused; with fewer ranks the message
+    """network_gain (the default) is moot with one block per rank (B ranks): not refused; with fewer ranks the message
     names the value to set."""
     from looped_lm.config import load_config
     from looped_lm.errors import UserError
     from looped_lm.parallel import check_world
 
     cfg = load_config(str(REPO / "configs/quickstart_db.yaml"), ["train.mode=block_parallel"])
-    assert cfg.diffusion.block_sampling == "loss_share"
+    assert cfg.diffusion.block_sampling == "network_gain"
     for world in (2, 4):  # B = 2 blocks: one per rank, or two ranks per block
         check_world(cfg, world)
     with pytest.raises(UserError, match="diffusion.block_sampling=uniform"):
