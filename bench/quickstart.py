@@ -67,6 +67,8 @@ def main():
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {"cpu_count": os.cpu_count(), "runs": {}}
+    if Path(args.out).is_file():  # re-measuring some configs keeps the others' rows
+        results["runs"] = json.loads(Path(args.out).read_text()).get("runs", {})
     for name in args.configs.split(","):
         results["runs"][name] = measure(name, out_dir)
         print(json.dumps({name: results["runs"][name]}, indent=1))
