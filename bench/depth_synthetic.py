@@ -425,10 +425,11 @@ def report() -> None:
              f"(block 0's one call) and the K = B chain. Held-out data: 512 dev sequences (seed {DEV_SEED}) choose "
              f"every setting, 512 test sequences (seed {TEST_SEED}) give every verdict.", ""]
     sweep_rows = [n for n in RUNS if n in by and len(by[n]) > 1 or n in SWEEP and n in by]
+    lrs = sorted({lr for name in sweep_rows for lr in by[name]})
     lines += ["## Learning-rate sweep (seed 0, dev copy NLL)", "",
-              "| row | " + " | ".join(f"lr {lr:g}" for lr in LRS) + " | chosen |", "|---|" + "---|" * len(LRS) + "---|"]
+              "| row | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | chosen |", "|---|" + "---|" * len(lrs) + "---|"]
     for name in sweep_rows:
-        cells = [f"{by[name][lr][0]['dev']['copy_nll']:.3f}" if 0 in by[name].get(lr, {}) else "" for lr in LRS]
+        cells = [f"{by[name][lr][0]['dev']['copy_nll']:.3f}" if 0 in by[name].get(lr, {}) else "" for lr in lrs]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {best[name]:g} |")
     lines += ["", "## Test, each row at its chosen learning rate", "",
               f"Copies: test copy NLL < {COPIES:g} (threshold fixed in plan.md), with the exact 95 % interval of the "
@@ -497,6 +498,7 @@ def report() -> None:
         (m1, h1), (m2, h2) = (ci([r["test"]["copy_nll"] for r in by[n][best[n]].values()]) for n in CRITERION)
         lines += ["", f"Regime criterion (gpt 2 layers below gpt 1 layer, non-overlapping 95 % intervals): "
                       f"**{'met' if m2 + h2 < m1 - h1 else 'not met'}** ({m2:.3f} ± {h2:.3f} vs {m1:.3f} ± {h1:.3f})."]
+    trend_notes: list[str] = []
     budgets = sorted(RESULTS.glob("budget_*"))
     if budgets:
         lines += ["", "## Budget trend (each budget its own full schedule; test copy NLL)", "",
@@ -507,6 +509,26 @@ def report() -> None:
                     for s, r in sorted(seeds.items()):
                         lines.append(f"| {r['budget']:.2g} | {name} | {lr:g} | {s} | {r['steps']} | "
                                      f"{r['test']['copy_nll']:.3f} | {all_token_nll(r['test']):.3f} |")
+                    if "gpt_L2" in best:  # FLOPs-to-parity: this budget against gpt_L2 at the reference budget
+                        n, gm, lo, hi = paired_ratio(seeds, by["gpt_L2"][best["gpt_L2"]], lambda r: r["test"]["copy_nll"])
+                        trend_notes.append(f"- {name} at {r['budget']:.2g} over gpt_L2 at {BUDGET:.2g}, copy NLL, paired: "
+                                           f"{gm:.2f} [{lo:.2f}, {hi:.2f}] ({n} pairs): parity within "
+                                           f"{r['budget'] / BUDGET:g}x the FLOPs (ratio <= 1.10 at the upper bound) "
+                                           f"**{verdict(lo, hi)}**")
+        lines += [""] + trend_notes
+    parts = [(d.name if d != RESULTS else "", name, lr, seed, r) for d in [RESULTS, *budgets] for name, lrs in load(d).items()
+             for lr, seeds in lrs.items() for seed, r in seeds.items() if "later_copy_nll" in r["test"]]
+    if parts:
+        lines += ["", "## Where the copy NLL is lost (test; runs scored with the split)", "",
+                  f"The first repeat (token L) is ambiguous even to the Bayes predictor; the later copies are determined. "
+                  f"Bayes-optimal copy NLL: {parts[0][4]['test']['oracle_copy_nll']:.4f}. Parts add up to the copy NLL.", "",
+                  "| run | copy NLL | first-repeat part | later-copies part | NLL at the first repeat | NLL per later copy |",
+                  "|---|---|---|---|---|---|"]
+        for where, name, lr, seed, r in sorted(parts, key=lambda x: (x[0], x[1], x[2], x[3])):
+            t = r["test"]
+            lines.append(f"| {where + '/' if where else ''}{name} lr {lr:g} s{seed} | {t['copy_nll']:.4f} | "
+                         f"{t['copy_nll_first_repeat_part']:.4f} | {t['copy_nll_later_part']:.4f} | "
+                         f"{t['first_repeat_nll']:.3f} | {t['later_copy_nll']:.4f} |")
     lines += ["", "Every learning rate tried (dev copy NLL, mean over seeds; seeds in brackets):", ""]
     for name in RUNS:
         if name in by:
