@@ -55,6 +55,7 @@ def measure(name: str, out_dir: Path) -> dict:
     text, _, _ = run(gen)
     return {"config": f"configs/{name}.yaml", "train_wall_s": round(train_s, 1), "train_cpu_s": round(train_cpu, 1),
             "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),  # set: one thread per process (a shared machine)
             "eval": json.loads(scores.read_text()), "generate_k": GEN_K.get(name), "generated": text.strip()}
 
 
