@@ -233,7 +233,7 @@ def git_commit() -> str:
         return ""
 
 
-def run_one(name: str, lr: float, seed: int, smoke: bool) -> dict:
+def run_one(name: str, lr: float, seed: int, smoke: bool, keep: dict | None = None) -> dict:
     torch.set_num_threads(1)
     cfg = config(name)
     torch.manual_seed(seed)
@@ -265,6 +265,8 @@ def run_one(name: str, lr: float, seed: int, smoke: bool) -> dict:
             curve.append((step, round(result.loss, 4)))
     cpu = time.process_time() - t0
     model.eval()
+    if keep is not None:
+        keep["model"] = model
     return {"run": name, "lr": lr, "seed": seed, "budget": BUDGET, "git": git_commit(), "steps": steps, "flops_per_step": per_step,
             "flops_per_block_step": per_block, "train_flops": per_step * steps, "train_cpu_s": round(cpu, 1),
             "train_curve": curve, "config": cfg.model_dump(),
@@ -282,6 +284,38 @@ def one(name: str, lr: float, seed: int, smoke: bool) -> None:
     path.with_suffix(".tmp").replace(path)
     print(f"{path.name}: test copy NLL {out['test']['copy_nll']:.4f} ({out['steps']} steps, {out['train_cpu_s']} CPU-s)",
           flush=True)
+
+
+@torch.no_grad()
+def confidence(model, n: int = 128, draws: int = 16) -> dict:
+    """Where block 0's probability on a determined copy goes (test split, ppl@0's call at sigma_top): per token
+    and per noise draw z, p(y | context, z); is the shortfall every draw a little, or some draws a lot? And
+    how large are the network's and z's terms of the logits there."""
+    seq, mask, first = sequences(n, TEST_SEED), copy_mask(n, TEST_SEED), first_repeat(n, TEST_SEED)
+    later = mask & ~first
+    x, y = seq[:, :-1], seq[:, 1:]
+    from looped_lm.models.db.contexts import WindowContext
+
+    ctx, g = WindowContext(model, x), torch.Generator().manual_seed(3)
+    sigma = torch.full((n,), float(model.sigma_top()))
+    probs, net_margin, z_spread = [], [], []
+    for _ in range(draws):
+        z = sigma[:, None, None] * torch.randn(n, T, model.tok_emb.weight.shape[1], generator=g)  # ppl@0's start: noise
+        logits = ctx.denoise(0, z, sigma).float()
+        loglik = model.token_loglik(z, sigma).float()
+        net = logits - loglik
+        probs.append(logits.log_softmax(-1).gather(-1, y[..., None])[..., 0].exp()[later])
+        top2 = net.topk(2, dim=-1).values
+        net_margin.append((top2[..., 0] - top2[..., 1])[later])
+        z_spread.append(loglik.std(-1)[later])
+    p = torch.stack(probs)  # (draws, later tokens)
+    return {"tokens": int(later.sum()), "draws": draws, "sigma_top": float(sigma[0]),
+            "nll_of_mean_p": float(-p.mean(0).log().mean()), "mean_nll_per_draw": float(-p.log().mean()),
+            "p_quantiles": [float(q) for q in p.flatten().quantile(torch.tensor([0.01, 0.05, 0.25, 0.5]))],
+            "share_of_draws_below_0.5": float((p < 0.5).float().mean()),
+            "share_of_tokens_every_draw_above_0.9": float((p > 0.9).all(0).float().mean()),
+            "network_margin_median": float(torch.cat(net_margin).median()),
+            "z_loglik_std_median": float(torch.cat(z_spread).median())}
 
 
 def best_lr(name: str, smoke: bool) -> float:
@@ -546,6 +580,11 @@ def main() -> None:
     r.add_argument("--lanes", type=int, default=1)
     r.add_argument("--smoke", action="store_true")
     r.add_argument("--commit", action="store_true", help="git commit each run's JSON as it lands")
+    c = sub.add_parser("confidence", help="train one row and write where block 0's probability on determined "
+                       "copies goes (confidence_<row>__lr<lr>__s<seed>.json)")
+    c.add_argument("name", choices=RUNS)
+    c.add_argument("lr", type=float)
+    c.add_argument("seed", type=int)
     b = sub.add_parser("best-lr", help="print a row's dev-chosen learning rate (seed 0 runs)")
     b.add_argument("name", choices=RUNS)
     o = sub.add_parser("one")
@@ -557,6 +596,14 @@ def main() -> None:
     a = p.parse_args()
     if a.cmd == "run":
         run_all(a.lanes, a.smoke, a.commit)
+    elif a.cmd == "confidence":
+        keep: dict = {}
+        out = run_one(a.name, a.lr, a.seed, False, keep)
+        out["confidence"] = confidence(keep["model"])
+        path = RESULTS / "confidence" / f"{a.name}__lr{a.lr:g}__s{a.seed}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=1))
+        print(json.dumps(out["confidence"], indent=1))
     elif a.cmd == "best-lr":
         print(best_lr(a.name, False))
     elif a.cmd == "one":
