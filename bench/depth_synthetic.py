@@ -457,7 +457,11 @@ def report() -> None:
              f"NLL in nats on the tokens a copy determines (uniform guessing ln {V} = {math.log(V):.2f}; the bag of "
              f"the segment's tokens without induction about 2.7; the plateau runs reach 2.4-2.6). db_ar: ppl@0 "
              f"(block 0's one call) and the K = B chain. Held-out data: 512 dev sequences (seed {DEV_SEED}) choose "
-             f"every setting, 512 test sequences (seed {TEST_SEED}) give every verdict.", ""]
+             f"every setting, 512 test sequences (seed {TEST_SEED}) give every verdict.", "",
+             "**Correction (plan.md item 7):** the DB copy NLLs in these JSON were scored by the ppl@0 estimator "
+             "before its fix at K = 1 (it tilted and reweighted the starting noise, which only added variance there): "
+             "each is inflated by about 0.04 nats on near-certain tokens. Re-scored after the fix, the best recipe's "
+             "seed 1 gives 0.0861 against gpt_L2's 0.0857 (`confidence/`). Copy-or-not verdicts stand.", ""]
     sweep_rows = [n for n in RUNS if n in by and len(by[n]) > 1 or n in SWEEP and n in by]
     lrs = sorted({lr for name in sweep_rows for lr in by[name]})
     lines += ["## Learning-rate sweep (seed 0, dev copy NLL)", "",
