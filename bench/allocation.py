@@ -46,6 +46,25 @@ OUT = ROOT / "bench" / "results" / "allocation"
 RULES = ("loss_share", "network_gain")
 
 
+def logged_block_steps(out_dir: Path, blocks: int) -> list[int]:
+    """How many steps trained each block, from the run's metrics.jsonl (one line per step names its block)."""
+    counts = [0] * blocks
+    for line in (out_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if "block" in row:
+            counts[int(row["block"])] += 1
+    return counts
+
+
+def final_shares(edges: list, curve: dict) -> dict:
+    """Both rules' block shares under the run's last measured CE curve (None where it lacks what a rule reads)."""
+    from looped_lm.diffusion import ce_curve
+
+    return {"loss_share": ce_curve.block_shares(edges, curve["sigmas"], curve["ce"]) if curve else None,
+            "network_gain": ce_curve.gain_shares(edges, curve["sigmas"], curve["ce"], curve["ce_z"])
+            if curve.get("ce_z") else None}
+
+
 def run_one(blocks: int, rule: str, seed: int, work: Path) -> dict:
     name = f"B{blocks}_{rule}_s{seed}"
     out_dir = work / name
@@ -66,20 +85,12 @@ def run_one(blocks: int, rule: str, seed: int, work: Path) -> dict:
     chain = chain_ppl(ckpt, blocks, work / f"{name}_chain.json", env)
     manifest = json.loads((ckpt / "manifest.json").read_text())
     curve = manifest["model_state"].get("curve") or {}
-    from looped_lm.diffusion import ce_curve
-
     edges = manifest["model_state"]["edges"]
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    counts = [0] * blocks
-    for r in rows:
-        if "block" in r:
-            counts[int(r["block"])] += 1
+    counts = logged_block_steps(out_dir, blocks)
     result = {
         "blocks": blocks, "rule": rule, "seed": seed, "steps": 1000, "ppl0": ppl["ppl"], "nll0": ppl["nll"],
         "tokens_scored": ppl["tokens"], "chain": chain, "logged_block_share": [c / max(sum(counts), 1) for c in counts],
-        "final_shares": {"loss_share": ce_curve.block_shares(edges, curve["sigmas"], curve["ce"]) if curve else None,
-                         "network_gain": ce_curve.gain_shares(edges, curve["sigmas"], curve["ce"], curve["ce_z"])
-                         if curve.get("ce_z") else None},
+        "final_shares": final_shares(edges, curve),
         "curve": curve, "cpu_s": round((c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime), 1),
         "wall_s": round(time.time() - t0, 1), "load": os.getloadavg()[0],
     }
@@ -203,15 +214,9 @@ def protocol_run(blocks: int, rule: str, lr: float, seed: int, work: Path, split
     k = str(blocks)
     chain = {"k": blocks, "ppl": rep["ppl_at_k"][k], "se": rep["ppl_se"][k], "tokens": rep["tokens"], "draws": 16,
              "ppl0_same_tokens": rep["ppl_at_k"].get("0"), "unresolved": rep.get("unresolved", [])}
-    from looped_lm.diffusion import ce_curve
-
     curve = manifest["model_state"].get("curve") or {}
     edges = manifest["model_state"]["edges"]
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    counts = [0] * blocks
-    for r in rows:
-        if "block" in r:
-            counts[int(r["block"])] += 1
+    counts = logged_block_steps(out_dir, blocks)
     result = {
         "protocol": "dev/test halves of the held-out split; lr chosen on dev ppl@0", "blocks": blocks, "rule": rule,
         "lr": lr, "min_lr": lr / 10, "seed": seed, "split_seed": split["split_seed"], "steps": int(ckpt.name.split("_")[1]),
@@ -219,9 +224,7 @@ def protocol_run(blocks: int, rule: str, lr: float, seed: int, work: Path, split
         "dev": {"ppl0": dev["ppl"], "nll0": dev["nll"], "tokens_scored": dev["tokens"]},
         "test": {"ppl0": test["ppl"], "nll0": test["nll"], "tokens_scored": test["tokens"]},
         "test_chain": chain, "logged_block_share": [c / max(sum(counts), 1) for c in counts], "logged_block_steps": counts,
-        "final_shares": {"loss_share": ce_curve.block_shares(edges, curve["sigmas"], curve["ce"]) if curve else None,
-                         "network_gain": ce_curve.gain_shares(edges, curve["sigmas"], curve["ce"], curve["ce_z"])
-                         if curve.get("ce_z") else None},
+        "final_shares": final_shares(edges, curve),
         "curve": curve, "cpu_s": round((c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime), 1),
         "wall_s": round(time.time() - t0, 1), "train_wall_s": round(t_train - t0, 1), "load": os.getloadavg()[0],
         "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
