@@ -217,9 +217,15 @@ def score(model, split_seed: int, smoke: bool) -> dict:
     return out
 
 
+# A later round writes to its own folder (DEPTH_SYNTHETIC_DIR, under RESULTS), so a change of scoring never
+# mixes with the JSON an earlier round scored (round3/: every run after the ppl@0 estimator fix)
+OUT = RESULTS / os.environ.get("DEPTH_SYNTHETIC_DIR", "")
+MODELS = ROOT / "work" / "depth_synthetic_models"  # each run's trained weights (not committed), for re-scoring
+
+
 def results_dir(budget: float = BUDGET) -> Path:
-    """The 6e12 study at the top; every other budget (its own full schedule) in budget_<flops>/."""
-    return RESULTS if budget == 6e12 else RESULTS / f"budget_{budget:g}"
+    """The 6e12 study at the top of OUT; every other budget (its own full schedule) in budget_<flops>/."""
+    return OUT if budget == 6e12 else OUT / f"budget_{budget:g}"
 
 
 def path_of(name: str, lr: float, seed: int, smoke: bool) -> Path:
@@ -277,8 +283,12 @@ def run_one(name: str, lr: float, seed: int, smoke: bool, keep: dict | None = No
 
 
 def one(name: str, lr: float, seed: int, smoke: bool) -> None:
-    out = run_one(name, lr, seed, smoke)
+    keep: dict = {}
+    out = run_one(name, lr, seed, smoke, keep)
     path = path_of(name, lr, seed, smoke)
+    weights = MODELS / path.parent.relative_to(ROOT) / path.with_suffix(".pt").name
+    weights.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(keep["model"].state_dict(), weights)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".tmp").write_text(json.dumps(out, indent=1))
     path.with_suffix(".tmp").replace(path)
@@ -350,25 +360,26 @@ def seed_jobs(smoke: bool) -> list:
 def run_all(lanes: int, smoke: bool, git: bool) -> None:
     """The plan (plan.md): seed 0 of every SWEEP row at every learning rate (chosen on dev), then seeds
     1, 2, ... at each row's chosen learning rate, seed by seed across the rows (a stop loses the least)."""
+    run_jobs([(name, lr, 0) for name in SWEEP for lr in LRS], lanes, smoke, git, "sweep")
+    run_jobs(seed_jobs(smoke), lanes, smoke, git, "seeds")
+
+
+def run_jobs(todo: list, lanes: int, smoke: bool, git: bool, what: str = "jobs") -> None:
+    """Run (row, lr, seed) jobs whose JSON is missing, `lanes` processes at a time, one thread each."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for phase in ("sweep", "seeds"):
-        if phase == "sweep":
-            todo = [(name, lr, 0) for name in SWEEP for lr in LRS]
-        else:
-            todo = seed_jobs(smoke)
-        todo = [job for job in todo if not path_of(*job, smoke).is_file()]
-        print(f"{phase}: {len(todo)} runs to do: {todo}", flush=True)
-        running: list = []
-        while todo or running:
-            while todo and len(running) < lanes:
-                name, lr, seed = job = todo.pop(0)
-                args = [sys.executable, __file__, "one", name, str(lr), str(seed)] + (["--smoke"] if smoke else [])
-                running.append((subprocess.Popen(args, env=env), path_of(*job, smoke)))
-            time.sleep(1)
-            for p, path in running:
-                if p.poll() is not None and git and path.is_file():
-                    commit(path)
-            running = [(p, path) for p, path in running if p.poll() is None]
+    todo = [job for job in todo if not path_of(*job, smoke).is_file()]
+    print(f"{what}: {len(todo)} runs to do: {todo}", flush=True)
+    running: list = []
+    while todo or running:
+        while todo and len(running) < lanes:
+            name, lr, seed = job = todo.pop(0)
+            args = [sys.executable, __file__, "one", name, str(lr), str(seed)] + (["--smoke"] if smoke else [])
+            running.append((subprocess.Popen(args, env=env), path_of(*job, smoke)))
+        time.sleep(1)
+        for p, path in running:
+            if p.poll() is not None and git and path.is_file():
+                commit(path)
+        running = [(p, path) for p, path in running if p.poll() is None]
 
 
 # --- report -------------------------------------------------------------------------------------------
@@ -591,6 +602,11 @@ def main() -> None:
     c.add_argument("seed", type=int)
     b = sub.add_parser("best-lr", help="print a row's dev-chosen learning rate (seed 0 runs)")
     b.add_argument("name", choices=RUNS)
+    j = sub.add_parser("jobs", help="run the listed row:lr:seed jobs whose JSON is missing (DEPTH_SYNTHETIC_DIR "
+                       "picks the round's folder)")
+    j.add_argument("job", nargs="+")
+    j.add_argument("--lanes", type=int, default=1)
+    j.add_argument("--commit", action="store_true")
     o = sub.add_parser("one")
     o.add_argument("name", choices=RUNS)
     o.add_argument("lr", type=float)
@@ -608,6 +624,12 @@ def main() -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(out, indent=1))
         print(json.dumps(out["confidence"], indent=1))
+    elif a.cmd == "jobs":
+        todo = [(name, float(lr), int(seed)) for name, lr, seed in (job.split(":") for job in a.job)]
+        unknown = sorted({name for name, _, _ in todo} - set(RUNS))
+        if unknown:
+            p.error(f"unknown rows {unknown} (have: {', '.join(RUNS)})")
+        run_jobs(todo, a.lanes, False, a.commit)
     elif a.cmd == "best-lr":
         print(best_lr(a.name, False))
     elif a.cmd == "one":
