@@ -76,6 +76,18 @@ RUNS["db_L4_B2_independent_sequential"] = RUNS["db_L4_B2_independent"]
 # block 0 then trains only where z says almost nothing, i.e. on the context prior that ppl@0 scores.
 RUNS["db_L4_B2_prior_block0"] = ({"kind": "db_ar", "n_layers": 4}, {"num_blocks": 2, "p_mean": 2.0})
 SEQUENTIAL = {"db_L4_B2_stacked_low_first_sequential", "db_L4_B2_independent_sequential"}
+# Looped models (round 3, plan.md item 8): prelude 1 + weight-tied core 2 + coda 1, the text study's shape.
+# huginn: recurrence r ~ Huginn's law with mean 8, backprop through the last 4 iterations (truncated BPTT);
+# looped_db: one DiffusionBlocks block (the core), ONE forward pass per step. Each is scored at every K of
+# LOOPED_KS and reported at the K its dev copy NLL picks.
+LOOPED = {"n_prelude": 1, "n_layers": 2, "n_coda": 1}
+RUNS["huginn"] = ({"kind": "huginn", **LOOPED, "mean_recurrence": 8, "backprop_depth": 4}, {})
+RUNS["looped_db"] = ({"kind": "looped_db", **LOOPED}, {"num_blocks": 1})
+LOOPED_KS = {"huginn": (1, 2, 4, 8, 16), "looped_db": (0, 1, 2, 4, 8)}  # 0: ppl@0
+# the warm-up sweep (a share of the steps; every other row warms up over 5 %)
+WARMUP = {"huginn_wu1": 0.01, "huginn_wu20": 0.20, "looped_db_wu1": 0.01, "looped_db_wu20": 0.20}
+for _name in WARMUP:
+    RUNS[_name] = RUNS[_name.rsplit("_wu", 1)[0]]
 CURVE_EVERY = 200  # network_gain / loss_share: re-measure CE(sigma) on a fixed training batch this often (the product's default)
 # The fair protocol (plan.md): the sweep rows at seed 0 over LRS (dev), then seeds at each row's dev-chosen lr
 SWEEP = ("gpt_L2", "db_L4_B2_independent", "db_L4_B2_stacked_low_first")
@@ -112,7 +124,31 @@ def copy_mask(n: int, seed: int) -> torch.Tensor:
 def config(name: str):
     model, diffusion = RUNS[name]
     return config_from_dict({"model": {"d_model": D, "n_heads": HEADS, "seq_len": T, "init_std": 0.02, **model},
-                             "diffusion": {**DB, **diffusion} if model["kind"] == "db_ar" else {}})
+                             "diffusion": {**DB, **diffusion} if model["kind"] in ("db_ar", "looped_db") else {}})
+
+
+def huginn_costs(model, x, y, seed: int, steps: int = 100_000):
+    """huginn's step cost depends on its recurrence r (drawn per step from seed and step, as training_loss
+    draws it): the counted FLOPs of one real step per distinct r, -> (cost_at(step), {r: FLOPs})."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from looped_lm.models.huginn import sample_recurrence
+
+    def r_at(step: int) -> int:
+        return sample_recurrence(model.mean_recurrence, torch.Generator().manual_seed(seed * 1_000_003 + step))
+
+    by_r: dict = {}
+
+    def cost_at(step: int) -> float:
+        r = r_at(step)
+        if r not in by_r:
+            with FlopCounterMode(display=False) as counter:
+                model.training_loss(x, y, step, seed)[0].backward()
+            model.zero_grad(set_to_none=True)
+            by_r[r] = float(counter.get_total_flops())
+        return by_r[r]
+
+    return cost_at, by_r
 
 
 def step_flops(model, x, y) -> tuple[float, list]:
@@ -189,6 +225,38 @@ def copy_parts(nll: torch.Tensor, n: int, seed: int) -> dict:
 
 
 @torch.no_grad()
+def score_looped(model, ks: tuple, split_seed: int, smoke: bool) -> dict:
+    """Every K of the grid (huginn: exact after K iterations from its random initial state; looped_db: K = 0
+    is ppl@0, K >= 1 the K-step chain by the estimator at its default settings): {K: per-token NLL (n, T)}."""
+    n = 64 if smoke else 512
+    seq = sequences(n, split_seed)
+    x, y = seq[:, :-1], seq[:, 1:]
+    g = torch.Generator().manual_seed(7)
+    grid = tuple(k for k in ks if k) if hasattr(model, "objective") else ks
+    parts = [model.score(x[i:i + 64], y[i:i + 64], ScoreSettings(k_grid=grid, draws=2 if smoke else 4), g)
+             for i in range(0, n, 64)]
+    return {k: torch.cat([p[k].nll for p in parts]) for k in ks}
+
+
+def looped_scores(model, name: str, smoke: bool) -> dict:
+    """dev and test at every K, and the headline: test at the K with the lowest dev copy NLL."""
+    ks = LOOPED_KS[RUNS[name][0]["kind"]]
+    n = 64 if smoke else 512
+    out = {}
+    for split, split_seed in (("dev", DEV_SEED), ("test", TEST_SEED)):
+        nll, mask = score_looped(model, ks, split_seed, smoke), copy_mask(n, split_seed)
+        out[split] = {f"copy_nll_at_K{k}": float(v[mask].mean()) for k, v in nll.items()}
+        out[split] |= {f"first_period_nll_at_K{k}": float(v[~mask].mean()) for k, v in nll.items()}
+        out[split]["nll"] = nll
+    k = min(ks, key=lambda k: out["dev"][f"copy_nll_at_K{k}"])
+    for split, split_seed in (("dev", DEV_SEED), ("test", TEST_SEED)):
+        nll, mask = out[split].pop("nll")[k], copy_mask(n, split_seed)
+        out[split] |= {"K": k, "copy_nll": float(nll[mask].mean()), "first_period_nll": float(nll[~mask].mean()),
+                       **copy_parts(nll, n, split_seed)}
+    return out
+
+
+@torch.no_grad()
 def score(model, split_seed: int, smoke: bool) -> dict:
     n = 64 if smoke else 512
     seq, mask = sequences(n, split_seed), copy_mask(n, split_seed)
@@ -245,9 +313,16 @@ def run_one(name: str, lr: float, seed: int, smoke: bool, keep: dict | None = No
     torch.manual_seed(seed)
     model = build_model(cfg, V)
     seq0 = sequences(BATCH, 10_000)
-    per_step, per_block = step_flops(model, seq0[:, :-1], seq0[:, 1:])
-    steps = 5 if smoke else int(BUDGET // per_step)
-    warmup = max(1, round(0.05 * steps))
+    if cfg.model.kind == "huginn":  # a step costs what its recurrence r costs: count the budget step by step
+        cost_at, by_r = huginn_costs(model, seq0[:, :-1], seq0[:, 1:], seed)
+        steps, spent = 0, 0.0
+        while spent < BUDGET and not (smoke and steps == 5):
+            spent, steps = spent + cost_at(steps), steps + 1
+        per_step, per_block = spent / steps, [by_r[r] for r in sorted(by_r)]
+    else:
+        per_step, per_block = step_flops(model, seq0[:, :-1], seq0[:, 1:])
+        steps = 5 if smoke else int(BUDGET // per_step)
+    share = WARMUP.get(name, 0.05)
     curve_batch = sequences(BATCH, 10_000)  # a training-distribution batch no split draws (never dev or test)
     uses_curve = hasattr(model, "objective") and model.objective.uses_curve()
     curve_flops = curve_cost(model, curve_batch) if uses_curve else 0.0
@@ -255,12 +330,12 @@ def run_one(name: str, lr: float, seed: int, smoke: bool, keep: dict | None = No
     runner = TorchRunner(model, opt, grad_clip=1.0, seed=seed)
     model.train()
     t0, curve = time.process_time(), []
-    counts = [0] * len(model.blocks) if hasattr(model, "objective") else None
+    counts = [0] * len(model.blocks) if hasattr(model, "objective") and len(model.blocks) > 1 else None
     phase = sequential_phases(model, name, steps)
     for step in range(steps):
         start, length = phase(step) if phase else (0, steps)
         for group in opt.param_groups:
-            group["lr"] = cosine_with_warmup(step - start, max(1, round(0.05 * length)), length, lr, lr / 10)
+            group["lr"] = cosine_with_warmup(step - start, max(1, round(share * length)), length, lr, lr / 10)
         if uses_curve and step and step % CURVE_EVERY == 0:  # as the trainer: after each CURVE_EVERY steps done;
             refresh_curve(model, curve_batch, seed + step)     # before the first curve, blocks are drawn uniformly
         if counts is not None:
@@ -273,13 +348,18 @@ def run_one(name: str, lr: float, seed: int, smoke: bool, keep: dict | None = No
     model.eval()
     if keep is not None:
         keep["model"] = model
+    if name in LOOPED_KS or name in WARMUP:
+        scores = looped_scores(model, name, smoke)
+    else:
+        scores = {"dev": score(model, DEV_SEED, smoke), "test": score(model, TEST_SEED, smoke)}
     return {"run": name, "lr": lr, "seed": seed, "budget": BUDGET, "git": git_commit(), "steps": steps, "flops_per_step": per_step,
+            # per DB block; for huginn per distinct recurrence r (ascending r)
             "flops_per_block_step": per_block, "train_flops": per_step * steps, "train_cpu_s": round(cpu, 1),
+            "warmup_share": share,
             "train_curve": curve, "config": cfg.model_dump(),
             # the curve refreshes are forward-only and not in train_flops; their total is stated beside it
             "curve_flops": curve_flops * len(range(CURVE_EVERY, steps, CURVE_EVERY)) if uses_curve else 0.0,
-            "block_steps": counts,
-            "dev": score(model, DEV_SEED, smoke), "test": score(model, TEST_SEED, smoke)}
+            "block_steps": counts, **scores}
 
 
 def one(name: str, lr: float, seed: int, smoke: bool) -> None:

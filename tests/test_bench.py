@@ -126,3 +126,46 @@ def test_the_copying_task_oracle_matches_monte_carlo():
     mask = ds.copy_mask(64, 5)
     assert abs(parts["copy_nll_first_repeat_part"] + parts["copy_nll_later_part"] - float(nll[mask].mean())) < 1e-6
     assert int(ds.first_repeat(64, 5).sum()) == 64 and not (ds.first_repeat(64, 5) & ~mask).any()
+
+
+def _depth_synthetic():
+    spec = importlib.util.spec_from_file_location("bench_depth_synthetic", ROOT / "bench" / "depth_synthetic.py")
+    ds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ds)
+    return ds
+
+
+def test_the_copying_bench_charges_each_huginn_step_its_own_recurrence():
+    """Equal FLOPs for huginn: a step costs what its drawn recurrence r costs (more r, more FLOPs), the same
+    r the training step draws, not step 0's cost for every step."""
+    import torch
+
+    from looped_lm.models import build_model
+    from looped_lm.models.huginn import sample_recurrence
+
+    ds = _depth_synthetic()
+    model = build_model(ds.config("huginn"), ds.V)
+    seq = ds.sequences(2, 0)
+    cost_at, by_r = ds.huginn_costs(model, seq[:, :-1], seq[:, 1:], seed=3)
+    rs = [sample_recurrence(8, torch.Generator().manual_seed(3 * 1_000_003 + step)) for step in range(40)]
+    costs = [cost_at(step) for step in range(40)]
+    assert len(set(rs)) >= 3 and sorted(by_r) == sorted(set(rs))
+    assert all(costs[i] == by_r[r] for i, r in enumerate(rs))
+    ordered = [by_r[r] for r in sorted(by_r)]
+    assert all(a < b for a, b in zip(ordered, ordered[1:]))
+
+
+def test_the_copying_bench_picks_a_looped_models_k_on_dev_not_test(monkeypatch):
+    """looped rows are reported at the K their dev copy NLL picks; test must not choose it."""
+    import torch
+
+    ds = _depth_synthetic()
+
+    def fake(model, ks, split_seed, smoke):  # dev prefers K = 2, test would prefer K = 4
+        best = 2 if split_seed == ds.DEV_SEED else 4
+        return {k: torch.full((64, ds.T), 0.5 if k == best else 1.0) for k in ks}
+
+    monkeypatch.setattr(ds, "score_looped", fake)
+    out = ds.looped_scores(None, "huginn", smoke=True)
+    assert out["dev"]["K"] == out["test"]["K"] == 2
+    assert out["test"]["copy_nll"] == 1.0 and out["test"]["copy_nll_at_K4"] == 0.5
