@@ -28,8 +28,8 @@ M = {
  "scoring slot reads the next clean token as prev_token input (WindowContext: prev = x shifted)":
    ("looped_lm/models/db/contexts.py", "kv, prev = self.kv[b], self.x", "kv, prev = self.kv[b], self.x.roll(-1, 1)"),
  "estimator tilts slot t's starting noise toward the NEXT slot's target (model._estimates)":
-   ("looped_lm/models/db/model.py", "tilt = settings.tilt * self.targets(y) if settings.tilt else None",
-    "tilt = settings.tilt * self.targets(y.roll(-1, 1)) if settings.tilt else None"),
+   ("looped_lm/models/db/model.py", "tilt = settings.tilt * self.targets(y) * (pilot < TILT_BELOW)",
+    "tilt = settings.tilt * self.targets(y.roll(-1, 1)) * (pilot < TILT_BELOW)"),
  "clean stream not causal (full attention over the window)":
    ("looped_lm/models/layers.py", "return F.scaled_dot_product_attention(q, k, v, is_causal=True)",
     "return F.scaled_dot_product_attention(q, k, v, is_causal=False)"),

@@ -169,3 +169,14 @@ def test_the_copying_bench_picks_a_looped_models_k_on_dev_not_test(monkeypatch):
     out = ds.looped_scores(None, "huginn", smoke=True)
     assert out["dev"]["K"] == out["test"]["K"] == 2
     assert out["test"]["copy_nll"] == 1.0 and out["test"]["copy_nll_at_K4"] == 0.5
+
+
+def test_every_leak_mutation_still_finds_the_line_it_breaks():
+    """bench/leak_mutations.py breaks code by replacing an exact line; a line the code no longer has would
+    make that mutation silently test nothing."""
+    spec = importlib.util.spec_from_file_location("bench_leak_mutations", ROOT / "bench" / "leak_mutations.py")
+    lm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lm)
+    for name, (path, old, new) in lm.M.items():
+        assert (ROOT / path).read_text().count(old) == 1, name
+        assert old != new, name

@@ -159,3 +159,20 @@ def test_ppl_at_0_is_not_tilted_and_matches_monte_carlo_at_the_default_draws(one
     assert torch.equal(tilted.nll, plain.nll)
     p_mc, se_mc = plain_monte_carlo(model, x, y, 1, MC_CHAINS, seed=2)
     assert abs(float(tilted.nll.mean()) - float(-p_mc.log().mean())) < 0.01
+
+
+@torch.no_grad()
+def test_the_tilt_leaves_near_certain_targets_alone_at_k_2(one_thread):
+    """At K >= 2 the estimator tilts its starting noise only toward targets a pilot call finds rare: on a target
+    the model is sure of, the tilt's reweighting only adds variance, which -log turns into an upward bias (a
+    copying task measured 0.043 nats per determined copy at K = 2 and the default 4 draws, against 0.0001 by
+    plain Monte-Carlo). Here, a model sure of a deterministic language, at the default draws."""
+    model = trained_tiny_db(stay=1.0)
+    x, y = markov_batch(torch.Generator().manual_seed(3), batch=4, T=6, stay=1.0)
+    p_mc, _ = plain_monte_carlo(model, x, y, B, MC_CHAINS, seed=2)
+    sure = p_mc > 0.9
+    assert sure.float().mean() > 0.8, "the model must be sure of most targets for this check to bite"
+    nll_mc = -p_mc.log()
+    for seed in range(3):
+        est = model.score(x, y, ScoreSettings(k_grid=(B,)), torch.Generator().manual_seed(seed))[B]
+        assert float((est.nll - nll_mc)[sure].abs().mean()) < 0.005

@@ -49,10 +49,10 @@ def markov_batch(generator, batch: int = 16, T: int = 16, stay: float = 0.7):
 _TRAINED: dict = {}
 
 
-def trained_tiny_db(steps: int = 300, **diffusion):
-    """A tiny db_ar model with the product's DB defaults, trained on `markov_batch` for `steps` steps
-    (cached per settings): confident where the language is, so its chains commit like a real model's."""
-    key = (steps, tuple(sorted(diffusion.items())))
+def trained_tiny_db(steps: int = 300, stay: float = 0.7, **diffusion):
+    """A tiny db_ar model with the product's DB defaults, trained on `markov_batch` (its `stay`) for `steps`
+    steps (cached per settings): confident where the language is, so its chains commit like a real model's."""
+    key = (steps, stay, tuple(sorted(diffusion.items())))
     if key not in _TRAINED:
         settings = {"parameterization": "likelihood", "noisy_self": False, "noisy_input": "prev_token",
                     "bridge": "sample", "block_sampling": "round_robin", **diffusion}
@@ -64,14 +64,14 @@ def trained_tiny_db(steps: int = 300, **diffusion):
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         g = torch.Generator().manual_seed(1)
         with torch.enable_grad():  # callers may be inside no_grad
-            _train(model, opt, g, steps)
+            _train(model, opt, g, steps, stay)
         _TRAINED[key] = model.eval()
     return _TRAINED[key]
 
 
-def _train(model, opt, g, steps):
+def _train(model, opt, g, steps, stay=0.7):
     for step in range(steps):
-        x, y = markov_batch(g)
+        x, y = markov_batch(g, stay=stay)
         loss, _ = model.training_loss(x, y, step, seed=0)
         opt.zero_grad()
         loss.backward()
