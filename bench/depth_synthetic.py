@@ -774,6 +774,9 @@ def main() -> None:
     k.add_argument("seed", type=int)
     k.add_argument("--ks", default="1,2")
     k.add_argument("--chains", type=int, default=512)
+    rs = sub.add_parser("rescore", help="re-score kept runs' dev and test with the current estimator, in place "
+                        "(each JSON keeps its training record and gets `rescored_at_git`)")
+    rs.add_argument("json", nargs="+", type=Path)
     b = sub.add_parser("best-lr", help="print a row's dev-chosen learning rate (seed 0 runs)")
     b.add_argument("name", choices=RUNS)
     j = sub.add_parser("jobs", help="run the listed row:lr:seed jobs whose JSON is missing (DEPTH_SYNTHETIC_DIR "
@@ -812,6 +815,20 @@ def main() -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(out, indent=1))
         print(json.dumps(out, indent=1))
+    elif a.cmd == "rescore":
+        torch.set_num_threads(1)
+        for path in a.json:
+            r = json.loads(path.read_text())
+            model = build_model(config(r["run"]), V)
+            model.load_state_dict(torch.load(MODELS / path.parent.resolve().relative_to(ROOT) / path.with_suffix(".pt").name))
+            model.eval()
+            if r["run"] in LOOPED_KS or r["run"] in WARMUP:
+                r |= looped_scores(model, r["run"], False)
+            else:
+                r |= {"dev": score(model, DEV_SEED, False), "test": score(model, TEST_SEED, False)}
+            r["rescored_at_git"] = git_commit()
+            path.write_text(json.dumps(r, indent=1))
+            print(f"{path.name}: test copy NLL {r['test']['copy_nll']:.4f}", flush=True)
     elif a.cmd == "best-lr":
         print(best_lr(a.name, False))
     elif a.cmd == "one":
