@@ -626,6 +626,32 @@ def looped_section(by: dict) -> list:
     return lines
 
 
+def budget_summary(by: dict, best: dict, budgets: list) -> list:
+    """Per budget (the reference budget from `by`, the others from their folders): gpt_L2 and every db row at
+    their reference-chosen lr, mean ± t 95 % over seeds, copies, and the paired DB / gpt ratio at that budget."""
+    at = {BUDGET: by} | {json.loads(next(d.glob("*.json")).read_text())["budget"]: load(d) for d in budgets}
+    rows = [n for n in ("gpt_L2", "db_L4_B2_gain") if n in best]
+    lines = ["", "Per budget (each row at the lr chosen at the reference budget):", "",
+             "| budget | " + " | ".join(f"{n}: mean (95 % CI), copies" for n in rows) + " | DB / gpt paired copy NLL | "
+             "DB / gpt paired all-token NLL |", "|---|" + "---|" * (len(rows) + 2)]
+    for budget, runs in sorted(at.items()):
+        cells = []
+        for n in rows:
+            seeds = runs.get(n, {}).get(best[n], {})
+            v = [r["test"]["copy_nll"] for _, r in sorted(seeds.items())]
+            m, h = ci(v) if v else (float("nan"), float("nan"))
+            cells.append(f"{m:.3f}" + ("" if math.isnan(h) else f" ± {h:.3f}") + f", {sum(x < COPIES for x in v)}/{len(v)}"
+                         if v else "")
+        ratio = []
+        if len(rows) == 2:
+            g, d = (runs.get(n, {}).get(best[n], {}) for n in rows)
+            for metric in (lambda r: r["test"]["copy_nll"], lambda r: all_token_nll(r["test"])):
+                n, gm, lo, hi = paired_ratio(d, g, metric)
+                ratio.append(f"{gm:.2f} [{lo:.2f}, {hi:.2f}] ({n} pairs)" if n else "")
+        lines.append(f"| {budget:.2g} | " + " | ".join(cells + ratio) + " |")
+    return lines
+
+
 def report() -> None:
     by = load(OUT)
     best = chosen(by)
@@ -677,7 +703,8 @@ def report() -> None:
         lines += ["", f"## Paired per-seed ratio to {ref} (equal FLOPs, test)", "",
                   "Same seed = same training stream and init seed. Geometric mean of the per-seed ratios, t 95 % "
                   "interval on their logs (no interval with one pair). Last column: each seed's copy NLL over gpt_L2's "
-                  "mean copy NLL (unpaired; gpt_L2's seeds agree to about 1 %).", "",
+                  "mean copy NLL (unpaired; gpt_L2's seeds range "
+                  + ", ".join(f"{r['test']['copy_nll']:.3f}" for _, r in sorted(by[ref][best[ref]].items())) + ").", "",
                   "| row | pairs | copy NLL ratio [95 % CI] | all-token NLL ratio [95 % CI] | every seed / gpt mean |",
                   "|---|---|---|---|---|"]
         g = by[ref][best[ref]]
@@ -701,7 +728,20 @@ def report() -> None:
                   f"Target 1 (paired ratio to {ref} <= 1.10 at its 95 % upper bound), copy NLL: "
                   f"**{verdict(lo, hi)}** ({gm:.2f} [{lo:.2f}, {hi:.2f}], {n} pairs); all-token NLL: "
                   f"**{verdict(lo2, hi2)}** ({gm2:.2f} [{lo2:.2f}, {hi2:.2f}]).",
-                  "",
+                  "Per seed, copy NLL ratio: " + ", ".join(f"s{s} {d[s]['test']['copy_nll'] / g[s]['test']['copy_nll']:.3f}"
+                                                          for s in sorted(set(d) & set(g))) + ".",
+                  ""]
+        for lr, other in sorted(by[ref].items()):  # plan.md item 10: against gpt_L2 at every other lr with seeds
+            if lr == best[ref] or len(set(other) & set(d)) < 2:
+                continue
+            n, gm, lo, hi = paired_ratio(d, other, lambda r: r["test"]["copy_nll"])
+            n2, gm2, lo2, hi2 = paired_ratio(d, other, lambda r: all_token_nll(r["test"]))
+            lines += [f"Sensitivity (plan.md item 10): against {ref} at lr {lr:g} (seeds "
+                      + ", ".join(f"s{s} {r['test']['copy_nll']:.3f}" for s, r in sorted(other.items())) + "), paired: copy NLL "
+                      f"**{verdict(lo, hi)}** ({gm:.2f} [{lo:.2f}, {hi:.2f}], {n} pairs); all-token NLL "
+                      f"**{verdict(lo2, hi2)}** ({gm2:.2f} [{lo2:.2f}, {hi2:.2f}]).", ""]
+        if n < len(d):  # round 1: gpt had fewer seeds than the db row
+            lines += [
                   f"Added after the runs (not in plan.md; the paired ratio has only as many pairs as {ref} has seeds): "
                   f"every seed of {top} over {ref}'s mean, t 95 % interval on the logs over its {len(d)} seeds "
                   f"({ref}'s own interval, ± {g_h / g_mean * 100:.1f} %, is neglected): copy NLL "
@@ -732,6 +772,7 @@ def report() -> None:
                                            f"{r['budget'] / BUDGET:g}x the FLOPs (ratio <= 1.10 at the upper bound) "
                                            f"**{verdict(lo, hi)}**")
         lines += [""] + trend_notes
+        lines += budget_summary(by, best, budgets)
     parts = [(d.name if d != OUT else "", name, lr, seed, r) for d in [OUT, *budgets] for name, lrs in load(d).items()
              for lr, seeds in lrs.items() for seed, r in seeds.items() if "later_copy_nll" in r["test"]]
     if parts:
