@@ -300,6 +300,11 @@ def results_dir(budget: float = BUDGET) -> Path:
     return OUT if budget == 6e12 else OUT / f"budget_{budget:g}"
 
 
+def weights_of(path: Path) -> Path:
+    """Where a run's kept weights lie (outside git): MODELS mirrors the folder of its JSON."""
+    return MODELS / path.parent.resolve().relative_to(ROOT) / path.with_suffix(".pt").name
+
+
 def path_of(name: str, lr: float, seed: int, smoke: bool) -> Path:
     return (ROOT / "work" / "depth_synthetic_smoke" if smoke else results_dir()) / f"{name}__lr{lr:g}__s{seed}.json"
 
@@ -370,7 +375,7 @@ def one(name: str, lr: float, seed: int, smoke: bool) -> None:
     keep: dict = {}
     out = run_one(name, lr, seed, smoke, keep)
     path = path_of(name, lr, seed, smoke)
-    weights = MODELS / path.parent.relative_to(ROOT) / path.with_suffix(".pt").name
+    weights = weights_of(path)
     weights.parent.mkdir(parents=True, exist_ok=True)
     torch.save(keep["model"].state_dict(), weights)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -416,7 +421,7 @@ def load_kept(name: str, lr: float, seed: int):
     """A run's kept weights (written by `one`), as an eval-mode model."""
     path = path_of(name, lr, seed, False)
     model = build_model(config(name), V)
-    model.load_state_dict(torch.load(MODELS / path.parent.relative_to(ROOT) / path.with_suffix(".pt").name))
+    model.load_state_dict(torch.load(weights_of(path)))
     return model.eval()
 
 
@@ -865,7 +870,7 @@ def main() -> None:
         for path in a.json:
             r = json.loads(path.read_text())
             model = build_model(config(r["run"]), V)
-            model.load_state_dict(torch.load(MODELS / path.parent.resolve().relative_to(ROOT) / path.with_suffix(".pt").name))
+            model.load_state_dict(torch.load(weights_of(path)))
             model.eval()
             if RUNS[r["run"]][0]["kind"] in LOOPED_KS:
                 r |= looped_scores(model, r["run"], False)

@@ -62,12 +62,7 @@ def measure(name: str, out_dir: Path) -> dict:
     run_dir = out_dir / name
     load_before = os.getloadavg()[0]
     _, train_s, train_cpu = run(looped_lm + ["train", "--config", f"configs/{name}.yaml", "--set", f"train.out_dir={run_dir}"])
-    scores = out_dir / f"{name}_eval.json"
-    ev = looped_lm + ["eval", "--checkpoint", str(run_dir), "--max-tokens", "8192", "--json", str(scores),
-                      "--no-progress", "--seed", "0"]
-    if K_OF[name]:
-        ev += ["--num-iterations", K_OF[name], "--draws", "16"]
-    run(ev)
+    scores = evaluate(name, out_dir)
     gen = looped_lm + ["generate", "--checkpoint", str(run_dir), "--prompt", "And God said", "--seed", "0"]
     if name in GEN_K:
         gen += ["--num-iterations", str(GEN_K[name])]
@@ -75,7 +70,7 @@ def measure(name: str, out_dir: Path) -> dict:
     return {"config": f"configs/{name}.yaml", "train_wall_s": round(train_s, 1), "train_cpu_s": round(train_cpu, 1),
             "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),  # set: one thread per process (a shared machine)
-            "eval": json.loads(scores.read_text()), "generate_k": GEN_K.get(name), "generated": text.strip()}
+            "eval": scores, "generate_k": GEN_K.get(name), "generated": text.strip()}
 
 
 def main():
