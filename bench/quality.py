@@ -140,6 +140,9 @@ STUDIES: dict[str, dict[str, Run]] = {
         "gpt_depth2_updates": Run({"kind": "gpt", "n_layers": 2}, steps="updates:db_ar_b2:0",
                                   what="end-to-end, 2 layers, as many steps as db_ar_b2's block 0 had updates"),
         "looped_db_quarter": replace(looped_db("looped_db at 1/4 of the budget", budget=0.25), score="short"),
+        # the copying regime's fix for looped_db (depth_synthetic plan item 15): its one block's sigma law moved up
+        # (p_mean 1.0: 97 % of the draws above sigma 0.3, where the context decides the token), nothing else changed
+        "looped_db_sigma_up": looped_db("looped_db with its sigma law moved up (p_mean 1.0)", p_mean=1.0),
     },
     # section 5: the scorer of generated text, larger and longer-trained than every studied model
     "scorer": {
