@@ -547,6 +547,25 @@ def paired_ratio(a: dict, b: dict, metric) -> tuple[int, float, float, float]:
     return len(logs), math.exp(m), math.exp(m - h), math.exp(m + h)
 
 
+def median_ratio(a: dict, b: dict, metric) -> tuple[int, float, float, float, float]:
+    """(pairs, median, low, high, coverage) of metric(a[s]) / metric(b[s]) over shared seeds: the interval is
+    the sign test's, [k-th smallest, k-th largest] with the largest k whose coverage is still >= 95 %, so one
+    wild seed moves it by one order statistic only (plan.md item 13). nan bounds when no k reaches 95 %."""
+    from scipy.stats import binom
+
+    seeds = sorted(set(a) & set(b))
+    ratios = sorted(metric(a[s]) / metric(b[s]) for s in seeds)
+    n = len(ratios)
+    if not n:
+        return 0, float("nan"), float("nan"), float("nan"), float("nan")
+    k = 0  # P(fewer than k of n fall below the median) = binom.cdf(k - 1, n, 1/2) on each side
+    while k + 1 <= n // 2 and 1 - 2 * binom.cdf(k, n, 0.5) >= 0.95:
+        k += 1
+    if k == 0:
+        return n, statistics.median(ratios), float("nan"), float("nan"), float("nan")
+    return n, statistics.median(ratios), ratios[k - 1], ratios[n - k], 1 - 2 * float(binom.cdf(k - 1, n, 0.5))
+
+
 def updates(r: dict) -> int:
     """Optimizer updates each trained unit saw: all steps for gpt, steps / B for db_ar (one block per step)."""
     return round(r["steps"] / len(r["flops_per_block_step"])) if r["config"]["model"]["kind"] == "db_ar" else r["steps"]
@@ -740,6 +759,15 @@ def report() -> None:
                   "Per seed, copy NLL ratio: " + ", ".join(f"s{s} {d[s]['test']['copy_nll'] / g[s]['test']['copy_nll']:.3f}"
                                                           for s in sorted(set(d) & set(g))) + ".",
                   ""]
+        mn, med, mlo, mhi, cover = median_ratio(d, g, lambda r: r["test"]["copy_nll"])
+        copies = {nm: sum(r["test"]["copy_nll"] < 1.0 for r in rows.values()) for nm, rows in ((top, d), (ref, g))}
+        lines += [f"Added after seeds 0-4 (plan.md item 13): median paired copy NLL ratio **"
+                  + (f"not judged (no 95 % sign-test interval below 6 pairs)" if math.isnan(mhi) else verdict(mlo, mhi))
+                  + "** "
+                  f"({med:.2f}" + ("" if math.isnan(mhi) else f" [{mlo:.2f}, {mhi:.2f}], sign-test coverage {cover:.1%}")
+                  + f", {mn} pairs); seeds that copy (NLL < 1): "
+                  + ", ".join(f"{nm} {k}/{len(rows)} [{share_ci(k, len(rows))[0]:.2f}, {share_ci(k, len(rows))[1]:.2f}]"
+                              for (nm, rows), k in zip(((top, d), (ref, g)), copies.values())) + ".", ""]
         for lr, other in sorted(by[ref].items()):  # plan.md item 10: against gpt_L2 at every other lr with seeds
             if lr == best[ref] or len(set(other) & set(d)) < 2:
                 continue
