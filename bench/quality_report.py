@@ -399,6 +399,30 @@ def looped_equal_flops(runs: dict, looped: str = "looped_db") -> list[str]:
     return lines
 
 
+def sigma_law_table(runs: dict, base: str = "looped_db", moved: str = "looped_db_sigma_up") -> list[str]:
+    """depth_synthetic plan item 15: the looped_db row with its sigma law moved up against the default one,
+    seed by seed: probe PPL@0 along the run (does it leave the PPL ~ 10 plateau earlier?) and the final ppl@0
+    and K = 1 (neither depends on the estimator's tilt, so runs scored before and after its gate compare)."""
+    if base not in runs or moved not in runs:
+        return []
+    lines = ["| seed | row | probe ppl@0 at 10 / 40 / 70 / 100 % of the budget | final ppl@0 | final K = 1 |",
+             "|---|---|---|---|---|"]
+    ratios = {"0": [], "1": []}
+    for seed in sorted(set(runs[base]) & set(runs[moved])):
+        for name in (base, moved):
+            r = runs[name][seed]
+            probes = r["probes"]
+            at = [probes[min(len(probes) - 1, round(f * len(probes)) - 1)]["val"]["0"] for f in (0.1, 0.4, 0.7, 1.0)]
+            lines.append(f"| {seed} | {name} | " + " / ".join(f"{math.exp(v):.2f}" for v in at) +
+                         f" | {math.exp(nll(r, '0')):.3f} | {math.exp(nll(r, '1')):.3f} |")
+        for k in ratios:
+            ratios[k].append(math.exp(nll(runs[moved][seed], k) - nll(runs[base][seed], k)))
+    lines += ["", f"{moved} / {base}, paired per seed: ppl@0 " + ", ".join(f"{x:.3f}" for x in ratios["0"]) +
+              f" (mean ± sd {fmt_ratio(ratios['0'])}); K = 1 " + ", ".join(f"{x:.3f}" for x in ratios["1"]) +
+              f" ({fmt_ratio(ratios['1'])})."]
+    return lines
+
+
 # ------------------------------------------------------------------------------------------------
 # plots
 
@@ -530,6 +554,11 @@ def report(study_dir: Path) -> None:
     leq = looped_equal_flops(runs)
     if leq:
         lines += ["## looped_db against huginn at equal FLOPs (shared final windows)", "", *leq, ""]
+    up = looped_equal_flops(runs, "looped_db_sigma_up")
+    if up:
+        lines += ["## looped_db with its sigma law moved up (p_mean 1.0) against huginn at equal FLOPs", "",
+                  "Scored after the estimator's tilt gate (K >= 2), where looped_db's own K >= 2 predate it; ppl@0 and "
+                  "K = 1 are the same estimator in both.", "", *up, "", *sigma_law_table(runs), ""]
     quarter = looped_equal_flops(runs, "looped_db_quarter")
     if quarter:
         lines += ["## looped_db at a quarter of huginn's FLOPs (shared final windows)", "", *quarter, ""]
