@@ -208,12 +208,9 @@ def protocol_run(blocks: int, rule: str, lr: float, seed: int, work: Path, split
     t_train = time.time()
     dev = eval_json(ckpt, split["dev"], work / f"{name}_dev.json", env, ["--num-iterations", "0"])
     test = eval_json(ckpt, split["test"], work / f"{name}_test.json", env, ["--num-iterations", "0"])
-    rep = eval_json(ckpt, split["test"], work / f"{name}_test_chain.json", env,
-                    ["--num-iterations", str(blocks), "--max-tokens", "8192", "--draws", "16"])
+    rep = eval_json(ckpt, split["test"], work / f"{name}_test_chain.json", env, chain_args(blocks))
     c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    k = str(blocks)
-    chain = {"k": blocks, "ppl": rep["ppl_at_k"][k], "se": rep["ppl_se"][k], "tokens": rep["tokens"], "draws": 16,
-             "ppl0_same_tokens": rep["ppl_at_k"].get("0"), "unresolved": rep.get("unresolved", [])}
+    chain = {**chain_of(rep, blocks), "tilt_gate": True}
     curve = manifest["model_state"].get("curve") or {}
     edges = manifest["model_state"]["edges"]
     counts = logged_block_steps(out_dir, blocks)
@@ -232,6 +229,39 @@ def protocol_run(blocks: int, rule: str, lr: float, seed: int, work: Path, split
     out_root.mkdir(parents=True, exist_ok=True)
     (out_root / f"{name}.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def chain_of(rep: dict, blocks: int) -> dict:
+    k = str(blocks)
+    return {"k": blocks, "ppl": rep["ppl_at_k"][k], "se": rep["ppl_se"][k], "tokens": rep["tokens"], "draws": 16,
+            "ppl0_same_tokens": rep["ppl_at_k"].get("0"), "unresolved": rep.get("unresolved", [])}
+
+
+def chain_args(blocks: int) -> list[str]:
+    return ["--num-iterations", str(blocks), "--max-tokens", "8192", "--draws", "16"]
+
+
+def rescore_chains(args) -> None:
+    """Re-score the ppl@B chain of every run at a chosen rate on its kept checkpoint with today's estimator;
+    the earlier score moves to test_chain_before_gate (once: a run already re-scored is skipped)."""
+    split = protocol_split(args.work, args.split_seed)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for path in sorted(args.out.glob("B*_lr*_s*.json")):
+        r = json.loads(path.read_text())
+        if r["lr"] != chosen_lrs(protocol_runs(args.out), r["blocks"], args.sweep_seed).get(r["rule"]):
+            continue
+        if "test_chain_before_gate" in r or "tilt_gate" in r["test_chain"]:
+            continue
+        ckpts = sorted((args.work / path.stem).glob("step_*"))
+        if not ckpts:
+            print(f"{path.stem}: no checkpoint under {args.work}, not re-scored", flush=True)
+            continue
+        rep = eval_json(ckpts[-1], split["test"], args.work / f"{path.stem}_test_chain_gated.json", env,
+                        chain_args(r["blocks"]))
+        r["test_chain_before_gate"], r["test_chain"] = r["test_chain"], {**chain_of(rep, r["blocks"]), "tilt_gate": True}
+        path.write_text(json.dumps(r, indent=1))
+        print(f"{path.stem}: ppl@{r['blocks']} {r['test_chain_before_gate']['ppl']:.4f} -> {r['test_chain']['ppl']:.4f}",
+              flush=True)
 
 
 def protocol_runs(out_root: Path) -> list[dict]:
@@ -286,6 +316,7 @@ def protocol_report(out_root: Path, sweep_seed: int) -> str:
         for (rule, seed), r in sorted(at.items(), key=lambda kv: (kv[0][1], kv[0][0])):
             c = r["test_chain"]
             chain = f"{c['ppl']:.3f} ({c['se']:.3f})" if c.get("ppl") is not None else "unresolved"
+            chain += "" if c.get("tilt_gate") else " (estimator before its tilt gate)"
             shares = ", ".join(f"{x:.2f}" for x in r["logged_block_share"])
             lines.append(f"| {seed} | {rule} | {r['lr']:g} | {r['test']['ppl0']:.3f} | {chain} | {shares} | {r['cpu_s']} |")
         seeds = sorted(s for (rule, s) in at if rule == "loss_share" and ("network_gain", s) in at)
@@ -344,6 +375,8 @@ def main() -> None:
     ap.add_argument("--backfill-chain", action="store_true", help="add ppl@B to runs measured without it")
     ap.add_argument("--protocol", action="store_true", help="dev/test halves of a fixed held-out split, lr per rule")
     ap.add_argument("--protocol-report", action="store_true", help="write the protocol's report.md")
+    ap.add_argument("--rescore-chain", action="store_true",
+                    help="protocol: re-score the ppl@B chain of the chosen-rate runs on their kept checkpoints")
     ap.add_argument("--lrs", type=float, nargs="+", default=None,
                     help="protocol: the sweep's learning rates (min_lr = lr / 10); omitted: each rule's dev-chosen lr")
     ap.add_argument("--split-seed", type=int, default=0, help="protocol: data.split_seed of every run")
@@ -351,6 +384,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=PROTOCOL_OUT, help="protocol: where the JSONs and report.md go")
     ap.add_argument("--set", action="append", default=[], help="protocol: extra train overrides (a smoke test)")
     args = ap.parse_args()
+    if args.rescore_chain:
+        if "--work" not in sys.argv:
+            args.work = Path("/tmp/looped_lm_allocation_protocol")
+        rescore_chains(args)
+        print(protocol_report(args.out, args.sweep_seed))
+        return
     if args.protocol_report:
         print(protocol_report(args.out, args.sweep_seed))
         return
