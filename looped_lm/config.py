@@ -97,7 +97,7 @@ class DiffusionConfig(_Section):
                     "folded into the same product)")
     clean_lm_weight: Float = _f(0.0, "weight of a next-token CE on each block's clean stream, added to the loss")
     overlap: Float = _f(0.1, "gamma: each block trains on its interval widened by this share of its ln-width")
-    p_mean: Float = _f(-1.2, "mean of ln(sigma) for training noise")
+    p_mean: Float = _f(-1.2, "mean of ln(sigma) for training noise (EDM's; looped_db: set 1.0, docs/method.md §8)")
     p_std: Float = _f(1.2, "std of ln(sigma) for training noise")
     sigma_min: Float = _f(0.002, "lowest noise level")
     sigma_max: Float = _f(80.0, "highest noise level")
