@@ -194,6 +194,16 @@ def test_the_median_ratio_interval_covers_the_median_as_often_as_it_claims():
     assert abs(hits / 4000 - cover) < 0.015
 
 
+def test_the_copying_bench_picks_the_db_recipe_at_seed_0_not_by_a_mean_over_unequal_seeds():
+    """The recipe is chosen as the plan says (dev at seed 0): a row with ten seeds, one of them bad, must not
+    lose to a one-seed row that is worse at seed 0."""
+    ds = _depth_synthetic()
+    run = lambda v: {"dev": {"copy_nll": v}}  # noqa: E731
+    by = {"many": {0.01: {0: run(0.085), **{s: run(0.085) for s in range(1, 9)}, 9: run(0.5)}},
+          "one": {0.003: {0: run(0.086)}}}
+    assert ds.best_recipe(by, {"many": 0.01, "one": 0.003}, ["many", "one"]) == "many"
+
+
 def test_every_leak_mutation_still_finds_the_line_it_breaks():
     """bench/leak_mutations.py breaks code by replacing an exact line; a line the code no longer has would
     make that mutation silently test nothing."""
