@@ -400,8 +400,10 @@ def kv_bytes(model, ks=(1, 2, 4, 8, 16, 32)) -> dict:
 # one run
 
 
-def run_path(study: str, name: str, seed: int, smoke: bool) -> Path:
-    return RESULTS / (study + ("_smoke" if smoke else "")) / f"{name}__s{seed}.json"
+def run_path(study: str, name: str, seed: int, smoke: bool, rebuilt: bool = False) -> Path:
+    """A run's JSON; `rebuilt`: the JSON of a re-training that only restores a checkpoint this machine lost
+    (results/<study>_rebuilt/), kept apart so the study's own JSON is never overwritten."""
+    return RESULTS / (study + ("_rebuilt" if rebuilt else "") + ("_smoke" if smoke else "")) / f"{name}__s{seed}.json"
 
 
 def decode_path(study: str, name: str, seed: int, smoke: bool) -> Path:
@@ -703,6 +705,10 @@ def jobs_of(study: str, seeds: list[int] | None, only: list[str] | None, smoke: 
                 if STUDIES[study][name].model["kind"] != "db_ar" or set(DECODE_VARIANTS) <= set(done):
                     continue
                 jobs.append((name, seed, path))
+            elif mode == "rebuild":  # the study's JSON exists, its checkpoint does not
+                path = run_path(study, name, seed, smoke, rebuilt=True)
+                if not (work_dir(study, smoke) / f"{name}__s{seed}.pt").exists() or not path.exists():
+                    jobs.append((name, seed, path))
             elif not path.exists():
                 jobs.append((name, seed, path))
     return jobs
@@ -738,13 +744,18 @@ def one(mode: str, study: str, name: str, seed: int, smoke: bool) -> None:
     path = run_path(study, name, seed, smoke)
     if mode == "decode":
         write_json(decode_run(study, name, seed, smoke, log), decode_path(study, name, seed, smoke))
+    elif mode == "rebuild":  # same seed, same code path: the study's final scores say whether it is the same model
+        out = train_run(study, name, seed, smoke, log)
+        if path.exists():
+            out["study_final"] = json.loads(path.read_text()).get("final")
+        write_json(out, run_path(study, name, seed, smoke, rebuilt=True))
     else:
         write_json(train_run(study, name, seed, smoke, log), path)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=["run", "decode", "generate", "report", "_one"])
+    p.add_argument("command", choices=["run", "rebuild", "decode", "generate", "temperatures", "report", "_one"])
     p.add_argument("rest", nargs="*")
     p.add_argument("--seeds", help="comma-separated seeds (default: each run's own)")
     p.add_argument("--only", help="comma-separated run names")
@@ -769,7 +780,8 @@ def main() -> None:
         p.error(f"name a study: {', '.join(STUDIES)}")
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
     only = args.only.split(",") if args.only else None
-    run_jobs(args.rest[0], args.command if args.command == "decode" else "train", seeds, only, args.lanes, args.smoke)
+    run_jobs(args.rest[0], args.command if args.command in ("decode", "rebuild") else "train", seeds, only, args.lanes,
+             args.smoke)
 
 
 if __name__ == "__main__":
