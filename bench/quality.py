@@ -7,6 +7,8 @@ at equal training FLOPs, three seeds, scored with the unbiased ppl@k estimator.
     python bench/quality.py run scorer                  # the paper's protocol: a larger, longer-trained gpt,
     python bench/quality.py generate --seeds 0,1,2      # then generated text scored by it, and MAUVE
                                                         # (pip install -e ".[bench]" for mauve-text)
+    python bench/quality.py temperatures --seeds 0      # the same, plain sampling at T = 0.7, 0.85, 1
+    python bench/quality.py rebuild powered --only gpt  # re-train a checkpoint this machine lost (JSON kept apart)
     python bench/quality.py decode powered              # re-score finished checkpoints with other
                                                         # last_call / bridge settings (no training)
     python bench/quality.py report                      # tables + plots from the JSON already written
@@ -638,7 +640,22 @@ def scorer_view(scorer, tokens: torch.Tensor, start: int) -> tuple[torch.Tensor,
     return nll.view(tokens.shape[0], -1).mean(1), feats
 
 
-def generation_run(seed: int, smoke: bool, log) -> dict:
+TEMPERATURES = (0.7, 0.85, 1.0)
+SWEPT = ("gpt", "db_ar_b2", "db_ar_b4", "looped_db_sigma_up")  # the runs whose seed-0 checkpoints this machine has
+
+
+def temperature_decodings(model) -> list[tuple[str, dict]]:
+    """Plain sampling at each of TEMPERATURES; db_ar at K = B, looped_db at K = 4 (as in `decodings`)."""
+    kind = kind_of(model)
+    K = {"db_ar": len(model.blocks) if kind == "db_ar" else 0, "looped_db": 4}.get(kind)
+    return [(f"T = {t:g}" + (f", K = {K}" if K else ""),
+             {"sampling": SamplingParams(t), **({"num_iterations": K} if K else {})}) for t in TEMPERATURES]
+
+
+def generation_run(seed: int, smoke: bool, log, runs=("gpt", "huginn", "db_ar_b2", "db_ar_b4", "looped_db"),
+                   decodings_of=None) -> dict:
+    """The paper's protocol: `runs` of the powered study generate from held-out prompts with each of
+    `decodings_of(model)` (default `decodings`), scored by the larger gpt (generative PPL, MAUVE)."""
     try:
         import mauve
     except ImportError:
@@ -655,10 +672,10 @@ def generation_run(seed: int, smoke: bool, log) -> dict:
            "scorer": {"run": "scorer/gpt_big", "seed": 0}, "rows": {}}
     nll, p_feats = scorer_view(scorer, human, GEN_PROMPT)
     out["human"] = {"gen_ppl": math.exp(float(nll.mean())), **text_stats(human[:, GEN_PROMPT:].tolist())}
-    for name in ("gpt", "huginn", "db_ar_b2", "db_ar_b4", "looped_db"):
+    for name in runs:
         model, _ = load_trained("powered", name, seed, smoke)
         limits = model.iteration_limits() if isinstance(model, Iterative) else None
-        for label, kw in decodings(model):
+        for label, kw in (decodings_of or decodings)(model):
             t0 = time.process_time()
             tokens = generate(model, prompts, GEN_NEW, resolve_settings(limits, **kw), seed=1000 + seed)
             seconds = time.process_time() - t0
@@ -765,6 +782,14 @@ def main() -> None:
     if args.command == "_one":
         mode, study, name, seed = args.rest
         one(mode, study, name, int(seed), args.smoke)
+        return
+    if args.command == "temperatures":  # the same protocol, plain sampling at each of TEMPERATURES
+        for seed in ([int(s) for s in args.seeds.split(",")] if args.seeds else [0]):
+            path = RESULTS / ("generation" + ("_smoke" if args.smoke else "")) / f"temperatures__s{seed}.json"
+            if not path.exists():
+                out = generation_run(seed, args.smoke, lambda s: print(s, flush=True), args.only.split(",") if args.only
+                                     else SWEPT, temperature_decodings)
+                write_json({**out, "temperatures": list(TEMPERATURES)}, path)
         return
     if args.command == "generate":  # one process: the paper's protocol on the powered runs of each seed
         for seed in ([int(s) for s in args.seeds.split(",")] if args.seeds else [0]):
