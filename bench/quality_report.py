@@ -579,10 +579,13 @@ def generation_report(study_dir: Path) -> None:
     for path in sorted(study_dir.glob("generation__s*.json")):
         r = json.loads(path.read_text())
         by_seed[r["seed"]] = r
+    smoke = "_smoke" if study_dir.name.endswith("_smoke") else ""
     if not by_seed:
+        temps = temperature_section(study_dir, smoke)
+        if temps:
+            (study_dir / "report.md").write_text("\n".join(["# Generated text at a temperature sweep", *temps]) + "\n")
         return
     first = by_seed[min(by_seed)]
-    smoke = "_smoke" if study_dir.name.endswith("_smoke") else ""
     scorer = RESULTS / f"scorer{smoke}" / "gpt_big__s0.json"
     scorer_ppl = math.exp(nll(json.loads(scorer.read_text()))) if scorer.exists() else float("nan")
     powered = load(RESULTS / f"powered{smoke}")
@@ -616,9 +619,37 @@ def generation_report(study_dir: Path) -> None:
     lines += ["", "First sample of each decoding (seed " + str(min(by_seed)) + "):", ""]
     for key, row in first["rows"].items():
         lines.append(f"- **{key}**: `{row['examples'][0][:160]!r}`")
+    lines += temperature_section(study_dir, smoke)
     (study_dir / "report.md").write_text("\n".join(lines) + "\n")
     plot_generation(by_seed, study_dir / "mauve_vs_gen_ppl.png")
     print(f"wrote {study_dir / 'report.md'}")
+
+
+def temperature_section(study_dir: Path, smoke: str) -> list[str]:
+    """MAUVE at a temperature sweep (bench/quality.py temperatures; plan_temperatures.md), with the check
+    that each re-trained checkpoint is the studied model (its final scores against the study's)."""
+    lines = []
+    for path in sorted(study_dir.glob("temperatures__s*.json")):
+        r = json.loads(path.read_text())
+        lines += ["", f"## MAUVE at a temperature sweep (seed {r['seed']}, plain sampling; `{path.name}`)", "",
+                  "| model | decoding | gen PPL | MAUVE | distinct-1 | self-rep-4 |", "|---|---|---:|---:|---:|---:|",
+                  f"| held-out text | - | {r['human']['gen_ppl']:.3f} | 1 | {r['human']['word_distinct_1']:.3f} | "
+                  f"{r['human']['self_repetition_4']:.3f} |"]
+        for row in r["rows"].values():
+            lines.append(f"| `{row['run']}` | {row['decoding']} | {row['gen_ppl']:.3f} | {row['mauve']:.3f} | "
+                         f"{row['word_distinct_1']:.3f} | {row['self_repetition_4']:.3f} |")
+        checks = []
+        for study, name in [("scorer", "gpt_big")] + [("powered", row["run"]) for row in r["rows"].values()]:
+            rebuilt = RESULTS / f"{study}_rebuilt{smoke}" / f"{name}__s{r['seed'] if study == 'powered' else 0}.json"
+            if rebuilt.exists() and (name, study) not in [c[:2] for c in checks]:
+                b = json.loads(rebuilt.read_text())
+                ours, theirs = nll(b), (b.get("study_final") or {}).get(primary_label(b), {}).get("nll")
+                checks.append((name, study, "-" if theirs is None else f"{ours - theirs:+.2e}"))
+        if checks:
+            lines += ["", "Re-trained checkpoints (`bench/quality.py rebuild`): final NLL minus the study's own, "
+                      "on the same windows (0 = the same model): " +
+                      ", ".join(f"{study}/{name} {diff}" for name, study, diff in checks) + "."]
+    return lines
 
 
 def plot_generation(by_seed: dict, path: Path) -> None:
