@@ -785,7 +785,8 @@ def main() -> None:
         return
     if args.command == "temperatures":  # the same protocol, plain sampling at each of TEMPERATURES
         for seed in ([int(s) for s in args.seeds.split(",")] if args.seeds else [0]):
-            path = RESULTS / ("generation" + ("_smoke" if args.smoke else "")) / f"temperatures__s{seed}.json"
+            part = "_" + "_".join(args.only.split(",")) if args.only else ""  # --only: a part of the sweep
+            path = RESULTS / ("generation" + ("_smoke" if args.smoke else "")) / f"temperatures{part}__s{seed}.json"
             if not path.exists():
                 out = generation_run(seed, args.smoke, lambda s: print(s, flush=True), args.only.split(",") if args.only
                                      else SWEPT, temperature_decodings)

@@ -629,7 +629,7 @@ def temperature_section(study_dir: Path, smoke: str) -> list[str]:
     """MAUVE at a temperature sweep (bench/quality.py temperatures; plan_temperatures.md), with the check
     that each re-trained checkpoint is the studied model (its final scores against the study's)."""
     lines = []
-    for path in sorted(study_dir.glob("temperatures__s*.json")):
+    for path in sorted(study_dir.glob("temperatures*__s*.json")):
         r = json.loads(path.read_text())
         lines += ["", f"## MAUVE at a temperature sweep (seed {r['seed']}, plain sampling; `{path.name}`)", "",
                   "| model | decoding | gen PPL | MAUVE | distinct-1 | self-rep-4 |", "|---|---|---:|---:|---:|---:|",
