@@ -231,14 +231,17 @@ def protocol_run(blocks: int, rule: str, lr: float, seed: int, work: Path, split
     return result
 
 
+CHAIN_DRAWS = 16  # the estimator's draws for ppl@B on the test half
+
+
 def chain_of(rep: dict, blocks: int) -> dict:
     k = str(blocks)
-    return {"k": blocks, "ppl": rep["ppl_at_k"][k], "se": rep["ppl_se"][k], "tokens": rep["tokens"], "draws": 16,
+    return {"k": blocks, "ppl": rep["ppl_at_k"][k], "se": rep["ppl_se"][k], "tokens": rep["tokens"], "draws": CHAIN_DRAWS,
             "ppl0_same_tokens": rep["ppl_at_k"].get("0"), "unresolved": rep.get("unresolved", [])}
 
 
 def chain_args(blocks: int) -> list[str]:
-    return ["--num-iterations", str(blocks), "--max-tokens", "8192", "--draws", "16"]
+    return ["--num-iterations", str(blocks), "--max-tokens", "8192", "--draws", str(CHAIN_DRAWS)]
 
 
 def rescore_chains(args) -> None:
@@ -246,9 +249,11 @@ def rescore_chains(args) -> None:
     the earlier score moves to test_chain_before_gate (once: a run already re-scored is skipped)."""
     split = protocol_split(args.work, args.split_seed)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    runs = protocol_runs(args.out)
+    chosen = {B: chosen_lrs(runs, B, args.sweep_seed) for B in {r["blocks"] for r in runs}}
     for path in sorted(args.out.glob("B*_lr*_s*.json")):
         r = json.loads(path.read_text())
-        if r["lr"] != chosen_lrs(protocol_runs(args.out), r["blocks"], args.sweep_seed).get(r["rule"]):
+        if r["lr"] != chosen[r["blocks"]].get(r["rule"]):
             continue
         if "test_chain_before_gate" in r or "tilt_gate" in r["test_chain"]:
             continue

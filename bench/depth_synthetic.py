@@ -752,13 +752,12 @@ def report() -> None:
             each = ", ".join(f"s{s} {d[s]['test']['copy_nll'] / g_mean:.2f}" for s in sorted(d))
             lines.append(f"| {name} | {len(set(d) & set(g))} | {cells[0]} | {cells[1]} | {each} |")
         top = best_recipe(by, best, dbs)
-        dev_mean = {top: by[top][best[top]][0]["dev"]["copy_nll"]}
         d = by[top][best[top]]
         g_mean, g_h = ci([r["test"]["copy_nll"] for r in g.values()])
         n, gm, lo, hi = paired_ratio(d, g, lambda r: r["test"]["copy_nll"])
         n2, gm2, lo2, hi2 = paired_ratio(d, g, lambda r: all_token_nll(r["test"]))
         lines += ["", f"Best DB-AR recipe, picked on dev (lowest dev copy NLL at seed 0, each row at its chosen lr): "
-                      f"**{top}** (lr {best[top]:g}, {len(d)} seeds, seed-0 dev {dev_mean[top]:.4f}).",
+                      f"**{top}** (lr {best[top]:g}, {len(d)} seeds, seed-0 dev {d[0]['dev']['copy_nll']:.4f}).",
                   f"Target 1 (paired ratio to {ref} <= 1.10 at its 95 % upper bound), copy NLL: "
                   f"**{verdict(lo, hi)}** ({gm:.2f} [{lo:.2f}, {hi:.2f}], {n} pairs); all-token NLL: "
                   f"**{verdict(lo2, hi2)}** ({gm2:.2f} [{lo2:.2f}, {hi2:.2f}]).",

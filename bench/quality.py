@@ -647,7 +647,7 @@ SWEPT = ("gpt", "db_ar_b2", "db_ar_b4", "looped_db_sigma_up")  # the runs whose 
 def temperature_decodings(model) -> list[tuple[str, dict]]:
     """Plain sampling at each of TEMPERATURES; db_ar at K = B, looped_db at K = 4 (as in `decodings`)."""
     kind = kind_of(model)
-    K = {"db_ar": len(model.blocks) if kind == "db_ar" else 0, "looped_db": 4}.get(kind)
+    K = len(model.blocks) if kind == "db_ar" else 4 if kind == "looped_db" else None
     return [(f"T = {t:g}" + (f", K = {K}" if K else ""),
              {"sampling": SamplingParams(t), **({"num_iterations": K} if K else {})}) for t in TEMPERATURES]
 
