@@ -27,6 +27,10 @@ network_gain / loss_share with a Student-t 95 % interval on the log ratios).
     python bench/allocation.py --protocol --blocks 2 --lrs 1e-3 3e-3 1e-2 --seeds 0   # the dev sweep
     python bench/allocation.py --protocol --blocks 2 --seeds 1 2                      # chosen lr per rule
     python bench/allocation.py --protocol-report
+
+`--clean-lm-report`: `diffusion.clean_lm_weight` on the B = 2 network_gain recipe at lr 1e-3 (its runs made
+with `--protocol --set diffusion.clean_lm_weight=<w> --out bench/results/allocation/clean_lm_<w>`): the
+weight with the lowest seed-0 dev ppl@0, then its paired per-seed ratios against weight 0 on test.
 """
 
 from __future__ import annotations
@@ -346,6 +350,88 @@ def protocol_report(out_root: Path, sweep_seed: int) -> str:
     return text
 
 
+CLEAN_LM_RECIPE = {"blocks": 2, "rule": "network_gain", "lr": 1e-3}  # the recipe protocol/plan.md tunes the weight on
+
+
+def clean_lm_runs(out_root: Path = OUT, protocol_root: Path = PROTOCOL_OUT) -> dict:
+    """{weight: {seed: run}} for the clean-LM recipe: weight w from out_root/clean_lm_<w>/, weight 0 from the
+    protocol's own runs (they are the same recipe without the clean next-token CE)."""
+    name = lambda seed: protocol_name(CLEAN_LM_RECIPE["blocks"], CLEAN_LM_RECIPE["rule"], CLEAN_LM_RECIPE["lr"], seed)  # noqa: E731
+    by: dict = {}
+    for folder in [protocol_root, *sorted(p for p in out_root.glob("clean_lm_*") if p.is_dir())]:
+        weight = 0.0 if folder == protocol_root else float(folder.name.removeprefix("clean_lm_"))
+        for path in sorted(folder.glob(name("*") + ".json")):
+            r = json.loads(path.read_text())
+            by.setdefault(weight, {})[r["seed"]] = r
+    return by
+
+
+def clean_lm_flops_share(run: dict) -> float:
+    """The clean CE's extra matmul FLOPs per step, as a share of the same step without it, averaged over the
+    blocks by the share of the steps each block got in this run (looped_lm.cost, the quickstart's shape)."""
+    from looped_lm import cost
+
+    shape = cost.Shape(d=128, layers=4, heads=4, vocab=257, seq=128, batch=16)
+    shares = run["logged_block_share"]
+    without = sum(w * cost.db_train(shape, cost.DBLayout(blocks=len(shares)), b).total() for b, w in enumerate(shares))
+    with_ = sum(w * cost.db_train(shape, cost.DBLayout(blocks=len(shares), clean_lm=True), b).total()
+                for b, w in enumerate(shares))
+    return with_ / without - 1
+
+
+def clean_lm_report(out_root: Path = OUT, protocol_root: Path = PROTOCOL_OUT, sweep_seed: int = 0) -> str:
+    """protocol/plan.md's clean_lm_weight study: the weight chosen on seed-0 dev ppl@0, then the paired
+    per-seed ratios chosen weight / weight 0 on test, and the plan's rule for the quickstart default."""
+    by = clean_lm_runs(out_root, protocol_root)
+    B = CLEAN_LM_RECIPE["blocks"]
+    swept = {w: runs[sweep_seed] for w, runs in by.items() if sweep_seed in runs}
+    lines = ["# clean_lm_weight on the B = 2 network_gain recipe (lr 1e-3): chosen on dev, scored on test", "",
+             "bench/allocation.py --clean-lm-report. The protocol's layout and dev/test halves (protocol/report.md); "
+             "each weight's runs in clean_lm_<w>/, weight 0 is the protocol's own run. Plan and rule: "
+             "protocol/plan.md (written before the runs).", "",
+             f"## Dev sweep (seed {sweep_seed})", "", "| weight | dev ppl@0 | extra matmul FLOPs per step |", "|---|---|---|"]
+    chosen = min(swept, key=lambda w: swept[w]["dev"]["ppl0"]) if swept else None
+    for w in sorted(swept):
+        extra = f"+{100 * clean_lm_flops_share(swept[w]):.1f} %" if w else "0"
+        lines.append(f"| {w:g}{' (chosen)' if w == chosen else ''} | {swept[w]['dev']['ppl0']:.3f} | {extra} |")
+    if chosen is None or chosen == 0:
+        lines += ["", "Weight 0 is chosen: nothing to pair." if chosen == 0 else "No sweep run yet."]
+        return _write(out_root / "clean_lm_report.md", lines)
+    edge = " (the grid's top edge)" if chosen == max(swept) else ""
+    lines += ["", f"Chosen weight: {chosen:g}{edge}.", "", f"## Test, weight {chosen:g} against weight 0", "",
+              f"| seed | weight | test ppl@0 | test ppl@{B} (se) |", "|---|---|---|---|"]
+    seeds = sorted(set(by[chosen]) & set(by[0.0]))
+    for seed in seeds:
+        for w in (0.0, chosen):
+            r = by[w][seed]
+            c = r["test_chain"]
+            gate = "" if c.get("tilt_gate") else " (estimator before its tilt gate)"
+            lines.append(f"| {seed} | {w:g} | {r['test']['ppl0']:.3f} | {c['ppl']:.3f} ({c['se']:.3f}){gate} |")
+    lines += ["", f"## Paired ratios weight {chosen:g} / weight 0 (same seed, test)", ""]
+    verdict = {}
+    for label, get in (("ppl@0", lambda r: r["test"]["ppl0"]), (f"ppl@{B}", lambda r: r["test_chain"]["ppl"])):
+        ratios = [get(by[chosen][s]) / get(by[0.0][s]) for s in seeds]
+        if not ratios:
+            continue
+        geo, lo, hi = t_interval([math.log(x) for x in ratios])
+        verdict[label] = (geo, hi)
+        per = ", ".join(f"s{s} {x:.3f}" for s, x in zip(seeds, ratios))
+        ci = f"95 % t interval [{lo:.3f}, {hi:.3f}]" if len(ratios) > 1 else "no interval with one seed"
+        lines.append(f"- {label}: {per}; geometric mean {geo:.3f}, {ci} (n = {len(ratios)} seeds)")
+    if len(seeds) > 1:
+        met = verdict["ppl@0"][1] < 1 and verdict[f"ppl@{B}"][0] < 1
+        lines += ["", f"Plan's rule (ppl@0's upper bound < 1 and ppl@{B}'s geometric mean < 1): "
+                  f"**{'met: the weight becomes the DB quickstart default' if met else 'not met: the default stays 0'}**."]
+    return _write(out_root / "clean_lm_report.md", lines)
+
+
+def _write(path: Path, lines: list[str]) -> str:
+    text = "\n".join(lines) + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return text
+
+
 def protocol_main(args) -> None:
     split = protocol_split(args.work, args.split_seed)
     print(f"split: {split}", flush=True)
@@ -388,7 +474,12 @@ def main() -> None:
     ap.add_argument("--sweep-seed", type=int, default=0, help="protocol: the seed whose dev ppl@0 chooses the lr")
     ap.add_argument("--out", type=Path, default=PROTOCOL_OUT, help="protocol: where the JSONs and report.md go")
     ap.add_argument("--set", action="append", default=[], help="protocol: extra train overrides (a smoke test)")
+    ap.add_argument("--clean-lm-report", action="store_true",
+                    help="write clean_lm_report.md: clean_lm_weight chosen on dev, paired against weight 0 on test")
     args = ap.parse_args()
+    if args.clean_lm_report:
+        print(clean_lm_report(OUT, PROTOCOL_OUT, args.sweep_seed))
+        return
     if args.rescore_chain:
         if "--work" not in sys.argv:
             args.work = Path("/tmp/looped_lm_allocation_protocol")

@@ -213,3 +213,30 @@ def test_every_leak_mutation_still_finds_the_line_it_breaks():
     for name, (path, old, new) in lm.M.items():
         assert (ROOT / path).read_text().count(old) == 1, name
         assert old != new, name
+
+
+def test_the_clean_lm_report_chooses_the_weight_on_dev_and_pairs_it_by_seed(tmp_path):
+    """The weight is the lowest seed-0 DEV ppl@0 (a weight better on test must not win), ratios pair the same
+    seed, and the plan's rule reads the interval's upper bound."""
+    spec = importlib.util.spec_from_file_location("bench_allocation", ROOT / "bench" / "allocation.py")
+    al = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(al)
+
+    def put(folder, seed, dev, test, chain):
+        folder.mkdir(parents=True, exist_ok=True)
+        run = {"seed": seed, "dev": {"ppl0": dev}, "test": {"ppl0": test}, "logged_block_share": [0.9, 0.1],
+               "test_chain": {"ppl": chain, "se": 0.001, "tilt_gate": True}}
+        (folder / f"{al.protocol_name(2, 'network_gain', 1e-3, seed)}.json").write_text(json.dumps(run))
+
+    protocol = tmp_path / "protocol"
+    for seed, base in enumerate([5.0, 5.2, 4.9]):
+        put(protocol, seed, 5.0, base, base)
+        put(tmp_path / "clean_lm_1.0", seed, 4.0, base * (0.9 + 0.01 * seed), base * 0.95)
+    put(tmp_path / "clean_lm_2.0", 0, 4.1, 1.0, 1.0)  # best on test, worse on dev
+    put(tmp_path / "clean_lm_2.0", 1, 4.1, 1.0, 1.0)
+    text = al.clean_lm_report(tmp_path, protocol)
+    assert "| 1 (chosen) | 4.000 |" in text and "Chosen weight: 1." in text
+    assert "s0 0.900, s1 0.910, s2 0.920" in text
+    assert "**met: the weight becomes the DB quickstart default**" in text
+    put(tmp_path / "clean_lm_1.0", 2, 4.0, 4.9 * 1.2, 4.9 * 0.95)  # one seed worse: the upper bound crosses 1
+    assert "**not met" in al.clean_lm_report(tmp_path, protocol)
