@@ -399,29 +399,38 @@ def clean_lm_report(out_root: Path = OUT, protocol_root: Path = PROTOCOL_OUT, sw
         return _write(out_root / "clean_lm_report.md", lines)
     edge = " (the grid's top edge)" if chosen == max(swept) else ""
     lines += ["", f"Chosen weight: {chosen:g}{edge}.", "", f"## Test, weight {chosen:g} against weight 0", "",
-              f"| seed | weight | test ppl@0 | test ppl@{B} (se) |", "|---|---|---|---|"]
-    seeds = sorted(set(by[chosen]) & set(by[0.0]))
-    for seed in seeds:
-        for w in (0.0, chosen):
-            r = by[w][seed]
+              f"| seed | weight | steps | test ppl@0 | test ppl@{B} (se) |", "|---|---|---|---|---|"]
+    control = {r["seed"]: r for r in protocol_runs(out_root / "eqflops_w0")}
+    for seed in sorted(set(by[chosen]) | set(control)):
+        for w, r in ((0.0, by[0.0].get(seed)), (0.0, control.get(seed)), (chosen, by[chosen].get(seed))):
+            if r is None:
+                continue
             c = r["test_chain"]
             gate = "" if c.get("tilt_gate") else " (estimator before its tilt gate)"
-            lines.append(f"| {seed} | {w:g} | {r['test']['ppl0']:.3f} | {c['ppl']:.3f} ({c['se']:.3f}){gate} |")
-    lines += ["", f"## Paired ratios weight {chosen:g} / weight 0 (same seed, test)", ""]
-    verdict = {}
-    for label, get in (("ppl@0", lambda r: r["test"]["ppl0"]), (f"ppl@{B}", lambda r: r["test_chain"]["ppl"])):
-        ratios = [get(by[chosen][s]) / get(by[0.0][s]) for s in seeds]
-        if not ratios:
+            lines.append(f"| {seed} | {w:g} | {r['steps']} | {r['test']['ppl0']:.3f} | {c['ppl']:.3f} ({c['se']:.3f}){gate} |")
+    verdicts = []
+    for title, base in ((f"weight {chosen:g} / weight 0 (same seed, same steps)", by[0.0]),
+                        (f"weight {chosen:g} / weight 0 given its FLOPs (eqflops_w0/: more steps, same seed)", control)):
+        paired = sorted(set(by[chosen]) & set(base))
+        if not paired:
             continue
-        geo, lo, hi = t_interval([math.log(x) for x in ratios])
-        verdict[label] = (geo, hi)
-        per = ", ".join(f"s{s} {x:.3f}" for s, x in zip(seeds, ratios))
-        ci = f"95 % t interval [{lo:.3f}, {hi:.3f}]" if len(ratios) > 1 else "no interval with one seed"
-        lines.append(f"- {label}: {per}; geometric mean {geo:.3f}, {ci} (n = {len(ratios)} seeds)")
-    if len(seeds) > 1:
-        met = verdict["ppl@0"][1] < 1 and verdict[f"ppl@{B}"][0] < 1
-        lines += ["", f"Plan's rule (ppl@0's upper bound < 1 and ppl@{B}'s geometric mean < 1): "
-                  f"**{'met: the weight becomes the DB quickstart default' if met else 'not met: the default stays 0'}**."]
+        steps = sorted({base[s]["steps"] for s in paired})
+        lines += ["", f"## Paired ratios {title}, test", "", f"Weight 0 trained {', '.join(map(str, steps))} steps."]
+        ratios = {}
+        for label, get in (("ppl@0", lambda r: r["test"]["ppl0"]), (f"ppl@{B}", lambda r: r["test_chain"]["ppl"])):
+            ratios[label] = [get(by[chosen][s]) / get(base[s]) for s in paired]
+            geo, lo, hi = t_interval([math.log(x) for x in ratios[label]])
+            per = ", ".join(f"s{s} {x:.3f}" for s, x in zip(paired, ratios[label]))
+            ci = f"95 % t interval [{lo:.3f}, {hi:.3f}]" if len(paired) > 1 else "no interval with one seed"
+            lines.append(f"- {label}: {per}; geometric mean {geo:.3f}, {ci} (n = {len(paired)} seeds)")
+        if len(paired) > 1:
+            up0 = t_interval([math.log(x) for x in ratios["ppl@0"]])[2]
+            geo_b = t_interval([math.log(x) for x in ratios[f"ppl@{B}"]])[0]
+            verdicts.append(up0 < 1 and geo_b < 1)
+    if len(verdicts) == 2:
+        met = all(verdicts)
+        lines += ["", f"Plan's rule (ppl@0's upper bound < 1 and ppl@{B}'s geometric mean < 1, at equal steps and "
+                  f"against the equal-FLOPs control): **{'met: the weight becomes the DB quickstart default' if met else 'not met: the default stays 0'}**."]
     return _write(out_root / "clean_lm_report.md", lines)
 
 

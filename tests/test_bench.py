@@ -217,26 +217,36 @@ def test_every_leak_mutation_still_finds_the_line_it_breaks():
 
 def test_the_clean_lm_report_chooses_the_weight_on_dev_and_pairs_it_by_seed(tmp_path):
     """The weight is the lowest seed-0 DEV ppl@0 (a weight better on test must not win), ratios pair the same
-    seed, and the plan's rule reads the interval's upper bound."""
+    seed, and the plan's rule needs the ppl@0 interval's upper bound below 1 at equal steps AND against the
+    equal-FLOPs control (weight 0 given more steps)."""
     spec = importlib.util.spec_from_file_location("bench_allocation", ROOT / "bench" / "allocation.py")
     al = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(al)
 
-    def put(folder, seed, dev, test, chain):
+    def put(folder, seed, dev, test, chain, steps=1000):
         folder.mkdir(parents=True, exist_ok=True)
-        run = {"seed": seed, "dev": {"ppl0": dev}, "test": {"ppl0": test}, "logged_block_share": [0.9, 0.1],
-               "test_chain": {"ppl": chain, "se": 0.001, "tilt_gate": True}}
+        run = {"seed": seed, "steps": steps, "dev": {"ppl0": dev}, "test": {"ppl0": test},
+               "logged_block_share": [0.9, 0.1], "test_chain": {"ppl": chain, "se": 0.001, "tilt_gate": True}}
         (folder / f"{al.protocol_name(2, 'network_gain', 1e-3, seed)}.json").write_text(json.dumps(run))
 
     protocol = tmp_path / "protocol"
     for seed, base in enumerate([5.0, 5.2, 4.9]):
         put(protocol, seed, 5.0, base, base)
         put(tmp_path / "clean_lm_1.0", seed, 4.0, base * (0.9 + 0.01 * seed), base * 0.95)
+        put(tmp_path / "eqflops_w0", seed, 4.8, base * 0.95, base * 0.97, steps=1288)
     put(tmp_path / "clean_lm_2.0", 0, 4.1, 1.0, 1.0)  # best on test, worse on dev
     put(tmp_path / "clean_lm_2.0", 1, 4.1, 1.0, 1.0)
     text = al.clean_lm_report(tmp_path, protocol)
     assert "| 1 (chosen) | 4.000 |" in text and "Chosen weight: 1." in text
-    assert "s0 0.900, s1 0.910, s2 0.920" in text
+    assert "s0 0.900, s1 0.910, s2 0.920" in text  # same steps
+    assert "s0 0.947, s1 0.958, s2 0.968" in text  # against the control
     assert "**met: the weight becomes the DB quickstart default**" in text
-    put(tmp_path / "clean_lm_1.0", 2, 4.0, 4.9 * 1.2, 4.9 * 0.95)  # one seed worse: the upper bound crosses 1
+    put(tmp_path / "eqflops_w0", 2, 4.8, 4.9 * 0.85, 4.9 * 0.97, steps=1288)  # the control wins on one seed
     assert "**not met" in al.clean_lm_report(tmp_path, protocol)
+    put(tmp_path / "eqflops_w0", 2, 4.8, 4.9 * 0.95, 4.9 * 0.97, steps=1288)
+    put(tmp_path / "clean_lm_1.0", 2, 4.0, 4.9 * 1.2, 4.9 * 0.95)  # one seed worse at equal steps
+    assert "**not met" in al.clean_lm_report(tmp_path, protocol)
+    import shutil
+
+    shutil.rmtree(tmp_path / "eqflops_w0")  # without the control there is no verdict
+    assert "Plan's rule" not in al.clean_lm_report(tmp_path, protocol)
