@@ -69,10 +69,16 @@ def final_shares(edges: list, curve: dict) -> dict:
             if curve.get("ce_z") else None}
 
 
+# The studies train configs/quickstart_db.yaml; these pin what the quickstart changed after they ran, so a
+# rerun reproduces them (clean_lm_weight became 1.0 from their own verdict; extra_sets can still set it).
+STUDY_PINS = ["diffusion.clean_lm_weight=0"]
+
+
 def run_one(blocks: int, rule: str, seed: int, work: Path) -> dict:
     name = f"B{blocks}_{rule}_s{seed}"
     out_dir = work / name
-    sets = [f"diffusion.num_blocks={blocks}", f"diffusion.block_sampling={rule}", f"train.seed={seed}",
+    sets = [*STUDY_PINS, "train.lr=3e-3", "train.min_lr=3e-4",  # the quickstart's rates when this study ran
+            f"diffusion.num_blocks={blocks}", f"diffusion.block_sampling={rule}", f"train.seed={seed}",
             f"train.out_dir={out_dir}", "train.save_every=0", "train.progress=false", "train.eval_every=0", "train.log_every=1",
             f"data.cache_dir={work / 'cache'}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -195,7 +201,7 @@ def protocol_run(blocks: int, rule: str, lr: float, seed: int, work: Path, split
                  extra_sets: list[str]) -> dict:
     name = protocol_name(blocks, rule, lr, seed)
     out_dir = work / name
-    sets = [f"diffusion.num_blocks={blocks}", f"diffusion.block_sampling={rule}", f"train.seed={seed}",
+    sets = [*STUDY_PINS, f"diffusion.num_blocks={blocks}", f"diffusion.block_sampling={rule}", f"train.seed={seed}",
             f"train.lr={lr}", f"train.min_lr={lr / 10}", f"data.split_seed={split['split_seed']}",
             f"train.out_dir={out_dir}", "train.save_every=0", "train.progress=false", "train.eval_every=0",
             "train.log_every=1", f"data.cache_dir={work / 'cache'}", *extra_sets]
