@@ -142,3 +142,20 @@ def test_measured_curve_has_one_point_per_sigma_and_is_saved():
     model.apply_curve(curve)
     assert model.checkpoint_state()["curve"] == curve
     assert model.uses_curve() and not make().uses_curve()  # uniform block sampling needs no curve
+
+
+def test_clean_lm_weight_adds_the_clean_stream_loss_on_looped_db_too():
+    """docs/method.md claims the option for both DB kinds: looped_db's one core gets the same extra term."""
+    def looped(weight):
+        cfg = config_from_dict({"model": {"kind": "looped_db", "n_layers": 2, "d_model": 32, "n_heads": 4,
+                                          "seq_len": 16}, "diffusion": {"num_blocks": 1, "clean_lm_weight": weight}})
+        torch.manual_seed(0)
+        return build_model(cfg, 41).train()
+
+    x, y = torch.randint(0, 41, (2, 16)), torch.randint(0, 41, (2, 16))
+    torch.manual_seed(5)
+    base, _ = looped(0.0).training_loss(x, y, step=0, seed=0)
+    torch.manual_seed(5)
+    loss, metrics = looped(0.5).training_loss(x, y, step=0, seed=0)
+    assert metrics["clean_lm_loss"] > 0
+    assert loss.item() == pytest.approx(base.item() + 0.5 * metrics["clean_lm_loss"], rel=1e-5)
