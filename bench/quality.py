@@ -713,7 +713,8 @@ def jobs_of(study: str, seeds: list[int] | None, only: list[str] | None, smoke: 
     jobs = []
     for seed in sorted({s for r in STUDIES[study].values() for s in r.seeds} | set(seeds or [])):
         for name, spec in STUDIES[study].items():
-            if (only and name not in only) or seed not in spec.seeds or (seeds and seed not in seeds):
+            # --seeds replaces each run's own seeds (a study extended to more seeds); without it, the run's own
+            if (only and name not in only) or seed not in (seeds or spec.seeds):
                 continue
             path = run_path(study, name, seed, smoke)
             if mode == "decode":
@@ -733,6 +734,8 @@ def jobs_of(study: str, seeds: list[int] | None, only: list[str] | None, smoke: 
 
 def run_jobs(study: str, mode: str, seeds, only, lanes: int, smoke: bool) -> None:
     todo = jobs_of(study, seeds, only, smoke, mode)
+    if not todo:
+        print(f"{study}: nothing to {mode} (every requested run has its JSON)", flush=True)
     running: list = []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     failed = []
