@@ -30,7 +30,9 @@ network_gain / loss_share with a Student-t 95 % interval on the log ratios).
 
 `--clean-lm-report`: `diffusion.clean_lm_weight` on the B = 2 network_gain recipe at lr 1e-3 (its runs made
 with `--protocol --set diffusion.clean_lm_weight=<w> --out bench/results/allocation/clean_lm_<w>`): the
-weight with the lowest seed-0 dev ppl@0, then its paired per-seed ratios against weight 0 on test.
+weight with the lowest seed-0 dev ppl@0, then its paired per-seed ratios against weight 0 on test, at equal
+steps and against an equal-FLOPs control (weight 0 given the extra FLOPs as steps: `--protocol --set
+train.max_steps=1288 --out bench/results/allocation/eqflops_w0`), with the plan's rule for the quickstart.
 """
 
 from __future__ import annotations
@@ -387,7 +389,8 @@ def clean_lm_flops_share(run: dict) -> float:
 
 def clean_lm_report(out_root: Path = OUT, protocol_root: Path = PROTOCOL_OUT, sweep_seed: int = 0) -> str:
     """protocol/plan.md's clean_lm_weight study: the weight chosen on seed-0 dev ppl@0, then the paired
-    per-seed ratios chosen weight / weight 0 on test, and the plan's rule for the quickstart default."""
+    per-seed ratios chosen weight / weight 0 on test, at equal steps and against weight 0 given the same FLOPs
+    (out_root/eqflops_w0/), and the plan's rule for the quickstart default (stated only once both exist)."""
     by = clean_lm_runs(out_root, protocol_root)
     B = CLEAN_LM_RECIPE["blocks"]
     swept = {w: runs[sweep_seed] for w, runs in by.items() if sweep_seed in runs}
