@@ -124,12 +124,10 @@ def fmt_ratio(ratios: list[float]) -> str:
     return f"{m:.3f}" + (f" ± {s:.3f}" if not math.isnan(s) else "")
 
 
-# two-sided 95 % Student-t quantiles by degrees of freedom
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
-
-
 def paired_interval(ratios: list[float]) -> str:
     """Geometric mean of per-seed ratios with a Student-t 95 % interval on their logs."""
+    from scipy.stats import t
+
     logs = [math.log(x) for x in ratios]
     n = len(logs)
     if n == 0:
@@ -137,7 +135,7 @@ def paired_interval(ratios: list[float]) -> str:
     mean = sum(logs) / n
     if n < 2:
         return f"{math.exp(mean):.3f} (one seed, no interval)"
-    half = T95.get(n - 1, 1.96) * statistics.stdev(logs) / math.sqrt(n)
+    half = float(t.ppf(0.975, n - 1)) * statistics.stdev(logs) / math.sqrt(n)
     return f"{math.exp(mean):.3f} [{math.exp(mean - half):.3f}, {math.exp(mean + half):.3f}] (n = {n} seeds)"
 
 
