@@ -425,17 +425,15 @@ def clean_lm_report(out_root: Path = OUT, protocol_root: Path = PROTOCOL_OUT, sw
             continue
         steps = sorted({base[s]["steps"] for s in paired})
         lines += ["", f"## Paired ratios {title}, test", "", f"Weight 0 trained {', '.join(map(str, steps))} steps."]
-        ratios = {}
+        interval = {}  # label -> (geometric mean, lower, upper)
         for label, get in (("ppl@0", lambda r: r["test"]["ppl0"]), (f"ppl@{B}", lambda r: r["test_chain"]["ppl"])):
-            ratios[label] = [get(by[chosen][s]) / get(base[s]) for s in paired]
-            geo, lo, hi = t_interval([math.log(x) for x in ratios[label]])
-            per = ", ".join(f"s{s} {x:.3f}" for s, x in zip(paired, ratios[label]))
+            ratios = [get(by[chosen][s]) / get(base[s]) for s in paired]
+            geo, lo, hi = interval[label] = t_interval([math.log(x) for x in ratios])
+            per = ", ".join(f"s{s} {x:.3f}" for s, x in zip(paired, ratios))
             ci = f"95 % t interval [{lo:.3f}, {hi:.3f}]" if len(paired) > 1 else "no interval with one seed"
             lines.append(f"- {label}: {per}; geometric mean {geo:.3f}, {ci} (n = {len(paired)} seeds)")
         if len(paired) > 1:
-            up0 = t_interval([math.log(x) for x in ratios["ppl@0"]])[2]
-            geo_b = t_interval([math.log(x) for x in ratios[f"ppl@{B}"]])[0]
-            verdicts.append(up0 < 1 and geo_b < 1)
+            verdicts.append(interval["ppl@0"][2] < 1 and interval[f"ppl@{B}"][0] < 1)
     if len(verdicts) == 2:
         met = all(verdicts)
         lines += ["", f"Plan's rule (ppl@0's upper bound < 1 and ppl@{B}'s geometric mean < 1, at equal steps and "
