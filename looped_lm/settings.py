@@ -206,6 +206,10 @@ class RowBatch:
         return RowBatch([settings] * rows, random, noise)
 
 
+MAX_DRAWS = 4096  # estimates per token at most: each is an antithetic pair of K-step chains
+LOGPROB_MAX_DRAWS = 64  # served log-probs: an unresolved estimate may grow to this many draws (docs/method.md §6)
+
+
 @dataclass(frozen=True)
 class ScoreSettings:
     """How `Scorable.score` estimates. k_grid: the K values scored (None: the model's default, B for
@@ -214,7 +218,10 @@ class ScoreSettings:
     DiffusionBlocks estimator (plus the target and one draw from the rest). boost: the share of the
     importance-sampling proposal put on the target at later steps. tilt: half the starting noises are
     shifted by tilt * y's target (and reweighted), so paths the noise steers to y are not rare (0 = off).
-    bridge: None = the config's."""
+    bridge: None = the config's. max_draws: log-probs only (`token_logprobs`): where a token's estimate is
+    still unresolved after `draws`, draw again for those tokens alone, doubling, up to max_draws in all
+    (None: exactly `draws`); the work a request may cost is then at most max_draws / draws times the fixed
+    estimate's."""
 
     k_grid: tuple[int, ...] | None = None
     draws: int = 4
@@ -223,11 +230,16 @@ class ScoreSettings:
     tilt: float = 1.0
     bridge: str | None = None
     exit_rule: ExitRule | None = None
+    max_draws: int | None = None
     stats: dict = field(default_factory=dict, compare=False)  # filled with mean iterations under exit_rule
 
     def validate(self) -> "ScoreSettings":
-        if isinstance(self.draws, bool) or not isinstance(self.draws, int) or self.draws < 1:
-            raise UserError(f"draws must be an integer >= 1 (got {self.draws!r})", "draws")
+        if isinstance(self.draws, bool) or not isinstance(self.draws, int) or not 1 <= self.draws <= MAX_DRAWS:
+            raise UserError(f"draws must be an integer in 1..{MAX_DRAWS} (got {self.draws!r})", "draws")
+        if self.max_draws is not None and (isinstance(self.max_draws, bool) or not isinstance(self.max_draws, int)
+                                           or not self.draws <= self.max_draws <= MAX_DRAWS):
+            raise UserError(f"max_draws must be an integer in draws ({self.draws}) .. {MAX_DRAWS} "
+                            f"(got {self.max_draws!r})", "max_draws")
         if self.candidates < 0:
             raise UserError(f"candidates must be >= 0 (got {self.candidates})", "candidates")
         if not 0 <= self.boost < 1:

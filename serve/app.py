@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from looped_lm import __version__
 from looped_lm.data.tokenizer import Tokenizer
 from looped_lm.engine.engine import Engine
+from looped_lm.errors import UserError
 from looped_lm.serve.api_router import router
 from looped_lm.serve.errors import APIError, install_error_handlers
 from looped_lm.serve.metrics import HTTPMetricsMiddleware, ServerMetrics
@@ -35,22 +36,34 @@ chain's bridge and adaptive exit, as `looped_lm generate`'s flags do. With `--ap
 
 
 class APIKeyMiddleware:
-    """401 unless `Authorization: Bearer <key>` (constant-time compare), before the body is read."""
+    """401 unless exactly one `Authorization: Bearer <key>` header (constant-time compare), before the body
+    is read. Two Authorization headers are ambiguous (proxies and frameworks disagree on which one wins):
+    refused, whatever they hold."""
 
     def __init__(self, app, api_key: str):
         self.app, self.key = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.key):
+            given = [value for name, value in scope["headers"] if name == b"authorization"]
+            if len(given) > 1:
+                denied = APIError(401, f"{len(given)} Authorization headers: send exactly one",
+                                  code="invalid_api_key").response()
+                await denied(scope, receive, send)
+                return
+            if not hmac.compare_digest(given[0] if given else b"", self.key):
                 denied = APIError(401, "Incorrect API key provided", code="invalid_api_key").response()
                 await denied(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
-def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str, api_key: str | None = None,
+              max_request_work: int | None = None) -> FastAPI:
+    """api_key None: no authentication; any other value turns it on (an empty or blank key is refused,
+    never read as "off"). max_request_work: the denoising calls one request may cost (None: unbounded)."""
+    if api_key is not None and not api_key.strip():
+        raise UserError("the API key is empty: give a key, or None to serve without authentication")
     models = ServedModels(model_name, engine)
     metrics = ServerMetrics(engine)
 
@@ -61,13 +74,13 @@ def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str, api_key: st
         engine.shutdown()
 
     app = FastAPI(title="looped_lm", version=__version__, description=DESCRIPTION, lifespan=lifespan)
-    app.state.serving = OpenAIServing(engine, tokenizer, models, metrics)
+    app.state.serving = OpenAIServing(engine, tokenizer, models, metrics, max_request_work)
     install_error_handlers(app)
     app.include_router(router)
-    if api_key:
+    if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics, paths={r.path for r in router.routes} | OPEN_PATHS)
-    _document(app, bearer=bool(api_key), limits=_limits(engine, tokenizer))
+    _document(app, bearer=api_key is not None, limits=_limits(engine, tokenizer))
     return app
 
 

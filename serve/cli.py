@@ -36,6 +36,14 @@ def add_arguments(p) -> None:
     p.add_argument("--logprob-draws", type=int, default=4,
                    help="DiffusionBlocks models: independent estimates averaged for each log-prob (the sampler's "
                         "marginal, as `looped_lm eval --draws`; more draws, less noise, more compute)")
+    p.add_argument("--logprob-max-draws", type=int, default=64,
+                   help="DiffusionBlocks models: where a token's estimate is still unresolved (standard error "
+                        "> 1 nat) after --logprob-draws, draw again for those tokens, doubling, up to this many "
+                        "in all (default 64): every log-prob is a number, its standard error in `token_logprob_se`")
+    p.add_argument("--max-request-work", type=int, default=2 ** 20,
+                   help="denoising calls one request may cost at most (tokens x K x choices, and prompt "
+                        "scoring's draws): more is refused with 400 before it runs; a chat request without "
+                        "max_tokens gets as many tokens as fit (default 2**20)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
@@ -103,6 +111,16 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     if args.port < 0 or args.port > 65535:
         raise UserError(f"--port must be in 0..65535 (got {args.port})")
+    if args.api_key is not None and not args.api_key.strip():
+        raise UserError("--api-key (or $LOOPED_LM_API_KEY) is empty: give a key, or leave both unset to serve "
+                        "without authentication")
+    from looped_lm.settings import MAX_DRAWS
+
+    if not 1 <= args.logprob_draws <= args.logprob_max_draws <= MAX_DRAWS:
+        raise UserError(f"--logprob-draws and --logprob-max-draws must satisfy 1 <= draws <= max draws <= "
+                        f"{MAX_DRAWS} (got {args.logprob_draws} and {args.logprob_max_draws})")
+    if args.max_request_work < 1:
+        raise UserError(f"--max-request-work must be >= 1 (got {args.max_request_work})")
     if args.max_slots < 1 or args.prefill_chunk < 1 or not args.kv_memory_gb > 0:
         raise UserError("--max-slots and --prefill-chunk must be >= 1 and --kv-memory-gb > 0")
     for flag, value in (("--default-iterations", args.default_iterations), ("--max-iterations", args.max_iterations)):
@@ -129,8 +147,9 @@ def run(args) -> int:
     engine = Engine.from_memory_budget(model, args.kv_memory_gb, max_slots=args.max_slots, max_len=max_len,
                                        max_iterations=args.max_iterations, default_iterations=args.default_iterations,
                                        prefill_chunk=args.prefill_chunk, vocab_size=tok.vocab_size,
-                                       score_settings=ScoreSettings(draws=args.logprob_draws))
-    app = build_app(engine, tok, name, api_key=args.api_key)
+                                       score_settings=ScoreSettings(draws=args.logprob_draws,
+                                                                    max_draws=args.logprob_max_draws))
+    app = build_app(engine, tok, name, api_key=args.api_key, max_request_work=args.max_request_work)
     k = f", K default {engine.default_iterations} (max {engine.max_iterations})" if engine.max_iterations else ""
     print(f"serving {name} ({cfg.model.kind}{k}) at http://{args.host}:{args.port}/v1 with "
           f"{engine.stats.num_slots} slots of {engine.max_len} tokens", file=sys.stderr)

@@ -214,9 +214,13 @@ class CompletionRequest(SamplingFields):
 
 class CompletionLogProbs(ResponseModel):
     text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(
+        default_factory=list, description="a number <= 0 for every token; null only for the first prompt token of an echo")
     tokens: list[str] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    token_logprob_se: list[float | None] = Field(
+        default_factory=list, description="extension: the standard error (nats) of each estimated log-prob "
+        "(DiffusionBlocks models estimate them by Monte-Carlo); null where the value is exact")
 
 
 class CompletionChoice(ResponseModel):
@@ -313,12 +317,14 @@ class ChatCompletionRequest(SamplingFields):
 
 class TopLogprob(ResponseModel):
     token: str
-    logprob: float | None = Field(description="null: the model's estimate is unresolved (too few --logprob-draws)")
+    logprob: float
     bytes: list[int] | None = None
 
 
 class ChatTokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
+    logprob_se: float | None = Field(None, description="extension: the standard error (nats) of an estimated "
+                                     "log-prob (DiffusionBlocks models); null where the value is exact")
 
 
 class ChatLogprobs(ResponseModel):

@@ -33,12 +33,14 @@ MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM's floor too)
 @dataclass
 class TokenEntry:
     """One token of a choice, for log-probs: its text starts at `offset` in the choice's text. logprob
-    None: the first prompt token (nothing before it), or an estimate the model reports unresolved."""
+    None: the first prompt token only (nothing before it). se: the standard error of an estimated
+    log-prob (DiffusionBlocks), None where exact."""
 
     token_id: int
     logprob: float | None
     top: list[tuple[int, float]] | None
     offset: int
+    se: float | None = None
 
 
 @dataclass
@@ -69,8 +71,10 @@ class Choice:
 
 
 class OpenAIServing:
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, models: ServedModels, metrics: ServerMetrics):
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, models: ServedModels, metrics: ServerMetrics,
+                 max_request_work: int | None = None):
         self.engine, self.tok, self.models, self.metrics = engine, tokenizer, models, metrics
+        self.max_request_work = max_request_work  # token-steps per request (`request_work`); None: unbounded
 
     # --- /v1/completions -----------------------------------------------------------------------
 
@@ -127,13 +131,14 @@ class OpenAIServing:
         for e in tokens:
             out.tokens.append(token_str(e.token_id))
             out.token_logprobs.append(None if e.logprob is None else max(e.logprob, MIN_LOGPROB))
+            out.token_logprob_se.append(e.se)
             out.text_offset.append(e.offset)
             if e.top is None:
                 out.top_logprobs.append(None)
                 continue
             # every token has its own name (token_text), so each entry is one token's one value; the
-            # actual token is always listed unless its estimate is unresolved
-            listed = e.top if e.logprob is None else [*e.top, (e.token_id, e.logprob)]
+            # actual token is always listed
+            listed = [*e.top, (e.token_id, e.logprob)]
             out.top_logprobs.append({token_str(i): max(lp, MIN_LOGPROB) for i, lp in listed})
         return out
 
@@ -149,7 +154,8 @@ class OpenAIServing:
         if room < 1:
             raise APIError.bad_request(f"the conversation ({len(ids)} tokens) leaves no room in the context of "
                                        f"{self.engine.max_len} tokens", "messages")
-        max_tokens = req.max_completion_tokens or req.max_tokens or room
+        max_tokens = req.max_completion_tokens or req.max_tokens or self._tokens_that_fit(room, settings, req.n,
+                                                                                          bool(req.logprobs))
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         choices = self._choices(req, [ids], settings, max_tokens, [*(req.stop or []), *TURN_STOPS], echo=False,
                                 logprobs=top_n, prompt_logprobs=None)
@@ -188,12 +194,13 @@ class OpenAIServing:
     def _chat_logprobs(self, tokens: list[TokenEntry], token_str, top_n: int | None) -> p.ChatLogprobs:
         tok = self.tok
 
-        def entry(token_id: int, lp: float | None, cls=p.TopLogprob, **extra):
-            return cls(token=token_str(token_id), logprob=None if lp is None else max(lp, MIN_LOGPROB),
+        def entry(token_id: int, lp: float, cls=p.TopLogprob, **extra):
+            return cls(token=token_str(token_id), logprob=max(lp, MIN_LOGPROB),
                        bytes=list(token_bytes(tok, token_id)), **extra)
 
         return p.ChatLogprobs(content=[
-            entry(e.token_id, e.logprob, p.ChatTokenLogprob, top_logprobs=[entry(i, lp) for i, lp in (e.top or [])])
+            entry(e.token_id, e.logprob, p.ChatTokenLogprob, logprob_se=e.se,
+                  top_logprobs=[entry(i, lp) for i, lp in (e.top or [])])
             for e in tokens])
 
     # --- shared: engine requests, running choices ----------------------------------------------
@@ -219,6 +226,13 @@ class OpenAIServing:
         if len(prompts) * req.n > MAX_CHOICES:
             raise APIError.bad_request(f"{len(prompts)} prompts x n={req.n} exceeds {MAX_CHOICES} choices per request",
                                        "n")
+        work = sum(self.request_work(len(ids), max_tokens, settings, logprobs is not None, prompt_logprobs is not None)
+                   for ids in prompts) * req.n
+        if self.max_request_work is not None and work > self.max_request_work:
+            raise APIError.bad_request(
+                f"this request may cost {work:,} token-steps (tokens x K x choices, x the log-prob draws where "
+                f"estimated), over this server's --max-request-work of {self.max_request_work:,}: lower max_tokens, "
+                "n, num_iterations or the prompts", "max_tokens")
         stop_ids = frozenset() if req.ignore_eos else frozenset({self.tok.eot_id})
         choices = []
         for i, ids in enumerate(prompts):
@@ -232,6 +246,29 @@ class OpenAIServing:
                     raise APIError.from_invalid(e) from None
                 choices.append(Choice(i * req.n + j, request, echo, logprobs is not None, stop, settings))
         return choices
+
+    def request_work(self, prompt_tokens: int, max_tokens: int, settings: InferenceSettings, logprobs: bool,
+                     prompt_logprobs: bool) -> int:
+        """The most token-steps (a token position through one denoising step) one choice may cost: max_tokens
+        x K to generate; where log-probs are estimated (DiffusionBlocks chains), each scored token costs K
+        x the most draws the estimator may make. An exit rule only ever shortens this."""
+        k = settings.num_iterations or 1
+        estimated = self.engine.limits is not None and self.engine.limits.default_bridge is not None
+        per_score = k * ((self.engine.score_settings.max_draws or self.engine.score_settings.draws) if estimated else 1)
+        return (max_tokens * k + (max_tokens * per_score if logprobs else 0)
+                + (prompt_tokens * per_score if prompt_logprobs else 0))
+
+    def _tokens_that_fit(self, room: int, settings: InferenceSettings, n: int, logprobs: bool) -> int:
+        """A chat request without max_tokens: the rest of the context, or as many tokens as the work bound
+        allows (its finish reason is then "length")."""
+        if self.max_request_work is None:
+            return room
+        per_token = self.request_work(0, 1, settings, logprobs, False) * n
+        fit = min(room, self.max_request_work // per_token)
+        if fit < 1:
+            raise APIError.bad_request(f"one token of this request costs {per_token:,} token-steps, over this "
+                                       f"server's --max-request-work of {self.max_request_work:,}", "n")
+        return fit
 
     async def run_choice(self, choice: Choice) -> AsyncIterator[ChoiceDelta]:
         """Deltas of one choice: text (stop strings applied), log-prob entries, finish reason."""
@@ -251,7 +288,8 @@ class OpenAIServing:
                     for token, s in zip(choice.request.prompt, scores):
                         piece, lead = detok.add_with_lead(token)
                         if choice.logprobs:
-                            d.tokens.append(TokenEntry(token, s and s.logprob, s and s.top, length + lead))
+                            d.tokens.append(TokenEntry(token, s and s.logprob, s and s.top, length + lead,
+                                                       s and s.se))
                         d.text += piece
                         length += len(piece)
                 scores = out.logprobs or [None] * len(out.token_ids)
@@ -260,7 +298,7 @@ class OpenAIServing:
                         continue  # the end-of-text token ends the text; it is not part of it
                     piece, lead = detok.add_with_lead(token)
                     if choice.logprobs:
-                        d.tokens.append(TokenEntry(token, s.logprob, s.top, length + lead))
+                        d.tokens.append(TokenEntry(token, s.logprob, s.top, length + lead, s.se))
                     length += len(piece)
                     sent, hit = stops.push(piece)
                     d.text += sent

@@ -18,6 +18,7 @@ import torch
 from looped_lm.engine.engine import Engine, InvalidRequest, Request, scoring_seed
 from looped_lm.engine.generate import generate
 from looped_lm.engine.runner import kv_bytes_per_token
+from looped_lm.models.contract import split_logprobs
 from looped_lm.errors import UserError
 from looped_lm.sampling import GREEDY, SamplingParams
 from looped_lm.settings import ScoreSettings, resolve_settings
@@ -137,7 +138,7 @@ def test_prompt_logprobs_are_the_models_token_logprobs(models, kind, max_tokens)
     scoring = torch.Generator().manual_seed(scoring_seed(11, prompt))  # the engine's scoring stream
     x = torch.tensor([prompt[:-1]])
     y = torch.tensor([prompt[1:]])
-    ref = model.token_logprobs(x, y, ScoreSettings(), K, scoring)[0].float()
+    ref = split_logprobs(model.token_logprobs(x, y, engine.score_settings, K, scoring))[0][0].float()
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
     for t, entry in enumerate(out.prompt_logprobs[1:], start=1):
         assert entry.token_id == prompt[t]

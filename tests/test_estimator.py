@@ -81,7 +81,7 @@ def test_plain_average_of_few_chains_is_what_went_wrong(one_thread):
 def test_marginal_vector_sums_to_one_and_matches_targeted_estimates(one_thread):
     model = model_for("sigma_min")
     x, y = markov_batch(torch.Generator().manual_seed(7), batch=1, T=6)
-    logp = model.token_logprobs(x, y, ScoreSettings(draws=64), 2 * B, torch.Generator().manual_seed(8))
+    logp = model.token_logprobs(x, y, ScoreSettings(draws=64), 2 * B, torch.Generator().manual_seed(8)).logp
     total = logp.exp().sum(-1)
     assert float((total - 1).abs().max()) < 0.2  # unbiased for 1, not exactly 1
     targeted = model.score(x, y, ScoreSettings(k_grid=(2 * B,), draws=64), torch.Generator().manual_seed(9))[2 * B]

@@ -29,6 +29,7 @@ from conftest import DIST_VARS
 from looped_lm.checkpoint import load_checkpoint
 from looped_lm.data.tokenizer import get_tokenizer
 from looped_lm.engine.engine import Engine, scoring_seed
+from looped_lm.models.contract import split_logprobs
 from looped_lm.serve.app import BackgroundServer, build_app
 from looped_lm.serve.text import Detokenizer, StopStrings
 
@@ -245,12 +246,10 @@ def lm_eval_parse_logprobs(outputs: dict, ctxlens: list[int]) -> list[tuple[floa
 def reference_logprobs(served: Served, ids: list[int], k: int | None, seed: int) -> torch.Tensor:
     """The model's `token_logprobs` at every prompt position (gpt: log_softmax of its logits; DB: the K-step
     sampler's estimated marginal), drawn from the engine's scoring stream of a request with `seed`."""
-    from looped_lm.settings import ScoreSettings
-
     scoring = torch.Generator().manual_seed(scoring_seed(seed, ids))
     x, y = torch.tensor([ids[:-1]]), torch.tensor([ids[1:]])
     with torch.no_grad():
-        return served.model.token_logprobs(x, y, ScoreSettings(), k, scoring)[0].float()
+        return split_logprobs(served.model.token_logprobs(x, y, served.engine.score_settings, k, scoring))[0][0].float()
 
 
 @pytest.mark.parametrize("which", ["gpt", "db"])

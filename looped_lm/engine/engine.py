@@ -38,8 +38,8 @@ from looped_lm.engine.scheduler import Scheduler, Sequence
 from looped_lm.errors import UserError
 from looped_lm.models.contract import Iterative
 from looped_lm.sampling import GREEDY_SEED, PLAIN, SamplingParams
-from looped_lm.settings import (ExitRule, InferenceSettings, IterationLimits, ScoreSettings, resolve_settings,
-                               serving_limits)
+from looped_lm.settings import (LOGPROB_MAX_DRAWS, ExitRule, InferenceSettings, IterationLimits, ScoreSettings,
+                               resolve_settings, serving_limits)
 
 log = logging.getLogger("looped_lm.engine")
 
@@ -67,11 +67,12 @@ class Engine:
     def __init__(self, model, num_slots: int, max_len: int | None = None, prefill_chunk: int = 512,
                  prefill_budget: int | None = None, default_iterations: int | None = None,
                  max_iterations: int | None = None, vocab_size: int | None = None,
-                 score_settings: ScoreSettings = ScoreSettings()):
+                 score_settings: ScoreSettings = ScoreSettings(max_draws=LOGPROB_MAX_DRAWS)):
         """num_slots: rows of the KV pool (concurrent sequences); max_len: tokens per slot (prompt +
         generation, at most model.max_positions); prefill_budget: prompt tokens per step (default:
         one chunk); vocab_size: ids that may be sampled (a model may pad its vocabulary);
-        score_settings: how log-probs of DiffusionBlocks models are estimated (draws, candidates)."""
+        score_settings: how log-probs of DiffusionBlocks models are estimated (draws, candidates, and the
+        draws an unresolved one may add: by default every log-prob is resolved or has had 64 draws)."""
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.max_len = max_len or model.max_positions
@@ -82,8 +83,9 @@ class Engine:
         self.limits = served_limits(model, default_iterations, max_iterations)
         self.max_iterations = self.limits and self.limits.max_iterations
         self.default_iterations = self.limits and self.limits.default_iterations
+        self.score_settings = score_settings.validate()
         self.runner = ModelRunner(model, num_slots, self.max_len, self.vocab_size, self.max_iterations,
-                                  score_settings.validate())
+                                  self.score_settings)
         self.scheduler = Scheduler(num_slots, prefill_chunk, prefill_budget or prefill_chunk)
         self.stats = EngineStats(num_slots)
         self._cond = threading.Condition()

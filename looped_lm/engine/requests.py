@@ -40,8 +40,9 @@ class Request:
 
 class TokenLogprob(NamedTuple):
     token_id: int
-    logprob: float | None  # None: the model's estimate is unresolved (DiffusionBlocks, too few draws)
+    logprob: float  # <= 0; for DiffusionBlocks an estimate, whose standard error is `se`
     top: list[tuple[int, float]]  # the N most likely (token id, log-prob) at this position
+    se: float | None = None  # nats; None where the log-prob is exact (or one draw gave no spread)
 
 
 @dataclass

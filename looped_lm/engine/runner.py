@@ -9,12 +9,14 @@ separate scoring generator, so asking for log-probs never changes the sampled te
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from looped_lm.engine.requests import TokenLogprob
 from looped_lm.engine.scheduler import Sequence
 from looped_lm.errors import UserError
-from looped_lm.models.contract import CachedDecoding, Scorable
+from looped_lm.models.contract import CachedDecoding, Scorable, split_logprobs
 from looped_lm.sampling import RowGenerators, sample
 from looped_lm.settings import RowBatch, ScoreSettings
 
@@ -75,11 +77,13 @@ class ModelRunner:
             idx = torch.tensor(want, device=self.device)
             sub = [seqs[i] for i in want]
             batch = RowBatch([s.settings for s in sub], RowGenerators([s.scoring for s in sub]))
-            logp = self.model.next_token_logprobs(self.pool, self._rows(sub), logits[idx], tokens[idx], batch,
-                                                  self.score_settings)[:, :self.vocab_size]
+            logp, se = split_logprobs(self.model.next_token_logprobs(self.pool, self._rows(sub), logits[idx],
+                                                                     tokens[idx], batch, self.score_settings))
+            logp = logp[:, :self.vocab_size]
             for j, i in enumerate(want):
                 token = int(tokens[i])
-                entries[i] = TokenLogprob(token, _value(logp[j, token]), top_logprobs(logp[j], seqs[i].request.logprobs))
+                entries[i] = TokenLogprob(token, _value(logp[j, token]), top_logprobs(logp[j], seqs[i].request.logprobs),
+                                          _se(se, j))
         return [(int(t), e) for t, e in zip(tokens.tolist(), entries)]
 
     def score_prompt(self, seq: Sequence) -> list:
@@ -91,26 +95,34 @@ class ModelRunner:
             return [None]
         x = torch.tensor([prompt[:-1]], device=self.device)
         y = torch.tensor([prompt[1:]], device=self.device)
-        logp = self.model.token_logprobs(x, y, self.score_settings, seq.settings.num_iterations,
-                                         generator=seq.scoring)[0, :, :self.vocab_size].float()
+        logp, se = split_logprobs(self.model.token_logprobs(x, y, self.score_settings, seq.settings.num_iterations,
+                                                            generator=seq.scoring))
+        logp = logp[0, :, :self.vocab_size].float()
         chosen = [_value(v) for v in logp.gather(1, y[0, :, None])[:, 0]]
-        return [None] + [TokenLogprob(t, lp, top_logprobs(logp[i], top_n))
+        return [None] + [TokenLogprob(t, lp, top_logprobs(logp[i], top_n), _se(se, (0, i)))
                          for i, (t, lp) in enumerate(zip(prompt[1:], chosen))]
 
     def reset(self, slot: int) -> None:
         self.model.reset_rows(self.pool, torch.tensor([slot], device=self.device))
 
 
-def _value(logprob: torch.Tensor) -> float | None:
-    """A log-prob for the client; None where the model's estimate is unresolved (NaN)."""
-    value = float(logprob)
-    return None if value != value else min(value, 0.0)
+def _value(logprob: torch.Tensor) -> float:
+    """A log-prob for the client: a number <= 0 (models return finite values; an estimate's uncertainty
+    travels in its se)."""
+    return min(float(logprob), 0.0)
+
+
+def _se(se: torch.Tensor | None, at) -> float | None:
+    """The standard error (nats) of an estimated log-prob; None where it is exact or has no spread."""
+    if se is None:
+        return None
+    value = float(se[at])
+    return value if math.isfinite(value) else None
 
 
 def top_logprobs(logp: torch.Tensor, n: int | None) -> list[tuple[int, float]]:
-    """The n most likely tokens; an unresolved (NaN) value is never listed."""
+    """The n most likely tokens."""
     if not n:
         return []
-    unknown = logp.isnan()
-    values, ids = logp.masked_fill(unknown, float("-inf")).topk(n)
-    return [(i, min(v, 0.0)) for i, v in zip(ids.tolist(), values.tolist()) if not unknown[i]]
+    values, ids = logp.topk(n)
+    return [(i, min(v, 0.0)) for i, v in zip(ids.tolist(), values.tolist())]

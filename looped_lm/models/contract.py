@@ -86,6 +86,20 @@ class TokenScores:
     nll_var: torch.Tensor | None = None
 
 
+@dataclass
+class EstimatedLogprobs:
+    """Log-probabilities (B, T, V) estimated by Monte-Carlo (DiffusionBlocks), every one finite and <= 0, with
+    se (B, T): the standard error, in nats, of the estimate at the tokens y (None: one draw, no spread)."""
+
+    logp: torch.Tensor
+    se: torch.Tensor | None
+
+
+def split_logprobs(result) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs` / `next_token_logprobs` -> (log-probs, standard error or None where exact)."""
+    return (result.logp, result.se) if isinstance(result, EstimatedLogprobs) else (result, None)
+
+
 class Scorable(ABC):
     """What `looped_lm eval` and prompt log-probs need."""
 
@@ -99,8 +113,9 @@ class Scorable(ABC):
     def token_logprobs(self, x: torch.Tensor, y: torch.Tensor, settings: ScoreSettings,
                        num_iterations: int | None, generator: torch.Generator | None = None) -> torch.Tensor:
         """Log-probabilities (B, T, V) of the token after each position of x, as the K = num_iterations
-        sampler gives them (DiffusionBlocks: its marginal, estimated, most precisely for the tokens y
-        (B, T), NaN at y where that estimate is unresolved): what echo log-probs report."""
+        sampler gives them: what echo log-probs report. Exact models return the tensor; DiffusionBlocks
+        returns `EstimatedLogprobs`: its marginal, estimated, most precisely for the tokens y (B, T), every
+        value finite, with the standard error at y."""
 
 
 class CachedDecoding(ABC):

@@ -56,14 +56,33 @@ class WindowContext:
             self.inputs[fed] = handed
 
     def denoise(self, b: int, z, sigma, rows: torch.Tensor | None = None):
+        return self._denoise(b, z, sigma, rows, self.slots, self.mask)
+
+    def _denoise(self, b: int, z, sigma, rows, slots: torch.Tensor, mask):
         if b not in self.kv:
             self._encode(b)
         B = self.x.shape[0]
-        kv, prev = self.kv[b], self.x
+        kv, prev = self.kv[b], self.x[:, slots] if slots is not self.slots else self.x
         if rows is not None:  # a subset, or repeated rows (the estimator's branches)
             kv = [(_select(k, rows, B), _select(v, rows, B)) for k, v in kv]
             prev = _select(prev, rows, B)
-        return self.net.noisy_pass(b, z, sigma, prev, self.slots + 1, kv, self.mask)
+        return self.net.noisy_pass(b, z, sigma, prev, slots + 1, kv, mask)
+
+    def at(self, slots: torch.Tensor) -> "SlotSubset":
+        """The same window, scoring only `slots` (ascending): the same clean K/V, fewer noisy slots."""
+        return SlotSubset(self, slots)
+
+
+class SlotSubset:
+    """Some slots of a WindowContext (the estimator's extra draws for the tokens still unresolved): a slot's
+    logits do not depend on which other slots run, since a noisy slot sees clean keys and itself only."""
+
+    def __init__(self, window: WindowContext, slots: torch.Tensor):
+        self.window, self.slots = window, slots
+        self.mask = slot_mask(slots, window.x.shape[1], window.net.noisy_self)
+
+    def denoise(self, b: int, z, sigma, rows: torch.Tensor | None = None):
+        return self.window._denoise(b, z, sigma, rows, self.slots, self.mask)
 
 
 class DecodeState:

@@ -11,13 +11,16 @@ Every K-step chain, in `generate`, the engine, the HF wrapper, the vLLM backend 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from looped_lm.config import Config
 from looped_lm.diffusion.chain import ChainGrid, run_chain, top_of_block0
 from looped_lm.diffusion.estimator import UNRESOLVED_TOKEN_SE, jackknife_nll, sampler_probs
 from looped_lm.errors import UserError
-from looped_lm.models.contract import CachedDecoding, Iterative, Scorable, TokenScores, Trainable
+from looped_lm.models.contract import (CachedDecoding, EstimatedLogprobs, Iterative, Scorable, TokenScores,
+                                       Trainable)
 from looped_lm.models.db.contexts import CachedContext, DecodeState, WindowContext
 from looped_lm.models.db.network import DBNetwork
 from looped_lm.models.db.objective import BlockObjective
@@ -167,18 +170,31 @@ class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, Iterativ
         context, random = WindowContext(self, x), SharedGenerator(generator)
         return self._logprobs(context, y, K, settings, random)
 
-    def _logprobs(self, context, y, K: int, settings: ScoreSettings, random) -> torch.Tensor:
+    def _logprobs(self, context, y, K: int, settings: ScoreSettings, random) -> EstimatedLogprobs:
         """log of the estimated marginal (B, T, V), normalised to sum to 1; at the tokens y, the same
         jackknifed estimate `score` reports (<= 0), so an echo log-prob and `looped_lm eval` agree in
-        expectation; NaN there where that estimate is unresolved (its se > UNRESOLVED_TOKEN_SE, or no se:
-        one draw)."""
+        expectation, with its standard error. Where that estimate is unresolved (se > UNRESOLVED_TOKEN_SE,
+        or no se: one draw), more draws are made for those slots alone, doubling, until resolved or
+        `settings.max_draws` in all: the value is always a finite number, the se says how far to trust it.
+        (Stopping on the estimate's own spread biases the NLL by a fraction of that se; the draws before
+        and after each decision are independent.)"""
         estimates, marginal, _ = self._estimates(context, y, K, settings, random, full=True)
         marginal = marginal.clamp_min(0.0)
         logp = (marginal / marginal.sum(-1, keepdim=True).clamp_min(1e-30)).clamp_min(1e-30).log()
         nll, var = jackknife_nll(estimates)
-        unresolved = torch.ones_like(nll, dtype=torch.bool) if var is None else var.sqrt() > UNRESOLVED_TOKEN_SE
-        picked = (-nll).float().masked_fill(unresolved, float("nan"))
-        return logp.scatter(-1, y[..., None], picked[..., None])
+        var = torch.full_like(nll, float("inf")) if var is None else var  # one draw: no spread, unresolved
+        draws, cols, open_estimates = settings.draws, torch.arange(y.shape[1], device=y.device), estimates
+        while draws < (settings.max_draws or draws):
+            open_ = (var[:, cols] > UNRESOLVED_TOKEN_SE ** 2).any(0)  # slots where some row is unresolved
+            if not bool(open_.any()):
+                break
+            cols, open_estimates = cols[open_], open_estimates[:, :, open_]
+            more = min(draws, settings.max_draws - draws)
+            sub = context if cols.numel() == y.shape[1] else context.at(cols)
+            extra, _, _ = self._estimates(sub, y[:, cols], K, replace(settings, draws=more), random, full=False)
+            open_estimates, draws = torch.cat([open_estimates, extra]), draws + more
+            nll[:, cols], var[:, cols] = jackknife_nll(open_estimates)
+        return EstimatedLogprobs(logp.scatter(-1, y[..., None], (-nll).float()[..., None]), var.sqrt())
 
     # --- CachedDecoding ---------------------------------------------------------------------------------
 
@@ -205,11 +221,13 @@ class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, Iterativ
 
     @torch.no_grad()
     def next_token_logprobs(self, cache: DecodeState, rows, logits, tokens, batch: RowBatch,
-                            settings: ScoreSettings) -> torch.Tensor:
+                            settings: ScoreSettings) -> EstimatedLogprobs:
         """(R, V) log-probs of each row's next token under its K-step sampler: the marginal, estimated
-        (the chain's `logits` are one draw of it, one-hot-like after a read-back)."""
+        (the chain's `logits` are one draw of it, one-hot-like after a read-back), with the se (R,) at
+        `tokens`."""
         sel = cache.rows(rows)
         out = torch.empty_like(logits, dtype=torch.float32)
+        se = torch.empty(logits.shape[0], dtype=torch.float64, device=logits.device)
         by_k: dict[int, list[int]] = {}
         for i, s in enumerate(batch.settings):
             by_k.setdefault(s.num_iterations, []).append(i)
@@ -218,8 +236,9 @@ class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, Iterativ
             context = CachedContext(self, cache, sel[idx])
             y = tokens[idx][:, None]
             sub = _SubRandom(batch.random, idx)
-            out[idx] = self._logprobs(context, y, K, settings, sub)[:, 0]
-        return out
+            est = self._logprobs(context, y, K, settings, sub)
+            out[idx], se[idx] = est.logp[:, 0], est.se[:, 0]
+        return EstimatedLogprobs(out, se)
 
 
 class _SubRandom(RandomSource):
