@@ -153,6 +153,9 @@ def save_weights(model, path: Path) -> None:
 
     from looped_lm.lora import adapter_state, is_adapted
 
+    bad = nonfinite_tensor(model.state_dict().items())
+    if bad is not None:  # a diverged state is never written (and so never prunes a finite checkpoint)
+        raise UserError(f"the weights hold NaN or Inf ({bad}): not saved to {path}")
     if is_adapted(model):  # LoRA: the adapters and new parts only; the base is model.init_from's (its sha256)
         from safetensors.torch import save_file
 
@@ -178,6 +181,8 @@ def write_manifest(ckpt: Path, manifest: dict) -> dict:
     """Complete `manifest` with the integrity record of `ckpt`'s files and its own hash; write it."""
     manifest = {**manifest, "format_version": FORMAT_VERSION, "looped_lm_version": __version__,
                 "files": file_records(ckpt)}
+    if (ckpt / WEIGHTS).is_file():  # each tensor's dtype, which a load checks like its name and shape
+        manifest["weights_dtypes"] = weights_header(ckpt / WEIGHTS)[1]
     manifest["manifest_sha256"] = manifest_digest(manifest)
     with open(ckpt / MANIFEST, "w") as f:
         json.dump(manifest, f, indent=2)
@@ -199,9 +204,12 @@ def finalize(out_dir: Path, step: int, model, manifest: dict, keep_last: int) ->
     os.replace(tmp, final)
     remove_checkpoint(old)
     # keep_last counts this run's line of checkpoints: steps beyond this one (an earlier run in the same
-    # out_dir, started over with resume: never) are not this save's to prune
+    # out_dir, started over with resume: never) are not this save's to prune. This checkpoint is the newest
+    # of that line and its weights are finite (save_weights refuses NaN / Inf), so pruning never removes
+    # the newest finite checkpoint; it is kept explicitly all the same.
     for stale in [p for p in list_checkpoints(out_dir) if step_of(p) <= step][:-keep_last]:
-        remove_checkpoint(stale)
+        if stale.resolve() != final.resolve():
+            remove_checkpoint(stale)
     return final
 
 
@@ -299,12 +307,28 @@ def read_manifest(ckpt: str | Path, verify: bool = True) -> dict:
                               f"got {value!r}")
     if not isinstance(manifest.get("model_state", {}), dict):
         raise _fail(path, f"'model_state' must be an object, got {manifest['model_state']!r}")
+    dtypes = manifest.get("weights_dtypes", {})
+    if not isinstance(dtypes, dict) or not all(isinstance(v, str) for v in dtypes.values()):
+        raise _fail(path, f"'weights_dtypes' must be an object of tensor name -> dtype, got {dtypes!r}")
     named = step_of(ckpt)
     if named is not None and named != manifest["step"]:
         raise _fail(path, f"says step {manifest['step']}, but the directory is {ckpt.name}")
     if version >= 2:
         _check_file_records(path, manifest["files"])
+        _check_world_size(path, manifest["world_size"], manifest["files"])
     return manifest
+
+
+def _check_world_size(path: Path, world: int, files: dict) -> None:
+    """world_size against the RNG states on record: a save writes rng/rank{r}.pt for every rank r (a merge
+    writes none, world size 1). A resume on another world size is allowed and said (preflight.check_resume's
+    note); a world_size that disagrees with the files is refused here, before anything reads it."""
+    if world < 1:
+        raise _fail(path, f"'world_size' must be >= 1, got {world}")
+    ranks = sorted(int(m.group(1)) for rel in files if (m := re.fullmatch(r"rng/rank(\d+)\.pt", rel)))
+    if ranks and ranks != list(range(world)):
+        raise _fail(path, f"'world_size' is {world}, but it holds the RNG state of {len(ranks)} rank(s) "
+                          f"(rng/rank{ranks[0]}.pt..rng/rank{ranks[-1]}.pt)")
 
 
 def _check_file_records(path: Path, files: dict) -> None:
@@ -379,15 +403,61 @@ def config_of(manifest: dict, ckpt: Path | None = None) -> Config:
         raise UserError(f"{where}its config is invalid: {e}") from None
 
 
-def check_weights_fit(path: Path, model) -> None:
-    """Names and shapes in the safetensors header against the model the manifest builds."""
+# the dtypes a save writes for a floating tensor: fp32, or DeepSpeed's bf16 weights (deepspeed.bf16 at ZeRO 0)
+WRITTEN_FLOAT_DTYPES = ("F32", "BF16")
+_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
+              "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+def weights_header(path: Path) -> tuple[dict, dict]:
+    """({name: shape}, {name: safetensors dtype such as "F32"}) from a safetensors header (no tensor read)."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), "pt") as f:
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            slices = {k: f.get_slice(k) for k in f.keys()}
+            return ({k: tuple(s.get_shape()) for k, s in slices.items()},
+                    {k: s.get_dtype() for k, s in slices.items()})
     except (SafetensorError, OSError) as e:
         raise UserError(f"cannot read {path}: {e}") from None
+
+
+def nonfinite_tensor(named) -> str | None:
+    """The name of the first floating tensor of `named` ((name, tensor) pairs) that holds NaN or Inf, else
+    None: one flag per tensor, read from the device once."""
+    import torch
+
+    floats = [(n, t) for n, t in named if t.is_floating_point() and t.device.type != "meta"]
+    if not floats:
+        return None
+    flags = torch.stack([torch.isfinite(t).all().to(floats[0][1].device) for _, t in floats])
+    if bool(flags.all()):
+        return None
+    return next(n for (n, _), ok in zip(floats, flags.tolist()) if not ok)
+
+
+def _refuse_nonfinite(path: Path, name: str | None) -> None:
+    if name is not None:
+        raise UserError(f"{path} holds {name} with NaN or Inf values: refusing to load it (the weights of a diverged "
+                        "run; an earlier checkpoint of the run may be finite)")
+
+
+def check_finite_file(path: Path) -> None:
+    """Every floating tensor of a safetensors file is finite (read one tensor at a time)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                _refuse_nonfinite(path, nonfinite_tensor([(name, f.get_tensor(name))]))
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"cannot read {path}: {e}") from None
+
+
+def check_weights_fit(path: Path, model, recorded_dtypes: dict | None = None) -> None:
+    """Names, shapes and dtypes in the safetensors header against the model the manifest builds, and the
+    dtypes against those the manifest records (`weights_dtypes`; absent in older checkpoints)."""
+    shapes, dtypes = weights_header(path)
     state = model.state_dict(keep_vars=True)
     from looped_lm.lora import adapter_names, is_adapted
 
@@ -401,6 +471,7 @@ def check_weights_fit(path: Path, model) -> None:
         if want[name] != shape:  # (vocab_size, config.model.* and model_state build the model)
             raise UserError(f"{path} holds {name} of shape {list(shape)}, but the model in its manifest has "
                             f"{list(want[name])}")
+        _check_dtype(path, name, dtypes[name], state[name], (recorded_dtypes or {}).get(name))
     by_tensor: dict = {}  # tied tensors (one object under several names) are stored once
     for name, t in state.items():
         by_tensor.setdefault(id(t), []).append(name)
@@ -409,18 +480,32 @@ def check_weights_fit(path: Path, model) -> None:
             raise UserError(f"{path} lacks {names[0]}, which the model in its manifest has")
 
 
-def load_weights(model, path: Path, device="cpu") -> None:
-    """Weights from a checked safetensors file into `model` (names and shapes must all match)."""
+def _check_dtype(path: Path, name: str, dtype: str, tensor, recorded: str | None) -> None:
+    """A tensor's stored dtype: the one its manifest records, and one a save writes for the model's tensor
+    (a load would otherwise convert an fp16 or int64 rewrite silently)."""
+    if recorded is not None and dtype != recorded:
+        raise UserError(f"{path} holds {name} as {dtype}, but its manifest records {recorded}")
+    own = _ST_DTYPES.get(str(tensor.dtype).removeprefix("torch."), str(tensor.dtype))
+    allowed = WRITTEN_FLOAT_DTYPES if tensor.is_floating_point() else (own,)
+    if dtype not in allowed:
+        raise UserError(f"{path} holds {name} as {dtype}, but the model in its manifest has {own} "
+                        f"(a save writes {' or '.join(allowed)})")
+
+
+def load_weights(model, path: Path, device="cpu", recorded_dtypes: dict | None = None) -> None:
+    """Weights from a checked safetensors file into `model`: names, shapes and dtypes must all match,
+    and every value must be finite."""
     from safetensors.torch import load_file, load_model
 
     from looped_lm.lora import adapter_names, is_adapted
 
-    check_weights_fit(path, model)
+    check_weights_fit(path, model, recorded_dtypes)
     if is_adapted(model):  # adapters over a base already loaded (pretrained.load_base): exactly the adapters
         tensors = load_file(str(path), device=str(device))
         missing = sorted(set(adapter_names(model)) - set(tensors))
         if missing:
             raise UserError(f"{path} does not hold {missing[0]}: not the adapters of the model in its manifest")
+        _refuse_nonfinite(path, nonfinite_tensor(tensors.items()))
         model.load_state_dict(tensors, strict=False)
         return
     try:
@@ -428,6 +513,7 @@ def load_weights(model, path: Path, device="cpu") -> None:
     except RuntimeError as e:  # missing tensors: the shapes matched, the names did not all
         raise UserError(f"{path} does not fit the model in its manifest: "
                         f"{str(e).strip().splitlines()[-1].strip()}") from None
+    _refuse_nonfinite(path, nonfinite_tensor(model.state_dict().items()))
 
 
 def check_device(name: str) -> str:
@@ -468,7 +554,7 @@ def load_checkpoint(ckpt: str | Path, device="cpu", verify: bool = True):
         from looped_lm.pretrained import load_base
 
         load_base(model, cfg, manifest.get("base") or {"path": cfg.model.init_from, "sha256": "(not recorded)"})
-    load_weights(model, ckpt / WEIGHTS, device)
+    load_weights(model, ckpt / WEIGHTS, device, manifest.get("weights_dtypes"))
     return model.to(device).eval(), cfg, manifest
 
 
@@ -581,8 +667,8 @@ def _check_edges(manifest: dict, cfg: Config, bad) -> None:
 
 
 def check_tensors(ckpt: str | Path, manifest: dict, cfg: Config) -> None:
-    """The names and shapes in model.safetensors against the model the manifest builds (on the meta
-    device: nothing is allocated or read but the header)."""
+    """The names, shapes and dtypes in model.safetensors against the model the manifest builds (on the
+    meta device: nothing is allocated), then its values: NaN or Inf is refused (one tensor read at a time)."""
     import torch
 
     from looped_lm.models import build_model
@@ -593,7 +679,8 @@ def check_tensors(ckpt: str | Path, manifest: dict, cfg: Config) -> None:
             model = build_model(cfg, manifest["vocab_size"], manifest.get("model_state"))
     except (UserError, ValueError, TypeError) as e:
         raise UserError(f"{ckpt / MANIFEST}: its model_state does not fit model.kind {cfg.model.kind}: {e}") from None
-    check_weights_fit(ckpt / WEIGHTS, model)
+    check_weights_fit(ckpt / WEIGHTS, model, manifest.get("weights_dtypes"))
+    check_finite_file(ckpt / WEIGHTS)
 
 
 def check_checkpoint_agrees(ckpt: str | Path, manifest: dict) -> Config:
@@ -624,9 +711,10 @@ def verify_report(path: str | Path) -> list[str]:
              f"({manifest['vocab_size']} tokens), world size {manifest['world_size']}",
              f"  {len(files)} files, {sum(r['size'] for r in files.values()):,} bytes: every size and sha256 "
              "matches its manifest, whose own hash matches; no unlisted file",
-             "  manifest agrees with its config and tensors: model_kind, tokenizer, vocab_size, tensor names "
-             "and shapes" + (", ownership" if "ownership" in manifest else "")
-             + (", edges" if "edges" in (manifest.get("model_state") or {}) else "")]
+             "  manifest agrees with its config and tensors: model_kind, tokenizer, vocab_size, world_size, tensor "
+             "names, shapes and dtypes" + (", ownership" if "ownership" in manifest else "")
+             + (", edges" if "edges" in (manifest.get("model_state") or {}) else ""),
+             "  every weight is finite (no NaN or Inf)"]
     if "ownership" in manifest:
         lines.append(f"  trained blocks {manifest['ownership']['blocks']}")
     lines.append("  a merge of block jobs: eval, generate, serve and export load it; it does not resume" if merged

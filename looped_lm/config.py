@@ -178,6 +178,9 @@ class TrainConfig(_Section):
     resume_changes: ResumeChanges = _f("refuse", "a resume that changes the seed, global batch, grad_accum, data or "
                              "tokenizer: refuse (list the differences) or allow (log them and go on)")
     progress: bool = _f(True, "show a tqdm progress bar on rank 0")
+    skip_nonfinite: int = _f(0, "optimiser steps whose loss or gradient norm is NaN / Inf that may be skipped (no "
+                             "update, counted and logged) before the run stops; 0 = stop at the first, naming the "
+                             "step (a non-finite state is never saved)")
     lora_rank: int = _f(0, "LoRA rank of the adapters (peft) on a frozen model.init_from base; 0 = full fine-tuning "
                         "(docs/pretrained.md)")
     lora_alpha: Float = _f(16.0, "LoRA scale numerator: the update is (alpha / rank) B A")
@@ -451,7 +454,7 @@ def validate(cfg: Config) -> None:
         _require(getattr(t, key) >= 1, f"train.{key} must be >= 1 (got {getattr(t, key)})")
     _require(t.lr > 0, f"train.lr must be > 0 (got {t.lr})")
     _require(0 <= t.min_lr <= t.lr, f"train.min_lr must be in [0, train.lr] (got {t.min_lr})")
-    for key in ("warmup_steps", "save_every", "eval_every", "weight_decay", "grad_clip"):
+    for key in ("warmup_steps", "save_every", "eval_every", "weight_decay", "grad_clip", "skip_nonfinite"):
         _require(getattr(t, key) >= 0, f"train.{key} must be >= 0 (got {getattr(t, key)})")
     _require(t.eval_batches >= 1, f"train.eval_batches must be >= 1 (got {t.eval_batches}); train.eval_every: 0 "
                                   "turns validation off")

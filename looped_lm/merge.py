@@ -214,7 +214,8 @@ def _write(out: Path, shared: _Job, owner: dict, jobs: list[_Job]) -> Path:
     if shared.lora:
         _fill_adapters(model, cfg, shared, owner)
     else:
-        ckpt_io.load_weights(model, shared.path / ckpt_io.WEIGHTS)
+        ckpt_io.load_weights(model, shared.path / ckpt_io.WEIGHTS,
+                             recorded_dtypes=shared.manifest.get("weights_dtypes"))
         with torch.no_grad():
             for b, job in sorted(owner.items()):
                 with safe_open(str(job.path / ckpt_io.WEIGHTS), "pt") as f:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import socket
@@ -177,22 +178,72 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
 class DeepSpeedRunner:
     """train_step's runner under DeepSpeed: the engine scales for accumulation, clips, reduces across
     ranks and steps the optimiser at the accumulation boundary. `before_update` runs just before that
-    optimiser step (block parallel: the gradient exchange that replaces the engine's all-reduce)."""
+    optimiser step (block parallel: the gradient exchange that replaces the engine's all-reduce).
 
-    def __init__(self, engine, before_update=None):
-        self.engine, self.before_update = engine, before_update
+    A step whose loss or gradient norm is not finite makes no update (`finite` is False afterwards):
+    the optimiser is told that no unit is active, so NaN never reaches the weights, the optimizer state
+    or a checkpoint. The trainer decides whether that stops the run (train.skip_nonfinite)."""
+
+    def __init__(self, engine, before_update=None, optimizer=None):
+        self.engine, self.before_update, self.optimizer = engine, before_update, optimizer
+        self.step_loss = None  # the step's summed micro-batch losses, kept on the device (no host sync)
+        self.finite, self.loss_value, self.grad_norm = True, None, None
 
     def loss(self, x, y, step: int):
         loss = self.engine(x, y, step)
         return loss, self.engine.module.last_metrics
 
     def backward(self, loss) -> None:
+        self.step_loss = loss.detach() if self.step_loss is None else self.step_loss + loss.detach()
         self.engine.backward(loss)
 
     def micro_step(self) -> None:
-        if self.before_update is not None and self.engine.is_gradient_accumulation_boundary():
-            self.before_update()
+        boundary = self.engine.is_gradient_accumulation_boundary()
+        if boundary:
+            if self.before_update is not None:
+                self.before_update()
+            self.finite = self._finite_step()
+            if not self.finite and self.optimizer is not None:
+                self.optimizer.set_active_units(())  # BlockwiseAdamW: no unit active = no update at all
         self.engine.step()
+        if boundary:
+            # ZeRO 1/2 hold the gradients in their own partitions (not p.grad): their optimizer checks them
+            # and skips the step itself on a non-finite one (its `overflow` flag, already on the host)
+            if getattr(self.engine.optimizer, "overflow", False) is True and self.finite:
+                self.finite, self.grad_norm = False, float("nan")
+            self.step_loss = None
+
+    def _finite_step(self) -> bool:
+        """Are this step's loss and gradient norm finite, on every rank?
+
+        THE ONE DELIBERATE HOST SYNC of an optimiser step: the loss and the gradient norm are fused into
+        one flag on the device (all-reduced over ranks, so every rank skips or stops together) and read
+        once. The values themselves are read only when the flag says something is wrong."""
+        import torch
+
+        self.loss_value = self.grad_norm = None
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(grads)])) \
+            if grads else torch.zeros((), device=self.step_loss.device)
+        loss = self.step_loss.float().reshape(())
+        ok = torch.isfinite(torch.stack([loss, norm.to(loss.device)])).all().float()
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+        if ok.item() == 1.0:
+            return True
+        self.loss_value, self.grad_norm = float(loss), float(norm)
+        return False
+
+    def nonfinite_reason(self) -> str:
+        """'loss is nan' / 'gradient norm is inf' (another rank's, when both are finite here)."""
+        import math
+
+        loss, norm = self.loss_value, self.grad_norm
+        if loss is not None and not math.isfinite(loss):
+            return f"loss is {loss}" + (f" (gradient norm {norm})" if norm is not None else "")
+        if norm is not None and not math.isfinite(norm):
+            return f"gradient norm is {norm} (loss {loss})" if loss is not None else f"gradient norm is {norm}"
+        return "another rank's loss or gradient norm is not finite"
 
 
 def refresh_curve(model, train_stream, cfg: Config, device, rank: int, step: int) -> dict | None:
@@ -274,7 +325,8 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
 
             load_base(model, cfg, manifest.get("base") or {"path": cfg.model.init_from, "sha256": "(not recorded)"})
         if layout == "units":
-            ckpt_io.load_weights(model, Path(plan.resume) / ckpt_io.WEIGHTS)
+            ckpt_io.load_weights(model, Path(plan.resume) / ckpt_io.WEIGHTS,
+                                 recorded_dtypes=manifest.get("weights_dtypes"))
     elif init_source(cfg):  # a fresh run from a pretrained checkpoint (preflight checked it maps)
         from looped_lm.pretrained import init_from_pretrained
 
@@ -298,7 +350,8 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
         engine.enable_backward_allreduce = False  # the engine's all-reduce would mix different blocks
         exchange = parallel.BlockParallel(cfg, model, dist)
     # ZeRO wraps our optimiser: train_step keeps the handle on ours (the units it updates)
-    runner = DeepSpeedRunner(engine, (lambda: exchange.reduce(optimizer.active_units)) if exchange else None)
+    runner = DeepSpeedRunner(engine, (lambda: exchange.reduce(optimizer.active_units)) if exchange else None,
+                             optimizer)
     zero = engine.optimizer if cfg.deepspeed.zero_stage > 0 else None
 
     tokens_seen = 0
@@ -325,6 +378,7 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
     end_step = t.max_steps if stop_after <= 0 else min(t.max_steps, start_step + stop_after)
     report = Report(cfg, start_step, tokens_per_step, train_stream.unit) if rank == 0 else None
     last_ckpt = Path(plan.resume) if plan.resume else None
+    skipped = 0  # non-finite steps skipped so far (train.skip_nonfinite)
     t0 = time.perf_counter()
     try:
         for step in range(start_step, end_step):
@@ -333,15 +387,18 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
             result = train_step(model, optimizer, runner, (on_device(batch, device) for batch in batches),
                                 step, t.seed)
             loss_sum, metrics = result.loss, result.metrics
+            done = step + 1
+            if not runner.finite:  # no update was made (DeepSpeedRunner): stop, or skip within the budget
+                skipped += 1
+                nonfinite_step(runner, done, skipped, t.skip_nonfinite, last_ckpt, logger, report, rank)
             if exchange is not None:  # every block trained this step: log each one's loss
                 per_block = exchange.block_losses(loss_sum, metrics["block"], device)
                 loss_sum = sum(per_block.values()) / len(per_block)
                 metrics = {"blocks": sorted(per_block), **{f"loss_block{b}": v for b, v in per_block.items()}}
-            done = step + 1
             tokens = tokens_seen + (done - start_step) * tokens_per_step
             if logger is not None and (done % t.log_every == 0 or done == end_step):
                 elapsed = time.perf_counter() - t0
-                logger.log(done, {"loss": loss_sum, "lr": lr, "tokens": tokens,
+                logger.log(done, {**({"loss": loss_sum} if runner.finite else {}), "lr": lr, "tokens": tokens,
                                   "tokens_per_s": (done - start_step) * tokens_per_step / max(elapsed, 1e-9),
                                   **metrics})
             if report is not None:
@@ -377,6 +434,25 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
     return last_ckpt
 
 
+def nonfinite_step(runner, done: int, skipped: int, budget: int, last_ckpt, logger, report, rank: int = 0) -> None:
+    """A step whose loss or gradient norm was not finite (it made no update): the run stops with one
+    line naming the step (exit 1), unless train.skip_nonfinite allows `skipped` such steps; a skipped
+    step is logged (metrics.jsonl `skipped_nonfinite`) and said."""
+    reason = runner.nonfinite_reason()
+    if skipped > budget:
+        kept = f"the newest checkpoint, {last_ckpt}, is untouched" if last_ckpt else "no checkpoint was written"
+        allowed = f"{budget} non-finite step{'s' if budget != 1 else ''} skipped already (train.skip_nonfinite)" \
+            if budget else "set train.skip_nonfinite: N to skip up to N such steps"
+        err = RunFailure(f"step {done}: {reason}; stopped before the optimizer update ({kept}); lower train.lr or "
+                         f"raise train.grad_clip, or {allowed}")
+        err.quiet = rank != 0  # every rank stops (the flag is all-reduced); rank 0 says it
+        raise err
+    if logger is not None:
+        logger.log(done, {"skipped_nonfinite": skipped, "nonfinite": reason})
+    if report is not None:
+        report.line(f"step {done}: {reason}: skipped, no update ({skipped} of train.skip_nonfinite {budget})")
+
+
 def on_device(batch, device):
     """(x, y) moved to the device; y may be None (mdm: the targets are x)."""
     x, y = batch
@@ -399,6 +475,8 @@ class SmoothedLoss:
             self._add(f"b{metrics['block']}" if "block" in metrics else "", loss)
 
     def _add(self, key: str, loss: float) -> None:
+        if not math.isfinite(loss):  # a skipped non-finite step (train.skip_nonfinite) must not poison the average
+            return
         self.sums[key] = self.beta * self.sums.get(key, 0.0) + (1 - self.beta) * loss
         self.counts[key] = self.counts.get(key, 0) + 1
 
@@ -490,6 +568,15 @@ def save(engine, model, optimizer, cfg: Config, plan: Plan, out_dir: Path, step:
     tmp = ckpt_io.tmp_dir_for(out_dir, step)
     final = out_dir / ckpt_io.step_dir_name(step)
     world = dist.get_world_size()
+    # a finite loss and gradient can still leave non-finite weights (an update too large): never save them.
+    # Every rank holds the same weights here, so every rank stops together, before anything is written.
+    bad = ckpt_io.nonfinite_tensor(model.state_dict().items())
+    if bad is not None:
+        kept = f"the newest checkpoint, {plan_last(out_dir, step)}, is untouched"
+        err = RunFailure(f"step {step}: the weights hold NaN or Inf ({bad}) after this step's update: not saved "
+                         f"({kept}); lower train.lr or raise train.grad_clip")
+        err.quiet = rank != 0
+        raise err
     try:
         if rank == 0:
             if tmp.exists():  # left by a crash during an earlier save of this step
@@ -525,6 +612,12 @@ def save(engine, model, optimizer, cfg: Config, plan: Plan, out_dir: Path, step:
         raise RunFailure(f"cannot write checkpoint {tmp}: {describe_os_error(e)}") from e
     dist.barrier()
     return final
+
+
+def plan_last(out_dir: Path, before: int):
+    """The newest complete checkpoint in out_dir below step `before` (or 'none')."""
+    older = [p for p in ckpt_io.list_checkpoints(out_dir) if ckpt_io.step_of(p) < before]
+    return older[-1] if older else "none"
 
 
 def _quiet_writer_threads() -> None:
@@ -607,8 +700,9 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr)
         return 2
     except RunFailure as e:
-        _traceback(args.verbose)
-        print(f"error: {e}", file=sys.stderr)
+        if not getattr(e, "quiet", False):
+            _traceback(args.verbose)
+            print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # mid-run I/O (metrics, logs) outside a save
         _traceback(args.verbose)
