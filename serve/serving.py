@@ -273,7 +273,6 @@ class OpenAIServing:
     async def run_choice(self, choice: Choice) -> AsyncIterator[ChoiceDelta]:
         """Deltas of one choice: text (stop strings applied), log-prob entries, finish reason."""
         detok, stops = Detokenizer(self.tok), StopStrings(choice.stop)
-        length = 0  # characters of this choice's text so far (text offsets)
         echo = choice.echo
         async with contextlib.aclosing(self.engine.generate(choice.request)) as outputs:
             async for out in outputs:
@@ -286,20 +285,17 @@ class OpenAIServing:
                     echo = False
                     scores = out.prompt_logprobs or [None] * len(choice.request.prompt)
                     for token, s in zip(choice.request.prompt, scores):
-                        piece, lead = detok.add_with_lead(token)
+                        piece, offset = detok.add_with_offset(token)
                         if choice.logprobs:
-                            d.tokens.append(TokenEntry(token, s and s.logprob, s and s.top, length + lead,
-                                                       s and s.se))
+                            d.tokens.append(TokenEntry(token, s and s.logprob, s and s.top, offset, s and s.se))
                         d.text += piece
-                        length += len(piece)
                 scores = out.logprobs or [None] * len(out.token_ids)
                 for token, s in zip(out.token_ids, scores):
                     if out.finish_reason == "stop" and token in choice.request.stop_token_ids:
                         continue  # the end-of-text token ends the text; it is not part of it
-                    piece, lead = detok.add_with_lead(token)
+                    piece, offset = detok.add_with_offset(token)
                     if choice.logprobs:
-                        d.tokens.append(TokenEntry(token, s.logprob, s.top, length + lead, s.se))
-                    length += len(piece)
+                        d.tokens.append(TokenEntry(token, s.logprob, s.top, offset, s.se))
                     sent, hit = stops.push(piece)
                     d.text += sent
                     if hit:

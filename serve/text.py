@@ -77,29 +77,39 @@ def token_text(tok: Tokenizer, token_id: int) -> str:
 class Detokenizer:
     """The text of a growing token list, piece by piece: `tokenizers`' DecodeStream, which releases a
     piece once its tokens decode to whole characters (a byte-level token may hold part of a UTF-8
-    character). `flush` gives what is still held when the tokens end."""
+    character). `flush` gives what is still held when the tokens end. Each token's text offset (the
+    character its first byte lands in) comes from the bytes themselves, through Python's incremental UTF-8
+    decoder with the same replacement rule, so it holds after a literal U+FFFD or a broken sequence, which
+    DecodeStream keeps holding."""
 
     def __init__(self, tok: Tokenizer):
         self.tok, self.stream, self.held = tok, DecodeStream(skip_special_tokens=False), []
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self.chars = 0  # characters the bytes so far have completed
 
     def add(self, token_id: int) -> str:
-        return self.add_with_lead(token_id)[0]
+        return self.add_with_offset(token_id)[0]
 
-    def add_with_lead(self, token_id: int) -> tuple[str, int]:
-        """(the text released, how many of its characters the held tokens before this one complete): the
-        token's text offset is that far into the piece. A held token that was whole text after all (a
-        literal U+FFFD, which DecodeStream cannot tell from a broken character) counts in full."""
-        held = self.held
+    def add_with_offset(self, token_id: int) -> tuple[str, int]:
+        """(the text released now, the token's text offset from the start of this detokenizer's text)."""
+        offset = self._offset(token_bytes(self.tok, token_id))
         piece = self.stream.step(self.tok.backend, token_id)
-        if piece is None:
-            self.held = held + [token_id]
-            return "", 0
-        self.held = []
-        if not held:
-            return piece, 0
-        complete = codecs.getincrementaldecoder("utf-8")("replace").decode(
-            b"".join(token_bytes(self.tok, t) for t in held), final=False)  # an unfinished character: not counted
-        return piece, min(len(complete), len(piece))
+        self.held = self.held + [token_id] if piece is None else []
+        return piece or "", offset
+
+    def _offset(self, raw: bytes) -> int:
+        """Index of the character raw's first byte belongs to. A byte the decoder still holds (part of a
+        character not yet complete) belongs to the next character to come, after any replacement its
+        arrival forced for the bytes held before it; a byte that completes output belongs to the last
+        character output."""
+        first = self.chars
+        for i in range(len(raw)):
+            emitted = len(self.utf8.decode(raw[i:i + 1]))
+            held = bool(self.utf8.getstate()[0])
+            if i == 0:
+                first = self.chars + emitted - (0 if held else 1)
+            self.chars += emitted
+        return first
 
     def flush(self) -> str:
         """The held tokens' text (an incomplete character decodes to U+FFFD)."""

@@ -10,6 +10,7 @@ slots, and the `looped_lm serve` verb. Bad and extreme input: tests/test_server_
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import random
@@ -317,6 +318,65 @@ def test_detokenizer_never_splits_a_character_and_ends_as_decode(name):
         ids = [rng.choice(alphabet) for _ in range(rng.randint(1, 24))]
         d = Detokenizer(tok)
         assert "".join(d.add(i) for i in ids) + d.flush() == tok.decode(ids), ids
+
+
+def _char_of_each_byte(raw: bytes) -> list[int]:
+    """Reference for text offsets: the index of the character each byte lands in, in
+    raw.decode("utf-8", "replace"), read off the decoder's own error spans (one U+FFFD per maximal invalid
+    subpart), each marked with a lone surrogate that valid UTF-8 never decodes to."""
+    spans: list[tuple[int, int]] = []
+
+    def record(err: UnicodeDecodeError):
+        spans.append((err.start, err.end))
+        return "\udcff", err.end
+
+    codecs.register_error("record_spans", record)
+    text, where, byte = raw.decode("utf-8", "record_spans"), [], 0
+    for c, ch in enumerate(text):
+        size = (lambda s: s[1] - s[0])(spans.pop(0)) if ch == "\udcff" else len(ch.encode())
+        where += [c] * size
+        byte += size
+    assert byte == len(raw)
+    return where
+
+
+# prompt (text or byte ids for the byte tokenizer) -> every token's text offset
+OFFSET_TABLE = [
+    ("\ufffd\ufffd\ufffd", [0, 0, 0, 1, 1, 1, 2, 2, 2]),  # a literal U+FFFD: three bytes, one character
+    (bytes([0xE4, 0xB8, 0x41, 0xE4, 0xB8, 0xAD]), [0, 0, 1, 2, 2, 2]),  # a broken character, then "A", then 中
+    ("a\ufffdb c\ufffd", [0, 1, 1, 1, 2, 3, 4, 5, 5, 5]),
+    (bytes([0x80, 0x41, 0xF0, 0x9F, 0x98]), [0, 1, 2, 2, 2]),  # a lone continuation byte; a cut-off emoji
+    ("é\ufffd<|endoftext|>x", [0, 0, 1, 1, 1, 2, 15]),  # the end-of-text token is its 13 characters
+]
+
+
+@pytest.mark.parametrize("prompt,offsets", OFFSET_TABLE)
+def test_text_offsets_after_replacement_characters_and_broken_utf8(prompt, offsets):
+    from looped_lm.serve.text import encode
+
+    tok = get_tokenizer("byte")
+    ids = list(prompt) if isinstance(prompt, bytes) else encode(tok, prompt)
+    d = Detokenizer(tok)
+    assert [d.add_with_offset(i)[1] for i in ids] == offsets
+
+
+@pytest.mark.parametrize("name", ["byte", "gpt2"])
+def test_text_offsets_are_where_each_tokens_first_byte_lands(name):
+    """Any ids (broken UTF-8, literal U+FFFD and end-of-text included): the offset of each token is the
+    character its first byte decodes into, by the reference above."""
+    from looped_lm.serve.text import token_bytes
+
+    tok = get_tokenizer(name)
+    rng = random.Random(1)
+    alphabet = [*tok.encode("\ufffdé日😀 a"), tok.eot_id, *rng.sample(range(tok.vocab_size), 30)]
+    for _ in range(200):
+        ids = [rng.choice(alphabet) for _ in range(rng.randint(1, 24))]
+        parts = [token_bytes(tok, i) for i in ids]
+        where = _char_of_each_byte(b"".join(parts))
+        starts = [sum(map(len, parts[:j])) for j in range(len(ids))]
+        d = Detokenizer(tok)
+        got = [d.add_with_offset(i)[1] for i in ids]
+        assert got == [where[b] if b < len(where) else len(where) for b in starts], ids
 
 
 def test_stop_strings_hold_back_their_prefixes():
