@@ -99,30 +99,32 @@ def killed_rank(code: int) -> int:
 
 def add_generate_arguments(p) -> None:
     from looped_lm.checkpoint import add_verify_argument
+    from looped_lm.fields import finite_float, seed
 
     p.add_argument("--checkpoint", required=True,
                    help="checkpoint directory, or a run directory (its newest complete checkpoint)")
     add_verify_argument(p)
     p.add_argument("--prompt", default=None, help="text to continue (language models)")
     p.add_argument("--max-tokens", type=int, default=100)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--temperature", type=finite_float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-p", type=finite_float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=seed, default=0, help="0..2**62 - 1")
     p.add_argument("--num-iterations", type=int, default=None,
                    help="DiffusionBlocks / looped models: K denoising steps per token (default: the config's); "
                    "dit / mdm: sampler steps, split across the blocks (at least one per block)")
     p.add_argument("--bridge", choices=("soft", "hard", "sample"), default=None,
                    help="DB models: logits -> embedding between steps (expectation, argmax, or a sampled token)")
-    p.add_argument("--exit-threshold", type=float, default=None,
-                   help="looped_db: stop a token's iterations once KL(p_k || p_k-1) < this")
-    p.add_argument("--exit-criterion", default=None, help="looped_db: kl:<eps> or argmax-stable:<m>")
+    p.add_argument("--exit-threshold", type=finite_float, default=None,
+                   help="DB models (db_ar, looped_db): stop a token's iterations once KL(p_k || p_k-1) < this")
+    p.add_argument("--exit-criterion", default=None, help="DB models (db_ar, looped_db): kl:<eps> or "
+                   "argmax-stable:<m>")
     p.add_argument("--device", default="cpu")
     m = p.add_argument_group("dit / mdm checkpoints (samples from noise; no prompt)")
     m.add_argument("--out", default=None, help="dit: the PNG grid of samples to write")
     m.add_argument("--labels", default=None, help="dit: comma-separated class ids, one sample each "
                    "(default: --num-samples cycling through the classes)")
-    m.add_argument("--cfg-scale", type=float, default=None,
+    m.add_argument("--cfg-scale", type=finite_float, default=None,
                    help="dit: classifier-free guidance scale (1 = none; default: the config's)")
     m.add_argument("--num-samples", type=int, default=None, help="samples to draw (dit: 4 per class, mdm: 4)")
     m.add_argument("--length", type=int, default=None, help="mdm: characters per sample (default: model.seq_len)")
@@ -130,6 +132,7 @@ def add_generate_arguments(p) -> None:
 
 
 MODULE_FLAGS = ("out", "labels", "cfg_scale", "num_samples", "length", "vae")  # dit / mdm only
+LM_FLAGS = ("bridge", "exit_threshold", "exit_criterion")  # language models only (dit / mdm ignore them)
 
 
 def run_generate(args) -> int:
@@ -147,12 +150,21 @@ def run_generate(args) -> int:
         raise UserError(f"--num-samples must be >= 1 (got {args.num_samples})")
     if args.max_tokens < 1:
         raise UserError(f"--max-tokens must be >= 1 (got {args.max_tokens})")
+    if args.out is not None:  # before the checkpoint is read: a loop, /proc, a directory in the way
+        from looped_lm.preflight import check_output_path
+
+        check_output_path(args.out, "--out", kind="file")
     if args.no_verify:
         print(no_verify_note(), file=sys.stderr)
     model, cfg, manifest = load_checkpoint(resolve_checkpoint(args.checkpoint), args.device,
                                            verify=not args.no_verify)
     if not isinstance(model, CachedDecoding):  # dit, mdm: samples from noise (looped_lm.supporting)
         from looped_lm.supporting import generate as generate_module
+
+        given = [f"--{name.replace('_', '-')}" for name in LM_FLAGS if getattr(args, name) is not None]
+        if given:  # flags that would do nothing here are refused, not ignored
+            raise UserError(f"{', '.join(given)}: for language models (a prompt's tokens); a {cfg.model.kind} "
+                            "checkpoint samples from noise")
 
         return generate_module(model, cfg, manifest, args)
     given = [f"--{name.replace('_', '-')}" for name in MODULE_FLAGS if getattr(args, name) is not None]

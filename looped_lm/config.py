@@ -54,6 +54,9 @@ ResumeChanges = Literal["refuse", "allow"]
 TrainMode = Literal["data_parallel", "block_parallel"]
 
 DEFAULT_KIND = "gpt"
+COUNT_MAX = 2 ** 31 - 1  # steps, sequences, micro-batches: DeepSpeed and torch take them as 32/64-bit ints
+MAX_ITERATIONS = 4096  # the hard ceiling of model.max_iterations (K at inference) and of any K or draw count
+MAX_DRAWS = 4096  # eval's chains per ppl@k (`--draws`, eval.draws): each costs a full pass over the data
 BUILTIN_NAMES = tuple(kind.name for kind in BUILTIN)  # what configs/README.md documents
 # The model section of configs written before kinds owned their sections held every kind's fields. A
 # manifest (or an export) of that era carries the other kinds' fields at these defaults: loading it drops
@@ -240,15 +243,13 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
         try:
             text = p.read_text()
             _refuse_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader), path)
-            raw = yaml.safe_load(text) or {}
+            raw = _safe_load(text, f"config file {path}") or {}
         except OSError as e:
             raise UserError(f"cannot read config file {path}: {e.strerror}") from None
         except UnicodeDecodeError as e:
             raise UserError(f"config file {path} is not UTF-8 text (bad byte at offset {e.start})") from None
         except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            raise UserError(f"config file {path} is not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+            raise UserError(f"config file {path} is not valid YAML{_yaml_problem(e)}") from None
         if not isinstance(raw, dict):
             raise UserError(f"config file {path} must hold a mapping of sections, got {type(raw).__name__}")
     for item in overrides:
@@ -256,8 +257,43 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     return config_from_dict(raw, flat_era=False)
 
 
-def _refuse_duplicate_keys(node, path: str, where: str = "") -> None:
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """' at line L, column C: <problem>' on one line (PyYAML's own text spans several)."""
+    if isinstance(e, yaml.reader.ReaderError):  # a NUL or control byte: its offset, not PyYAML's two lines
+        code = e.character if isinstance(e.character, int) else ord(e.character[:1] or "\0")
+        return f": character #x{code:04x} at offset {e.position} is not allowed in YAML ({e.reason})"
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    problem = " ".join(str(getattr(e, "problem", None) or e).split())
+    return f"{where}: {problem}"
+
+
+def _safe_load(text: str, what: str):
+    """yaml.safe_load, with what it raises besides YAMLError named in one line: an integer too long for
+    Python's int-from-text limit (ValueError), or an alias nested in itself (a recursive structure)."""
+    try:
+        value = yaml.safe_load(text)
+    except ValueError:  # int("9" * 5000): "Exceeds the limit (4300 digits) for integer string conversion"
+        raise UserError(f"{what}: an integer has more than {sys.get_int_max_str_digits()} digits (Python's limit "
+                        "for reading one); no config value needs that many") from None
+    _refuse_recursion(value, what)
+    return value
+
+
+def _refuse_recursion(value, what: str, inside: tuple = ()) -> None:
+    """`a: &x [*x]` makes a list that contains itself: refused (validation would recurse forever)."""
+    if isinstance(value, (list, dict)):
+        if any(value is seen for seen in inside):
+            raise UserError(f"{what}: a YAML alias refers to a node that contains it (a self-referencing anchor)")
+        for item in value.values() if isinstance(value, dict) else value:
+            _refuse_recursion(item, what, inside + (value,))
+
+
+def _refuse_duplicate_keys(node, path: str, where: str = "", inside: tuple = ()) -> None:
     """YAML lets a repeated key silently take the last value; a config must not."""
+    if any(node is seen for seen in inside):  # an anchor aliased inside itself: _safe_load names it
+        return
+    inside = inside + (node,)
     if isinstance(node, yaml.MappingNode):
         seen: dict = {}
         for key_node, value_node in node.value:
@@ -268,10 +304,10 @@ def _refuse_duplicate_keys(node, path: str, where: str = "") -> None:
                                 f"{line}); keep one")
             if key is not None:
                 seen[key] = line
-            _refuse_duplicate_keys(value_node, path, f"{where}{key}." if key is not None else where)
+            _refuse_duplicate_keys(value_node, path, f"{where}{key}." if key is not None else where, inside)
     elif isinstance(node, yaml.SequenceNode):
         for item in node.value:
-            _refuse_duplicate_keys(item, path, where)
+            _refuse_duplicate_keys(item, path, where, inside)
 
 
 def config_from_dict(raw: dict, flat_era: bool = True) -> Config:
@@ -360,7 +396,7 @@ def _apply_override(raw: dict, item: str) -> None:
         raise UserError(f"--set key must look like section.key, got '{key}'")
     section, name = key.split(".")
     try:
-        value = yaml.safe_load(text) if text != "" else ""
+        value = _safe_load(text, f"--set {key}") if text != "" else ""
     except yaml.YAMLError:
         value = text
     raw.setdefault(section, {})
@@ -421,6 +457,7 @@ def validate(cfg: Config) -> None:
     _require(0 < d.sample_top_quantile <= 1,
              f"diffusion.sample_top_quantile must be in (0, 1] (got {d.sample_top_quantile})")
     _require(d.num_iterations >= 0, f"diffusion.num_iterations must be >= 1, or 0 for num_blocks (got {d.num_iterations})")
+    _check_iteration_bounds(cfg)
     kind.validate(cfg)  # before the block checks: db_ar's layers_per_block sets num_blocks
     n_blocks = kind.num_blocks(cfg)
     if d.block_sampling == "fixed":
@@ -451,7 +488,9 @@ def validate(cfg: Config) -> None:
         # (parallel.check_world)
 
     for key in ("max_steps", "batch_size", "grad_accum"):
-        _require(getattr(t, key) >= 1, f"train.{key} must be >= 1 (got {getattr(t, key)})")
+        _require(1 <= getattr(t, key) <= COUNT_MAX, f"train.{key} must be in 1..{COUNT_MAX} (got {getattr(t, key)})")
+    for key in ("warmup_steps", "save_every", "eval_every", "eval_batches", "log_every", "keep_last", "skip_nonfinite"):
+        _require(getattr(t, key) <= COUNT_MAX, f"train.{key} must be <= {COUNT_MAX} (got {getattr(t, key)})")
     _require(t.lr > 0, f"train.lr must be > 0 (got {t.lr})")
     _require(0 <= t.min_lr <= t.lr, f"train.min_lr must be in [0, train.lr] (got {t.min_lr})")
     for key in ("warmup_steps", "save_every", "eval_every", "weight_decay", "grad_clip", "skip_nonfinite"):
@@ -469,10 +508,11 @@ def validate(cfg: Config) -> None:
         _require(bool(m.init_from), "train.lora_rank needs model.init_from: adapters train on a pretrained base")
         _require(t.lora_alpha > 0 and 0 <= t.lora_dropout < 1,
                  "train.lora_alpha must be > 0 and train.lora_dropout in [0, 1)")
-        bad = [name for name in t.lora_targets if name not in LORA_TARGETS]
-        _require(not bad, f"train.lora_targets has {bad[0]!r}: no such module (have: {', '.join(LORA_TARGETS)})"
-                 if bad else "")
         _require(bool(t.lora_targets), f"train.lora_targets is empty: name at least one of {', '.join(LORA_TARGETS)}")
+    # checked with or without train.lora_rank: a misspelt target is refused, not kept until a LoRA run reads it
+    bad = [name for name in t.lora_targets if name not in LORA_TARGETS]
+    _require(not bad, f"train.lora_targets has {bad[0]!r}: no such module (have: {', '.join(LORA_TARGETS)})"
+             if bad else "")
 
     _require(cfg.deepspeed.zero_stage in (0, 1, 2), f"deepspeed.zero_stage must be 0, 1 or 2 (got {cfg.deepspeed.zero_stage})")
     if cfg.data.source in ("files", "hf", "bin", "cifar10", "cifar100", "text8", "latents"):
@@ -494,7 +534,24 @@ def validate(cfg: Config) -> None:
     e = cfg.eval
     for key in ("block_size", "stride", "max_tokens"):
         _require(getattr(e, key) >= 0, f"eval.{key} must be >= 0 (got {getattr(e, key)})")
-    _require(e.draws >= 1, f"eval.draws must be >= 1 (got {e.draws})")
+    _require(1 <= e.draws <= MAX_DRAWS, f"eval.draws must be in 1..{MAX_DRAWS} (got {e.draws})")
+
+
+def _check_iteration_bounds(cfg: Config) -> None:
+    """K at inference has one ceiling: model.max_iterations (itself at most MAX_ITERATIONS, so it cannot
+    cancel the bound); a default K (diffusion.num_iterations, sampler steps) must lie under it."""
+    m, d = cfg.model, cfg.diffusion
+    top = getattr(m, "max_iterations", None)
+    if top is not None:
+        _require(top <= MAX_ITERATIONS, f"model.max_iterations must be in 1..{MAX_ITERATIONS} (got {top})")
+    ceiling = f"model.max_iterations ({top})" if top is not None else str(MAX_ITERATIONS)
+    _require(d.num_iterations <= (top or MAX_ITERATIONS), f"diffusion.num_iterations must be <= {ceiling} (got "
+                                                          f"{d.num_iterations})")
+    _require(d.sample_steps <= MAX_ITERATIONS, f"diffusion.sample_steps must be <= {MAX_ITERATIONS} (got "
+                                               f"{d.sample_steps})")
+    recurrence = getattr(m, "mean_recurrence", None)  # huginn's training recurrence (a default K too)
+    if recurrence is not None:
+        _require(recurrence <= MAX_ITERATIONS, f"model.mean_recurrence must be <= {MAX_ITERATIONS} (got {recurrence})")
 
 
 def init_source(cfg: Config) -> str:

@@ -27,6 +27,9 @@ from looped_lm.kinds import get_kind
 
 
 def add_arguments(p) -> None:
+    from looped_lm.config import MAX_DRAWS
+    from looped_lm.fields import finite_float, seed
+
     p.add_argument("--checkpoint", required=True,
                    help="checkpoint directory (out/step_XXXXXXX), or a run directory (its newest complete checkpoint)")
     p.add_argument("--no-verify", action="store_true", help=NO_VERIFY_HELP)
@@ -46,15 +49,16 @@ def add_arguments(p) -> None:
                    help="comma-separated K grid (huginn: exact PPL per K; DB models: ppl@k); vit: one K >= B")
     p.add_argument("--draws", type=int, default=4,
                    help="DB models: independent estimates averaged per token (their spread gives the standard "
-                   "error); mdm: masking times drawn per block interval")
+                   f"error); mdm: masking times drawn per block interval; at most {MAX_DRAWS} (each draw is a "
+                   "full pass over the data)")
     p.add_argument("--candidates", type=int, default=2,
                    help="DB models: first-step tokens the estimator enumerates (plus the target and one draw)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the DB noise draws")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the DB noise draws (0..2**62 - 1)")
     p.add_argument("--features", default=None, metavar="VIT_CHECKPOINT",
                    help="dit: the classifier in whose features samples are compared with the held-out images "
                    "(a Frechet distance, not FID)")
-    p.add_argument("--cfg-scale", type=float, default=None, help="dit: guidance scale of the samples (default: "
-                   "the config's)")
+    p.add_argument("--cfg-scale", type=finite_float, default=None, help="dit: guidance scale of the samples "
+                   "(default: the config's)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--no-progress", action="store_true")
@@ -79,19 +83,22 @@ def check_arguments(args) -> None:
     from looped_lm.checkpoint import check_device
 
     check_device(args.device)
+    from looped_lm.config import MAX_DRAWS
+
     for flag, value, low in (("--max-tokens", args.max_tokens, 0), ("--block-size", args.block_size, 0),
                              ("--stride", args.stride, 0), ("--batch-size", args.batch_size, 1),
                              ("--draws", args.draws, 1), ("--candidates", args.candidates, 1)):
         if value < low:
             raise UserError(f"{flag} must be >= {low} (got {value})")
+    # each draw is a whole pass of the estimator over the data: a bound, like K's, instead of a silent hang
+    if args.draws > MAX_DRAWS:
+        raise UserError(f"--draws must be in 1..{MAX_DRAWS} (got {args.draws}): each draw is a full pass over the "
+                        "data (more tokens, --max-tokens, narrow the standard error too)")
     parse_k_grid(args.num_iterations)
-    if args.json is not None:
-        out = Path(args.json)
-        if out.is_dir():
-            raise UserError(f"--json {out} is a directory; give a file path")
-        parent = next((p for p in out.parents if p.exists()), None)
-        if parent is not None and not parent.is_dir():
-            raise UserError(f"--json {out}: {parent} is a file, not a directory")
+    if args.json is not None:  # before the evaluation, not after it: a loop, /proc, a file in the way
+        from looped_lm.preflight import check_output_path
+
+        check_output_path(args.json, "--json", kind="file")
     if args.data is not None and Path(args.data).suffix in (".txt", ".jsonl"):
         path = Path(args.data)
         if not path.is_file():
@@ -102,6 +109,18 @@ def check_arguments(args) -> None:
             raise UserError(f"--data {args.data} is not UTF-8 text (bad byte at offset {e.start})") from None
         except OSError as e:
             raise UserError(f"cannot read --data {args.data}: {e.strerror}") from None
+
+
+def check_applies(args, model, kind: str) -> None:
+    """Flags that would do nothing on this checkpoint's kind are refused, naming the kind, not ignored."""
+    from looped_lm.models.contract import ImageGenerator
+
+    if not isinstance(model, ImageGenerator):
+        given = [flag for flag, value in (("--cfg-scale", args.cfg_scale), ("--features", args.features))
+                 if value is not None]
+        if given:
+            raise UserError(f"{', '.join(given)}: for dit checkpoints (samples scored in a classifier's features); "
+                            f"this checkpoint is model.kind {kind}")
 
 
 def perplexity(model, data_path: str, block_size: int, stride: int = 0, max_tokens: int = 0,
@@ -248,6 +267,7 @@ def run(args) -> int:
         print(no_verify_note(), file=sys.stderr)
     model, cfg, manifest = load_checkpoint(resolve_checkpoint(args.checkpoint), args.device,
                                            verify=not args.no_verify)
+    check_applies(args, model, cfg.model.kind)
     if not isinstance(model, Scorable):  # vit, mdm: accuracy, bits per character (looped_lm.supporting)
         from looped_lm.supporting import evaluate
 

@@ -127,7 +127,9 @@ def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, num
 
     if format not in FORMATS:
         raise UserError(f"--format must be one of {', '.join(FORMATS)} (got '{format}')")
-    out = Path(out)
+    from looped_lm.preflight import check_output_path
+
+    out = check_output_path(out, "--out", kind="dir")  # a symlink loop, /proc: before the checkpoint is read
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:

@@ -41,3 +41,35 @@ def field(default, doc: str):
 class Section(BaseModel):
     # strict: no silent int->bool or "1"->1; ints are still taken where floats are expected
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+# --- argparse types: a flag follows the same rules as a config field -----------------------------
+
+SEED_MAX = 2 ** 62 - 1  # train.seed's bound: seeds and their offsets fit torch's and the data hash's 64 bits
+
+
+def finite_float(text: str) -> float:
+    """A float flag: NaN and Inf are refused (argparse prints `argument --x: ...`, exit 2)."""
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def seed(text: str) -> int:
+    """A --seed flag: an integer in 0..SEED_MAX (torch's generators take 64-bit seeds)."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer: {text!r}") from None
+    if not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"must be in 0..2**62 - 1, got {text}")
+    return value

@@ -53,6 +53,7 @@ def attach(model: nn.Module, cfg: Config) -> nn.Module:
 
     t = cfg.train
     regex = target_regex(model, cfg)
+    _refuse_unmatched_targets(model, cfg)
     if not any(re.fullmatch(regex, name) for name, _ in model.named_modules()):
         raise UserError(f"train.lora_targets {t.lora_targets} match no layer this job owns (model.kind "
                         f"{cfg.model.kind}, diffusion.blocks_to_train {cfg.diffusion.blocks_to_train})")
@@ -67,6 +68,18 @@ def attach(model: nn.Module, cfg: Config) -> nn.Module:
         p.requires_grad_(("lora_" in name and in_owned_layer)
                          or (new and (in_owned_layer if ".ada." in name else shared)))
     return model
+
+
+def _refuse_unmatched_targets(model: nn.Module, cfg: Config) -> None:
+    """Each of train.lora_targets must match a module of the layers this job owns: one that matches none
+    would silently train no adapter. Named, with the targets that do exist there."""
+    prefixes, _ = _owned(model, cfg)
+    names = [name for name, _ in model.named_modules()]
+    found = [t for t in TARGETS if any(re.fullmatch(rf"({'|'.join(prefixes)})\.\d+\.({TARGETS[t]})", n) for n in names)]
+    for target in cfg.train.lora_targets:
+        if target not in found:
+            raise UserError(f"train.lora_targets has {target!r}, which matches no module of the layers this job owns "
+                            f"(model.kind {cfg.model.kind}; they have: {', '.join(found) or 'none'})")
 
 
 def is_adapted(model: nn.Module) -> bool:

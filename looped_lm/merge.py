@@ -167,7 +167,9 @@ def check_ownership(jobs: list[_Job], num_blocks: int) -> dict[int, _Job]:
 
 
 def merge(checkpoints: list, out, shared_from=None, verify: bool = True) -> Path:
-    out = Path(out)
+    from looped_lm.preflight import check_output_path
+
+    out = check_output_path(out, "--out", kind="dir")  # a symlink loop, /proc: before any input is read
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out} exists and is not an empty directory; nothing was written")
     jobs = [_Job(p, verify) for p in checkpoints]

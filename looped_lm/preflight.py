@@ -46,8 +46,12 @@ def preflight(cfg: Config, verify: bool = True, world_size: int | None = None) -
     out_dir = Path(cfg.train.out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"train.out_dir {out_dir} is a file, not a directory")
+    # where the run writes, before anything is prepared or built: a loop, /proc, a file in the way
+    check_output_path(out_dir, "train.out_dir", kind="dir", must_write=False)
+    check_output_path(cfg.data.cache_dir, "data.cache_dir", kind="dir", must_write=False)
     if world_size is not None:
         check_world(cfg, world_size)
+    check_memory(cfg, vocab_size, world_size or 1)
     plan = Plan(vocab_size, tokenizer, "")
     resume = find_resume(cfg, out_dir)
     if resume is None and init_source(cfg):  # before anything is written: the source must map
@@ -72,6 +76,72 @@ def preflight(cfg: Config, verify: bool = True, world_size: int | None = None) -
     ensure_writable(out_dir)
     plan.notes += tidy_out_dir(out_dir)
     return plan
+
+
+# bytes per parameter a run holds at least: weights + gradients + AdamW's two moments, fp32 (16), or
+# DeepSpeed's bf16 weights, gradients and Adam state at ZeRO 0 (8); a frozen parameter: its weight (4)
+TRAINED_BYTES = {False: 16, True: 8}
+FROZEN_BYTES = 4
+LAYER_PARAMS = 12  # a transformer layer holds at least ~12 d_model^2 parameters (attention 4, MLP 8)
+
+
+def memory_limit() -> tuple[int, str]:
+    """(bytes, what) the run's memory is measured against: the smallest GPU's memory on a CUDA machine,
+    else this machine's RAM (or its cgroup's limit, if lower)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())), \
+            "memory of one GPU"
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            ram = min(ram, int(Path(limit).read_text().strip()))
+        except (OSError, ValueError):  # absent, or "max": no cgroup limit
+            continue
+    return ram, "RAM of this machine"
+
+
+def check_memory(cfg: Config, vocab_size: int, world_size: int = 1) -> None:
+    """Refuse a model whose weights, gradients and optimizer state alone cannot fit (before it is built,
+    which would die allocating or be killed): a lower bound first, from the config's widths (so a config
+    too large even to describe costs nothing), then the exact parameter count of the model built on
+    torch's meta device (nothing allocated). On CPU every rank of this machine holds its own copy."""
+    import torch
+
+    limit, what = memory_limit()
+    ranks = 1 if torch.cuda.is_available() else world_size  # GPUs: one rank per device
+    per_param = TRAINED_BYTES[cfg.deepspeed.bf16 and cfg.deepspeed.zero_stage == 0]
+    m = cfg.model
+    rough = (vocab_size * m.d_model + m.n_layers * LAYER_PARAMS * m.d_model ** 2) * \
+        (FROZEN_BYTES if cfg.train.lora_rank else per_param) * ranks
+    if rough <= limit:
+        trained, frozen = _parameter_count(cfg, vocab_size)
+        need = (trained * per_param + frozen * FROZEN_BYTES) * ranks
+        count = f"{trained + frozen:,} parameters"
+    else:
+        need, count = rough, f"at least {rough // per_param // ranks:,} parameters"
+    if need > limit:
+        on = f" x {ranks} ranks" if ranks > 1 else ""
+        raise UserError(f"the model needs about {_gib(need)} for its weights, gradients and AdamW state alone "
+                        f"({count}{on}, before activations), more than the {_gib(limit)} {what}: reduce "
+                        f"model.vocab_size ({vocab_size:,}), model.d_model or model.n_layers")
+
+
+def _parameter_count(cfg: Config, vocab_size: int) -> tuple[int, int]:
+    """(trained, frozen) parameters of the model `cfg` builds, counted on the meta device."""
+    import torch
+
+    from looped_lm.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg, vocab_size)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trained, sum(p.numel() for p in model.parameters()) - trained
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2 ** 30:,.1f} GiB"
 
 
 def run_vocab(cfg: Config) -> tuple[int, str]:
@@ -181,6 +251,67 @@ def check_resume(manifest: dict, cfg: Config, vocab_size: int, world_size: int |
         notes.append(f"{', '.join(switched)}: the optimizer state is {whole}; ranks without a saved RNG state "
                      "start theirs from the seed")
     return notes
+
+
+def check_output_path(path: str | Path, flag: str, kind: str = "file", must_write: bool = True) -> Path:
+    """An output path every verb that writes checks before its work starts (exit 2, one line naming
+    `flag`): no part of it is a symlink loop, a dangling symlink or a file where a directory must be;
+    the path itself is not a directory when a file is written (kind "file") nor a file when a directory
+    is (kind "dir"); and the nearest existing directory accepts a new file (a probe, removed at once:
+    /proc, /sys, a read-only mount or a full inode table answer here). `must_write` False: an existing
+    directory is taken as it is (a read-only cache that is already prepared)."""
+    import errno
+    import tempfile
+
+    path = Path(path)
+    if str(path) == "":
+        raise UserError(f"{flag} must not be empty")
+    existing = None
+    for p in [path, *path.parents]:
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:
+            if os.path.lexists(p):  # a symlink whose target does not exist: mkdir would say "File exists"
+                raise UserError(f"{flag} {path}: {p} is a dangling symlink (to {os.readlink(p)})") from None
+            continue
+        except OSError as e:
+            if e.errno == errno.ELOOP:  # name the first component that loops, not the whole path
+                loop = next((q for q in reversed([p, *p.parents]) if _loops(q)), p)
+                raise UserError(f"{flag} {path}: {loop} is a symlink loop") from None
+            raise UserError(f"{flag} {path}: cannot reach {p} ({e.strerror or e})") from None
+        existing = (p, st)
+        break
+    p, st = existing if existing is not None else (Path("."), os.stat("."))
+    import stat as stat_
+
+    is_dir = stat_.S_ISDIR(st.st_mode)
+    if p == path:
+        if kind == "file" and is_dir:
+            raise UserError(f"{flag} {path} is a directory; give a file path")
+        if kind == "dir" and not is_dir:
+            raise UserError(f"{flag} {path} is a file, not a directory")
+        if kind == "dir" and not must_write:
+            return path
+        p = p if is_dir else p.parent
+    elif not is_dir:
+        raise UserError(f"{flag} {path}: {p} is a file, not a directory")
+    try:  # the directory the first new entry goes into accepts one
+        fd, probe = tempfile.mkstemp(prefix=".looped_lm-write-test-", dir=p)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UserError(f"{flag} {path}: cannot write into {p} ({e.strerror or e})") from None
+    return path
+
+
+def _loops(path: Path) -> bool:
+    import errno
+
+    try:
+        os.stat(path)
+    except OSError as e:
+        return e.errno == errno.ELOOP
+    return False
 
 
 def ensure_writable(out_dir: Path) -> None:
