@@ -37,7 +37,7 @@ class ServedModels:
     def resolve(self, requested: str | None, num_iterations: int | None) -> tuple[str, int | None]:
         """(the name to answer with, the K asked for: None = the server default). Only the name is checked
         here; the K itself is checked with the request's other settings (`Engine.resolve`)."""
-        name = requested or self.name
+        name = self.name if requested is None else requested  # "" names no model: 404, not the default
         base, at, k_text = name.partition("@")
         if base != self.name or (at and not (self.has_iterations and k_text.isdigit() and k_text[0] != "0")):
             raise APIError(404, f"The model `{name}` does not exist (this server has `{self.name}`"

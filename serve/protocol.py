@@ -114,6 +114,20 @@ class SamplingFields(RequestModel):
     logit_bias: SkipJsonSchema[dict[str, float] | None] = None
 
     # Checks are field validators (not model validators) so that a 400 names its field in `param`.
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_shape(cls, value):
+        """One message for the field as the client sent it (the union's own errors name its branches:
+        `stop.str`, `stop.list[str]`)."""
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"must be a string or a list of strings (got {type(value).__name__}"
+                             f"{'' if not isinstance(value, list) else ' holding a non-string'})")
+        if len(value) > 16:
+            raise ValueError(f"at most 16 strings (got {len(value)})")
+        return value
+
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
     def _no_penalty(cls, value: float) -> float:

@@ -64,12 +64,14 @@ def train_tiny_db(tmp_path_factory, write_config) -> Path:
 class Served:
     """A running server and what the tests compare it with."""
 
-    def __init__(self, ckpt: Path, name: str, api_key: str | None = None, **engine_kw):
+    def __init__(self, ckpt: Path, name: str, api_key: str | None = None, max_request_work: int | None = None,
+                 **engine_kw):
         self.model, self.cfg, manifest = load_checkpoint(ckpt)
         self.tok = get_tokenizer(manifest["tokenizer"])
         self.engine = Engine.from_memory_budget(self.model, 0.25, vocab_size=self.tok.vocab_size, **engine_kw)
         self.name = name
-        self.server = BackgroundServer(build_app(self.engine, self.tok, name, api_key=api_key))
+        self.server = BackgroundServer(build_app(self.engine, self.tok, name, api_key=api_key,
+                                                 max_request_work=max_request_work))
 
     def __enter__(self):
         self.server.__enter__()

@@ -160,7 +160,11 @@ class Engine:
             value = getattr(request, name)
             if value is not None and not 0 <= value <= self.vocab_size:
                 raise InvalidRequest(f"{name} must be in 0..{self.vocab_size} (got {value})", name)
-        return self._settings(request)
+        settings = self._settings(request)
+        if settings.sampling.top_k > self.vocab_size:
+            raise InvalidRequest(f"top_k must be at most the vocabulary size, {self.vocab_size} (0 or -1: off; got "
+                                 f"{settings.sampling.top_k})", "top_k")
+        return settings
 
     def add_request(self, request: Request, sink: Callable[[RequestOutput], None]) -> InferenceSettings:
         """Queue a request; `sink` receives its outputs on the engine thread. Returns its settings."""
