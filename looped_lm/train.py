@@ -426,11 +426,16 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
                     report.line(f"step {done}: saved {last_ckpt}")
         if report is not None:
             report.summary(end_step, last_ckpt)
+    except BaseException:
+        failed = True  # the run's own error is the one line: closing the logs must not add another
+        raise
+    else:
+        failed = False
     finally:
         if report is not None:
             report.close()
         if logger is not None:
-            logger.close()
+            logger.close(quiet=failed)
     return last_ckpt
 
 
@@ -655,11 +660,15 @@ class MetricsLogger:
         self.file = open(self.path, "a")
         try:
             from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(out_dir / "tb"), purge_step=start_step + 1 if start_step else None)
-            _quiet_writer_threads()
         except ImportError:  # tensorboard is a dependency; tolerate its absence in minimal installs
             self.tb = None
+            return
+        _quiet_writer_threads()  # before the writer's thread starts: its very first write may fail (a full disk)
+        try:
+            self.tb = SummaryWriter(str(out_dir / "tb"), purge_step=start_step + 1 if start_step else None)
+        except OSError as e:
+            self.file.close()
+            raise OSError(e.errno, e.strerror or str(e), str(out_dir / "tb")) from None
 
     def log(self, step: int, values: dict) -> None:
         self.file.write(json.dumps({"step": step, **values}) + "\n")
@@ -672,10 +681,16 @@ class MetricsLogger:
             except OSError as e:  # the writer thread's failure (a full disk), surfaced here: name the directory
                 raise OSError(e.errno, e.strerror or str(e), str(self.tb.log_dir)) from None
 
-    def close(self) -> None:
-        self.file.close()
-        if self.tb is not None:
-            self.tb.close()
+    def close(self, quiet: bool = False) -> None:
+        """Close both logs. `quiet`: the run is failing already (its error is the one line said), so
+        a failure to flush them (the same full disk) is dropped."""
+        try:
+            self.file.close()
+            if self.tb is not None:
+                self.tb.close()
+        except OSError as e:
+            if not quiet:
+                raise OSError(e.errno, e.strerror or str(e), e.filename or str(self.path.parent)) from None
 
 
 def main(argv=None) -> int:

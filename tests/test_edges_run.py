@@ -248,3 +248,25 @@ def test_a_resume_on_another_world_size_is_said_not_silent(tiny_run, tmp_path):
                                       "train.resume_changes=allow"])
     plan = preflight(cfg, world_size=2)
     assert any("world size 1 -> 2" in n and "re-sharded" in n for n in plan.notes), plan.notes
+
+
+# --- E: a disk full at launch is one line, no TensorBoard thread traceback ------------------------------
+
+
+def test_a_disk_full_at_launch_is_one_line_without_a_tensorboard_traceback(tmp_path, write_config, monkeypatch,
+                                                                          capfd, one_line_error):
+    """TensorBoard's first write (the file header, from its own thread) already fails: the run stops with
+    one line naming the directory, and neither that thread nor the closing of the logs adds a traceback."""
+    import errno
+    import threading
+
+    from tensorboard.summary.writer import record_writer
+
+    def full(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(record_writer.RecordWriter, "write", full)
+    monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)  # as in a fresh process
+    assert _train(write_config, tmp_path, max_steps=2) == 1
+    captured = capfd.readouterr()
+    one_line_error(captured, f"{tmp_path / 'out' / 'tb'}", "No space left on device")
+    assert "Exception in thread" not in captured.err
