@@ -57,13 +57,13 @@ EXTREMES = [  # (raw JSON fields, expected status, "greedy" if the text equals t
     ('"top_k": 1', 200, "greedy"),
     ('"top_k": 256', 200, None),  # the byte vocabulary: 257 ids
     ('"top_k": 257', 200, None),
-    ('"top_k": 258', 200, None),
-    ('"top_k": 9223372036854775808', 200, None),
-    ('"top_k": 1000000000000000000000000000000', 200, None),
+    ('"top_k": 258', 400, "top_k"),  # past the vocabulary: a typo or an attack, not a setting
+    ('"top_k": 9223372036854775808', 400, "top_k"),
+    ('"top_k": 1000000000000000000000000000000', 400, "top_k"),
     ('"temperature": 1e-40, "top_p": 5e-324, "top_k": 1', 200, "greedy"),
     ('"temperature": 1e300, "top_k": 1', 200, None),
     ('"temperature": 1e300, "top_p": 5e-324', 200, None),
-    ('"temperature": 1e-40, "top_p": 0.9999999999999999, "top_k": 258', 200, "greedy"),
+    ('"temperature": 1e-40, "top_p": 0.9999999999999999, "top_k": 257', 200, "greedy"),
     ('"seed": 18446744073709551615', 200, None),
     ('"seed": -9223372036854775808', 200, None),
     ('"temperature": 1e309', 400, "temperature"),  # JSON's 1e309 is infinity

@@ -1,0 +1,208 @@
+"""Served log-probs of DiffusionBlocks models: checked against plain Monte-Carlo, and through
+lm-evaluation-harness against `looped_lm eval`.
+
+    python bench/logprob_check.py mc --checkpoint out/quickstart_db/step_0001000 --ks 4,8,16,32
+    python bench/logprob_check.py lm-eval --checkpoint out/quickstart_db/step_0001000 --ks 1,2,4,8,16,32
+
+mc       On held-out tokens of the run's val.bin: the log-prob the server returns for each token (the
+         model's `token_logprobs` with the server's defaults: 4 draws, more where a token is unresolved, up
+         to 64), over `--repeats` independent scoring seeds, against log of plain Monte-Carlo of the very
+         chain `generate` runs (`--chains` runs per token, temperature 1). Per K: the mean bias per token
+         (served - MC) with its standard error, the spread of one served value (sd over repeats), the share
+         of tokens still unresolved after the cap (se > 1 nat), the mean draws used.
+lm-eval  `looped_lm serve` in a subprocess; lm-evaluation-harness `local-completions` runs a rolling
+         log-likelihood task over one held-out document of 126 x W byte tokens (lm-eval's windows at
+         max_length 128 predict 126 tokens each: exactly the windows `looped_lm eval --block-size 126`
+         scores on the same text preceded by the end-of-text token), at each K;
+         its mean NLL per token (bits_per_byte x ln 2) against `looped_lm eval --num-iterations K` with its
+         standard error se. The two are independent estimates of the same number, each with about that se,
+         so the check (fixed before the runs) is |difference| <= 2 x sqrt(2) x se (`within`); `z` is the
+         difference over se. Needs `pip install "lm-eval[api]"`.
+
+Writes bench/results/logprob_check/<mode>_<run>.json and prints a table. One thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results" / "logprob_check"
+CONTEXT = 128  # the quickstart's seq_len: the server's context, lm-eval's max_length
+# lm-eval's API models keep one token for generation (echo requests send max_tokens 1) and one of context per
+# rolling window, so each window predicts CONTEXT - 2 tokens from a prompt of CONTEXT - 1
+BLOCK = CONTEXT - 2
+
+
+def held_out(manifest: dict, n: int, start: int = 0) -> list[int]:
+    """n tokens of the run's val.bin with no end-of-text token among them."""
+    ids = np.fromfile(Path(manifest["data"]["dir"]) / "val.bin", dtype=np.uint16).astype(np.int64)
+    eot = manifest["vocab_size"] - 1 if manifest["tokenizer"] == "byte" else 50256
+    while np.any(ids[start:start + n + 1] == eot):
+        start += n
+    return ids[start:start + n + 1].tolist()
+
+
+def run_mc(args) -> dict:
+    from looped_lm.checkpoint import load_checkpoint
+    from looped_lm.diffusion.chain import run_chain
+    from looped_lm.engine.engine import Engine
+    from looped_lm.models.db.contexts import WindowContext
+    from looped_lm.sampling import SharedGenerator
+    from looped_lm.settings import InferenceSettings
+
+    model, cfg, manifest = load_checkpoint(args.checkpoint, "cpu", verify=False)
+    served = Engine(model, 1).score_settings  # what `looped_lm serve` uses by default
+    ids = held_out(manifest, args.tokens, args.start)
+    x, y = torch.tensor([ids[:-1]]), torch.tensor([ids[1:]])
+    rows = []
+    for K in args.ks:
+        t0 = time.time()
+        reps = args.chains
+        context = WindowContext(model, x.repeat(reps, 1))
+        random = SharedGenerator(torch.Generator().manual_seed(10_000 + K))
+        z = model.initial_noise(reps, x.shape[1], random)
+        with torch.no_grad():
+            logits = run_chain(context.denoise, model.grid(), [InferenceSettings(num_iterations=K, bridge="sample")] * reps,
+                               z, random, model.targets, model.target_table).logits
+        p = logits.double().softmax(-1).gather(-1, y.repeat(reps, 1)[..., None])[..., 0]  # (chains, T)
+        p_mc, p_se = p.mean(0), p.std(0) / reps ** 0.5
+        mc_time = time.time() - t0
+        t0 = time.time()
+        values, ses = [], []
+        for r in range(args.repeats):
+            with torch.no_grad():
+                est = model.token_logprobs(x, y, served, K, torch.Generator().manual_seed(r))
+            values.append(est.logp.gather(-1, y[..., None])[0, :, 0].double())
+            ses.append(est.se[0])
+        served_time = (time.time() - t0) / args.repeats
+        values, ses = torch.stack(values), torch.stack(ses)  # (repeats, T)
+        ok = p_mc > 0  # tokens MC saw at least once: log p_mc is defined
+        log_mc = p_mc[ok].log()
+        diff = values[:, ok].mean(0) - log_mc  # per token: served (mean over repeats) - MC
+        # se of the mean bias: the served values' spread over repeats and MC's own se (delta method)
+        var_tok = values[:, ok].var(0) / args.repeats + (p_se[ok] / p_mc[ok]) ** 2
+        rows.append({
+            "K": K, "tokens": int(ok.sum()), "tokens_mc_never_drew": int((~ok).sum()),
+            "bias_per_token": float(diff.mean()), "bias_se": float(var_tok.sum().sqrt() / ok.sum()),
+            "bias_sum_over_tokens": float(diff.sum()),
+            "spread_per_token_sd": float(values[:, ok].std(0).mean()),
+            "mc_log_se_mean": float((p_se[ok] / p_mc[ok]).mean()),
+            "unresolved_after_cap": float((ses > 1).double().mean()),
+            "mean_nll_served": float(-values[:, ok].mean()), "mean_nll_mc": float(-log_mc.mean()),
+            "seconds_mc": round(mc_time, 1), "seconds_per_served_estimate": round(served_time, 2),
+        })
+        print(json.dumps(rows[-1]), flush=True)
+    return {"checkpoint": str(args.checkpoint), "kind": cfg.model.kind, "chains": args.chains,
+            "repeats": args.repeats, "served_settings": {"draws": served.draws, "max_draws": served.max_draws},
+            "rows": rows}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_lm_eval(args) -> dict:
+    from looped_lm.checkpoint import load_checkpoint
+    from looped_lm.data.tokenizer import get_tokenizer
+
+    _, cfg, manifest = load_checkpoint(args.checkpoint, "cpu", verify=False)
+    tok = get_tokenizer(manifest["tokenizer"])
+    text = tok.decode(held_out(manifest, BLOCK * args.windows, args.start)[:BLOCK * args.windows])
+    assert len(tok.encode(text)) == BLOCK * args.windows
+    work = Path(tempfile.mkdtemp(prefix="logprob_check_"))
+    (work / "doc.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    # eval on [EOT] + doc + [EOT]: windows of BLOCK that are exactly lm-eval's rolling windows of the doc
+    (work / "eval.jsonl").write_text(json.dumps({"text": ""}) + "\n" + json.dumps({"text": text}) + "\n")
+    (work / "task.yaml").write_text(
+        "task: looped_lm_heldout\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {work / 'doc.jsonl'}\ntest_split: test\noutput_type: loglikelihood_rolling\n"
+        "doc_to_text: ''\ndoc_to_target: '{{text}}'\nmetric_list:\n  - metric: bits_per_byte\n")
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    name = "m"
+    server = subprocess.Popen([sys.executable, "-m", "looped_lm", "serve", "--checkpoint", str(args.checkpoint),
+                               "--port", str(port), "--served-model-name", name, "--threads", "1", "--no-verify"],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    rows = []
+    try:
+        for _ in range(120):
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError:
+                time.sleep(1)
+        for K in args.ks:
+            t0 = time.time()
+            out = work / f"lm_eval_{K}"
+            cmd = [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--tasks", "looped_lm_heldout",
+                   "--include_path", str(work), "--output_path", str(out),
+                   "--model_args", f"model={name}@{K},base_url=http://127.0.0.1:{port}/v1/completions,"
+                                   f"tokenized_requests=True,tokenizer_backend=remote,max_length={CONTEXT}"]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if done.returncode != 0:
+                rows.append({"K": K, "lm_eval_exit": done.returncode, "lm_eval_error": done.stderr[-2000:]})
+                print(json.dumps(rows[-1]), flush=True)
+                continue
+            result = json.loads(next(out.rglob("results_*.json")).read_text())["results"]["looped_lm_heldout"]
+            nll_lm_eval = result["bits_per_byte,none"] * math.log(2)  # byte tokens: bytes = tokens
+            lm_eval_seconds = time.time() - t0
+            ev = work / f"eval_{K}.json"
+            subprocess.run([sys.executable, "-m", "looped_lm", "eval", "--checkpoint", str(args.checkpoint),
+                            "--data", str(work / "eval.jsonl"), "--num-iterations", str(K), "--block-size",
+                            str(BLOCK), "--json", str(ev), "--no-progress", "--no-verify"], env=env, check=True,
+                           capture_output=True)
+            rep = json.loads(ev.read_text())
+            key = str(K)
+            ppl = rep["ppl_at_k"][key]
+            nll_eval, se = math.log(ppl), rep["ppl_se"][key] / ppl  # the se of log ppl, first order
+            rows.append({"K": K, "tokens": BLOCK * args.windows, "nll_lm_eval": nll_lm_eval, "nll_eval": nll_eval,
+                         "eval_se": se, "z": None if not se else (nll_lm_eval - nll_eval) / se,
+                         "within": bool(se) and abs(nll_lm_eval - nll_eval) <= 2 * math.sqrt(2) * se,
+                         "lm_eval_seconds": round(lm_eval_seconds, 1), "eval_report": rep})
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "eval_report"}), flush=True)
+    finally:
+        server.terminate()
+        server.wait(30)
+    return {"checkpoint": str(args.checkpoint), "kind": cfg.model.kind, "windows": args.windows, "block": BLOCK,
+            "rows": rows}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("mode", choices=("mc", "lm-eval"))
+    p.add_argument("--checkpoint", required=True, type=Path)
+    p.add_argument("--ks", default="4,8,16,32")
+    p.add_argument("--tokens", type=int, default=64, help="mc: held-out tokens scored")
+    p.add_argument("--chains", type=int, default=2000, help="mc: plain Monte-Carlo chains per token")
+    p.add_argument("--repeats", type=int, default=8, help="mc: independent served estimates per token")
+    p.add_argument("--windows", type=int, default=8, help="lm-eval: windows of 126 tokens in the document")
+    p.add_argument("--start", type=int, default=0, help="offset into val.bin")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    args.ks = [int(k) for k in args.ks.split(",")]
+    torch.set_num_threads(1)
+    result = run_mc(args) if args.mode == "mc" else run_lm_eval(args)
+    run = args.checkpoint.resolve().parent.name
+    out = args.out or RESULTS / f"{args.mode.replace('-', '_')}_{run}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
