@@ -15,9 +15,25 @@ import math
 import torch
 
 
+ADAMW_IMPLEMENTATIONS = ("for-loop", "foreach", "fused")
+
+
+def adamw_implementation(device_type: str) -> str:
+    """fused on CUDA (one kernel for every tensor), foreach elsewhere (a few multi-tensor ops instead of
+    about ten kernels per parameter tensor; the plain for-loop is the reference the tests compare)."""
+    return "fused" if device_type == "cuda" else "foreach"
+
+
 class BlockwiseAdamW(torch.optim.AdamW):
-    def __init__(self, param_groups, **kw):
+    """AdamW that steps only the active units. `implementation` chooses torch's kernel path; all three skip
+    a parameter whose gradient is None, which is how an idle unit keeps its weights and moments."""
+
+    def __init__(self, param_groups, implementation: str = "for-loop", **kw):
+        if implementation not in ADAMW_IMPLEMENTATIONS:
+            raise ValueError(f"implementation must be one of {ADAMW_IMPLEMENTATIONS} (got {implementation!r})")
+        kw.update(foreach=implementation == "foreach", fused=implementation == "fused")
         super().__init__(param_groups, **kw)
+        self.implementation = implementation
         self.active_units: set[str] | None = None  # None = every unit
 
     def set_active_units(self, units) -> None:
