@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +65,8 @@ def run_mc(args) -> dict:
 
     model, cfg, manifest = load_checkpoint(args.checkpoint, "cpu", verify=False)
     served = Engine(model, 1).score_settings  # what `looped_lm serve` uses by default
+    variants = [served] + [replace(served, resolve_se=float(se), max_draws=int(cap))  # what less bias costs
+                           for se, cap in (v.split(":") for v in args.variants.split(",") if v)]
     ids = held_out(manifest, args.tokens, args.start)
     x, y = torch.tensor([ids[:-1]]), torch.tensor([ids[1:]])
     rows = []
@@ -79,34 +82,39 @@ def run_mc(args) -> dict:
         p = logits.double().softmax(-1).gather(-1, y.repeat(reps, 1)[..., None])[..., 0]  # (chains, T)
         p_mc, p_se = p.mean(0), p.std(0) / reps ** 0.5
         mc_time = time.time() - t0
-        t0 = time.time()
-        values, ses = [], []
-        for r in range(args.repeats):
-            with torch.no_grad():
-                est = model.token_logprobs(x, y, served, K, torch.Generator().manual_seed(r))
-            values.append(est.logp.gather(-1, y[..., None])[0, :, 0].double())
-            ses.append(est.se[0])
-        served_time = (time.time() - t0) / args.repeats
-        values, ses = torch.stack(values), torch.stack(ses)  # (repeats, T)
-        ok = p_mc > 0  # tokens MC saw at least once: log p_mc is defined
-        log_mc = p_mc[ok].log()
-        diff = values[:, ok].mean(0) - log_mc  # per token: served (mean over repeats) - MC
-        # se of the mean bias: the served values' spread over repeats and MC's own se (delta method)
-        var_tok = values[:, ok].var(0) / args.repeats + (p_se[ok] / p_mc[ok]) ** 2
-        rows.append({
-            "K": K, "tokens": int(ok.sum()), "tokens_mc_never_drew": int((~ok).sum()),
+        for settings in variants:
+            rows.append({"K": K, "resolve_se": settings.resolve_se, "max_draws": settings.max_draws,
+                         "seconds_mc": round(mc_time, 1),
+                         **served_vs_mc(model, x, y, K, settings, args.repeats, p_mc, p_se)})
+            print(json.dumps(rows[-1]), flush=True)
+    return {"checkpoint": str(args.checkpoint), "kind": cfg.model.kind, "chains": args.chains,
+            "repeats": args.repeats, "served_defaults": {"draws": served.draws, "max_draws": served.max_draws,
+                                                         "resolve_se": served.resolve_se},
+            "rows": rows}
+
+
+def served_vs_mc(model, x, y, K: int, settings, repeats: int, p_mc, p_se) -> dict:
+    """`repeats` served estimates of every token (scoring seeds 0..repeats-1) against MC's p (and se)."""
+    t0 = time.time()
+    values, ses = [], []
+    for r in range(repeats):
+        with torch.no_grad():
+            est = model.token_logprobs(x, y, settings, K, torch.Generator().manual_seed(r))
+        values.append(est.logp.gather(-1, y[..., None])[0, :, 0].double())
+        ses.append(est.se[0])
+    values, ses = torch.stack(values), torch.stack(ses)  # (repeats, T)
+    ok = p_mc > 0  # tokens MC saw at least once: log p_mc is defined
+    log_mc = p_mc[ok].log()
+    diff = values[:, ok].mean(0) - log_mc  # per token: served (mean over repeats) - MC
+    # se of the mean bias: the served values' spread over repeats and MC's own se (delta method)
+    var_tok = values[:, ok].var(0) / repeats + (p_se[ok] / p_mc[ok]) ** 2
+    return {"tokens": int(ok.sum()), "tokens_mc_never_drew": int((~ok).sum()),
             "bias_per_token": float(diff.mean()), "bias_se": float(var_tok.sum().sqrt() / ok.sum()),
-            "bias_sum_over_tokens": float(diff.sum()),
             "spread_per_token_sd": float(values[:, ok].std(0).mean()),
             "mc_log_se_mean": float((p_se[ok] / p_mc[ok]).mean()),
             "unresolved_after_cap": float((ses > 1).double().mean()),
             "mean_nll_served": float(-values[:, ok].mean()), "mean_nll_mc": float(-log_mc.mean()),
-            "seconds_mc": round(mc_time, 1), "seconds_per_served_estimate": round(served_time, 2),
-        })
-        print(json.dumps(rows[-1]), flush=True)
-    return {"checkpoint": str(args.checkpoint), "kind": cfg.model.kind, "chains": args.chains,
-            "repeats": args.repeats, "served_settings": {"draws": served.draws, "max_draws": served.max_draws},
-            "rows": rows}
+            "seconds_per_served_estimate": round((time.time() - t0) / repeats, 2)}
 
 
 def free_port() -> int:
@@ -191,6 +199,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=8, help="mc: independent served estimates per token")
     p.add_argument("--windows", type=int, default=8, help="lm-eval: windows of 126 tokens in the document")
     p.add_argument("--start", type=int, default=0, help="offset into val.bin")
+    p.add_argument("--variants", default="", help="mc: also score with these resolve_se:max_draws pairs, e.g. 0.5:64,0.25:256")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     args.ks = [int(k) for k in args.ks.split(",")]

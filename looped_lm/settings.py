@@ -231,6 +231,7 @@ class ScoreSettings:
     bridge: str | None = None
     exit_rule: ExitRule | None = None
     max_draws: int | None = None
+    resolve_se: float = 1.0  # with max_draws: draw again while a token's se (nats) is above this
     stats: dict = field(default_factory=dict, compare=False)  # filled with mean iterations under exit_rule
 
     def validate(self) -> "ScoreSettings":
@@ -240,6 +241,8 @@ class ScoreSettings:
                                            or not self.draws <= self.max_draws <= MAX_DRAWS):
             raise UserError(f"max_draws must be an integer in draws ({self.draws}) .. {MAX_DRAWS} "
                             f"(got {self.max_draws!r})", "max_draws")
+        if not self.resolve_se > 0:
+            raise UserError(f"resolve_se must be > 0 (got {self.resolve_se})", "resolve_se")
         if self.candidates < 0:
             raise UserError(f"candidates must be >= 0 (got {self.candidates})", "candidates")
         if not 0 <= self.boost < 1:

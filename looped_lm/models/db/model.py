@@ -17,7 +17,7 @@ import torch
 
 from looped_lm.config import Config
 from looped_lm.diffusion.chain import ChainGrid, run_chain, top_of_block0
-from looped_lm.diffusion.estimator import UNRESOLVED_TOKEN_SE, jackknife_nll, sampler_probs
+from looped_lm.diffusion.estimator import jackknife_nll, sampler_probs
 from looped_lm.errors import UserError
 from looped_lm.models.contract import (CachedDecoding, EstimatedLogprobs, Iterative, Scorable, TokenScores,
                                        Trainable)
@@ -173,8 +173,8 @@ class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, Iterativ
     def _logprobs(self, context, y, K: int, settings: ScoreSettings, random) -> EstimatedLogprobs:
         """log of the estimated marginal (B, T, V), normalised to sum to 1; at the tokens y, the same
         jackknifed estimate `score` reports (<= 0), so an echo log-prob and `looped_lm eval` agree in
-        expectation, with its standard error. Where that estimate is unresolved (se > UNRESOLVED_TOKEN_SE,
-        or no se: one draw), more draws are made for those slots alone, doubling, until resolved or
+        expectation, with its standard error. Where that se is above `settings.resolve_se` (or there is
+        none: one draw), more draws are made for those slots alone, doubling, until it is not or
         `settings.max_draws` in all: the value is always a finite number, the se says how far to trust it.
         (Stopping on the estimate's own spread biases the NLL by a fraction of that se; the draws before
         and after each decision are independent.)"""
@@ -185,7 +185,7 @@ class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, Iterativ
         var = torch.full_like(nll, float("inf")) if var is None else var  # one draw: no spread, unresolved
         draws, cols, open_estimates = settings.draws, torch.arange(y.shape[1], device=y.device), estimates
         while draws < (settings.max_draws or draws):
-            open_ = (var[:, cols] > UNRESOLVED_TOKEN_SE ** 2).any(0)  # slots where some row is unresolved
+            open_ = (var[:, cols] > settings.resolve_se ** 2).any(0)  # slots where some row is unresolved
             if not bool(open_.any()):
                 break
             cols, open_estimates = cols[open_], open_estimates[:, :, open_]
