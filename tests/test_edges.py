@@ -64,6 +64,21 @@ def _a_file(tmp: Path) -> str:
     return str(tmp / "a_file")
 
 
+def _yaml(tmp: Path, name: str, text: str) -> str:
+    (tmp / name).write_text(text)
+    return str(tmp / name)
+
+
+def _loop(tmp: Path) -> Path:
+    """A symlink to itself: every path through it fails with ELOOP."""
+    (tmp / "loop").symlink_to(tmp / "loop")
+    return tmp / "loop"
+
+
+BIG = 2 ** 70  # 1180591620717411303424
+QUICKSTART_DB = str(REPO / "configs/quickstart_db.yaml")
+
+
 # case: (argv builder (gpt checkpoint, db checkpoint, config, tmp dir, port) -> argv, exit code, fragments)
 # `gpt` is a 30-step byte-level GPT, `db` a 2-step DB-AR (B = 2), `cfg` the gpt run's config
 CASES = {
@@ -82,6 +97,59 @@ CASES = {
         lambda g, d, c, t, p: ["train", "--config", str(REPO / "configs/quickstart_db.yaml"), "--nproc", "1",
                                "--set", "train.mode=block_parallel", "--set", f"train.out_dir={t / 'bp'}"],
         2, ["block_sampling network_gain (the default)", "diffusion.block_sampling=uniform"]),
+    # B: values that used to end in a traceback
+    "train.grad_accum=2**70": (lambda g, d, c, t, p: ["train", "--config", c, "--set", f"train.grad_accum={BIG}"],
+                               2, ["train.grad_accum must be in 1..2147483647", str(BIG)]),
+    "model.vocab_size=10**9 (memory estimate)": (
+        lambda g, d, c, t, p: ["train", "--config", c, "--set", "model.vocab_size=1000000000"],
+        2, ["the model needs about 476.8 GiB", "AdamW state", "more than the", "model.vocab_size (1,000,000,000)"]),
+    "YAML self-referencing anchor": (lambda g, d, c, t, p: ["train", "--config", _yaml(t, "a.yaml", "a: &x [*x]\n")],
+                                     2, ["a.yaml", "self-referencing anchor"]),
+    "--set with a self-referencing anchor": (
+        lambda g, d, c, t, p: ["train", "--config", c, "--set", "train.lora_targets=&x [*x]"],
+        2, ["--set train.lora_targets", "self-referencing anchor"]),
+    "YAML 5000-digit integer": (lambda g, d, c, t, p: ["train", "--config",
+                                                       _yaml(t, "big.yaml", "train:\n  seed: " + "9" * 5000 + "\n")],
+                                2, ["big.yaml", "an integer has more than 4300 digits"]),
+    "--set a 5000-digit integer": (lambda g, d, c, t, p: ["train", "--config", c, "--set", "train.seed=" + "9" * 5000],
+                                   2, ["--set train.seed", "more than 4300 digits"]),
+    # C: a bound instead of a silent hang
+    "eval --draws 10**9": (lambda g, d, c, t, p: ["eval", "--checkpoint", d, "--draws", "1000000000"], 2,
+                           ["--draws must be in 1..4096 (got 1000000000)"]),
+    # D: output paths checked before the work starts (exit 2, not 1 after it)
+    "data.cache_dir a symlink loop": (lambda g, d, c, t, p: ["train", "--config", c, "--set",
+                                                             f"data.cache_dir={_loop(t) / 'cache'}"],
+                                      2, ["data.cache_dir", "is a symlink loop"]),
+    "data.cache_dir under /proc": (lambda g, d, c, t, p: ["train", "--config", c, "--set",
+                                                          "data.cache_dir=/proc/looped_lm_cache"],
+                                   2, ["data.cache_dir /proc/looped_lm_cache: cannot write into /proc"]),
+    "eval --json under /proc": (lambda g, d, c, t, p: ["eval", "--checkpoint", g, "--json", "/proc/looped_lm.json"],
+                                2, ["--json /proc/looped_lm.json: cannot write into /proc"]),
+    "eval --json through a symlink loop": (lambda g, d, c, t, p: ["eval", "--checkpoint", g, "--json",
+                                                                  str(_loop(t) / "r.json")],
+                                           2, ["--json", "loop is a symlink loop"]),
+    "export --out through a symlink loop": (lambda g, d, c, t, p: ["export", "--checkpoint", g, "--out",
+                                                                   str(_loop(t) / "hf")],
+                                            2, ["--out", "loop is a symlink loop"]),
+    "merge --out under /proc": (lambda g, d, c, t, p: ["merge", d, "--out", "/proc/looped_lm_merged"], 2,
+                                ["--out /proc/looped_lm_merged: cannot write into /proc"]),
+    # E: silently accepted before
+    "diffusion.num_iterations=2**70": (lambda g, d, c, t, p: ["train", "--config", QUICKSTART_DB, "--set",
+                                                              f"diffusion.num_iterations={BIG}"],
+                                       2, ["diffusion.num_iterations must be <= model.max_iterations (64)"]),
+    "model.max_iterations=2**70": (lambda g, d, c, t, p: ["train", "--config", QUICKSTART_DB, "--set",
+                                                          f"model.max_iterations={BIG}"],
+                                   2, ["model.max_iterations must be in 1..4096"]),
+    "train.lora_targets=[bogus] without LoRA": (
+        lambda g, d, c, t, p: ["train", "--config", c, "--set", "train.lora_targets=[qkv, bogus]"],
+        2, ["train.lora_targets has 'bogus'", "qkv, proj, gate_up, down"]),
+    "a config with a NUL byte": (lambda g, d, c, t, p: ["train", "--config", _yaml(t, "nul.yaml",
+                                                                                  "train:\n  seed: 1\0\n")],
+                                 2, ["nul.yaml is not valid YAML", "#x0000"]),
+    "eval --cfg-scale on a db_ar checkpoint": (lambda g, d, c, t, p: ["eval", "--checkpoint", d, "--cfg-scale", "2"],
+                                               2, ["--cfg-scale", "for dit", "model.kind db_ar"]),
+    "eval --features on a gpt checkpoint": (lambda g, d, c, t, p: ["eval", "--checkpoint", g, "--features", d],
+                                            2, ["--features", "model.kind gpt"]),
     # eval: flags checked before the checkpoint is read; K by the model's bound
     "eval --json DIR": (lambda g, d, c, t, p: ["eval", "--checkpoint", g, "--json", str(t)], 2,
                         ["--json", "is a directory"]),
@@ -178,6 +246,12 @@ def test_the_models_k_bound_is_one_rule(db_ckpt, capsys):
     (["generate", "--checkpoint"], "argument --checkpoint: expected one argument"),
     (["evaluate"], "invalid choice: 'evaluate'"),
     (["eval", "--checkpoint", "x", "--draws", "many"], "argument --draws: invalid int value: 'many'"),
+    (["eval", "--checkpoint", "x", "--seed", str(2 ** 70)], "argument --seed: must be in 0..2**62 - 1"),
+    (["generate", "--checkpoint", "x", "--seed", str(2 ** 70)], "argument --seed: must be in 0..2**62 - 1"),
+    (["eval", "--checkpoint", "x", "--cfg-scale", "nan"], "argument --cfg-scale: must be a finite number"),
+    (["generate", "--checkpoint", "x", "--temperature", "inf"], "argument --temperature: must be a finite number"),
+    (["generate", "--checkpoint", "x", "--exit-threshold", "nan"], "argument --exit-threshold: must be a finite"),
+    (["generate", "--checkpoint", "x", "--cfg-scale=-inf"], "argument --cfg-scale: must be a finite number"),
 ])
 def test_argparse_errors_are_one_line_and_point_to_help(argv, fragment, capsys):
     with pytest.raises(SystemExit) as exit_:
