@@ -203,7 +203,7 @@ class EvalConfig(_Section):
     block_size: int = _f(0, "perplexity window; 0 = model.seq_len")
     stride: int = _f(0, "0 = disjoint blocks (primary); S = sliding windows scoring the last S tokens")
     max_tokens: int = _f(0, "score at most this many tokens; 0 = all")
-    draws: int = _f(4, "DB models: chains averaged per ppl@k")
+    draws: int = _f(4, "DB models: chains averaged per ppl@k (at most 4096: each is a full pass over the data)")
 
 
 class Config(BaseModel):
