@@ -278,6 +278,9 @@ def check_output_path(path: str | Path, flag: str, kind: str = "file", must_writ
             if e.errno == errno.ELOOP:  # name the first component that loops, not the whole path
                 loop = next((q for q in reversed([p, *p.parents]) if _loops(q)), p)
                 raise UserError(f"{flag} {path}: {loop} is a symlink loop") from None
+            if e.errno == errno.ENOTDIR:  # a file where a directory must be
+                file = next((q for q in reversed(p.parents) if q.is_file()), p)
+                raise UserError(f"{flag} {path} is not writable: Not a directory ({file} is a file)") from None
             raise UserError(f"{flag} {path}: cannot reach {p} ({e.strerror or e})") from None
         existing = (p, st)
         break

@@ -38,7 +38,7 @@ NON_DEFAULT = {
         "max_steps": 50, "batch_size": 3, "grad_accum": 4, "lr": 0.003, "min_lr": 0.0003, "warmup_steps": 7,
         "weight_decay": 0.05, "beta1": 0.8, "beta2": 0.99, "grad_clip": 0.5, "seed": 7, "out_dir": "runs/x",
         "save_every": 10, "keep_last": 3, "eval_every": 5, "eval_batches": 2, "log_every": 2,
-        "resume": "never", "resume_changes": "allow", "progress": False,
+        "resume": "never", "resume_changes": "allow", "progress": False, "skip_nonfinite": 3,
         "lora_rank": 4, "lora_alpha": 8.0, "lora_dropout": 0.1, "lora_targets": ["qkv"],
     },
     "deepspeed": {"zero_stage": 2, "bf16": True},
