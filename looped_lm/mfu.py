@@ -1,0 +1,116 @@
+"""Model FLOPs utilisation: a training step's matmul FLOPs (looped_lm/cost.py, from the run's config) over the
+hardware's peak, as nanoGPT prints it.
+
+    flops = StepFlops(cfg, vocab_size, batch_tokens)     # the ledger of each kind of step, cached
+    flops(key)                                           # FLOPs of one optimizer step (all ranks' micro-batches
+                                                         # are counted by the caller: x world_size)
+    peak_flops(device, dtype, override_tflops)           # the device's dense peak, FLOP/s
+
+What decides a step's cost (`key`): the block a DiffusionBlocks step trains, huginn's sampled recurrence r,
+nothing for gpt. Attention is charged over the pairs a causal kernel computes (`attention="visible"`).
+
+Peaks are the vendors' dense (no sparsity) tensor-core numbers: bf16 / fp16, and TF32 for fp32 matmuls
+(torch uses TF32 on these GPUs only with `torch.backends.cuda.matmul.allow_tf32`; otherwise fp32 runs at
+a small fraction of it and the MFU printed is an upper bound). Other hardware: `train.peak_tflops`. On a
+CPU the peak is measured: the best of a few fp32 matmuls at torch's thread count.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import lru_cache
+
+import torch
+
+from looped_lm import cost
+
+# dense peak TFLOP/s by (a name fragment of torch.cuda.get_device_name, matmul precision)
+PEAK_TFLOPS = {
+    ("H200", "bf16"): 989.0, ("H200", "tf32"): 494.5,
+    ("H100", "bf16"): 989.0, ("H100", "tf32"): 494.5,  # SXM; the PCIe card is ~0.76x
+    ("A100", "bf16"): 312.0, ("A100", "tf32"): 156.0,
+}
+
+
+def cost_shape(cfg, vocab_size: int, batch: int) -> cost.Shape:
+    m = cfg.model
+    return cost.Shape(d=m.d_model, layers=m.n_layers, heads=m.n_heads, vocab=vocab_size, seq=m.seq_len,
+                      batch=batch, ffn=m.ffn_hidden, prelude=getattr(m, "n_prelude", 0),
+                      coda=getattr(m, "n_coda", 0))
+
+
+def db_layout(cfg) -> cost.DBLayout:
+    m, d = cfg.model, cfg.diffusion
+    return cost.DBLayout(
+        blocks=1 if m.kind == "looped_db" else d.num_blocks, target_fraction=d.target_fraction,
+        parameterization=d.parameterization, noisy_self=d.noisy_self, loss_chunk=m.loss_chunk,
+        clean_lm=d.clean_lm_weight > 0, fold_likelihood=d.head == "cosine" and d.parameterization == "likelihood",
+        posterior={"full": "full", "detached": "no_grad", "topk": "topk"}[d.posterior_input], topk=d.posterior_topk,
+        layers_per_block=tuple(d.layers_per_block) if isinstance(d.layers_per_block, list) else ())
+
+
+def step_ledger(cfg, vocab_size: int, batch: int, key=None, attention: str = "visible") -> cost.Ledger:
+    """The cost model's ledger of one micro-batch of `batch` sequences; key: the DB block or huginn's r."""
+    m, s = cfg.model, cost_shape(cfg, vocab_size, batch)
+    if m.kind == "gpt":
+        return cost.gpt_train(s, m.loss_chunk, attention)
+    if m.kind == "huginn":
+        return cost.huginn_train(s, key, m.backprop_depth, attention)
+    if m.kind in ("db_ar", "looped_db"):
+        return cost.db_train(s, db_layout(cfg), key or 0, attention)
+    raise ValueError(f"no cost model for model.kind {m.kind}")
+
+
+class StepFlops:
+    """FLOPs of one optimizer step on one rank (grad_accum micro-batches of batch_size sequences), by key.
+    None for kinds the cost model does not cover (vit, dit, mdm, plugins): no MFU is logged for them."""
+
+    def __init__(self, cfg, vocab_size: int):
+        self.cfg, self.vocab_size = cfg, vocab_size
+        self.covered = cfg.model.kind in ("gpt", "db_ar", "looped_db", "huginn")
+        self._cache: dict = {}
+
+    def __call__(self, key=None) -> float | None:
+        if not self.covered:
+            return None
+        if key not in self._cache:
+            t = self.cfg.train
+            self._cache[key] = t.grad_accum * step_ledger(self.cfg, self.vocab_size, t.batch_size, key).total()
+        return self._cache[key]
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float = 0.0) -> float:
+    """The dense matmul peak in FLOP/s: the override, the table for a known GPU, a measurement on CPU,
+    0 where unknown (MFU then not logged)."""
+    if override_tflops > 0:
+        return override_tflops * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        precision = "bf16" if dtype in (torch.bfloat16, torch.float16) else "tf32"
+        for (fragment, p), tflops in PEAK_TFLOPS.items():
+            if fragment in name and p == precision:
+                return tflops * 1e12
+        return 0.0
+    if device.type == "cpu":
+        return measured_cpu_peak(torch.get_num_threads())
+    return 0.0
+
+
+@lru_cache(maxsize=None)
+def measured_cpu_peak(threads: int, n: int = 1024, repeats: int = 5) -> float:
+    """fp32 matmul FLOP/s on this CPU at `threads` threads: the best of `repeats` n x n products."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up: the first call allocates and picks a kernel
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * n ** 3 / best
+
+
+def mfu(flops: float, seconds: float, peak: float) -> float | None:
+    """Achieved FLOP/s over the peak; None where either is unknown."""
+    if not peak or not seconds or flops is None:
+        return None
+    return flops / seconds / peak
