@@ -33,7 +33,7 @@ def test_db_step_flops_depend_on_the_block_and_are_cached():
 
 
 def test_kinds_without_a_cost_model_log_no_mfu():
-    cfg = config_from_dict({"model": {"kind": "vit"}, "diffusion": {"block_sampling": "uniform"}})
+    cfg = config_from_dict({"model": {"kind": "vit"}, "diffusion": {"block_sampling": "uniform"}, "data": {"source": "digits"}})
     assert mfu.StepFlops(cfg, 10)() is None
     assert mfu.mfu(None, 1.0, 1e12) is None and mfu.mfu(1e12, 1.0, 0.0) is None
     assert mfu.mfu(2e12, 4.0, 1e12) == pytest.approx(0.5)
