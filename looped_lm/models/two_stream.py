@@ -112,12 +112,16 @@ class TwoStreamLayer(TransformerLayer):
 CAUSAL = "causal"  # a mask value: noisy slot i sees clean keys 0..i (every slot, no self key)
 
 
-def slot_mask(ctx_end: torch.Tensor, n_clean: int, attend_self: bool):
+def slot_mask(ctx_end: torch.Tensor, n_clean: int, attend_self: bool, full_window: bool | None = None):
     """The noisy stream's mask: `noisy_mask`, or without the self key its clean columns (CAUSAL when
-    every slot of the window is there)."""
+    every slot of the window is there). full_window: the caller knows ctx_end is arange(n_clean) (or is
+    not); None reads the tensor to find out, which syncs with the device."""
     if attend_self:
         return noisy_mask(ctx_end, n_clean)
-    if ctx_end.dim() == 1 and ctx_end.shape[0] == n_clean and bool((ctx_end == torch.arange(n_clean, device=ctx_end.device)).all()):
+    if full_window is None:
+        full_window = ctx_end.dim() == 1 and ctx_end.shape[0] == n_clean and bool(
+            (ctx_end == torch.arange(n_clean, device=ctx_end.device)).all())
+    if full_window:
         return CAUSAL
     return noisy_mask(ctx_end, n_clean)[..., :n_clean]
 

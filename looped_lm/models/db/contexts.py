@@ -35,7 +35,7 @@ class WindowContext:
         self.net, self.x = net, x
         T = x.shape[1]
         self.slots = torch.arange(T, device=x.device)
-        self.mask = slot_mask(self.slots, T, net.noisy_self)
+        self.mask = slot_mask(self.slots, T, net.noisy_self, full_window=True)
         self.clean = net.clean_inputs(x)
         self.inputs: dict[int, torch.Tensor] = {}  # context stacked: block b's clean input, its feeder's states
         self.kv: dict[int, list] = {}
@@ -79,7 +79,8 @@ class SlotSubset:
 
     def __init__(self, window: WindowContext, slots: torch.Tensor):
         self.window, self.slots = window, slots
-        self.mask = slot_mask(slots, window.x.shape[1], window.net.noisy_self)
+        T = window.x.shape[1]
+        self.mask = slot_mask(slots, T, window.net.noisy_self, full_window=slots.shape[0] == T)  # ascending, distinct
 
     def denoise(self, b: int, z, sigma, rows: torch.Tensor | None = None):
         return self.window._denoise(b, z, sigma, rows, self.slots, self.mask)

@@ -68,6 +68,7 @@ class BlockObjective:
         next-token CE (B, T)."""
         net = self.net
         T = x.shape[1]
+        full_window = slots is None
         if slots is None:
             slots = torch.arange(T, device=x.device)
             targets, prev = y, x
@@ -87,7 +88,7 @@ class BlockObjective:
             for layer in net.layers_of(b):
                 h_clean, k, v = layer.clean(h_clean, cos, sin)
                 kv.append((k, v))
-        mask = slot_mask(slots, T, net.noisy_self)
+        mask = slot_mask(slots, T, net.noisy_self, full_window)
         if net.chunking():  # the slots' states, then head + CE chunk by chunk
             h = net.noisy_pass(b, z, sigma, prev, slots + 1, kv, mask, head=False)
             ce = chunked(lambda h_, z_, t_: token_cross_entropy(net.denoise_logits(h_, z_, sigma), t_),
