@@ -182,6 +182,7 @@ def run_generate(args) -> int:
     settings = resolve_settings(limits, num_iterations=args.num_iterations, bridge=args.bridge,
                                 exit_rule=ExitRule.parse(args.exit_threshold, args.exit_criterion),
                                 sampling=SamplingParams(args.temperature, args.top_k, args.top_p))
+    refuse_idle_exit_rule(args, settings, cfg.model.kind)
     note = skipped_blocks_note(limits, settings)
     if note:
         print(note, file=sys.stderr)
@@ -198,6 +199,17 @@ def run_generate(args) -> int:
         print(f"iterations per token: {per_token} (total {sum(per_token)}, mean "
               f"{sum(per_token) / len(per_token):.2f} of K={settings.num_iterations})", file=sys.stderr)
     return 0
+
+
+def refuse_idle_exit_rule(args, settings, kind: str) -> None:
+    """An exit rule compares a token's step with the one before: the first exit it can take is after step 2,
+    so at K <= 2 (a db_ar model's default K is its block count) it would do nothing; refused, not ignored."""
+    K = settings.num_iterations
+    if settings.exit_rule is not None and K is not None and K <= 2:
+        flags = " / ".join(f for f, v in (("--exit-threshold", args.exit_threshold),
+                                          ("--exit-criterion", args.exit_criterion)) if v is not None)
+        raise UserError(f"{flags}: does nothing at K = {K} on this {kind} checkpoint (a token can exit only after "
+                        "its second step); pass --num-iterations above 2, or drop the flag")
 
 
 # --- verify ------------------------------------------------------------------------------------

@@ -174,6 +174,9 @@ CASES = {
     "generate --exit-threshold without adaptive exit": (
         lambda g, d, c, t, p: ["generate", "--checkpoint", g, "--prompt", "A", "--exit-threshold", "0.1"], 2,
         ["exit_rule", "no K"]),
+    "generate --exit-threshold at the db_ar default K = B = 2 (it cannot cut a step)": (
+        lambda g, d, c, t, p: ["generate", "--checkpoint", d, "--prompt", "A", "--exit-threshold", "0.1"], 2,
+        ["--exit-threshold: does nothing at K = 2", "db_ar", "--num-iterations above 2"]),
     "generate --num-iterations 65": (lambda g, d, c, t, p: ["generate", "--checkpoint", d, "--prompt", "A",
                                                             "--num-iterations", "65"], 2, ["1..64"]),
     "generate: a prompt longer than the context": (
