@@ -171,8 +171,8 @@ def run_lm_eval(args) -> dict:
             ev = work / f"eval_{K}.json"
             subprocess.run([sys.executable, "-m", "looped_lm", "eval", "--checkpoint", str(args.checkpoint),
                             "--data", str(work / "eval.jsonl"), "--num-iterations", str(K), "--block-size",
-                            str(BLOCK), "--json", str(ev), "--no-progress", "--no-verify"], env=env, check=True,
-                           capture_output=True)
+                            str(BLOCK), "--draws", str(args.eval_draws), "--json", str(ev), "--no-progress",
+                            "--no-verify"], env=env, check=True, capture_output=True)
             rep = json.loads(ev.read_text())
             key = str(K)
             ppl = rep["ppl_at_k"][key]
@@ -186,6 +186,7 @@ def run_lm_eval(args) -> dict:
         server.terminate()
         server.wait(30)
     return {"checkpoint": str(args.checkpoint), "kind": cfg.model.kind, "windows": args.windows, "block": BLOCK,
+            "eval_draws": args.eval_draws,
             "rows": rows}
 
 
@@ -199,6 +200,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=8, help="mc: independent served estimates per token")
     p.add_argument("--windows", type=int, default=8, help="lm-eval: windows of 126 tokens in the document")
     p.add_argument("--start", type=int, default=0, help="offset into val.bin")
+    p.add_argument("--eval-draws", type=int, default=32,
+                   help="lm-eval: `looped_lm eval --draws` (its Jensen bias shrinks with draws; 4 leave K >= 8 biased)")
     p.add_argument("--variants", default="", help="mc: also score with these resolve_se:max_draws pairs, e.g. 0.5:64,0.25:256")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)

@@ -37,8 +37,8 @@ def add_arguments(p) -> None:
                    help="DiffusionBlocks models: independent estimates averaged for each log-prob (the sampler's "
                         "marginal, as `looped_lm eval --draws`; more draws, less noise, more compute)")
     p.add_argument("--logprob-max-draws", type=int, default=64,
-                   help="DiffusionBlocks models: where a token's estimate is still unresolved (standard error "
-                        "> 1 nat) after --logprob-draws, draw again for those tokens, doubling, up to this many "
+                   help="DiffusionBlocks models: where a token's standard error is still above 0.5 nats after "
+                        "--logprob-draws, draw again for those tokens, doubling, up to this many "
                         "in all (default 64): every log-prob is a number, its standard error in `token_logprob_se`")
     p.add_argument("--max-request-work", type=int, default=2 ** 20,
                    help="denoising calls one request may cost at most (tokens x K x choices, and prompt "
@@ -141,14 +141,15 @@ def run(args) -> int:
     name = args.served_model_name or default_name(checkpoint)
     if "@" in name:
         raise UserError(f"--served-model-name must not contain '@' (it marks K aliases): {name!r}")
-    from looped_lm.settings import ScoreSettings
+    from looped_lm.settings import LOGPROB_RESOLVE_SE, ScoreSettings
 
     max_len = served_context(cfg.model.seq_len, model.max_positions, args.max_model_len)
     engine = Engine.from_memory_budget(model, args.kv_memory_gb, max_slots=args.max_slots, max_len=max_len,
                                        max_iterations=args.max_iterations, default_iterations=args.default_iterations,
                                        prefill_chunk=args.prefill_chunk, vocab_size=tok.vocab_size,
                                        score_settings=ScoreSettings(draws=args.logprob_draws,
-                                                                    max_draws=args.logprob_max_draws))
+                                                                    max_draws=args.logprob_max_draws,
+                                                                    resolve_se=LOGPROB_RESOLVE_SE))
     app = build_app(engine, tok, name, api_key=args.api_key, max_request_work=args.max_request_work)
     k = f", K default {engine.default_iterations} (max {engine.max_iterations})" if engine.max_iterations else ""
     print(f"serving {name} ({cfg.model.kind}{k}) at http://{args.host}:{args.port}/v1 with "

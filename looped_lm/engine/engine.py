@@ -38,8 +38,8 @@ from looped_lm.engine.scheduler import Scheduler, Sequence
 from looped_lm.errors import UserError
 from looped_lm.models.contract import Iterative
 from looped_lm.sampling import GREEDY_SEED, PLAIN, SamplingParams
-from looped_lm.settings import (LOGPROB_MAX_DRAWS, ExitRule, InferenceSettings, IterationLimits, ScoreSettings,
-                               resolve_settings, serving_limits)
+from looped_lm.settings import (LOGPROB_MAX_DRAWS, LOGPROB_RESOLVE_SE, ExitRule, InferenceSettings, IterationLimits,
+                               ScoreSettings, resolve_settings, serving_limits)
 
 log = logging.getLogger("looped_lm.engine")
 
@@ -67,7 +67,8 @@ class Engine:
     def __init__(self, model, num_slots: int, max_len: int | None = None, prefill_chunk: int = 512,
                  prefill_budget: int | None = None, default_iterations: int | None = None,
                  max_iterations: int | None = None, vocab_size: int | None = None,
-                 score_settings: ScoreSettings = ScoreSettings(max_draws=LOGPROB_MAX_DRAWS)):
+                 score_settings: ScoreSettings = ScoreSettings(max_draws=LOGPROB_MAX_DRAWS,
+                                                              resolve_se=LOGPROB_RESOLVE_SE)):
         """num_slots: rows of the KV pool (concurrent sequences); max_len: tokens per slot (prompt +
         generation, at most model.max_positions); prefill_budget: prompt tokens per step (default:
         one chunk); vocab_size: ids that may be sampled (a model may pad its vocabulary);
