@@ -212,17 +212,17 @@ def run_one(study: str, name: str, lr: float, seed: int, smoke: bool) -> dict:
             group["lr"] = cosine_with_warmup(step, warmup, steps, lr, lr / 10)
         result = train_step(model, opt, runner, [train_batch(train, seed, step)], step, seed)
         if not math.isfinite(result.loss):
-            curve.append((step, result.loss))
+            curve.append((step, float(result.loss)))
             break
         if step % max(1, steps // 20) == 0:
-            curve.append((step, round(result.loss, 4)))
+            curve.append((step, round(float(result.loss), 4)))
     cpu = time.process_time() - t0
     model.eval()
     out = {"study": study, "run": name, "lr": lr, "seed": seed, "budget_flops": budget, "steps": steps,
            "flops_per_step": per_step,
            "flops_per_block_step": per_block, "train_flops": per_step * steps, "train_cpu_s": round(cpu, 1),
            "cpu_s_per_step": round(cpu / max(steps, 1), 4), "train_curve": curve,
-           "config": cfg.model_dump(), "data": meta, "diverged": not math.isfinite(result.loss),
+           "config": cfg.model_dump(), "data": meta, "diverged": not math.isfinite(float(result.loss)),
            "dev": score(model, "dev", False, smoke), "test": score(model, "test", True, smoke)}
     return out
 

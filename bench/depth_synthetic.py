@@ -352,7 +352,7 @@ def run_one(name: str, lr: float, seed: int, smoke: bool, keep: dict | None = No
         seq = sequences(BATCH, 1_000_000 * (seed + 1) + step)
         result = train_step(model, opt, runner, [(seq[:, :-1], seq[:, 1:])], step, seed)
         if step % max(1, steps // 20) == 0:
-            curve.append((step, round(result.loss, 4)))
+            curve.append((step, round(float(result.loss), 4)))
     cpu = time.process_time() - t0
     model.eval()
     if keep is not None:

@@ -73,7 +73,7 @@ def measure_training(model, batch, steps, warmup, loss_fn=None):
         if step >= warmup:
             times.append(time.perf_counter() - t0)
             peaks.append(runner.peak)
-            losses.append(result.loss)
+            losses.append(float(result.loss))
     return {"step_ms": 1000 * sum(times) / len(times), "act_gib": max(peaks) / 2 ** 30,
             "tokens_per_s": batch * seq / (sum(times) / len(times))}
 

@@ -16,6 +16,7 @@ impossible values raise `UserError` naming the key, so a bad run fails in its fi
 
 from __future__ import annotations
 
+import math
 import difflib
 import sys
 import types
@@ -176,7 +177,10 @@ class TrainConfig(_Section):
     keep_last: int = _f(2, "checkpoints kept on disk")
     eval_every: int = _f(250, "validation loss every N steps; 0 = off")
     eval_batches: int = _f(8, "validation micro-batches per evaluation")
-    log_every: int = _f(10, "metrics.jsonl / TensorBoard every N steps")
+    log_every: int = _f(10, "metrics.jsonl / TensorBoard / the progress bar's loss every N steps (the only steps that "
+                               "read the loss back from the device)")
+    peak_tflops: float = _f(0.0, "the hardware's dense matmul peak per device for MFU; 0 = known GPUs' table (A100, "
+                                 "H100, H200), a measured fp32 matmul on CPU, none elsewhere")
     resume: Str = _f("auto", "auto (latest complete checkpoint in out_dir), never, or a checkpoint dir")
     resume_changes: ResumeChanges = _f("refuse", "a resume that changes the seed, global batch, grad_accum, data or "
                              "tokenizer: refuse (list the differences) or allow (log them and go on)")
@@ -500,6 +504,7 @@ def validate(cfg: Config) -> None:
     # the seed and its offsets (seed + rank, seed + batch) must fit torch's and the data hash's 64-bit seeds
     _require(0 <= t.seed < 2 ** 62, f"train.seed must be in 0..2**62 - 1 (got {t.seed})")
     _require(t.log_every >= 1 and t.keep_last >= 1, "train.log_every and train.keep_last must be >= 1")
+    _require(math.isfinite(t.peak_tflops) and t.peak_tflops >= 0, f"train.peak_tflops must be >= 0 (got {t.peak_tflops})")
     _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1)")
     _require(t.out_dir != "", "train.out_dir must not be empty")
     _require(t.lora_rank >= 0, f"train.lora_rank must be >= 0 (got {t.lora_rank})")

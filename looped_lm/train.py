@@ -180,14 +180,20 @@ class DeepSpeedRunner:
     ranks and steps the optimiser at the accumulation boundary. `before_update` runs just before that
     optimiser step (block parallel: the gradient exchange that replaces the engine's all-reduce).
 
-    A step whose loss or gradient norm is not finite makes no update (`finite` is False afterwards):
-    the optimiser is told that no unit is active, so NaN never reaches the weights, the optimizer state
-    or a checkpoint. The trainer decides whether that stops the run (train.skip_nonfinite)."""
+    With `skip_each_step` (train.skip_nonfinite > 0), a step whose loss or gradient norm is not finite
+    makes no update (`finite` is False afterwards): the optimiser is told that no unit is active, so NaN
+    never reaches the weights or the optimizer state; deciding that needs the host, one read per step.
+    Otherwise (the default: such a step stops the run) nothing is read: each step's flag is kept on the
+    device and `first_nonfinite()` reads them at the trainer's log, eval and save steps, before anything
+    is saved, so a step makes no host sync at all."""
 
-    def __init__(self, engine, before_update=None, optimizer=None):
+    def __init__(self, engine, before_update=None, optimizer=None, skip_each_step: bool = True):
         self.engine, self.before_update, self.optimizer = engine, before_update, optimizer
+        self.skip_each_step = skip_each_step
         self.step_loss = None  # the step's summed micro-batch losses, kept on the device (no host sync)
         self.finite, self.loss_value, self.grad_norm = True, None, None
+        self.pending: list = []  # (step, ok, loss, norm) on the device, since the last first_nonfinite()
+        self.step = 0
 
     def loss(self, x, y, step: int):
         loss = self.engine(x, y, step)
@@ -202,7 +208,8 @@ class DeepSpeedRunner:
         if boundary:
             if self.before_update is not None:
                 self.before_update()
-            self.finite = self._finite_step()
+            self.step += 1
+            self.finite = self._finite_step() if self.skip_each_step else self._record_step()
             if not self.finite and self.optimizer is not None:
                 self.optimizer.set_active_units(())  # BlockwiseAdamW: no unit active = no update at all
         self.engine.step()
@@ -213,15 +220,11 @@ class DeepSpeedRunner:
                 self.finite, self.grad_norm = False, float("nan")
             self.step_loss = None
 
-    def _finite_step(self) -> bool:
-        """Are this step's loss and gradient norm finite, on every rank?
-
-        THE ONE DELIBERATE HOST SYNC of an optimiser step: the loss and the gradient norm are fused into
-        one flag on the device (all-reduced over ranks, so every rank skips or stops together) and read
-        once. The values themselves are read only when the flag says something is wrong."""
+    def _flags(self):
+        """(ok, loss, norm): this step's loss and gradient norm and whether both are finite on every rank
+        (all-reduced), as device tensors."""
         import torch
 
-        self.loss_value = self.grad_norm = None
         grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
         norm = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(grads)])) \
             if grads else torch.zeros((), device=self.step_loss.device)
@@ -229,6 +232,37 @@ class DeepSpeedRunner:
         ok = torch.isfinite(torch.stack([loss, norm.to(loss.device)])).all().float()
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+        return ok, loss, norm
+
+    def _record_step(self) -> bool:
+        """Stop mode: keep the flag for `first_nonfinite`; the update goes ahead (no host sync)."""
+        self.pending.append((self.step, *self._flags()))
+        return True
+
+    def first_nonfinite(self) -> int | None:
+        """The first step since the last call whose loss or gradient norm was not finite (None: every one
+        was): ONE read for all of them. Its values are kept for `nonfinite_reason`."""
+        import torch
+
+        pending, self.pending = self.pending, []
+        if not pending:
+            return None
+        oks = torch.stack([ok for _, ok, _, _ in pending])
+        if bool((oks == 1.0).all()):
+            return None
+        i = int((oks < 1.0).nonzero()[0, 0])
+        step, _, loss, norm = pending[i]
+        self.loss_value, self.grad_norm = float(loss), float(norm)
+        return step
+
+    def _finite_step(self) -> bool:
+        """Are this step's loss and gradient norm finite, on every rank?
+
+        THE ONE DELIBERATE HOST SYNC of an optimiser step: the loss and the gradient norm are fused into
+        one flag on the device (all-reduced over ranks, so every rank skips or stops together) and read
+        once. The values themselves are read only when the flag says something is wrong."""
+        self.loss_value = self.grad_norm = None
+        ok, loss, norm = self._flags()
         if ok.item() == 1.0:
             return True
         self.loss_value, self.grad_norm = float(loss), float(norm)
@@ -289,7 +323,8 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
 
     from looped_lm.data.batches import open_batches
     from looped_lm.models import build_model
-    from looped_lm.optim import BlockwiseAdamW, cosine_with_warmup, load_state_by_name, param_groups
+    from looped_lm.mfu import StepFlops, peak_flops
+    from looped_lm.optim import BlockwiseAdamW, adamw_implementation, cosine_with_warmup, load_state_by_name, param_groups
     from looped_lm.training import TrainingModule, train_step
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -334,8 +369,8 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
     torch.manual_seed(t.seed + 1 + rank)  # noise draws (sigma, z, slots) differ across ranks
 
     start_step = manifest["step"] if manifest is not None else 0
-    optimizer = BlockwiseAdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
-                               eps=1e-8, fused=False, foreach=False)
+    optimizer = BlockwiseAdamW(param_groups(model, t.weight_decay), adamw_implementation(device.type), lr=t.lr,
+                               betas=(t.beta1, t.beta2), eps=1e-8)
     for group in optimizer.param_groups:
         group["initial_lr"] = t.lr
     # the schedule is a function of the step: a resume starts it where the checkpoint stopped
@@ -351,7 +386,8 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
         exchange = parallel.BlockParallel(cfg, model, dist)
     # ZeRO wraps our optimiser: train_step keeps the handle on ours (the units it updates)
     runner = DeepSpeedRunner(engine, (lambda: exchange.reduce(optimizer.active_units)) if exchange else None,
-                             optimizer)
+                             optimizer, skip_each_step=t.skip_nonfinite > 0)
+    runner.step = start_step
     zero = engine.optimizer if cfg.deepspeed.zero_stage > 0 else None
 
     tokens_seen = 0
@@ -379,6 +415,9 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
     report = Report(cfg, start_step, tokens_per_step, train_stream.unit) if rank == 0 else None
     last_ckpt = Path(plan.resume) if plan.resume else None
     skipped = 0  # non-finite steps skipped so far (train.skip_nonfinite)
+    meter = FlopsMeter(StepFlops(cfg, getattr(model, "vocab_size", 0)), world,
+                       peak_flops(device, torch.bfloat16 if cfg.deepspeed.bf16 else torch.float32, t.peak_tflops)
+                       if rank == 0 else 0.0)
     t0 = time.perf_counter()
     try:
         for step in range(start_step, end_step):
@@ -388,30 +427,40 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
                                 step, t.seed)
             loss_sum, metrics = result.loss, result.metrics
             done = step + 1
-            if not runner.finite:  # no update was made (DeepSpeedRunner): stop, or skip within the budget
+            if not runner.finite:  # skip mode: no update was made (DeepSpeedRunner): stop, or skip within the budget
                 skipped += 1
                 nonfinite_step(runner, done, skipped, t.skip_nonfinite, last_ckpt, logger, report, rank)
+            meter.add(metrics.get("block", metrics.get("recurrence")))  # host ints: what the step cost
             if exchange is not None:  # every block trained this step: log each one's loss
                 per_block = exchange.block_losses(loss_sum, metrics["block"], device)
                 loss_sum = sum(per_block.values()) / len(per_block)
                 metrics = {"blocks": sorted(per_block), **{f"loss_block{b}": v for b, v in per_block.items()}}
             tokens = tokens_seen + (done - start_step) * tokens_per_step
-            if logger is not None and (done % t.log_every == 0 or done == end_step):
-                elapsed = time.perf_counter() - t0
-                logger.log(done, {**({"loss": loss_sum} if runner.finite else {}), "lr": lr, "tokens": tokens,
-                                  "tokens_per_s": (done - start_step) * tokens_per_step / max(elapsed, 1e-9),
-                                  **metrics})
-            if report is not None:
-                report.step(loss_sum, metrics)
             d = cfg.diffusion
+            log_now = done % t.log_every == 0 or done == end_step
             reads_all = (t.eval_every and done % t.eval_every == 0) or (t.save_every and done % t.save_every == 0) \
                 or done == end_step
+            curve_now = model.uses_curve() and done % d.curve_every == 0 and (d.curve_until == 0 or done <= d.curve_until)
+            if log_now or reads_all or curve_now:  # stop mode: the steps since the last read, checked in one read
+                bad = runner.first_nonfinite()
+                if bad is not None:
+                    stop_nonfinite(runner, bad, done, last_ckpt, rank)
+            if report is not None:
+                report.step(loss_sum, metrics, show=log_now)
+            if logger is not None and log_now:  # the values of this step, read back from the device here only
+                elapsed = time.perf_counter() - t0
+                values = {k: float(v) if hasattr(v, "item") else v for k, v in metrics.items()}
+                rate = meter.read()
+                logger.log(done, {**({"loss": float(loss_sum)} if runner.finite else {}), "lr": lr, "tokens": tokens,
+                                  "tokens_per_s": (done - start_step) * tokens_per_step / max(elapsed, 1e-9),
+                                  **rate, **values})
+                if report is not None and "mfu" in rate:
+                    report.mfu = rate["mfu"]
             # each block's weights from the rank that trains it: before anything reads the whole model, and
             # after every step under context stacked, where block b's next step runs blocks < b forward
             if exchange is not None and (reads_all or d.context == "stacked"):
                 exchange.sync_blocks()
-            if model.uses_curve() and done % d.curve_every == 0 and \
-                    (d.curve_until == 0 or done <= d.curve_until):
+            if curve_now:
                 curve = refresh_curve(model, train_stream, cfg, device, rank, done)
                 if logger is not None:
                     logger.log(done, {"edges": model.edges, "curve_ce": curve["ce"]})
@@ -437,6 +486,42 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
         if logger is not None:
             logger.close(quiet=failed)
     return last_ckpt
+
+
+def stop_nonfinite(runner, bad: int, done: int, last_ckpt, rank: int = 0) -> None:
+    """Stop mode (train.skip_nonfinite 0): step `bad`'s loss or gradient norm was not finite, found at the
+    read at step `done` (a log, eval, curve or save step): stop before anything reads or saves the weights."""
+    kept = f"the newest checkpoint, {last_ckpt}, is untouched" if last_ckpt else "no checkpoint was written"
+    err = RunFailure(f"step {bad}: {runner.nonfinite_reason()}; stopped at step {done}, before any save ({kept}); "
+                     "lower train.lr or raise train.grad_clip, or set train.skip_nonfinite: N to skip up to N such "
+                     "steps")
+    err.quiet = rank != 0  # every rank stops (the flags are all-reduced); rank 0 says it
+    raise err
+
+
+class FlopsMeter:
+    """MFU between log steps: each step's FLOPs from the cost model (looped_lm/mfu.py), keyed by what decides
+    them (the DB block, huginn's r; host values, no sync), over the wall time, the world and the peak."""
+
+    def __init__(self, step_flops, world: int, peak: float):
+        self.step_flops, self.world, self.peak = step_flops, world, peak
+        self.flops, self.t0 = 0.0, time.perf_counter()
+
+    def add(self, key) -> None:
+        flops = self.step_flops(key)
+        self.flops = None if flops is None or self.flops is None else self.flops + self.world * flops
+
+    def read(self) -> dict:
+        """{"flops_per_s", "mfu"} since the last read (what is known), and start a new interval."""
+        now = time.perf_counter()
+        seconds, flops = now - self.t0, self.flops
+        self.flops, self.t0 = 0.0, now
+        if flops is None or seconds <= 0:
+            return {}
+        rate = {"flops_per_s": flops / seconds}
+        if self.peak:
+            rate["mfu"] = flops / seconds / (self.peak * self.world)
+        return rate
 
 
 def nonfinite_step(runner, done: int, skipped: int, budget: int, last_ckpt, logger, report, rank: int = 0) -> None:
@@ -467,26 +552,31 @@ def on_device(batch, device):
 class SmoothedLoss:
     """Moving averages of the training loss, one per block: DiffusionBlocks steps alternate blocks whose
     losses differ by an order of magnitude, so one average (or the last value) jumps between them.
-    Debiased like Adam's moments, so the first steps read right."""
+    Debiased like Adam's moments, so the first steps read right. The sums and counts stay on the device
+    (a loss is a device tensor): `values()` reads them, at log steps only."""
 
     def __init__(self, beta: float = 0.9):
         self.beta, self.sums, self.counts = beta, {}, {}
 
-    def update(self, loss: float, metrics: dict) -> None:
+    def update(self, loss, metrics: dict) -> None:
         if "blocks" in metrics:  # block parallel: every block's loss of this step
             for b in metrics["blocks"]:
                 self._add(f"b{b}", metrics[f"loss_block{b}"])
         else:
             self._add(f"b{metrics['block']}" if "block" in metrics else "", loss)
 
-    def _add(self, key: str, loss: float) -> None:
-        if not math.isfinite(loss):  # a skipped non-finite step (train.skip_nonfinite) must not poison the average
-            return
-        self.sums[key] = self.beta * self.sums.get(key, 0.0) + (1 - self.beta) * loss
-        self.counts[key] = self.counts.get(key, 0) + 1
+    def _add(self, key: str, loss) -> None:
+        import torch
+
+        loss = torch.as_tensor(loss, dtype=torch.float64)
+        finite = torch.isfinite(loss)  # a non-finite step (skipped, or about to stop the run) must not poison it
+        old = self.sums.get(key, torch.zeros((), dtype=torch.float64, device=loss.device))
+        self.sums[key] = torch.where(finite, self.beta * old + (1 - self.beta) * loss.nan_to_num(0.0), old)
+        self.counts[key] = self.counts.get(key, 0) + finite.double()
 
     def values(self) -> dict[str, float]:
-        return {k: self.sums[k] / (1 - self.beta ** self.counts[k]) for k in sorted(self.sums)}
+        return {k: float(self.sums[k] / (1 - self.beta ** self.counts[k])) for k in sorted(self.sums)
+                if float(self.counts[k]) > 0}
 
     def __str__(self) -> str:
         return " ".join(f"{k} {v:.4f}".strip() for k, v in self.values().items())
@@ -499,6 +589,7 @@ class Report:
     def __init__(self, cfg: Config, start_step: int, tokens_per_step: int, unit: str = "tokens"):
         self.cfg, self.start, self.tokens_per_step, self.unit = cfg, start_step, tokens_per_step, unit
         self.loss, self.val, self.done = SmoothedLoss(), None, start_step
+        self.mfu: float | None = None  # the last log step's (FlopsMeter)
         self.t0 = time.perf_counter()
         self.bar = None
         if cfg.train.progress:
@@ -509,12 +600,15 @@ class Report:
     def tokens_per_s(self) -> float:
         return (self.done - self.start) * self.tokens_per_step / max(time.perf_counter() - self.t0, 1e-9)
 
-    def step(self, loss: float, metrics: dict) -> None:
+    def step(self, loss, metrics: dict, show: bool = True) -> None:
+        """Count a step; its loss joins the averages on the device. `show` (log steps): read them for the bar."""
         self.loss.update(loss, metrics)
         self.done += 1
         if self.bar is not None:
-            rate = "tok" if self.unit == "tokens" else self.unit
-            self.bar.set_postfix_str(f"loss {self.loss}, {self.tokens_per_s():,.0f} {rate}/s", refresh=False)
+            if show:
+                rate = "tok" if self.unit == "tokens" else self.unit
+                mfu = f", mfu {100 * self.mfu:.1f}%" if self.mfu is not None else ""
+                self.bar.set_postfix_str(f"loss {self.loss}, {self.tokens_per_s():,.0f} {rate}/s{mfu}", refresh=False)
             self.bar.update(1)
 
     def line(self, text: str) -> None:

@@ -22,8 +22,11 @@ from looped_lm.models.contract import Trainable
 
 @dataclass
 class StepResult:
-    loss: float  # mean over the step's micro-batches (this process's)
-    metrics: dict  # the model's metrics of the last micro-batch (DB models: block, loss_block{b}, ...)
+    """What a step leaves, on the device: reading a value (float(), .item()) waits for the step to finish,
+    so the trainer reads them at log steps only."""
+
+    loss: torch.Tensor  # 0-d, mean over the step's micro-batches (this process's)
+    metrics: dict  # the model's metrics of the last micro-batch (DB models: block (an int), loss_block{b}, ...)
 
 
 class Runner(Protocol):
@@ -39,12 +42,12 @@ class Runner(Protocol):
 def train_step(model: Trainable, optimizer, runner: Runner, batches: Iterable, step: int, seed: int) -> StepResult:
     """One optimiser step of `model` over the micro-batches `batches` ((x, y) pairs, on the device)."""
     optimizer.set_active_units(model.step_units(step, seed))
-    total, count, metrics = 0.0, 0, {}
+    total, count, metrics = None, 0, {}
     for x, y in batches:
         loss, metrics = runner.loss(x, y, step)
         runner.backward(loss)
         runner.micro_step()
-        total += loss.item()
+        total = loss.detach() if total is None else total + loss.detach()  # no host sync
         count += 1
     return StepResult(total / max(count, 1), metrics)
 

@@ -78,7 +78,7 @@ def test_an_infinite_gradient_with_a_finite_loss_stops_the_run(tmp_path, write_c
                                                              one_line_error):
     poison({1}, how="grad")
     assert _train(write_config, tmp_path, max_steps=3) == 1
-    one_line_error(capsys.readouterr(), "step 2: gradient norm is", "stopped before the optimizer update")
+    one_line_error(capsys.readouterr(), "step 2: gradient norm is", "before any save")
     assert _steps(tmp_path / "out") == []
 
 

@@ -13,7 +13,7 @@ from looped_lm import train as trainer
 from looped_lm.config import load_config
 from looped_lm.data.bin_dataset import TokenStream
 from looped_lm.models import build_model
-from looped_lm.optim import BlockwiseAdamW, cosine_with_warmup, param_groups
+from looped_lm.optim import BlockwiseAdamW, adamw_implementation, cosine_with_warmup, param_groups
 from looped_lm.training import TorchRunner, train_step
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,15 +26,15 @@ def _torch_run(cfg, data_dir: Path, steps: int) -> list[float]:
     torch.manual_seed(t.seed)
     model = build_model(cfg, 257)
     torch.manual_seed(t.seed + 1)  # the trainer's noise seed of rank 0
-    opt = BlockwiseAdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8,
-                         foreach=False)
+    opt = BlockwiseAdamW(param_groups(model, t.weight_decay), adamw_implementation("cpu"), lr=t.lr,
+                         betas=(t.beta1, t.beta2), eps=1e-8)  # the trainer's implementation on this device
     runner = TorchRunner(model, opt, grad_accum=t.grad_accum, grad_clip=t.grad_clip, seed=t.seed)
     losses = []
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = cosine_with_warmup(step, t.warmup_steps, t.max_steps, t.lr, t.min_lr)
         batches = [stream.get_batch(t.batch_size, t.seed, step, micro, 0) for micro in range(t.grad_accum)]
-        losses.append(train_step(model, opt, runner, batches, step, t.seed).loss)
+        losses.append(float(train_step(model, opt, runner, batches, step, t.seed).loss))
     return losses, model
 
 

@@ -171,7 +171,7 @@ class DiffusionDiT(nn.Module, Blockwise, ImageGenerator):
         sigma = dm.sample_sigma(N, *self.train_ranges[b], self.sched, device=x.device)
         labels = self.drop_labels(y, N, x.device)
         loss = self.edm_loss(b, x, sigma, torch.randn_like(x), labels)
-        metrics = {"block": b, f"loss_block{b}": float(loss.detach().mean()), "sigma_mean": float(sigma.mean())}
+        metrics = {"block": b, f"loss_block{b}": loss.detach().mean(), "sigma_mean": sigma.detach().mean()}  # on the device
         return loss.mean(), metrics
 
     def drop_labels(self, y, N: int, device):

@@ -217,8 +217,8 @@ class MaskedDiffusionLM(nn.Module, Blockwise, TextDiffusion):
         t = self.stratified_times(x.shape[0], *self.train_ranges[b], device=x.device)
         x_t, mask = self.corrupt(x, t)
         loss = masked_nelbo(self.logits(b, x_t, t), x, mask, elbo_weight(t, self.settings.schedule))
-        return loss.mean(), {"block": b, f"loss_block{b}": float(loss.detach().mean()),
-                             "masked": float(mask.float().mean())}
+        return loss.mean(), {"block": b, f"loss_block{b}": loss.detach().mean(),  # on the device
+                             "masked": mask.float().mean()}
 
     @torch.no_grad()
     def validation_loss(self, x, y, seed: int):

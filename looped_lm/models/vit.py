@@ -215,13 +215,13 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
         patches = self.embed_patches(x)
         if self.end_to_end:
             ce = F.cross_entropy(self.classify(patches).float(), y, reduction="none")
-            return ce.mean(), {"block": 0, "loss_block0": float(ce.detach().mean())}
+            return ce.mean(), {"block": 0, "loss_block0": ce.detach().mean()}  # on the device: read at log steps
         b = self.choose_block(step, seed)
         sigma = dm.sample_sigma(x.shape[0], *self.train_ranges[b], self.sched, device=x.device)
         z = self.labels()[y] + sigma[:, None] * torch.randn(x.shape[0], self.settings.d_model, device=x.device)
         ce = F.cross_entropy(self.block_logits(b, patches, z, sigma).float(), y, reduction="none")
         loss = (ce * self.loss_weights(sigma, b)).mean()
-        return loss, {"block": b, f"loss_block{b}": float(ce.detach().mean()), "sigma_mean": float(sigma.mean())}
+        return loss, {"block": b, f"loss_block{b}": ce.detach().mean(), "sigma_mean": sigma.detach().mean()}
 
     def loss_weights(self, sigma, b: int):
         """Per-sample CE weights (N,), O(1) on average over block b's sigma law."""

@@ -113,10 +113,11 @@ class BlockObjective:
         ce, clean_ce = out if clean_w else (out, None)
         ce = ce.mean(dim=1)  # (B,)
         loss = (ce * self.loss_weights(sigma, b)).mean()
-        metrics = {"block": b, f"loss_block{b}": float(ce.detach().mean()), "sigma_mean": float(sigma.mean())}
+        # values stay on the device (0-d tensors): the trainer reads them at log steps only
+        metrics = {"block": b, f"loss_block{b}": ce.detach().mean(), "sigma_mean": sigma.detach().mean()}
         if clean_w:  # an ordinary next-token loss on the block's clean stream
             loss = loss + clean_w * clean_ce.mean()
-            metrics["clean_lm_loss"] = float(clean_ce.detach().mean())
+            metrics["clean_lm_loss"] = clean_ce.detach().mean()
         return loss, metrics
 
     # --- the measured CE(sigma) curve ------------------------------------------------------------------
