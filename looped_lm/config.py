@@ -41,6 +41,7 @@ Parameterization = Literal["edm", "likelihood"]
 NoisyInput = Literal["noise", "prev_token"]
 PosteriorInput = Literal["full", "detached", "topk"]
 Head = Literal["tied", "cosine"]
+CompileSetting = Literal["auto", "on", "off"]
 LossWeight = Literal["none", "edm", "batch_mean"]
 TargetScale = Literal["unit", "sigma_data"]
 BlockSampling = Literal["uniform", "round_robin", "loss_share", "network_gain", "fixed"]
@@ -179,6 +180,8 @@ class TrainConfig(_Section):
     eval_batches: int = _f(8, "validation micro-batches per evaluation")
     log_every: int = _f(10, "metrics.jsonl / TensorBoard / the progress bar's loss every N steps (the only steps that "
                                "read the loss back from the device)")
+    compile: CompileSetting = _f("auto", "torch.compile the training loss (gpt, db_ar, looped_db) or huginn's layers: "
+                                         "auto = on CUDA, off elsewhere (looped_lm/compile.py)")
     peak_tflops: float = _f(0.0, "the hardware's dense matmul peak per device for MFU; 0 = known GPUs' table (A100, "
                                  "H100, H200), a measured fp32 matmul on CPU, none elsewhere")
     resume: Str = _f("auto", "auto (latest complete checkpoint in out_dir), never, or a checkpoint dir")

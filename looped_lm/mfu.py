@@ -99,7 +99,8 @@ def peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float 
 @lru_cache(maxsize=None)
 def measured_cpu_peak(threads: int, n: int = 1024, repeats: int = 5) -> float:
     """fp32 matmul FLOP/s on this CPU at `threads` threads: the best of `repeats` n x n products."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    g = torch.Generator().manual_seed(0)  # never the global RNG: a run's noise draws must not depend on this
+    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
     a @ b  # warm-up: the first call allocates and picks a kernel
     best = float("inf")
     for _ in range(repeats):

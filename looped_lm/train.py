@@ -323,6 +323,7 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
 
     from looped_lm.data.batches import open_batches
     from looped_lm.models import build_model
+    from looped_lm.compile import compile_enabled, compile_for_training
     from looped_lm.mfu import StepFlops, peak_flops
     from looped_lm.optim import BlockwiseAdamW, adamw_implementation, cosine_with_warmup, load_state_by_name, param_groups
     from looped_lm.training import TrainingModule, train_step
@@ -369,6 +370,8 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
     torch.manual_seed(t.seed + 1 + rank)  # noise draws (sigma, z, slots) differ across ranks
 
     start_step = manifest["step"] if manifest is not None else 0
+    if compile_enabled(t.compile, device):
+        compile_for_training(model, cfg.model.kind)
     optimizer = BlockwiseAdamW(param_groups(model, t.weight_decay), adamw_implementation(device.type), lr=t.lr,
                                betas=(t.beta1, t.beta2), eps=1e-8)
     for group in optimizer.param_groups:

@@ -48,3 +48,12 @@ def test_peaks(monkeypatch):
     assert mfu.peak_flops(torch.device("cuda"), torch.bfloat16) == 0.0  # unknown: no MFU, not a guess
     cpu = mfu.measured_cpu_peak(1, n=256, repeats=2)
     assert 1e8 < cpu < 1e13  # a measured fp32 matmul rate
+
+
+def test_measuring_the_cpu_peak_leaves_the_global_rng_alone():
+    """The trainer measures the peak after seeding its noise (and after a resume restores it): a draw from
+    the global generator here would change every later sigma and z, and break a bit-exact resume."""
+    state = torch.random.get_rng_state()
+    mfu.measured_cpu_peak.cache_clear()
+    mfu.measured_cpu_peak(1, n=64, repeats=1)
+    assert torch.equal(state, torch.random.get_rng_state())

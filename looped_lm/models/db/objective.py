@@ -102,7 +102,11 @@ class BlockObjective:
         return ce, chunked(clean_ce, net.loss_chunk, h_clean, y) if net.chunking() else clean_ce(h_clean, y)
 
     def training_loss(self, x, y, step: int, seed: int):
-        b = self.choose_block(step, seed)
+        return self.block_loss(x, y, self.choose_block(step, seed))
+
+    def block_loss(self, x, y, b: int):
+        """One micro-batch's loss of block b (what `train.compile` compiles: the step number stays out of
+        the graph, the block is one graph each)."""
         Bsz, T = x.shape
         sigma = dm.sample_sigma(Bsz, *self.net.train_ranges[b], self.net.sched, device=x.device)
         n = max(1, round(self.cfg.target_fraction * T))
