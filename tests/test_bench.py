@@ -250,3 +250,21 @@ def test_the_clean_lm_report_chooses_the_weight_on_dev_and_pairs_it_by_seed(tmp_
 
     shutil.rmtree(tmp_path / "eqflops_w0")  # without the control there is no verdict
     assert "Plan's rule" not in al.clean_lm_report(tmp_path, protocol)
+
+
+def test_the_gpu_speed_check_runs_its_rows_at_a_toy_shape(tmp_path, one_thread):
+    """bench/gpu_speed.py (the first step of gpu_check.sh) on CPU at a toy shape: every row reports tokens/s,
+    the cost model's FLOP/s, an MFU against the measured CPU peak and its expectation."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gpu_speed
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "speed.json"
+    assert gpu_speed.main(["--tiny", "--device", "cpu", "--no-compile", "--steps", "2", "--warmup", "2",
+                           "--batch", "2", "--json", str(out)]) == 0
+    rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["gpt", "db_ar B=2", "db_ar B=4"]
+    for r in rows.values():
+        assert r["tokens_per_s"] > 0 and r["flops_per_s"] > 0 and 0 < r["mfu"] < 1 and r["expected_mfu"] > 0
+        assert r["met"] == (r["mfu"] >= r["expected_mfu"])

@@ -1,0 +1,113 @@
+"""How fast a training step runs on this GPU: tokens/s, MFU and peak memory, beside what was expected
+before any run. The first thing `bench/gpu_check.sh` runs (under 4 minutes on one H200).
+
+    python bench/gpu_speed.py --json out.json            # GPU: the GPT-2 shape, bf16, compiled
+    python bench/gpu_speed.py --tiny --device cpu        # the same code at a toy shape (tests/test_bench.py)
+
+Rows, at 12 x 768, 12 heads, T 1024, V 50257 (GPT-2 124M), bf16 autocast, `torch.compile` as the trainer
+does it (looped_lm/compile.py), foreach/fused AdamW as the trainer picks it, batch `--batch`:
+  gpt          the end-to-end model
+  db_ar B=2    one DiffusionBlocks step (one block of 6 layers, both streams), blocks alternating
+  db_ar B=4    the same with blocks of 3 layers
+Each: tokens/s (mean over timed steps after warm-up, CUDA-synchronised), MFU (looped_lm/mfu.py: the cost
+model's FLOPs of each step over the device's dense bf16 peak), peak memory (torch.cuda.max_memory_allocated
+over the timed steps, weights and optimizer state included).
+
+EXPECTED was written before this script first ran on a GPU: nanoGPT's 124M reaches ~50 % MFU on an A100
+with compile and flash attention; ours should reach at least 40 % on an H200 at batch 16. A DB step runs
+one block in two streams over 2T tokens, plus the head and the likelihood terms at V = 50257: its MFU is
+expected lower (the vocabulary terms are a larger share of a smaller step), at least 25 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from looped_lm.compile import compile_for_training
+from looped_lm.config import config_from_dict
+from looped_lm.mfu import StepFlops, peak_flops
+from looped_lm.models import build_model
+from looped_lm.optim import BlockwiseAdamW, adamw_implementation, param_groups
+from looped_lm.training import TorchRunner, train_step
+
+GPT2 = {"n_layers": 12, "d_model": 768, "n_heads": 12, "seq_len": 1024}
+TINY = {"n_layers": 4, "d_model": 64, "n_heads": 4, "seq_len": 64}
+EXPECTED_MFU = {"gpt": 0.40, "db_ar B=2": 0.25, "db_ar B=4": 0.25}
+ROWS = {"gpt": ("gpt", {}), "db_ar B=2": ("db_ar", {"num_blocks": 2, "block_sampling": "round_robin"}),
+        "db_ar B=4": ("db_ar", {"num_blocks": 4, "block_sampling": "round_robin"})}
+
+
+def measure(name: str, shape: dict, vocab: int, batch: int, steps: int, warmup: int, device: torch.device,
+            compile_: bool) -> dict:
+    kind, diffusion = ROWS[name]
+    raw = {"model": {"kind": kind, **shape}, "train": {"batch_size": batch}}
+    if diffusion:
+        raw["diffusion"] = diffusion
+    cfg = config_from_dict(raw)
+    torch.manual_seed(0)
+    model = build_model(cfg, vocab).to(device).train()
+    if compile_:
+        compile_for_training(model, kind)
+    opt = BlockwiseAdamW(param_groups(model, 0.1), adamw_implementation(device.type), lr=1e-4)
+    amp = torch.bfloat16 if device.type == "cuda" else None
+    runner = TorchRunner(model, opt, amp_dtype=amp)
+    x = torch.randint(0, vocab, (batch, shape["seq_len"]), device=device)
+    y = torch.randint(0, vocab, (batch, shape["seq_len"]), device=device)
+    flops = StepFlops(cfg, vocab)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for step in range(warmup):  # compiles every block's graph
+        train_step(model, opt, runner, [(x, y)], step, 0)
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    total, start = 0.0, time.perf_counter()
+    for step in range(warmup, warmup + steps):
+        result = train_step(model, opt, runner, [(x, y)], step, 0)
+        total += flops(result.metrics.get("block"))
+    sync()
+    seconds = time.perf_counter() - start
+    peak = peak_flops(device, torch.bfloat16 if amp else torch.float32)
+    row = {"row": name, "tokens_per_s": steps * batch * shape["seq_len"] / seconds,
+           "step_ms": 1000 * seconds / steps, "flops_per_s": total / seconds,
+           "mfu": total / seconds / peak if peak else None, "expected_mfu": EXPECTED_MFU[name],
+           "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else None,
+           "loss": float(result.loss)}
+    row["met"] = None if row["mfu"] is None else row["mfu"] >= row["expected_mfu"]
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="a toy shape (the code path on CPU, no claim)")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=8, help="steps before timing (compiles each DB block's graph)")
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    shape, vocab = (TINY, 257) if args.tiny else (GPT2, 50257)
+    rows = []
+    for name in ROWS:
+        row = measure(name, shape, vocab, args.batch, args.steps, args.warmup, device, not args.no_compile)
+        rows.append(row)
+        mfu = "n/a" if row["mfu"] is None else f"{100 * row['mfu']:.1f} %"
+        mem = "n/a" if row["peak_memory_gib"] is None else f"{row['peak_memory_gib']:.1f} GiB"
+        print(f"| {name} | {row['tokens_per_s']:,.0f} tok/s | MFU {mfu} (expected >= "
+              f"{100 * row['expected_mfu']:.0f} %) | peak {mem} |", flush=True)
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "shape": shape, "vocab": vocab, "batch": args.batch, "compiled": not args.no_compile,
+              "torch": torch.__version__, "rows": rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
