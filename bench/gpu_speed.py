@@ -29,6 +29,7 @@ import torch
 
 from looped_lm.compile import compile_for_training
 from looped_lm.config import config_from_dict
+from looped_lm.kinds import get_kind
 from looped_lm.mfu import StepFlops, peak_flops
 from looped_lm.models import build_model
 from looped_lm.optim import BlockwiseAdamW, adamw_implementation, param_groups
@@ -51,7 +52,7 @@ def measure(name: str, shape: dict, vocab: int, batch: int, steps: int, warmup: 
     torch.manual_seed(0)
     model = build_model(cfg, vocab).to(device).train()
     if compile_:
-        compile_for_training(model, kind)
+        compile_for_training(model, get_kind(kind))
     opt = BlockwiseAdamW(param_groups(model, 0.1), adamw_implementation(device.type), lr=1e-4)
     amp = torch.bfloat16 if device.type == "cuda" else None
     runner = TorchRunner(model, opt, amp_dtype=amp)

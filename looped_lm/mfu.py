@@ -1,13 +1,13 @@
 """Model FLOPs utilisation: a training step's matmul FLOPs (looped_lm/cost.py, from the run's config) over the
 hardware's peak, as nanoGPT prints it.
 
-    flops = StepFlops(cfg, vocab_size, batch_tokens)     # the ledger of each kind of step, cached
-    flops(key)                                           # FLOPs of one optimizer step (all ranks' micro-batches
-                                                         # are counted by the caller: x world_size)
+    flops = StepFlops(cfg, vocab_size)                   # the kind's cost of each kind of step, cached
+    flops(key)                                           # FLOPs of one optimizer step on one rank
     peak_flops(device, dtype, override_tflops)           # the device's dense peak, FLOP/s
 
 What decides a step's cost (`key`): the block a DiffusionBlocks step trains, huginn's sampled recurrence r,
-nothing for gpt. Attention is charged over the pairs a causal kernel computes (`attention="visible"`).
+nothing for gpt; each kind maps its config to the cost model (`Kind.step_flops`, looped_lm/kinds/).
+Attention is charged over the pairs a causal kernel computes.
 
 Peaks are the vendors' dense (no sparsity) tensor-core numbers: bf16 / fp16, and TF32 for fp32 matmuls
 (torch uses TF32 on these GPUs only with `torch.backends.cuda.matmul.allow_tf32`; otherwise fp32 runs at
@@ -22,7 +22,7 @@ from functools import lru_cache
 
 import torch
 
-from looped_lm import cost
+from looped_lm.kinds import kind_of
 
 # dense peak TFLOP/s by (a name fragment of torch.cuda.get_device_name, matmul precision)
 PEAK_TFLOPS = {
@@ -32,50 +32,19 @@ PEAK_TFLOPS = {
 }
 
 
-def cost_shape(cfg, vocab_size: int, batch: int) -> cost.Shape:
-    m = cfg.model
-    return cost.Shape(d=m.d_model, layers=m.n_layers, heads=m.n_heads, vocab=vocab_size, seq=m.seq_len,
-                      batch=batch, ffn=m.ffn_hidden, prelude=getattr(m, "n_prelude", 0),
-                      coda=getattr(m, "n_coda", 0))
-
-
-def db_layout(cfg) -> cost.DBLayout:
-    m, d = cfg.model, cfg.diffusion
-    return cost.DBLayout(
-        blocks=1 if m.kind == "looped_db" else d.num_blocks, target_fraction=d.target_fraction,
-        parameterization=d.parameterization, noisy_self=d.noisy_self, loss_chunk=m.loss_chunk,
-        clean_lm=d.clean_lm_weight > 0, fold_likelihood=d.head == "cosine" and d.parameterization == "likelihood",
-        posterior={"full": "full", "detached": "no_grad", "topk": "topk"}[d.posterior_input], topk=d.posterior_topk,
-        layers_per_block=tuple(d.layers_per_block) if isinstance(d.layers_per_block, list) else ())
-
-
-def step_ledger(cfg, vocab_size: int, batch: int, key=None, attention: str = "visible") -> cost.Ledger:
-    """The cost model's ledger of one micro-batch of `batch` sequences; key: the DB block or huginn's r."""
-    m, s = cfg.model, cost_shape(cfg, vocab_size, batch)
-    if m.kind == "gpt":
-        return cost.gpt_train(s, m.loss_chunk, attention)
-    if m.kind == "huginn":
-        return cost.huginn_train(s, key, m.backprop_depth, attention)
-    if m.kind in ("db_ar", "looped_db"):
-        return cost.db_train(s, db_layout(cfg), key or 0, attention)
-    raise ValueError(f"no cost model for model.kind {m.kind}")
-
-
 class StepFlops:
-    """FLOPs of one optimizer step on one rank (grad_accum micro-batches of batch_size sequences), by key.
-    None for kinds the cost model does not cover (vit, dit, mdm, plugins): no MFU is logged for them."""
+    """FLOPs of one optimizer step on one rank (grad_accum micro-batches of batch_size sequences), by key (the
+    DB block, huginn's r: the kind's `step_flops`), cached. None for kinds without a cost model."""
 
     def __init__(self, cfg, vocab_size: int):
-        self.cfg, self.vocab_size = cfg, vocab_size
-        self.covered = cfg.model.kind in ("gpt", "db_ar", "looped_db", "huginn")
+        self.cfg, self.vocab_size, self.kind = cfg, vocab_size, kind_of(cfg)
         self._cache: dict = {}
 
     def __call__(self, key=None) -> float | None:
-        if not self.covered:
-            return None
         if key not in self._cache:
             t = self.cfg.train
-            self._cache[key] = t.grad_accum * step_ledger(self.cfg, self.vocab_size, t.batch_size, key).total()
+            flops = self.kind.step_flops(self.cfg, self.vocab_size, t.batch_size, key)
+            self._cache[key] = None if flops is None else t.grad_accum * flops
         return self._cache[key]
 
 

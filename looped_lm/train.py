@@ -371,7 +371,7 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
 
     start_step = manifest["step"] if manifest is not None else 0
     if compile_enabled(t.compile, device):
-        compile_for_training(model, cfg.model.kind)
+        compile_for_training(model, kind_of(cfg))
     optimizer = BlockwiseAdamW(param_groups(model, t.weight_decay), adamw_implementation(device.type), lr=t.lr,
                                betas=(t.beta1, t.beta2), eps=1e-8)
     for group in optimizer.param_groups:
@@ -418,7 +418,7 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
     report = Report(cfg, start_step, tokens_per_step, train_stream.unit) if rank == 0 else None
     last_ckpt = Path(plan.resume) if plan.resume else None
     skipped = 0  # non-finite steps skipped so far (train.skip_nonfinite)
-    meter = FlopsMeter(StepFlops(cfg, getattr(model, "vocab_size", 0)), world,
+    meter = FlopsMeter(StepFlops(cfg, plan.vocab_size), world,
                        peak_flops(device, torch.bfloat16 if cfg.deepspeed.bf16 else torch.float32, t.peak_tflops)
                        if rank == 0 else 0.0)
     t0 = time.perf_counter()

@@ -12,6 +12,7 @@ import torch._dynamo
 from looped_lm import compile as lc
 from looped_lm import train as trainer
 from looped_lm.config import config_from_dict
+from looped_lm.kinds import get_kind
 from looped_lm.models import build_model
 
 MODELS = {
@@ -63,7 +64,7 @@ def test_the_compiled_region_has_no_graph_break(kind):
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_compiled_losses_and_gradients_equal_eager(kind):
     compiled, eager, (x, y) = build(kind), build(kind), batch()
-    assert lc.compile_for_training(compiled, kind, backend="aot_eager")
+    assert lc.compile_for_training(compiled, get_kind(kind), backend="aot_eager")
     for step in range(4):  # both DB blocks, twice
         losses = []
         for model in (compiled, eager):
@@ -81,7 +82,7 @@ def test_compiled_losses_and_gradients_equal_eager(kind):
 @pytest.mark.parametrize("kind,graphs", [("gpt", 1), ("db_ar", 2), ("looped_db", 1)])
 def test_one_graph_per_block_and_no_recompilation_as_steps_switch(kind, graphs):
     model, (x, y) = build(kind), batch()
-    lc.compile_for_training(model, kind, backend="eager")
+    lc.compile_for_training(model, get_kind(kind), backend="eager")
     counters = torch._dynamo.utils.counters
     counters.clear()
     for step in range(8):  # round robin: blocks 0, 1, 0, 1, ...
@@ -92,7 +93,7 @@ def test_one_graph_per_block_and_no_recompilation_as_steps_switch(kind, graphs):
 def test_compile_setting():
     assert lc.compile_enabled("auto", torch.device("cuda")) and not lc.compile_enabled("auto", torch.device("cpu"))
     assert lc.compile_enabled("on", torch.device("cpu")) and not lc.compile_enabled("off", torch.device("cuda"))
-    assert not lc.compile_for_training(object(), "vit")
+    assert not lc.compile_for_training(object(), get_kind("vit"))  # a kind that says nothing runs eager
 
 
 def test_the_trainer_trains_compiled(tmp_path, write_config, monkeypatch):
@@ -119,7 +120,7 @@ def test_inductor_compiles_the_gpt_loss_to_the_eager_value():
 
     inductor_config.fallback_random = True
     compiled, eager, (x, y) = build("gpt"), build("gpt"), batch()
-    lc.compile_for_training(compiled, "gpt", backend="inductor")
+    lc.compile_for_training(compiled, get_kind("gpt"), backend="inductor")
     a, b = compiled.training_loss(x, y, 0, 0)[0], eager.training_loss(x, y, 0, 0)[0]
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     a.backward()

@@ -20,7 +20,7 @@ NON_DEFAULT = {
     "model": {
         "kind": "db_ar", "n_layers": 6, "d_model": 96, "n_heads": 3, "seq_len": 64, "vocab_size": 300,
         "ffn_hidden": 200, "rope_theta": 500000.0, "norm_eps": 1.0e-6, "init_std": 0.01, "n_prelude": 2,
-        "n_coda": 2, "loss_chunk": 64, "max_iterations": 32, "init_from": "hf_dir",
+        "n_coda": 2, "loss_chunk": 64, "max_iterations": 32, "init_from": "hf_dir", "activation_checkpointing": True,
     },
     "diffusion": {
         "num_blocks": 3, "layers_per_block": [3, 2, 1], "partition": "uniform", "overlap": 0.25, "p_mean": -0.5, "p_std": 1.5,
@@ -38,7 +38,7 @@ NON_DEFAULT = {
         "max_steps": 50, "batch_size": 3, "grad_accum": 4, "lr": 0.003, "min_lr": 0.0003, "warmup_steps": 7,
         "weight_decay": 0.05, "beta1": 0.8, "beta2": 0.99, "grad_clip": 0.5, "seed": 7, "out_dir": "runs/x",
         "save_every": 10, "keep_last": 3, "eval_every": 5, "eval_batches": 2, "log_every": 2,
-        "resume": "never", "resume_changes": "allow", "progress": False, "skip_nonfinite": 3,
+        "resume": "never", "resume_changes": "allow", "progress": False, "skip_nonfinite": 3, "compile": "on", "peak_tflops": 312.0,
         "lora_rank": 4, "lora_alpha": 8.0, "lora_dropout": 0.1, "lora_targets": ["qkv"],
     },
     "deepspeed": {"zero_stage": 2, "bf16": True},
@@ -58,7 +58,6 @@ APART = {"train": {"mode": ("block_parallel", {"deepspeed": {"zero_stage": 0}})}
 MODULE = {"model": {"kind": "vit"}, "diffusion": {"num_blocks": 2, "block_sampling": "uniform"},
           "data": {"source": "digits"}}
 ALONE = {"model": {
-    "activation_checkpointing": (True, {"model": {"kind": "gpt"}}),
     "init_core_start": (3, {"model": {"kind": "looped_db"}, "diffusion": {"num_blocks": 1}}),
     "mean_recurrence": (16, {"model": {"kind": "huginn"}}),
     "backprop_depth": (20, {"model": {"kind": "huginn", "allow_full_backprop": True}}),
@@ -134,8 +133,9 @@ def test_round_trip_of_the_fields_of_one_kind(tmp_path):
 
 
 def test_a_field_of_another_kind_is_refused_naming_its_owner(tmp_path):
-    with pytest.raises(UserError, match="model.activation_checkpointing is a field of model.kind gpt, not of db_ar"):
-        load_config(write(tmp_path, {"model": {"kind": "db_ar", "activation_checkpointing": True}}))
+    with pytest.raises(UserError, match="model.max_iterations is a field of model.kind db_ar / looped_db / huginn, "
+                                        "not of gpt"):
+        load_config(write(tmp_path, {"model": {"kind": "gpt", "max_iterations": 8}}))
     with pytest.raises(UserError, match="model.image_size is a field of model.kind vit / dit, not of gpt"):
         load_config(None, ["model.image_size=16"])
     # at its default, too, in a user's YAML: a key that does nothing is not silently accepted

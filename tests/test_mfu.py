@@ -29,7 +29,11 @@ def test_db_step_flops_depend_on_the_block_and_are_cached():
                             "diffusion": {"num_blocks": 2, "layers_per_block": [1, 3]}})
     flops = mfu.StepFlops(cfg, 257)
     assert flops(0) < flops(1)  # block 1 has three layers
-    assert flops(1) == mfu.step_ledger(cfg, 257, cfg.train.batch_size, 1).total() * cfg.train.grad_accum
+    from looped_lm import cost
+
+    shape = cost.Shape(d=32, layers=4, heads=2, vocab=257, seq=16, batch=cfg.train.batch_size)
+    expected = cost.db_train(shape, cost.DBLayout(blocks=2, layers_per_block=(1, 3)), 1).total()
+    assert flops(1) == expected * cfg.train.grad_accum
 
 
 def test_kinds_without_a_cost_model_log_no_mfu():

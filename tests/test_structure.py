@@ -13,7 +13,7 @@ LAYERS = [
     ("looped_lm.errors", "looped_lm.console", "looped_lm.cost"),
     ("looped_lm.fields",),
     ("looped_lm.kinds",),  # the kind plugins: their builders and data functions are named, not imported
-    ("looped_lm.config", "looped_lm.sampling"),
+    ("looped_lm.config", "looped_lm.sampling", "looped_lm.mfu", "looped_lm.compile"),
     ("looped_lm.settings",),
     ("looped_lm.diffusion",),
     ("looped_lm.models", "looped_lm.data", "looped_lm.lora"),

@@ -134,6 +134,18 @@ class Kind:
         """Checks of this kind's own fields and of the other sections' options it gives meaning to.
         Raise UserError naming the key."""
 
+    def step_flops(self, cfg, vocab_size: int, batch: int, key=None) -> float | None:
+        """Matmul FLOPs (forward + backward) of one training micro-batch of `batch` sequences, by the cost
+        model (looped_lm/cost.py); `key` is what the step's metrics say decides its cost ("block" for DB
+        kinds, "recurrence" for huginn). None: no cost model (no MFU is logged)."""
+        return None
+
+    def compile_for_training(self, model, backend: str) -> bool:
+        """train.compile: torch.compile what this kind trains through, in place; -> whether anything was.
+        Compile what runs with the same shapes every step (the step number or a host-drawn size must stay
+        out of the graph: each value would be a recompilation)."""
+        return False
+
     def build(self, cfg, vocab_size: int, state: dict | None):
         return resolve(self.builder)(cfg, vocab_size, state)
 

@@ -32,6 +32,9 @@ class GptSection(LanguageModelSection):
 
 class DbArSection(LanguageModelSection):
     kind: Literal["db_ar"] = field("db_ar", "db_ar: DiffusionBlocks AR LM, one block trained per step")
+    activation_checkpointing: bool = field(False, "recompute each layer of the trained block (both streams; huginn: "
+                                                  "each layer of the iterations with gradient) in backward instead "
+                                                  "of storing its activations")
     n_prelude: int = field(0, "shared clean-stream layers before the blocks (looped: the core; the paper: 2)")
     n_coda: int = field(0, "shared layers after the blocks (looped: the core; the paper: 2)")
     max_iterations: int = field(64, "the largest K accepted at inference")
@@ -75,6 +78,36 @@ class MdmSection(SequenceSection):
                                     "baseline), instead of diffusion.num_blocks blocks")
 
 
+# --- the cost model's shapes of a config (MFU on the log line) ------------------------------------------
+def _cost_shape(cfg, vocab_size: int, batch: int):
+    from looped_lm import cost
+
+    m = cfg.model
+    return cost.Shape(d=m.d_model, layers=m.n_layers, heads=m.n_heads, vocab=vocab_size, seq=m.seq_len, batch=batch,
+                      ffn=m.ffn_hidden, prelude=getattr(m, "n_prelude", 0), coda=getattr(m, "n_coda", 0))
+
+
+def _db_layout(cfg, blocks: int):
+    from looped_lm import cost
+
+    m, d = cfg.model, cfg.diffusion
+    return cost.DBLayout(
+        blocks=blocks, target_fraction=d.target_fraction, parameterization=d.parameterization,
+        noisy_self=d.noisy_self, loss_chunk=m.loss_chunk, clean_lm=d.clean_lm_weight > 0,
+        fold_likelihood=d.head == "cosine" and d.parameterization == "likelihood",
+        posterior={"full": "full", "detached": "no_grad", "topk": "topk"}[d.posterior_input], topk=d.posterior_topk,
+        layers_per_block=tuple(d.layers_per_block) if isinstance(d.layers_per_block, list) else ())
+
+
+def _compile_block_loss(model, backend: str) -> bool:
+    """DB kinds: the loss of the block the host chose (`BlockObjective.block_loss`): one graph per block, and
+    the step number never enters it."""
+    import torch
+
+    model.objective.block_loss = torch.compile(model.objective.block_loss, backend=backend, dynamic=False)
+    return True
+
+
 # --- kinds -------------------------------------------------------------------------------------------
 _LM = frozenset({"language_model", "init_from", "lora"})
 
@@ -93,11 +126,23 @@ class Gpt(Kind):
     def lora_layers(self, cfg) -> tuple[list[str], bool]:
         return [r"layers"], True
 
+    def step_flops(self, cfg, vocab_size: int, batch: int, key=None) -> float:
+        from looped_lm import cost
+
+        return cost.gpt_train(_cost_shape(cfg, vocab_size, batch), cfg.model.loss_chunk).total()
+
+    def compile_for_training(self, model, backend: str) -> bool:
+        import torch
+
+        model.training_loss = torch.compile(model.training_loss, backend=backend, dynamic=False)
+        return True
+
 
 class DbAr(Kind):
     name, section, builder = "db_ar", DbArSection, "looped_lm.models.db:build"
     summary = "DiffusionBlocks AR LM: B untied two-stream blocks, one trained per step (docs/method.md)"
-    capabilities = _LM | {"iterative", "block_jobs", "merge", "block_parallel", "stacked_context", "layer_split",
+    capabilities = _LM | {"activation_checkpointing", "iterative", "block_jobs", "merge", "block_parallel",
+                          "stacked_context", "layer_split",
                           "partition_edges", "export_native", "vllm", "estimated_ppl"}
 
     def num_blocks(self, cfg) -> int:
@@ -136,11 +181,20 @@ class DbAr(Kind):
     def lora_layers(self, cfg) -> tuple[list[str], bool]:
         return _block_lora_layers(cfg, self.num_blocks(cfg))
 
+    def step_flops(self, cfg, vocab_size: int, batch: int, key=None) -> float:
+        from looped_lm import cost
+
+        return cost.db_train(_cost_shape(cfg, vocab_size, batch), _db_layout(cfg, self.num_blocks(cfg)), key or 0).total()
+
+    def compile_for_training(self, model, backend: str) -> bool:
+        return _compile_block_loss(model, backend)
+
 
 class LoopedDb(Kind):
     name, section, builder = "looped_db", LoopedDbSection, "looped_lm.models.db:build"
     summary = "recurrent depth: prelude -> one weight-tied two-stream core -> coda, one forward pass per step"
-    capabilities = _LM | {"iterative", "partition_edges", "export_native", "vllm", "estimated_ppl"}
+    capabilities = _LM | {"activation_checkpointing", "iterative", "partition_edges", "export_native", "vllm",
+                          "estimated_ppl"}
 
     def validate(self, cfg) -> None:
         _check_prelude_coda(cfg)
@@ -154,11 +208,19 @@ class LoopedDb(Kind):
     def lora_layers(self, cfg) -> tuple[list[str], bool]:
         return _block_lora_layers(cfg, 1)
 
+    def step_flops(self, cfg, vocab_size: int, batch: int, key=None) -> float:
+        from looped_lm import cost
+
+        return cost.db_train(_cost_shape(cfg, vocab_size, batch), _db_layout(cfg, 1), 0).total()
+
+    def compile_for_training(self, model, backend: str) -> bool:
+        return _compile_block_loss(model, backend)
+
 
 class Huginn(Kind):
     name, section, builder = "huginn", HuginnSection, "looped_lm.models.huginn:build"
     summary = "recurrent depth, Huginn-style: prelude -> core x r -> coda, truncated BPTT (r = 32, k = 8)"
-    capabilities = _LM | {"iterative"}
+    capabilities = _LM | {"activation_checkpointing", "iterative"}
 
     def validate(self, cfg) -> None:
         m = cfg.model
@@ -176,6 +238,21 @@ class Huginn(Kind):
     def source_layers(self, cfg, n_source: int) -> dict[str, list]:
         prelude, core, coda = _retrofit(cfg, n_source)
         return {"prelude": prelude, "core": core, "coda": coda}
+
+    def step_flops(self, cfg, vocab_size: int, batch: int, key=None) -> float:
+        """key: the step's recurrence r (drawn on the host; the mean before it is known)."""
+        from looped_lm import cost
+
+        r = key or cfg.model.mean_recurrence
+        return cost.huginn_train(_cost_shape(cfg, vocab_size, batch), r, cfg.model.backprop_depth).total()
+
+    def compile_for_training(self, model, backend: str) -> bool:
+        """Each layer: the loss loops over a recurrence r drawn on the host each step (a whole-loss graph
+        would be one graph per r); the core layer is one graph every iteration reuses."""
+        for stack in (model.prelude, model.core, model.coda):
+            for layer in stack:
+                layer.compile(backend=backend, dynamic=False)
+        return True
 
     def lora_layers(self, cfg) -> tuple[list[str], bool]:
         return [r"prelude", r"core", r"coda"], True

@@ -18,6 +18,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from looped_lm.config import Config
 from looped_lm.errors import UserError
@@ -61,8 +62,12 @@ class HuginnLM(nn.Module, Trainable, Scorable, CachedDecoding, Iterative):
     # --- the network --------------------------------------------------------------------------
 
     def _stack(self, layers, x, cos, sin, caches=None, rows=None):
+        recompute = self.cfg.model.activation_checkpointing and torch.is_grad_enabled() and not caches
         for i, layer in enumerate(layers):
-            x = layer(x, cos, sin, caches[i] if caches else None, rows)
+            if recompute:  # model.activation_checkpointing: the iterations with gradient recompute each layer
+                x = checkpoint(layer, x, cos, sin, None, rows, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, caches[i] if caches else None, rows)
         return x
 
     def initial_state(self, e: torch.Tensor, generator=None) -> torch.Tensor:

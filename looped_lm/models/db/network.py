@@ -22,6 +22,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from looped_lm import diffusion as dm
 from looped_lm.config import Config, block_layers
@@ -55,6 +56,7 @@ class DBNetwork(nn.Module):
         m, d = cfg.model, cfg.diffusion
         self.cfg, self.vocab_size, self.n_heads = cfg, vocab_size, m.n_heads
         self.seq_len, self.max_positions = m.seq_len, 4 * m.seq_len
+        self.activation_checkpointing = getattr(m, "activation_checkpointing", False)
         self.sched = dm.NoiseSchedule(d.p_mean, d.p_std, d.sigma_min, d.sigma_max, d.sigma_data).validate()
         num_blocks = kind_of(cfg).num_blocks(cfg)  # looped_db: its one weight-tied core
         self.set_edges(dm.check_edges(edges) if edges is not None else dm.make_edges(d.partition, num_blocks, self.sched))
@@ -216,12 +218,19 @@ class DBNetwork(nn.Module):
         layers, own, out, handed = self.layers_of(b), len(self.blocks[b]), [], None
         for i, layer in enumerate(layers):
             cache = caches[i] if caches else None
-            clean, k, v = layer.clean(clean, cos, sin, cache, rows,
-                                      need_output=i + 1 < len(layers) or (hand_on and i + 1 == own))
+            need = i + 1 < len(layers) or (hand_on and i + 1 == own)
+            clean, k, v = self.run_layer(layer.clean, clean, cos, sin, cache, rows, need)
             out.append((k, v))
             if hand_on and i + 1 == own:
                 handed = clean
         return out, handed
+
+    def run_layer(self, fn, *args):
+        """fn(*args), recomputed in backward instead of keeping its activations when
+        model.activation_checkpointing is on and a gradient is being recorded (training)."""
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
 
     def feeder(self, b: int) -> int | None:
         """context stacked: the block whose clean states block b's clean stream continues; None for the
@@ -278,5 +287,5 @@ class DBNetwork(nn.Module):
         h, cond, loglik = self.noisy_input(z, sigma, prev)
         cos, sin = self.rope(noisy_pos)
         for layer, (k, v) in zip(self.layers_of(b), kv):
-            h = layer.noisy(h, cond, cos, sin, k, v, mask, self.noisy_self)
+            h = self.run_layer(layer.noisy, h, cond, cos, sin, k, v, mask, self.noisy_self)
         return self.denoise_logits(h, z, sigma, loglik) if head else h

@@ -86,7 +86,7 @@ class BlockObjective:
             kv, h_clean = [], clean
             cos, sin = net.rope(positions)
             for layer in net.layers_of(b):
-                h_clean, k, v = layer.clean(h_clean, cos, sin)
+                h_clean, k, v = net.run_layer(layer.clean, h_clean, cos, sin)
                 kv.append((k, v))
         mask = slot_mask(slots, T, net.noisy_self, full_window)
         if net.chunking():  # the slots' states, then head + CE chunk by chunk
