@@ -42,6 +42,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+SINK_PAD = 8  # looped_lm.models.two_stream.SINK_PAD (this module imports nothing of the models)
 TERMS = ("attn_proj", "attn_scores", "mlp", "cond", "adapter", "head", "loglik", "posterior", "bridge")
 LAYER_TERMS = ("attn_proj", "attn_scores", "mlp", "cond", "adapter")
 VOCAB_TERMS = ("head", "loglik", "posterior", "bridge")
@@ -154,12 +155,13 @@ def _layer(led, s: Shape, batch, T, keys, grad, qkv_only=False):
     led.linear("mlp", rows, s.hidden, s.d, grad, grad)
 
 
-def _noisy_layer(led, s: Shape, batch, n, keys, noisy_self, grad):
-    """One noisy-stream layer (TwoStreamLayer.noisy) over n slots of `batch` rows."""
+def _noisy_layer(led, s: Shape, batch, n, keys, noisy_self, grad, width=None):
+    """One noisy-stream layer (TwoStreamLayer.noisy) over n slots of `batch` rows; `width`: the attention's
+    H x head dim (padded on the structural path)."""
     rows = batch * n
     led.linear("cond", batch, s.d, 6 * s.d, grad, grad)  # adaLN from the (batch, d) condition
     led.linear("attn_proj", rows, s.d, (3 if noisy_self else 1) * s.d, grad, grad)  # qkv, or q only
-    led.attention(batch, n, keys, s.d, grad)
+    led.attention(batch, n, keys, width or s.d, grad)
     led.linear("attn_proj", rows, s.d, s.d, grad, grad)
     led.linear("mlp", rows, s.d, 2 * s.hidden, grad, grad)
     led.linear("mlp", rows, s.hidden, s.d, grad, grad)
@@ -195,14 +197,20 @@ def db_train(s: Shape, lay: DBLayout, block: int = 0, attention: str = "visible"
     depth = layers_of(s, lay, block)
     for i in range(depth):
         _layer(led, s, Bsz, T, causal, grad=True, qkv_only=(i + 1 == depth and not lay.clean_lm))
-    # noisy slot keys: clean positions <= its own (+ its own key with noisy_self)
+    # noisy slot keys: clean positions <= its own (+ its own key with noisy_self). Every slot of the window
+    # with its self key (target_fraction 1) runs `causal_plus_self_attention`: one causal SDPA over a sink
+    # and the clean keys at head dim D + SINK_PAD, the self score elementwise; some slots: the masked
+    # SDPA over T + n keys
+    # (T + 1 queries: a dummy one in front makes the call square)
+    structural = lay.noisy_self and n == T
+    width = d * (s.d // s.heads + SINK_PAD) / (s.d // s.heads) if structural else d
     if attention == "dense":
-        keys = T + (n if lay.noisy_self else 0)
+        keys = (T + 1) ** 2 / T if structural else T + (n if lay.noisy_self else 0)
     else:
-        keys = (T + 1) / 2 + (1 if lay.noisy_self else 0)
+        keys = (T + 2) / 2 * (T + 1) / T if structural else (T + 1) / 2 + (1 if lay.noisy_self else 0)
     _noise_embedding(led, s, Bsz, grad=True)
     for _ in range(depth):
-        _noisy_layer(led, s, Bsz, n, keys, lay.noisy_self, grad=True)
+        _noisy_layer(led, s, Bsz, n, keys, lay.noisy_self, grad=True, width=width)
     runs = 2 if 0 < lay.loss_chunk < n else 1  # checkpointed chunks rerun their forward in backward
     if lay.parameterization == "likelihood":
         _likelihood_train(led, lay, M, d, V, runs)

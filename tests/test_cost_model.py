@@ -161,17 +161,24 @@ def test_looped_db_and_huginn_decode_token():
 
 @pytest.mark.parametrize("noisy_self", [False, True])
 def test_visible_pairs_are_the_masks(noisy_self):
-    """attention="visible" counts the keys each noisy slot's mask lets through (f = 1)."""
+    """attention="visible" counts the keys each noisy slot's attention call lets through (f = 1): without
+    the self key, the mask's pairs; with it, over a whole window, the structural call's (one square causal
+    SDPA over a dummy query, the sink and the clean keys, at head dim + SINK_PAD), not the (T, 2T) mask's."""
     T, s = 24, SHAPES[0]
     lay = cm.DBLayout(blocks=1, noisy_self=noisy_self)
-    mask = noisy_mask(torch.arange(T), T)  # slot i: clean keys <= i, and its own key
-    visible = int(mask.sum()) - (0 if noisy_self else T)
     one_layer = replace(s, layers=1, seq=T, batch=1)
     dense = cm.db_train(one_layer, lay, attention="dense").fwd["attn_scores"]
     floor = cm.db_train(one_layer, lay, attention="visible").fwd["attn_scores"]
     clean_pairs = 0  # the block's only clean layer stops at K/V: no clean attention
-    assert floor == pytest.approx(4 * s.d * (visible + clean_pairs))
-    assert dense == 4 * s.d * T * (T + (T if noisy_self else 0))
+    if noisy_self:
+        head = s.d // s.heads
+        width = s.d * (head + cm.SINK_PAD) / head
+        assert floor == pytest.approx(4 * width * ((T + 1) * (T + 2) / 2 + clean_pairs))
+        assert dense == pytest.approx(4 * width * (T + 1) ** 2)
+    else:
+        visible = int(noisy_mask(torch.arange(T), T).sum()) - T  # slot i: clean keys <= i
+        assert floor == pytest.approx(4 * s.d * (visible + clean_pairs))
+        assert dense == 4 * s.d * T * T
 
 
 def test_an_uneven_split_charges_each_block_its_own_layers():

@@ -65,7 +65,11 @@ class TwoStreamLayer(TransformerLayer):
         x = modulate(self.norm1(h), shift1, scale1)
         if attend_self:
             q, k, v = self.attn.project(x, cos, sin)
-            y = F.scaled_dot_product_attention(q, torch.cat([k_ctx, k], 2), torch.cat([v_ctx, v], 2), attn_mask=mask)
+            if isinstance(mask, str):  # CAUSAL_SELF: every slot of the window, no (T, 2T) mask
+                y = causal_plus_self_attention(q, k_ctx, v_ctx, k, v)
+            else:
+                y = F.scaled_dot_product_attention(q, torch.cat([k_ctx, k], 2), torch.cat([v_ctx, v], 2),
+                                                   attn_mask=mask)
         else:
             q = self.attn.project_query(x, cos, sin)
             causal = isinstance(mask, str)
@@ -110,17 +114,48 @@ class TwoStreamLayer(TransformerLayer):
 
 
 CAUSAL = "causal"  # a mask value: noisy slot i sees clean keys 0..i (every slot, no self key)
+CAUSAL_SELF = "causal+self"  # a mask value: noisy slot i sees clean keys 0..i and its own noisy key
+
+
+SINK_PAD = 8  # head-dim padding of the sink's column: flash kernels take head dims in multiples of 8
+
+
+def causal_plus_self_attention(q, k, v, k_self, v_self):
+    """Slot i of q (B, H, T, D) attends keys 0..i of (k, v) and its own (k_self, v_self)[i], without the
+    (T, 2T) mask of the concatenated keys. One causal SDPA call (is_causal: the flash path)
+    against the clean keys with one extra key in front, of score 0 (a "sink" every slot sees), whose value
+    is 1 in an extra column: that column comes out as w = 1 / (Z + 1), Z the slot's clean softmax
+    normaliser, and the self term merges by its own score:
+        y = (y_clean + a v_self) / (1 - w + a),   a = w exp(q . k_self / sqrt(D))
+    (y_clean: the sink-diluted clean average). Exactly softmax over [clean keys <= i, self], forward and
+    backward, for every slot whose clean normaliser Z stays below fp32's range (scores below ~88; beyond,
+    w underflows and the self term is lost). The extra column is padded to SINK_PAD (zeros in q and k
+    leave every score as it was): attention costs (D + SINK_PAD) / D of the clean keys' alone."""
+    B, H, T, D = q.shape
+    pad = q.new_zeros(B, H, T, SINK_PAD)
+    first = q.new_zeros(B, H, 1, D + SINK_PAD)  # the sink's key, and a dummy query in front (dropped): the
+    # call is then square and plainly causal, so query i + 1 sees the sink and clean keys 0..i
+    sink_v = torch.cat([q.new_zeros(B, H, 1, D), q.new_ones(B, H, 1, 1), q.new_zeros(B, H, 1, SINK_PAD - 1)], -1)
+    out = F.scaled_dot_product_attention(
+        torch.cat([first, torch.cat([q, pad], -1)], 2), torch.cat([first, torch.cat([k, pad], -1)], 2),
+        torch.cat([sink_v, torch.cat([v, pad], -1)], 2), is_causal=True, scale=1 / math.sqrt(D))[:, :, 1:]
+    acc = torch.promote_types(q.dtype, torch.float32)  # bf16 / fp16 merge in fp32
+    y_clean, w = out[..., :D].to(acc), out[..., D:D + 1].to(acc)
+    score = (q.to(acc) * k_self.to(acc)).sum(-1, keepdim=True) / math.sqrt(D)
+    a = torch.exp((score + w.log()).clamp(max=80.0))  # beyond e^80 the self term is all there is
+    return ((y_clean + a * v_self.to(acc)) / (1 - w + a)).to(q.dtype)
 
 
 def slot_mask(ctx_end: torch.Tensor, n_clean: int, attend_self: bool, full_window: bool | None = None):
-    """The noisy stream's mask: `noisy_mask`, or without the self key its clean columns (CAUSAL when
-    every slot of the window is there). full_window: the caller knows ctx_end is arange(n_clean) (or is
-    not); None reads the tensor to find out, which syncs with the device."""
-    if attend_self:
-        return noisy_mask(ctx_end, n_clean)
+    """The noisy stream's mask: `noisy_mask`, or without the self key its clean columns; CAUSAL (no self
+    key) or CAUSAL_SELF when every slot of the window is there, so no mask exists. full_window: the
+    caller knows ctx_end is arange(n_clean) (or is not); None reads the tensor to find out, which syncs
+    with the device."""
     if full_window is None:
         full_window = ctx_end.dim() == 1 and ctx_end.shape[0] == n_clean and bool(
             (ctx_end == torch.arange(n_clean, device=ctx_end.device)).all())
+    if attend_self:
+        return CAUSAL_SELF if full_window else noisy_mask(ctx_end, n_clean)
     if full_window:
         return CAUSAL
     return noisy_mask(ctx_end, n_clean)[..., :n_clean]
