@@ -3,6 +3,7 @@ lm-evaluation-harness against `looped_lm eval`.
 
     python bench/logprob_check.py mc --checkpoint out/quickstart_db/step_0001000 --ks 4,8,16,32
     python bench/logprob_check.py lm-eval --checkpoint out/quickstart_db/step_0001000 --ks 1,2,4,8,16,32
+    python bench/logprob_check.py report      # markdown tables of the committed JSONs (bench/README_serve.md)
 
 mc       On held-out tokens of the run's val.bin: the log-prob the server returns for each token (the
          model's `token_logprobs` with the server's defaults: 4 draws, more where a token is unresolved, up
@@ -205,9 +206,35 @@ def write(args, result: dict) -> None:
     out.write_text(json.dumps(result, indent=1) + "\n")
 
 
+def report() -> str:
+    """Markdown tables of every committed JSON: bias against Monte-Carlo by K and setting, lm-eval against eval."""
+    lines = ["| model | K | resolve se / most draws | bias per token (served - MC), nats | sd of one served value | "
+             "s per estimate (64 tokens) |", "|---|---|---|---|---|---|"]
+    for path in sorted(RESULTS.glob("mc_*.json")):
+        d, seen = json.loads(path.read_text()), set()
+        for r in d["rows"]:
+            if (r["K"], r["resolve_se"], r["max_draws"]) in seen:  # the default listed again as a variant
+                continue
+            seen.add((r["K"], r["resolve_se"], r["max_draws"]))
+            lines.append(f"| {d['kind']} | {r['K']} | {r['resolve_se']:g} / {r['max_draws']} | "
+                         f"{r['bias_per_token']:+.3f} ± {r['bias_se']:.3f} | {r['spread_per_token_sd']:.2f} | "
+                         f"{r['seconds_per_served_estimate']:g} |")
+    lines += ["", "| model | K | lm-eval NLL / token | eval NLL / token (32 draws) | eval se | z | within 2√2 se |",
+              "|---|---|---|---|---|---|---|"]
+    for path in sorted(RESULTS.glob("lm_eval_*.json")):
+        d = json.loads(path.read_text())
+        for r in d["rows"]:
+            lines.append(f"| {d['kind']} | {r['K']} | {r['nll_lm_eval']:.4f} | {r['nll_eval']:.4f} | {r['eval_se']:.2g} | "
+                         f"{r['z']:+.1f} | {'yes' if r['within'] else 'no'} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
+    if argv is None and sys.argv[1:2] == ["report"] or argv == ["report"]:
+        print(report())
+        return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("mode", choices=("mc", "lm-eval"))
+    p.add_argument("mode", choices=("mc", "lm-eval", "report"))
     p.add_argument("--checkpoint", required=True, type=Path)
     p.add_argument("--ks", default="4,8,16,32")
     p.add_argument("--tokens", type=int, default=64, help="mc: held-out tokens scored")
