@@ -1,0 +1,139 @@
+"""Activation memory of one training step at the GPT-2 shape: what autograd keeps for backward, by model and
+with / without activation checkpointing, beside a count of what must be kept by construction.
+
+    python bench/train_memory.py [--json bench/results/train_memory.json] [--batch 1] [--seq 1024]
+
+Rows at 12 x 768, 12 heads, V 50257, fp32, model.loss_chunk 128 (the head and its CE chunked, so the
+(T, V) logits are never kept): gpt; db_ar B = 2 and B = 4 (one step trains one block: block 0 here, the
+product defaults otherwise, clean_lm off); looped_db (2 + 8 + 2, B = 1). Each with
+`model.activation_checkpointing` off and on.
+
+Measured, on CPU: `kept for backward`, the bytes of every distinct tensor storage autograd saves during
+the forward (a saved_tensors_hooks count, parameters left out); `step peak`, the most bytes live at once
+among those allocated during forward + backward (the profiler's memory timeline: activations, the
+recomputation of checkpointed parts, gradients, temporaries). The target reads the step peak.
+Weights, gradients and optimizer state are apart (listed: fp32, AdamW). Counted (`floor`, checkpointing on):
+what recomputation cannot drop: each recomputed layer's input (B T d per stream), the keys and values the
+noisy stream reads from each clean layer of the block (2 B T d), and the chunked head's input (B T d);
+4 bytes each. The step peak adds the gradients (all of gpt's; for a DB step the trained block's and the
+shared parameters', the embedding table among them) and the recomputation of one layer at a time.
+
+Target (filed before this bench existed): db_ar B = 4 with checkpointing below gpt with checkpointing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+GPT2 = {"n_layers": 12, "d_model": 768, "n_heads": 12}
+VOCAB = 50257
+ROWS = {
+    "gpt": ({"kind": "gpt"}, None),
+    "db_ar B=2": ({"kind": "db_ar"}, {"num_blocks": 2, "block_sampling": "round_robin"}),
+    "db_ar B=4": ({"kind": "db_ar"}, {"num_blocks": 4, "block_sampling": "round_robin"}),
+    "looped_db": ({"kind": "looped_db", "n_prelude": 2, "n_layers": 8, "n_coda": 2}, {"num_blocks": 1}),
+}
+
+
+def saved_bytes(model, x, y) -> int:
+    """Bytes of the distinct storages autograd saves during the forward, parameters left out (a linear
+    layer saves its weight: memory the model holds anyway)."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen, total = set(), [0]
+
+    def pack(t):
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if key[0] not in weights and key not in seen:
+            seen.add(key)
+            total[0] += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss, _ = model.training_loss(x, y, 0, 0)
+    del loss
+    return total[0]
+
+
+def step_peak_bytes(model, x, y) -> int:
+    """The most bytes live at once among those allocated during forward + backward (activations, the
+    recomputation of checkpointed parts, gradients, temporaries; weights and optimizer state excluded):
+    the profiler's memory timeline, which works on CPU."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        loss, _ = model.training_loss(x, y, 0, 0)
+        loss.backward()
+    live = peak = 0
+    for _, action, _, size in prof._memory_profile().timeline:
+        live += size if action == Action.CREATE else -size if action == Action.DESTROY else 0
+        peak = max(peak, live)
+    model.zero_grad(set_to_none=True)
+    return peak
+
+
+def floor_bytes(name: str, model_cfg: dict, batch: int, seq: int) -> int:
+    """What checkpointing cannot drop (see the module docstring), fp32."""
+    d, L = GPT2["d_model"], model_cfg.get("n_layers", GPT2["n_layers"])
+    tokens = batch * seq * d
+    if name == "gpt":
+        return 4 * tokens * (L + 1)  # each layer's input (the first is the embeddings), the head's input
+    prelude, coda = model_cfg.get("n_prelude", 0), model_cfg.get("n_coda", 0)
+    blocks = ROWS[name][1]["num_blocks"]
+    depth = (L // blocks if name != "looped_db" else L) + coda
+    # prelude layers' inputs (clean), the block's layers: clean input + K/V, noisy input; the head's input
+    return 4 * tokens * (prelude + depth * (1 + 2 + 1) + 1)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    from looped_lm.config import config_from_dict
+    from looped_lm.models import build_model
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, VOCAB, (args.batch, args.seq), generator=g)
+    y = torch.randint(0, VOCAB, (args.batch, args.seq), generator=g)
+    rows = []
+    for name, (model_cfg, diffusion) in ROWS.items():
+        for checkpointing in (False, True):
+            raw = {"model": {**GPT2, **model_cfg, "seq_len": args.seq, "loss_chunk": 128,
+                             "activation_checkpointing": checkpointing}}
+            if diffusion:
+                raw["diffusion"] = diffusion
+            torch.manual_seed(0)
+            model = build_model(config_from_dict(raw), VOCAB).train()
+            params = sum(p.numel() for p in model.parameters())
+            row = {"row": name, "activation_checkpointing": checkpointing,
+                   "activation_mib": saved_bytes(model, x, y) / 2 ** 20,
+                   "step_peak_mib": step_peak_bytes(model, x, y) / 2 ** 20,
+                   "floor_mib": floor_bytes(name, raw["model"], args.batch, args.seq) / 2 ** 20 if checkpointing else None,
+                   "params_m": params / 1e6, "weights_grads_adamw_mib": 16 * params / 2 ** 20}
+            rows.append(row)
+            print(f"| {name} | checkpointing {'on ' if checkpointing else 'off'} | kept for backward "
+                  f"{row['activation_mib']:,.0f} MiB | step peak {row['step_peak_mib']:,.0f} MiB | floor "
+                  f"{row['floor_mib'] or 0:,.0f} MiB | "
+                  f"params {row['params_m']:.1f} M |", flush=True)
+            del model
+    by = {(r["row"], r["activation_checkpointing"]): r["step_peak_mib"] for r in rows}
+    result = {"shape": {**GPT2, "seq": args.seq, "batch": args.batch, "vocab": VOCAB, "loss_chunk": 128},
+              "rows": rows, "target": "db_ar B=4 with checkpointing below gpt with checkpointing",
+              "target_ratio": by[("db_ar B=4", True)] / by[("gpt", True)],
+              "target_met": by[("db_ar B=4", True)] < by[("gpt", True)]}
+    print(f"step peak, db_ar B=4 / gpt, both checkpointed: {result['target_ratio']:.2f}x (target < 1: "
+          f"{'met' if result['target_met'] else 'missed'})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
