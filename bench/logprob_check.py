@@ -75,7 +75,7 @@ def run_mc(args) -> dict:
         t0 = time.time()
         reps = args.chains
         context = WindowContext(model, x.repeat(reps, 1))
-        random = SharedGenerator(torch.Generator().manual_seed(10_000 + K))
+        random = SharedGenerator(torch.Generator().manual_seed(args.mc_seed + K))
         z = model.initial_noise(reps, x.shape[1], random)
         with torch.no_grad():
             logits = run_chain(context.denoise, model.grid(), [InferenceSettings(num_iterations=K, bridge="sample")] * reps,
@@ -88,7 +88,7 @@ def run_mc(args) -> dict:
                          "seconds_mc": round(mc_time, 1),
                          **served_vs_mc(model, x, y, K, settings, args.repeats, p_mc, p_se)})
             print(json.dumps(rows[-1]), flush=True)
-    return {"checkpoint": str(args.checkpoint), "kind": cfg.model.kind, "chains": args.chains,
+    return {"checkpoint": str(args.checkpoint), "kind": cfg.model.kind, "chains": args.chains, "mc_seed": args.mc_seed,
             "repeats": args.repeats, "served_defaults": {"draws": served.draws, "max_draws": served.max_draws,
                                                          "resolve_se": served.resolve_se},
             "rows": rows}
@@ -239,6 +239,7 @@ def main(argv=None) -> int:
     p.add_argument("--ks", default="4,8,16,32")
     p.add_argument("--tokens", type=int, default=64, help="mc: held-out tokens scored")
     p.add_argument("--chains", type=int, default=2000, help="mc: plain Monte-Carlo chains per token")
+    p.add_argument("--mc-seed", type=int, default=10_000, help="mc: the Monte-Carlo chains' seed (+ K)")
     p.add_argument("--repeats", type=int, default=8, help="mc: independent served estimates per token")
     p.add_argument("--windows", type=int, default=8, help="lm-eval: windows of 126 tokens in the document")
     p.add_argument("--start", type=int, default=0, help="offset into val.bin")
