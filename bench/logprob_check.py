@@ -208,15 +208,15 @@ def write(args, result: dict) -> None:
 
 def report() -> str:
     """Markdown tables of every committed JSON: bias against Monte-Carlo by K and setting, lm-eval against eval."""
-    lines = ["| model | K | resolve se / most draws | bias per token (served - MC), nats | sd of one served value | "
-             "s per estimate (64 tokens) |", "|---|---|---|---|---|---|"]
+    lines = ["| file | model | K | resolve se / most draws | bias per token (served - MC), nats | sd of one served value | "
+             "s per estimate (64 tokens) |", "|---|---|---|---|---|---|---|"]
     for path in sorted(RESULTS.glob("mc_*.json")):
         d, seen = json.loads(path.read_text()), set()
         for r in d["rows"]:
             if (r["K"], r["resolve_se"], r["max_draws"]) in seen:  # the default listed again as a variant
                 continue
             seen.add((r["K"], r["resolve_se"], r["max_draws"]))
-            lines.append(f"| {d['kind']} | {r['K']} | {r['resolve_se']:g} / {r['max_draws']} | "
+            lines.append(f"| {path.stem} | {d['kind']} | {r['K']} | {r['resolve_se']:g} / {r['max_draws']} | "
                          f"{r['bias_per_token']:+.3f} ± {r['bias_se']:.3f} | {r['spread_per_token_sd']:.2f} | "
                          f"{r['seconds_per_served_estimate']:g} |")
     lines += ["", "| model | K | lm-eval NLL / token | eval NLL / token (32 draws) | eval se | z | within 2√2 se |",
