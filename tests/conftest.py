@@ -140,3 +140,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def no_uvicorn(monkeypatch):
+    """serve must refuse before it binds: a call to uvicorn.run fails the test."""
+    uvicorn = pytest.importorskip("uvicorn")
+
+    def run(*a, **k):
+        raise AssertionError("serve started a server although its input should have been refused")
+    monkeypatch.setattr(uvicorn, "run", run)

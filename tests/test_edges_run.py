@@ -17,6 +17,7 @@ from looped_lm import checkpoint as ckpt_io
 from looped_lm import cli
 from looped_lm import train as trainer
 from looped_lm.training import TrainingModule
+from test_manifest_agreement import _verbs
 
 
 def _steps(out: Path) -> list[int]:
@@ -199,34 +200,12 @@ FORGERIES = {  # name: (weights edit, manifest edit, fragments of the one line)
 }
 
 
-def _verbs(ckpt: Path, tmp: Path, cfg: Path) -> dict:
-    return {
-        "resume": ["train", "--config", str(cfg), "--set", f"train.out_dir={ckpt.parent}", "--set",
-                   "train.max_steps=31"],
-        "eval": ["eval", "--checkpoint", str(ckpt), "--max-tokens", "32", "--no-progress"],
-        "generate": ["generate", "--checkpoint", str(ckpt), "--prompt", "A", "--max-tokens", "2"],
-        "serve": ["serve", "--checkpoint", str(ckpt)],
-        "export": ["export", "--checkpoint", str(ckpt), "--out", str(tmp / "hf")],
-        "merge": ["merge", str(ckpt), "--out", str(tmp / "merged")],
-        "verify": ["verify", str(ckpt)],
-    }
-
-
-@pytest.fixture
-def no_uvicorn(monkeypatch):
-    uvicorn = pytest.importorskip("uvicorn")
-
-    def run(*a, **k):
-        raise AssertionError("serve started a server for a checkpoint it should have refused")
-    monkeypatch.setattr(uvicorn, "run", run)
-
-
 @pytest.mark.parametrize("name", list(FORGERIES))
 def test_every_verb_refuses_forged_weights(name, tiny_run, tmp_path, capsys, one_line_error, no_uvicorn):
     cfg, src, _ = tiny_run
     weights, edit, fragments = FORGERIES[name]
     ckpt = _forge(src, tmp_path, weights, edit)
-    for verb, argv in _verbs(ckpt, tmp_path, cfg).items():
+    for verb, argv in _verbs(ckpt, tmp_path, cfg, resume_to=31).items():
         capsys.readouterr()
         code = cli.main(argv)
         err = capsys.readouterr()

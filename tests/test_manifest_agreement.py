@@ -59,10 +59,11 @@ EDITS = {  # name: (edit, the field the refusal names, a fragment of the reason)
 }
 
 
-def _verbs(ckpt: Path, tmp: Path, cfg: Path) -> dict:
+def _verbs(ckpt: Path, tmp: Path, cfg: Path, resume_to: int = 3) -> dict:
+    """Every verb that reads a checkpoint, as argv (resume: train on to step `resume_to`)."""
     return {
         "resume": ["train", "--config", str(cfg), "--set", f"train.out_dir={ckpt.parent}", "--set",
-                   "train.max_steps=3"],
+                   f"train.max_steps={resume_to}"],
         "eval": ["eval", "--checkpoint", str(ckpt), "--max-tokens", "32", "--no-progress"],
         "generate": ["generate", "--checkpoint", str(ckpt), "--prompt", "A", "--max-tokens", "2"],
         "serve": ["serve", "--checkpoint", str(ckpt)],
@@ -70,16 +71,6 @@ def _verbs(ckpt: Path, tmp: Path, cfg: Path) -> dict:
         "merge": ["merge", str(ckpt), "--out", str(tmp / "merged")],
         "verify": ["verify", str(ckpt)],
     }
-
-
-@pytest.fixture
-def no_uvicorn(monkeypatch):
-    """serve must refuse before it binds: a call to uvicorn.run fails the test."""
-    uvicorn = pytest.importorskip("uvicorn")
-
-    def run(*a, **k):
-        raise AssertionError("serve started a server for a checkpoint it should have refused")
-    monkeypatch.setattr(uvicorn, "run", run)
 
 
 @pytest.mark.parametrize("name", list(EDITS))
