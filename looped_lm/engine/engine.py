@@ -412,8 +412,8 @@ class Engine:
         """Mark finished and free the slot (its rows are reset for the next request)."""
         seq.finish_reason = reason
         seq.pending = None
+        self.stats.finished[reason] += 1  # counted before the scheduler lets the engine look idle
         self.scheduler.remove(seq.request_id)
         if seq.slot is not None:
             self.runner.reset(seq.slot)
             seq.slot = None
-        self.stats.finished[reason] += 1
