@@ -10,8 +10,6 @@ input.
 class UserError(Exception):
     """Bad input from the user: printed as one line, exit code 2 (HTTP 400 with `param`)."""
 
-    exit_code = 2
-
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
