@@ -35,7 +35,7 @@ from looped_lm.kinds import kind_of
 
 # settings a job may choose for itself: how it trains (not what a block computes) and inference defaults
 # (model.init_from: where a job started; an adapter job's base is checked by its sha256 instead)
-PER_JOB = {"model": {"num_iterations", "bridge", "max_iterations", "loss_chunk", "init_from"},
+PER_JOB = {"model": {"num_iterations", "max_iterations", "loss_chunk", "init_from"},
            "diffusion": {"blocks_to_train", "block_sampling", "curve_every", "curve_until", "loss_weight",
                          "target_fraction", "clean_lm_weight", "num_iterations", "bridge", "last_call",
                          "sample_top_quantile"}}

@@ -174,7 +174,7 @@ def _older_hint(out_dir: Path, refused: Path) -> str:
 
 
 # settings that a resume may change without notice (inference-time or logging)
-_FREE_TO_CHANGE = {"model": {"num_iterations", "bridge", "max_iterations"},
+_FREE_TO_CHANGE = {"model": {"num_iterations", "max_iterations"},
                    "diffusion": {"num_iterations", "bridge", "last_call", "sample_top_quantile"}}
 
 
