@@ -2,7 +2,7 @@
 windows: exactly for gpt; for a DiffusionBlocks model at K = 1 and K = B, whose log-probs on both sides are
 independent estimates of the K-step sampler's marginal (docs/method.md §6), within 0.5 % at K = 1 and
 within three combined standard errors at K = B (this tiny, barely trained model is the estimator's hard
-case; bench/logprob_protocol.py measures the agreement on a trained checkpoint).
+case; `bench/logprob_check.py lm-eval` measures the agreement on a trained checkpoint).
 
 Each window of `block` tokens is scored the way lm-eval's `loglikelihood_rolling` scores a document
 through `local-completions`: the window's tokens plus the next one as the prompt, `echo`, `max_tokens: 0`,
