@@ -1,5 +1,5 @@
-"""`looped_lm train` -> `deepspeed --num_gpus N --module looped_lm.train ...`: find the launcher, start it,
-and pass on what the user reads.
+"""`looped_lm train` -> `deepspeed --num_gpus N --module looped_lm.train ...`: check the run (preflight) before
+anything starts, find the launcher, start it, and pass on what the user reads.
 
 The launcher is the one installed beside the running Python (a venv's bin/, which need not be on PATH),
 else the one on PATH. Its own log lines (hostfile search, world info, CUDA_VISIBLE_DEVICES, the command
@@ -68,7 +68,7 @@ def is_noise(line: str) -> bool:
     return bool(m) and (m["file"] in ("runner.py", "launch.py") or m["level"] in ("INFO", "DEBUG"))
 
 
-def run(cmd: list[str], env: dict, verbose: bool = False) -> int:
+def run_launcher(cmd: list[str], env: dict, verbose: bool = False) -> int:
     """Run the launcher; its stdout goes through the noise filter, stderr (the progress bar, errors)
     straight to the terminal. Returns its exit code."""
     if verbose:
@@ -83,3 +83,83 @@ def run(cmd: list[str], env: dict, verbose: bool = False) -> int:
         proc.wait()
         raise
     return proc.wait()
+
+
+# --- the `looped_lm train` verb: the same trainer as `deepspeed looped_lm/train.py`, through the launcher
+
+
+def add_arguments(p) -> None:
+    """`looped_lm train`'s flags: the trainer's own (train.add_arguments) and the launcher's."""
+    from looped_lm import train as trainer
+
+    trainer.add_arguments(p)
+    p.add_argument("--nproc", type=int, default=0,
+                   help="processes on this node (GPUs; on CPU, gloo ranks); 0 = all GPUs, or 1 on CPU; with "
+                        "--hostfile, processes per node (0 = each node's slots)")
+    p.add_argument("--hostfile", default=None, metavar="FILE",
+                   help="DeepSpeed hostfile (`host slots=N` per line): run on every node it lists, over ssh "
+                        "(README: multi-node)")
+    p.add_argument("--master-port", type=int, default=0, help="rendezvous port (default: a free one; 29500 "
+                   "with --hostfile)")
+
+
+def run(args) -> int:
+    """`looped_lm train`: check the config and the run (preflight) here, then start the launcher."""
+    from looped_lm import checkpoint as ckpt_io
+    from looped_lm import preflight
+    from looped_lm import train as trainer
+    from looped_lm.config import describe_fields
+
+    if args.help_config:
+        print(describe_fields())
+        return 0
+    cfg = trainer.config_from_args(args)
+    if args.nproc < 0:
+        raise UserError(f"--nproc must be >= 0 (got {args.nproc})")
+    if not 0 <= args.master_port <= 65535:
+        raise UserError(f"--master-port must be in 1..65535, or 0 for a free one (got {args.master_port})")
+    if args.no_verify:
+        print(ckpt_io.no_verify_note(), file=sys.stderr)
+    import torch
+
+    if args.hostfile:  # every node's slots, capped by --nproc
+        nproc, world = args.nproc, hostfile_slots(args.hostfile, args.nproc)
+    else:
+        nproc = world = args.nproc or (torch.cuda.device_count() or 1)
+    # config, world size, data, out_dir and the checkpoint to resume: checked here, before the launcher starts
+    plan = preflight.preflight(cfg, verify=not args.no_verify, world_size=world)
+    for note in plan.notes:
+        print(f"note: {note}", flush=True)
+    if preflight.nothing_to_train(plan, cfg):
+        print(preflight.nothing_to_train(plan, cfg))
+        return 0
+    port = args.master_port or (29500 if args.hostfile else trainer._free_port())
+    cmd = command(nproc, port, trainer.forward_args(args), args.verbose, args.hostfile)
+    env = {**os.environ, trainer.PREFLIGHT_DONE: "1", "PYTHONUNBUFFERED": "1"}
+    if not torch.cuda.is_available():
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    if args.hostfile:
+        return killed_rank(run_launcher(cmd, env, verbose=args.verbose))
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="looped_lm-rendezvous-") as rendezvous:  # one node: loopback only
+        env[trainer.RENDEZVOUS_FILE] = os.path.join(rendezvous, "store")
+        return killed_rank(run_launcher(cmd, env, verbose=args.verbose))
+
+
+def killed_rank(code: int) -> int:
+    """The launcher's exit code; a rank killed by a signal (DeepSpeed then stops the others before they can
+    say anything) becomes one line and exit code 1."""
+    import signal
+
+    if code < 0 or code > 128:
+        number = -code if code < 0 else 256 - code
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            return code
+        why = " (out of memory, or killed by hand)" if name == "SIGKILL" else ""
+        print(f"error: a training rank was killed by {name}{why}; the launcher stopped the others: the same command "
+              "resumes from the newest checkpoint", file=sys.stderr)
+        return 1
+    return code

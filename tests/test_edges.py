@@ -278,7 +278,7 @@ def test_block_parallel_on_the_quickstart_when_each_rank_owns_one_block():
 
 
 def test_a_killed_rank_and_a_lost_peer_are_one_line(capsys):
-    from looped_lm.cli import killed_rank
+    from looped_lm.launch import killed_rank
     from looped_lm.train import lost_peer
 
     assert killed_rank(256 - 9) == 1  # the launcher's exit status for a rank killed by SIGKILL

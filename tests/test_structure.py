@@ -20,7 +20,7 @@ LAYERS = [
     ("looped_lm.checkpoint", "looped_lm.engine", "looped_lm.optim", "looped_lm.training", "looped_lm.parallel",
      "looped_lm.pretrained"),
     ("looped_lm.eval", "looped_lm.export", "looped_lm.hf", "looped_lm.train", "looped_lm.preflight",
-     "looped_lm.launch", "looped_lm.merge", "looped_lm.supporting"),
+     "looped_lm.launch", "looped_lm.merge", "looped_lm.supporting", "looped_lm.generate", "looped_lm.verify"),
     ("looped_lm.serve", "serve"),
     ("looped_lm.cli", "looped_lm.__main__"),  # entry points route to everything
 ]
