@@ -131,9 +131,11 @@ def perplexity(model, data_path: str, block_size: int, stride: int = 0, max_toke
     from tqdm import tqdm
 
     from looped_lm.data.bin_dataset import TokenStream
-    from looped_lm.settings import ScoreSettings
+    from looped_lm.models.contract import Iterative
+    from looped_lm.settings import resolve_score_settings
 
-    settings = settings or ScoreSettings()
+    # no settings: the model's default K, as generate and serve use
+    settings = settings or resolve_score_settings(model.iteration_limits() if isinstance(model, Iterative) else None)
 
     if block_size < 1:
         raise UserError(f"--block-size must be >= 1 (got {block_size})")

@@ -4,9 +4,10 @@ down unchanged.
     limits = model.iteration_limits()            # None for models without K (gpt)
     settings = resolve_settings(limits, num_iterations=K, bridge=None, sampling=SamplingParams(0.8))
 
-`resolve_settings` is the only place that applies defaults (K: the config's `diffusion.num_iterations`,
-else the block count; bridge: the config's `diffusion.bridge`) and checks K, the bridge and the exit
-rule. Each boundary calls it once per request: `looped_lm generate` (cli.py), the server (once per HTTP
+`resolve_settings` is the only place that applies defaults, from the kind's one K rule
+(`Kind.iteration_limits`: db_ar / looped_db `diffusion.num_iterations` else the block count; huginn
+`model.num_iterations` else its mean recurrence; the bridge: `diffusion.bridge`), and checks K, the bridge
+and the exit rule. Each boundary calls it once per request: `looped_lm generate` (cli.py), the server (once per HTTP
 request, through `Engine.resolve`, for all its choices), the HF wrapper and the vLLM plugin. The engine
 and the models take the resulting `InferenceSettings` and never resolve again.
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from looped_lm.errors import UserError
+from looped_lm.kinds.base import IterationLimits  # the kind's K rule (Kind.iteration_limits)
 from looped_lm.sampling import PLAIN, RandomSource, SamplingParams
 
 BRIDGES = ("soft", "hard", "sample")
@@ -65,17 +67,6 @@ class ExitRule:
         if threshold is not None and not threshold >= 0:
             raise UserError(f"{threshold_name}: exit threshold must be >= 0 (got {threshold})", threshold_name)
         return ExitRule(threshold, stable, threshold_name if criterion is None else criterion_name)
-
-
-@dataclass(frozen=True)
-class IterationLimits:
-    """What a model with K allows, from its config (built by `Iterative.iteration_limits`)."""
-
-    default_iterations: int  # K when a request names none
-    max_iterations: int  # the largest K accepted
-    num_blocks: int  # K < num_blocks skips blocks
-    default_bridge: str | None  # DiffusionBlocks' bridge; None: the model has no bridge (huginn)
-    adaptive_exit: bool  # whether an exit rule may cut a token's iterations (its cache must not depend on K)
 
 
 def serving_limits(limits: IterationLimits | None, default_iterations: int | None = None,
@@ -148,9 +139,12 @@ def resolve_settings(limits: IterationLimits | None, *, num_iterations: int | No
 def resolve_score_settings(limits: IterationLimits | None, k_grid: list[int] | tuple[int, ...] | None = None,
                            kind: str | None = None, **kwargs) -> ScoreSettings:
     """`looped_lm eval`'s settings: the K grid by the rule every K follows (1..max_iterations, the bound
-    generate and serve apply; DiffusionBlocks models also take 0, ppl@0), one line naming the first bad K.
-    kind: the model's, for the message; kwargs: the other ScoreSettings fields (draws, candidates, ...)."""
-    if k_grid is not None:
+    generate and serve apply; DiffusionBlocks models also take 0, ppl@0), one line naming the first bad K;
+    no grid: the default K generate and serve use. kind: the model's, for the message; kwargs: the other
+    ScoreSettings fields (draws, candidates, ...)."""
+    if k_grid is None and limits is not None:
+        k_grid = (limits.default_iterations,)
+    elif k_grid is not None:
         if limits is None:
             who = f"a {kind} model" if kind else "this model"
             raise UserError(f"--num-iterations applies to DiffusionBlocks and looped models; {who} has no K",
@@ -216,8 +210,8 @@ LOGPROB_RESOLVE_SE = 0.5
 
 @dataclass(frozen=True)
 class ScoreSettings:
-    """How `Scorable.score` estimates. k_grid: the K values scored (None: the model's default, B for
-    DiffusionBlocks, the mean recurrence for huginn). draws: independent estimates averaged per target
+    """How `Scorable.score` estimates. k_grid: the K values scored, resolved (`resolve_score_settings`:
+    the model's default K when none is asked; None only for models without K). draws: independent estimates averaged per target
     (each an antithetic pair of chains; their spread gives the standard error). candidates: first-step tokens enumerated by the
     DiffusionBlocks estimator (plus the target and one draw from the rest). boost: the share of the
     importance-sampling proposal put on the target at later steps. tilt: half the starting noises are

@@ -63,7 +63,9 @@ def test_eval_resolves_its_settings_once(db_ckpt, capsys, monkeypatch):
 def test_the_k_grid_rule_per_kind():
     db, huginn = build_tiny("db_ar").iteration_limits(), build_tiny("huginn").iteration_limits()
     assert resolve_score_settings(db, [0, 1, 8], draws=2).k_grid == (0, 1, 8)  # tiny models: max_iterations 8
-    assert resolve_score_settings(db, None).k_grid is None  # the model's default
+    assert resolve_score_settings(db, None).k_grid == (db.default_iterations,)  # the default generate uses
+    assert resolve_score_settings(huginn, None).k_grid == (huginn.default_iterations,)
+    assert resolve_score_settings(None, None).k_grid is None  # gpt: no K
     with pytest.raises(UserError, match=r"--num-iterations 9 is outside 0\.\.8") as e:
         resolve_score_settings(db, [2, 9])
     assert e.value.param == "num_iterations"

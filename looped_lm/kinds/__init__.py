@@ -17,12 +17,12 @@ import importlib
 import os
 
 from looped_lm.errors import UserError
-from looped_lm.kinds.base import (CAPABILITIES, Kind, LanguageModelSection, ModelSection, SequenceSection, require,
+from looped_lm.kinds.base import (CAPABILITIES, IterationLimits, Kind, LanguageModelSection, ModelSection, SequenceSection, require,
                                   resolve)
 from looped_lm.kinds.builtin import BUILTIN
 
 
-__all__ = ["CAPABILITIES", "Kind", "LanguageModelSection", "ModelSection", "SequenceSection", "get_kind", "kind_of",
+__all__ = ["CAPABILITIES", "IterationLimits", "Kind", "LanguageModelSection", "ModelSection", "SequenceSection", "get_kind", "kind_of",
            "register", "registered", "require", "resolve"]
 
 ENTRY_POINT_GROUP = "looped_lm.kinds"

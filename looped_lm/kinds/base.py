@@ -19,6 +19,7 @@ config in the import layers, and an out-of-tree kind is a module that calls `loo
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from typing import ClassVar
 
 from looped_lm.errors import UserError
@@ -80,6 +81,20 @@ class LanguageModelSection(SequenceSection):
                                "weights (docs/pretrained.md); '' = random init")
 
 
+# --- K: the one rule every verb reads ------------------------------------------------------------------
+@dataclass(frozen=True)
+class IterationLimits:
+    """What a kind with K allows, from its config alone (`Kind.iteration_limits`): the default K of every
+    verb (generate, eval, serve, export, the Hugging Face and vLLM wrappers), the largest K any of them
+    accepts, and what resolving a request needs besides."""
+
+    default_iterations: int  # K when a request names none: generate, serve, export, and eval's ppl@k
+    max_iterations: int  # the largest K accepted
+    num_blocks: int  # K < num_blocks skips blocks
+    default_bridge: str | None  # DiffusionBlocks' bridge; None: the model has no bridge (huginn)
+    adaptive_exit: bool  # whether an exit rule may cut a token's iterations (its cache must not depend on K)
+
+
 # --- the plugin ---------------------------------------------------------------------------------------
 def resolve(target: str):
     """"package.module:name" -> the object (imported on first use)."""
@@ -129,6 +144,11 @@ class Kind:
         """train.lora_rank: (regexes of the layer lists a job adapts, whether it trains the shared parts),
         for the blocks it owns (diffusion.blocks_to_train). Kinds offering `lora` override it."""
         raise UserError(f"model.kind {self.name} does not offer lora ({CAPABILITIES['lora']})")
+
+    def iteration_limits(self, cfg) -> IterationLimits | None:
+        """Which K by default, which K at most (the one rule: models, verbs and wrappers all ask this);
+        None: the kind has no K at inference (an end-to-end model)."""
+        return None
 
     def validate(self, cfg) -> None:
         """Checks of this kind's own fields and of the other sections' options it gives meaning to.

@@ -13,7 +13,7 @@ from typing import Literal
 
 from looped_lm.errors import UserError
 from looped_lm.fields import field
-from looped_lm.kinds.base import Kind, LanguageModelSection, ModelSection, SequenceSection
+from looped_lm.kinds.base import IterationLimits, Kind, LanguageModelSection, ModelSection, SequenceSection
 
 
 
@@ -155,6 +155,9 @@ class DbAr(Kind):
         per = d.layers_per_block or m.n_layers // d.num_blocks
         return [per] * (m.n_layers // per)
 
+    def iteration_limits(self, cfg) -> IterationLimits:
+        return _db_limits(cfg, self.num_blocks(cfg))
+
     def validate(self, cfg) -> None:
         _check_prelude_coda(cfg)
         _resolve_layers_per_block(cfg)
@@ -196,6 +199,9 @@ class LoopedDb(Kind):
     capabilities = _LM | {"activation_checkpointing", "iterative", "partition_edges", "export_native", "vllm",
                           "estimated_ppl"}
 
+    def iteration_limits(self, cfg) -> IterationLimits:
+        return _db_limits(cfg, 1)
+
     def validate(self, cfg) -> None:
         _check_prelude_coda(cfg)
         _require(cfg.diffusion.num_blocks == 1, f"looped_db has one weight-tied core: diffusion.num_blocks must be 1 "
@@ -221,6 +227,11 @@ class Huginn(Kind):
     name, section, builder = "huginn", HuginnSection, "looped_lm.models.huginn:build"
     summary = "recurrent depth, Huginn-style: prelude -> core x r -> coda, truncated BPTT (r = 32, k = 8)"
     capabilities = _LM | {"activation_checkpointing", "iterative"}
+
+    def iteration_limits(self, cfg) -> IterationLimits:
+        m = cfg.model  # K defaults to the recurrence it trained at
+        return IterationLimits(default_iterations=m.num_iterations or m.mean_recurrence,
+                               max_iterations=m.max_iterations, num_blocks=1, default_bridge=None, adaptive_exit=False)
 
     def validate(self, cfg) -> None:
         m = cfg.model
@@ -256,6 +267,13 @@ class Huginn(Kind):
 
     def lora_layers(self, cfg) -> tuple[list[str], bool]:
         return [r"prelude", r"core", r"coda"], True
+
+
+def _db_limits(cfg, num_blocks: int) -> IterationLimits:
+    """DiffusionBlocks LMs: K defaults to diffusion.num_iterations, else one call per block."""
+    d = cfg.diffusion
+    return IterationLimits(default_iterations=d.num_iterations or num_blocks, max_iterations=cfg.model.max_iterations,
+                           num_blocks=num_blocks, default_bridge=d.bridge, adaptive_exit=True)
 
 
 def _retrofit(cfg, n_source: int) -> tuple[list[int], list[int], list[int]]:

@@ -113,7 +113,8 @@ class Scorable(ABC):
     def token_logprobs(self, x: torch.Tensor, y: torch.Tensor, settings: ScoreSettings,
                        num_iterations: int | None, generator: torch.Generator | None = None) -> torch.Tensor:
         """Log-probabilities (B, T, V) of the token after each position of x, as the K = num_iterations
-        sampler gives them: what echo log-probs report. Exact models return the tensor; DiffusionBlocks
+        sampler gives them (K resolved by the caller; None only for models without K): what echo log-probs
+        report. Exact models return the tensor; DiffusionBlocks
         returns `EstimatedLogprobs`: its marginal, estimated, most precisely for the tokens y (B, T), every
         value finite, with the standard error at y."""
 

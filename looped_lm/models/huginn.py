@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from looped_lm.config import Config
 from looped_lm.errors import UserError
+from looped_lm.kinds import kind_of
 from looped_lm.models.contract import CachedDecoding, Iterative, Scorable, TokenScores, Trainable
 from looped_lm.settings import IterationLimits, RowBatch
 from looped_lm.models.layers import (KVCache, RotaryEmbedding, TransformerLayer, ffn_width, init_weights,
@@ -109,12 +110,9 @@ class HuginnLM(nn.Module, Trainable, Scorable, CachedDecoding, Iterative):
 
     @torch.no_grad()
     def score(self, x, y, settings, generator=None) -> dict:
-        """Exact next-token NLL (B, T) for each K of the grid (default: mean_recurrence). The iterations
+        """Exact next-token NLL (B, T) for each K of the grid (resolved at the boundary). The iterations
         are shared: the state after K_1 iterations continues to K_2 > K_1."""
-        ks = sorted(set(settings.k_grid or [self.mean_recurrence]))
-        for K in ks:
-            if not 1 <= K <= self.max_iterations:
-                raise UserError(f"num_iterations must be in 1..{self.max_iterations} (got {K})", "num_iterations")
+        ks = sorted(set(settings.k_grid))
         cos, sin = self.rope(torch.arange(x.shape[1], device=x.device))
         e = self._stack(self.prelude, self.tok_emb(x), cos, sin)
         s = self.initial_state(e, generator)
@@ -128,15 +126,13 @@ class HuginnLM(nn.Module, Trainable, Scorable, CachedDecoding, Iterative):
         return out
 
     @torch.no_grad()
-    def token_logprobs(self, x, y, settings, num_iterations=None, generator=None) -> torch.Tensor:
-        return self(x, num_iterations or self.mean_recurrence, generator=generator).float().log_softmax(-1)
+    def token_logprobs(self, x, y, settings, num_iterations: int, generator=None) -> torch.Tensor:
+        return self(x, num_iterations, generator=generator).float().log_softmax(-1)
 
     # --- generation: a KV cache per (iteration, layer) ------------------------------------------
 
     def iteration_limits(self) -> IterationLimits:
-        return IterationLimits(default_iterations=self.cfg.model.num_iterations or self.mean_recurrence,
-                               max_iterations=self.max_iterations, num_blocks=1, default_bridge=None,
-                               adaptive_exit=False)
+        return kind_of(self.cfg).iteration_limits(self.cfg)
 
     def new_cache(self, batch: int, max_len: int) -> "HuginnCache":
         return HuginnCache(self, batch, max_len)

@@ -19,6 +19,7 @@ from looped_lm.config import Config
 from looped_lm.diffusion.chain import ChainGrid, run_chain, top_of_block0
 from looped_lm.diffusion.estimator import jackknife_nll, sampler_probs
 from looped_lm.errors import UserError
+from looped_lm.kinds import kind_of
 from looped_lm.models.contract import (CachedDecoding, EstimatedLogprobs, Iterative, Scorable, TokenScores,
                                        Trainable)
 from looped_lm.models.db.contexts import CachedContext, DecodeState, WindowContext
@@ -88,10 +89,7 @@ class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, Iterativ
     # --- Iterative --------------------------------------------------------------------------------------
 
     def iteration_limits(self) -> IterationLimits:
-        d = self.cfg.diffusion
-        return IterationLimits(default_iterations=d.num_iterations or len(self.blocks),
-                               max_iterations=self.max_iterations, num_blocks=len(self.blocks),
-                               default_bridge=d.bridge, adaptive_exit=True)
+        return kind_of(self.cfg).iteration_limits(self.cfg)
 
     def sigma_top(self) -> float:
         """Where chains start: a high quantile of block 0's training sigma law (docs/method.md §5)."""
@@ -154,7 +152,7 @@ class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, Iterativ
     @torch.no_grad()
     def score(self, x, y, settings: ScoreSettings, generator: torch.Generator | None = None) -> dict:
         """{k: TokenScores}: k = 0 is one call at sigma_top (ppl@0); k >= 1 the K = k sampler (ppl@k)."""
-        ks = sorted({0, *(settings.k_grid if settings.k_grid is not None else (len(self.blocks),))})
+        ks = sorted({0, *settings.k_grid})  # resolved at the boundary (resolve_score_settings)
         context, random = WindowContext(self, x), SharedGenerator(generator)
         out = {}
         for k in ks:
@@ -165,10 +163,9 @@ class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, Iterativ
         return out
 
     @torch.no_grad()
-    def token_logprobs(self, x, y, settings: ScoreSettings, num_iterations: int | None, generator=None):
-        K = num_iterations or self.iteration_limits().default_iterations
+    def token_logprobs(self, x, y, settings: ScoreSettings, num_iterations: int, generator=None):
         context, random = WindowContext(self, x), SharedGenerator(generator)
-        return self._logprobs(context, y, K, settings, random)
+        return self._logprobs(context, y, num_iterations, settings, random)
 
     def _logprobs(self, context, y, K: int, settings: ScoreSettings, random) -> EstimatedLogprobs:
         """log of the estimated marginal (B, T, V), normalised to sum to 1; at the tokens y, the same
