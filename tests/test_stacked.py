@@ -256,7 +256,7 @@ def test_the_loss_share_curve_is_measured_on_training_data(monkeypatch):
     curve = trainer.refresh_curve(model, Stream("train"), cfg, "cpu", 0, 10)
     assert asked == [("train", -2)] and len(curve["ce"]) == len(curve["sigmas"])
     import inspect  # and the loop hands it the training stream
-    assert "refresh_curve(model, train_stream," in inspect.getsource(trainer._train)
+    assert "refresh_curve(run.model, run.train_stream," in inspect.getsource(trainer._refresh_curve)
 
 
 def test_a_stacked_run_trains_evaluates_and_refuses_merge(tmp_path, write_config, capsys, one_line_error):
