@@ -42,6 +42,11 @@ class Plan:
 
 def preflight(cfg: Config, verify: bool = True, world_size: int | None = None) -> Plan:
     """Check the run (world_size None: the checks that depend on it wait for the launcher's count)."""
+    source = init_source(cfg)
+    if source and Path(cfg.data.tokenizer) == Path(source).expanduser().absolute():
+        from looped_lm.pretrained import check_path
+
+        check_path(source)  # the tokenizer is the source's: a missing or wrong source is named as model.init_from
     vocab_size, tokenizer = run_vocab(cfg)
     out_dir = Path(cfg.train.out_dir)
     if out_dir.exists() and not out_dir.is_dir():

