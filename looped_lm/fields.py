@@ -42,6 +42,10 @@ class Section(BaseModel):
     # strict: no silent int->bool or "1"->1; ints are still taken where floats are expected
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
+    def check(self) -> None:
+        """Impossible values among this section's own fields: raise UserError naming the key. (Checks
+        that read other sections belong to the kind, `Kind.validate`, or to config.validate.)"""
+
 
 # --- argparse types: a flag follows the same rules as a config field -----------------------------
 

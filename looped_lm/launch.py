@@ -110,8 +110,8 @@ def run(args) -> int:
     from looped_lm import train as trainer
     from looped_lm.config import describe_fields
 
-    if args.help_config:
-        print(describe_fields())
+    if args.help_config is not None:
+        print(describe_fields(kind=args.help_config or None))
         return 0
     cfg = trainer.config_from_args(args)
     if args.nproc < 0:

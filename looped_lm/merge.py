@@ -78,7 +78,7 @@ class _Job:
             raise UserError(f"cannot merge {self.path}: it is a LoRA job without a 'base' record (path and sha256 "
                             "of the weights its adapters were trained on) in its manifest")
         d = self.cfg.diffusion
-        if d.context == "stacked":  # a block reads the blocks before it: there are no independent block jobs
+        if d.model_dump().get("context") == "stacked":  # a block reads the blocks before it: there are no independent block jobs
             raise UserError(f"cannot merge {self.path}: it has diffusion.context stacked, where each block continues "
                             "from the clean states of the blocks before it, so blocks are not trained apart "
                             "(docs/method.md §4)")

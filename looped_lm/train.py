@@ -59,7 +59,8 @@ def add_arguments(p) -> None:
                    help="override one config value (repeatable)")
     p.add_argument("--stop-after", type=int, default=0, metavar="N",
                    help="save and exit after N steps of this launch (preemptible jobs); 0 = run to max_steps")
-    p.add_argument("--help-config", action="store_true", help="list every config field and exit")
+    p.add_argument("--help-config", nargs="?", const="", default=None, metavar="KIND",
+                   help="list every config field and exit (KIND: only that model.kind's fields)")
     ckpt_io.add_verify_argument(p)
     p.add_argument("--verbose", action="store_true",
                    help="also show the DeepSpeed launcher's own log, library deprecation warnings and tracebacks")
@@ -927,8 +928,12 @@ class MetricsLogger:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.help_config:
-        print(describe_fields())
+    if args.help_config is not None:
+        try:
+            print(describe_fields(kind=args.help_config or None))
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         return 0
     first_rank = os.environ.get("RANK", "0") == "0"
     from looped_lm.console import plain_warnings

@@ -52,6 +52,14 @@ def test_train_help_config_lists_fields(capsys):
     assert cli.main(["train", "--help-config"]) == 0
     out = capsys.readouterr().out
     assert "train:" in out and "  lr (float, default 0.001)" in out and "  zero_stage (int, default 0)" in out
+    assert "  bridge (" in out and "  cfg_scale (" in out and "  mean_recurrence (" in out  # every kind's
+    assert cli.main(["train", "--help-config", "gpt"]) == 0  # one kind's: no diffusion field, no other kind's
+    gpt = capsys.readouterr().out
+    assert "  lr (" in gpt and "  activation_checkpointing (" in gpt
+    assert "  bridge (" not in gpt and "  mean_recurrence (" not in gpt and "trains end to end" in gpt
+    assert cli.main(["train", "--help-config", "db_ar"]) == 0
+    db = capsys.readouterr().out
+    assert "  layers_per_block (" in db and "  bridge (" in db and "  cfg_scale (" not in db
 
 
 def test_unknown_verb_is_a_usage_error(capsys):

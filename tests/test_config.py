@@ -30,7 +30,7 @@ NON_DEFAULT = {
         "curve_every": 50, "curve_until": 500, "noisy_input": "noise", "posterior_input": "topk",
         "posterior_topk": 16, "head": "cosine", "stack_order": "low_noise_first",
         "clean_lm_weight": 0.3, "sample_top_quantile": 0.99, "parameterization": "edm", "last_call": "edge",
-        "noisy_self": True, "label_dropout": 0.2, "cfg_scale": 1.5, "sample_steps": 10, "schedule": "cosine",
+        "noisy_self": True,
     },
     "data": {"source": "files", "path": "corpus.txt", "tokenizer": "byte", "val_fraction": 0.1, "test_fraction": 0.05, "split_seed": 3,
              "cache_dir": "cache", "augment": False},
@@ -42,7 +42,7 @@ NON_DEFAULT = {
         "lora_rank": 4, "lora_alpha": 8.0, "lora_dropout": 0.1, "lora_targets": ["qkv"],
     },
     "deepspeed": {"zero_stage": 2, "bf16": True},
-    "eval": {"block_size": 32, "stride": 16, "max_tokens": 1000, "draws": 2},
+    "eval": {"block_size": 32},
 }
 
 
@@ -57,6 +57,8 @@ APART = {"train": {"mode": ("block_parallel", {"deepspeed": {"zero_stage": 0}})}
 # below with the other sections it needs.
 MODULE = {"model": {"kind": "vit"}, "diffusion": {"num_blocks": 2, "block_sampling": "uniform"},
           "data": {"source": "digits"}}
+DIT = {**MODULE, "model": {"kind": "dit"}}
+MDM = {"model": {"kind": "mdm"}, "diffusion": {"num_blocks": 2}}
 ALONE = {"model": {
     "init_core_start": (3, {"model": {"kind": "looped_db"}, "diffusion": {"num_blocks": 1}}),
     "mean_recurrence": (16, {"model": {"kind": "huginn"}}),
@@ -65,6 +67,8 @@ ALONE = {"model": {
     "num_iterations": (5, {"model": {"kind": "huginn"}}),
     "end_to_end": (True, MODULE), "image_size": (16, MODULE), "channels": (1, MODULE), "patch": (2, MODULE),
     "num_classes": (5, MODULE),
+}, "diffusion": {  # the module kinds' own diffusion fields (the table's section is db_ar's)
+    "label_dropout": (0.2, DIT), "cfg_scale": (1.5, DIT), "sample_steps": (10, DIT), "schedule": ("cosine", MDM),
 }}
 
 
@@ -79,9 +83,9 @@ def test_defaults_load_and_validate():
     assert cfg == Config()
     assert (cfg.model.kind, cfg.model.d_model, cfg.model.n_layers, cfg.model.seq_len) == ("gpt", 128, 4, 256)
     assert (cfg.train.lr, cfg.train.max_steps, cfg.train.resume) == (1e-3, 1000, "auto")
-    assert (cfg.deepspeed.zero_stage, cfg.data.source, cfg.diffusion.blocks_to_train) == (0, "bible", [])
+    assert (cfg.deepspeed.zero_stage, cfg.data.source, cfg.diffusion.model_dump()) == (0, "bible", {})  # gpt: none
     # list defaults are not shared between instances
-    a, b = Config(), Config()
+    a, b = (config_from_dict({"model": {"kind": "db_ar"}}) for _ in range(2))
     a.diffusion.blocks_to_train.append(1)
     assert b.diffusion.blocks_to_train == []
 
@@ -89,11 +93,12 @@ def test_defaults_load_and_validate():
 def test_non_default_table_covers_every_field():
     cfg = Config()
     for section, values in NON_DEFAULT.items():
-        names = set(type(getattr(cfg, section)).model_fields) if section != "model" else \
-            {name for kind in BUILTIN for name in kind.section.model_fields}
+        names = set(type(getattr(cfg, section)).model_fields) if section not in ("model", "diffusion") else \
+            {name for kind in BUILTIN for name in getattr(kind, "section" if section == "model" else section).model_fields}
         assert set(values) | set(APART.get(section, {})) | set(ALONE.get(section, {})) == names, \
             f"NON_DEFAULT.{section} must list every field"
-        defaults = getattr(cfg if section != "model" else config_from_dict({"model": {"kind": "db_ar"}}), section)
+        defaults = getattr(cfg if section not in ("model", "diffusion") else config_from_dict({"model": {"kind": "db_ar"}}),
+                           section)
         for key, value in values.items():
             assert key == "kind" or getattr(defaults, key) != value, f"{section}.{key} equals its default"
     assert set(NON_DEFAULT) == set(Config.model_fields)
@@ -118,7 +123,8 @@ def test_round_trip_of_the_fields_kept_apart(tmp_path):
             raw = {**NON_DEFAULT, section: {**NON_DEFAULT[section], key: value}}
             raw.update({s: {**NON_DEFAULT[s], **v} for s, v in needs.items()})
             cfg = load_config(write(tmp_path, raw))
-            assert getattr(getattr(cfg, section), key) == value != getattr(getattr(Config(), section), key)
+            default = getattr(config_from_dict({"model": {"kind": "db_ar"}}), section)
+            assert getattr(getattr(cfg, section), key) == value != getattr(default, key)
             assert config_from_dict(cfg.to_dict()) == cfg
 
 
@@ -127,7 +133,7 @@ def test_round_trip_of_the_fields_of_one_kind(tmp_path):
         for key, (value, needs) in fields.items():
             raw = {**needs, section: {**needs.get(section, {}), key: value}}
             cfg = load_config(write(tmp_path, raw))
-            default = type(cfg.model)().model_dump()[key]
+            default = type(getattr(cfg, section))().model_dump()[key]
             assert getattr(getattr(cfg, section), key) == value != default
             assert config_from_dict(cfg.to_dict()) == cfg
 
@@ -157,6 +163,24 @@ def test_a_config_of_the_flat_era_loads():
         config_from_dict({"model": {**flat, "mean_recurrence": 8}, "diffusion": {"num_blocks": 2}})
     with pytest.raises(UserError, match="model.mean_recurrence is a field of model.kind huginn"):
         config_from_dict({"model": flat, "diffusion": {"num_blocks": 2}}, flat_era=False)
+
+
+# what a manifest of the one-diffusion-section era holds for a gpt run: every kind's diffusion fields and
+# eval fields that were never read
+SHARED_ERA = {"model": {"kind": "gpt", "n_layers": 2}, "eval": {"block_size": 0, "stride": 0, "max_tokens": 0, "draws": 4},
+              "diffusion": {"num_blocks": 4, "bridge": "sample", "cfg_scale": 2.0, "schedule": "linear", "context":
+                            "independent", "num_iterations": 0}}
+
+
+def test_a_manifest_with_the_shared_diffusion_section_loads():
+    cfg = config_from_dict(SHARED_ERA)
+    assert cfg.to_dict()["diffusion"] == {} and cfg.to_dict()["eval"] == {"block_size": 0}
+    db = config_from_dict({**SHARED_ERA, "model": {"kind": "db_ar", "n_layers": 4}})
+    assert db.diffusion.num_blocks == 4 and "cfg_scale" not in db.to_dict()["diffusion"]
+    with pytest.raises(UserError, match="diffusion.num_blocks is a field of model.kind .*, not of gpt"):
+        config_from_dict(SHARED_ERA, flat_era=False)  # a user's YAML is not a manifest
+    with pytest.raises(UserError, match="eval.stride was removed: it was never read; pass `looped_lm eval --stride`"):
+        config_from_dict({"eval": {"stride": 4}}, flat_era=False)
 
 
 def test_empty_file_and_empty_section_mean_defaults(tmp_path):
@@ -203,11 +227,12 @@ BAD = {
     "negative lr": ({"train": {"lr": -0.001}}, ["train.lr", "> 0"]),
     "blocks do not divide layers": ({"model": {"kind": "db_ar", "n_layers": 4}, "diffusion": {"num_blocks": 3}},
                                     ["diffusion.num_blocks", "model.n_layers"]),
-    "overlap above 0.5": ({"diffusion": {"overlap": 0.6}}, ["diffusion.overlap", "[0, 0.5]"]),
-    "overlap below 0": ({"diffusion": {"overlap": -0.1}}, ["diffusion.overlap"]),
-    "sigma_min above sigma_max": ({"diffusion": {"sigma_min": 90.0, "sigma_max": 80.0}},
+    "overlap above 0.5": ({"model": {"kind": "db_ar"}, "diffusion": {"overlap": 0.6}}, ["diffusion.overlap", "[0, 0.5]"]),
+    "overlap below 0": ({"model": {"kind": "db_ar"}, "diffusion": {"overlap": -0.1}}, ["diffusion.overlap", "[0, 0.5]"]),
+    "sigma_min above sigma_max": ({"model": {"kind": "db_ar"}, "diffusion": {"sigma_min": 90.0, "sigma_max": 80.0}},
                                   ["diffusion.sigma_min", "diffusion.sigma_max"]),
-    "sigma_min equals sigma_max": ({"diffusion": {"sigma_min": 5.0, "sigma_max": 5.0}}, ["diffusion.sigma_min"]),
+    "sigma_min equals sigma_max": ({"model": {"kind": "db_ar"}, "diffusion": {"sigma_min": 5.0, "sigma_max": 5.0}},
+                                   ["diffusion.sigma_min", "below"]),
     "blocks_to_train out of range": ({"model": {"kind": "db_ar"}, "diffusion": {"blocks_to_train": [0, 4]}},
                                      ["diffusion.blocks_to_train", "4", "0..3"]),
     "blocks_to_train negative": ({"model": {"kind": "db_ar"}, "diffusion": {"blocks_to_train": [-1]}},
@@ -226,7 +251,7 @@ BAD = {
                                  ["diffusion.layers_per_block", ">= 1"]),
     "layer split not a list": ({"model": {"kind": "db_ar"}, "diffusion": {"layers_per_block": "3,1"}},
                                ["diffusion.layers_per_block", "integer or a list of integers"]),
-    "layer split on gpt": ({"diffusion": {"layers_per_block": 2}}, ["diffusion.layers_per_block", "db_ar", "not gpt"]),
+    "layer split on gpt": ({"diffusion": {"layers_per_block": 2}}, ["diffusion.layers_per_block", "db_ar", "not of gpt"]),
     "fixed without weights": ({"model": {"kind": "db_ar"}, "diffusion": {"num_blocks": 2, "block_sampling": "fixed"}},
                               ["diffusion.block_sampling fixed needs diffusion.block_weights: 2 weights"]),
     "weights of the wrong count": ({"model": {"kind": "db_ar"}, "diffusion": {"num_blocks": 2, "block_sampling": "fixed",

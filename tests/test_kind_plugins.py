@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from looped_lm import cli
 from looped_lm.config import config_from_dict, describe_fields, load_config
@@ -32,15 +33,45 @@ def test_every_kind_describes_itself(kind):
     assert kind.section.model_fields["kind"].default == kind.name
     assert set(kind.capabilities) <= set(CAPABILITIES)
     assert kind.data_sources, "a kind reads some data.source"
-    cfg = config_from_dict({"model": {"kind": kind.name}, "data": {"source": kind.data_sources[0], "path": "x"},
-                            "diffusion": {"num_blocks": 1, "block_sampling": "uniform"}})
+    diffusion = {"num_blocks": 1, "block_sampling": "uniform"} if "num_blocks" in kind.diffusion.model_fields else {}
+    cfg = config_from_dict({"model": {"kind": kind.name}, "data": {"source": next(iter(kind.data_sources)), "path": "x"},
+                            "diffusion": diffusion})
     assert type(cfg.model) is kind.section
     assert kind.num_blocks(cfg) >= 1 and sum(kind.block_layers(cfg)) >= 1
     # the section's dump loads back as the same kind
     assert config_from_dict(cfg.to_dict()) == cfg
-    # --help-config lists the kind's own fields
-    text = describe_fields()
-    assert all(f"  {name} (" in text for name in kind.section.model_fields)
+    assert type(cfg.diffusion) is kind.diffusion
+    # --help-config lists the kind's own fields; --help-config KIND only those
+    text, own = describe_fields(), describe_fields(kind=kind.name)
+    for section in (kind.section, kind.diffusion):
+        assert all(f"  {name} (" in text and f"  {name} (" in own for name in section.model_fields)
+    others = {name for k in registered().values() for name in k.diffusion.model_fields} - set(kind.diffusion.model_fields)
+    assert not any(f"  {name} (" in own.split("data:")[0].split("diffusion:")[1] for name in others)
+
+
+def test_a_plugin_brings_its_own_diffusion_option_and_data_source(tmp_path):
+    from looped_lm.checkpoint import run_vocab
+    from looped_lm.data.batches import open_batches, prepare_data
+    from looped_lm.models import build_model
+
+    raw = {**BIGRAM, "diffusion": {"target_noise": 0.5},
+           "data": {"source": "alphabet", "tokenizer": "byte", "cache_dir": str(tmp_path)}}
+    cfg = config_from_dict(raw)
+    assert cfg.diffusion.target_noise == 0.5
+    vocab, _ = run_vocab(cfg)
+    x, y = open_batches(cfg, prepare_data(cfg, vocab), "train").get_batch(4, 0, 0, 0, 0)
+    assert set(x.flatten().tolist()) <= set(b"abcdefghijklmnopqrstuvwxyz \n")  # the plugin's corpus
+    model = build_model(cfg, vocab)
+    noisy = model.training_loss(x, y, 0, seed=0)[0]
+    model.target_noise = 0.0
+    assert not torch.equal(noisy, model.training_loss(x, y, 0, seed=0)[0])  # the option reaches the model
+    # the option and the source are the plugin's: refused, naming it, on a kind that has neither
+    with pytest.raises(UserError, match="diffusion.target_noise is a field of model.kind bigram, not of gpt"):
+        load_config(None, ["diffusion.target_noise=0.1"])
+    with pytest.raises(UserError, match="model.kind gpt reads data.source .* \\(got alphabet\\)"):
+        load_config(None, ["data.source=alphabet"])
+    with pytest.raises(UserError, match=r"diffusion.target_noise must be in \[0, 1\)"):
+        load_config(None, ["model.kind=bigram", "diffusion.target_noise=1.5"])
 
 
 def test_the_builtin_kinds_are_registered_first():
@@ -83,9 +114,9 @@ def test_plugin_config_section_is_typed_and_its_own(tmp_path):
 
 @pytest.mark.parametrize("sets, needle", [
     (["train.mode=block_parallel"], "model.kind bigram does not offer block_parallel"),
-    (["diffusion.context=stacked"], "model.kind bigram does not offer stacked_context"),
+    (["diffusion.context=stacked"], "diffusion.context is a field of model.kind db_ar, not of bigram"),
     (["model.init_from=somewhere"], "model.kind bigram does not offer init_from"),
-    (["diffusion.layers_per_block=1"], "diffusion.layers_per_block applies to kinds with a layer split"),
+    (["diffusion.layers_per_block=1"], "diffusion.layers_per_block is a field of model.kind db_ar, not of bigram"),
     (["data.source=digits"], "model.kind bigram reads data.source bible / shakespeare"),
 ])
 def test_plugin_lacking_a_capability_is_refused_in_one_line(tmp_path, sets, needle, one_line_error, capsys):

@@ -250,7 +250,7 @@ def test_module_generate_errors_are_one_line_and_write_nothing(runs, tmp_path, c
     ("dit", {"data": {"source": "cifar10", "path": "/nowhere/cifar"}}, ("cifar-10-python.tar.gz", "data_batch_1")),
     ("dit", {"data": {"source": "latents", "path": "/nowhere/latents"}}, ("meta.json", "train/ and val/")),
     ("mdm", {"data": {"source": "digits"}}, ("model.kind mdm reads data.source bible / text8",)),
-    ("vit", {"diffusion": {"block_sampling": "loss_share"}}, ("diffusion.block_sampling: uniform",)),
+    ("vit", {"diffusion": {"block_sampling": "loss_share"}}, ("diffusion.block_sampling must be one of uniform, round_robin, fixed",)),
     ("dit", {"diffusion": {"sample_steps": 1}}, ("diffusion.sample_steps (1)", "blocks (2)")),
 ])
 def test_bad_module_runs_are_one_line_and_leave_no_checkpoint(tmp_path, capsys, one_line_error, kind, sections,

@@ -17,13 +17,15 @@ import importlib
 import os
 
 from looped_lm.errors import UserError
-from looped_lm.kinds.base import (CAPABILITIES, IterationLimits, Kind, LanguageModelSection, ModelSection, SequenceSection, require,
+from looped_lm.kinds.base import (CAPABILITIES, LANGUAGE_SOURCES, BlockDiffusion, DiffusionSection, IterationLimits,
+                                  Kind, LanguageModelSection, ModelSection, NoiseDiffusion, SequenceSection, require,
                                   resolve)
 from looped_lm.kinds.builtin import BUILTIN
 
 
-__all__ = ["CAPABILITIES", "IterationLimits", "Kind", "LanguageModelSection", "ModelSection", "SequenceSection", "get_kind", "kind_of",
-           "register", "registered", "require", "resolve"]
+__all__ = ["CAPABILITIES", "LANGUAGE_SOURCES", "BlockDiffusion", "DiffusionSection", "IterationLimits", "Kind", "LanguageModelSection",
+           "ModelSection", "NoiseDiffusion", "SequenceSection", "get_kind", "kind_of", "register", "registered",
+           "require", "resolve"]
 
 ENTRY_POINT_GROUP = "looped_lm.kinds"
 PLUGINS_ENV = "LOOPED_LM_PLUGINS"
@@ -40,6 +42,11 @@ def register(kind: Kind) -> Kind:
         raise TypeError(f"kind {kind.name}: its section must subclass looped_lm.kinds.ModelSection")
     if kind.section.model_fields["kind"].default != kind.name:
         raise TypeError(f"kind {kind.name}: its section's `kind` field must default to {kind.name!r}")
+    if not issubclass(kind.diffusion, DiffusionSection):
+        raise TypeError(f"kind {kind.name}: its diffusion section must subclass looped_lm.kinds.DiffusionSection")
+    if not isinstance(kind.data_sources, dict) or not all(isinstance(k, str) for k in kind.data_sources):
+        raise TypeError(f"kind {kind.name}: data_sources must map each data.source name to what data.path names "
+                        "('' for none)")
     unknown = set(kind.capabilities) - set(CAPABILITIES)
     if unknown:
         raise TypeError(f"kind {kind.name}: unknown capabilities {sorted(unknown)} (known: {', '.join(CAPABILITIES)})")

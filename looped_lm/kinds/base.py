@@ -3,11 +3,12 @@
 A `Kind` owns everything the rest of the project needs to know about one `model.kind`:
 
     section        its typed `model:` config section (a `ModelSection` subclass; `kind` is its tag)
+    diffusion      its typed `diffusion:` section (a `DiffusionSection`; the base has no field: gpt, huginn)
     builder        "package.module:function" -> the nn.Module, called with (cfg, vocab_size, saved state)
     capabilities   what it offers (the names below); a verb that needs one asks `kind.offers(...)` and
                    refuses in one line naming the kind and what is missing (`require`)
-    data_sources   the `data.source` values it reads; `prepare` / `batches` ("module:function") find and
-                   serve its data (token files for language models, images or characters for the modules)
+    data_sources   the `data.source` values it reads ({source: what data.path names}); `prepare` /
+                   `batches` ("module:function") find and serve its data (token files for language models, images or characters for the modules)
     num_blocks / block_layers / vocab / validate   its block layout, output vocabulary, own config checks
 
 Callers (config, batches, parallel, train, merge, preflight, export, hf, checkpoint) ask the kind and
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from looped_lm.errors import UserError
 from looped_lm.fields import Float, Section, Str, field
@@ -46,7 +47,9 @@ CAPABILITIES = {
     "autocast": "bf16 under autocast with fp32 weights and optimizer state (deepspeed.bf16)",
 }
 
-LANGUAGE_SOURCES = ("bible", "shakespeare", "files", "hf", "bin")
+# data.source -> what its data.path names ("" = no path: the corpus ships with the package)
+LANGUAGE_SOURCES = {"bible": "", "shakespeare": "", "files": "a .txt / .jsonl / .parquet file",
+                    "hf": "a Hugging Face dataset name", "bin": "a directory with train.bin / val.bin"}
 
 
 # --- the model: section, common to every kind --------------------------------------------------------
@@ -61,12 +64,27 @@ class ModelSection(Section):
     norm_eps: Float = field(1e-5, "RMSNorm epsilon")
     init_std: Float = field(0.02, "std of the normal init of linear and embedding weights")
 
+    def check(self) -> None:
+        for key in ("n_layers", "d_model", "n_heads"):
+            _require(getattr(self, key) >= 1, f"model.{key} must be >= 1 (got {getattr(self, key)})")
+        _require(self.d_model % self.n_heads == 0,
+                 f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})")
+        _require((self.d_model // self.n_heads) % 2 == 0, "model.d_model / model.n_heads must be even (RoPE rotates "
+                                                          "pairs)")
+        _require(self.ffn_hidden >= 0, f"model.ffn_hidden must be >= 0 (got {self.ffn_hidden})")
+        _require(self.init_std > 0 and self.norm_eps > 0, "model.init_std and norm_eps must be > 0")
+
 
 class SequenceSection(ModelSection):
     """Models over sequences (RoPE positions)."""
 
     seq_len: int = field(256, "training context length in tokens")
     rope_theta: Float = field(10000.0, "RoPE base")
+
+    def check(self) -> None:
+        super().check()
+        _require(self.seq_len >= 1, f"model.seq_len must be >= 1 (got {self.seq_len})")
+        _require(self.rope_theta > 0, f"model.rope_theta must be > 0 (got {self.rope_theta})")
 
 
 class LanguageModelSection(SequenceSection):
@@ -79,6 +97,11 @@ class LanguageModelSection(SequenceSection):
     init_from: Str = field("", "a local Hugging Face directory (config.json + safetensors) of LlamaForCausalLM / "
                                "MistralForCausalLM, or a `looped_lm export` of a gpt: a fresh run starts from its "
                                "weights (docs/pretrained.md); '' = random init")
+
+    def check(self) -> None:
+        super().check()
+        _require(self.vocab_size >= 0, f"model.vocab_size must be >= 0 (got {self.vocab_size})")
+        _require(self.loss_chunk >= 0, f"model.loss_chunk must be >= 0 (got {self.loss_chunk})")
 
 
 # --- K: the one rule every verb reads ------------------------------------------------------------------
@@ -93,6 +116,64 @@ class IterationLimits:
     num_blocks: int  # K < num_blocks skips blocks
     default_bridge: str | None  # DiffusionBlocks' bridge; None: the model has no bridge (huginn)
     adaptive_exit: bool  # whether an exit rule may cut a token's iterations (its cache must not depend on K)
+
+
+# --- the diffusion: section, each kind's own ------------------------------------------------------------
+class DiffusionSection(Section):
+    """A kind's `diffusion:` section. This base has no field: the section of the kinds trained end to end
+    (gpt, huginn), where every diffusion key is refused. A kind's own subclasses this (or one below)."""
+
+
+class BlockDiffusion(DiffusionSection):
+    """Kinds trained block by block: B blocks, each owning one interval of noise (or masking) levels."""
+
+    num_blocks: int = field(4, "B: blocks that each own one interval of noise levels")
+    overlap: Float = field(0.1, "gamma: each block trains on its interval widened by this share of its ln-width")
+    blocks_to_train: list[int] = field([], "train only these blocks (others frozen, no optimiser state; the "
+                                           "checkpoint records them, and `looped_lm merge` joins such jobs); [] = all")
+    block_sampling: Literal["uniform", "round_robin", "fixed"] = field(
+        "uniform", "which block a step trains: uniform (the paper), round_robin, or fixed (diffusion.block_weights)")
+    block_weights: list[Float] = field([], "block_sampling fixed: one weight per block, block 0 (highest noise) "
+                                           "first, e.g. [3, 1, 1]: block 0 gets 60 % of the steps; normalised")
+
+    def check(self) -> None:
+        _require(self.num_blocks >= 1, f"diffusion.num_blocks must be >= 1 (got {self.num_blocks})")
+        _require(0.0 <= self.overlap <= 0.5, f"diffusion.overlap must be in [0, 0.5] (got {self.overlap})")
+        _require(len(set(self.blocks_to_train)) == len(self.blocks_to_train),
+                 f"diffusion.blocks_to_train has duplicates: {self.blocks_to_train}")
+
+
+class NoiseDiffusion(BlockDiffusion):
+    """Block kinds over Gaussian noise levels sigma (EDM's log-normal law), sampled by a K-step chain."""
+
+    partition: Literal["equi_probability", "uniform"] = field(
+        "equi_probability", "block edges: equal noise mass (equi_probability) or equal ln-width")
+    p_mean: Float = field(-1.2, "mean of ln(sigma) for training noise (EDM's; looped_db: set 1.0, docs/method.md §8)")
+    p_std: Float = field(1.2, "std of ln(sigma) for training noise")
+    sigma_min: Float = field(0.002, "lowest noise level")
+    sigma_max: Float = field(80.0, "highest noise level")
+    sigma_data: Float = field(0.5, "EDM sigma_data")
+    last_call: Literal["edge", "sigma_min"] = field(
+        "sigma_min", "where a K-step chain's last call runs: the last Euler grid point above sigma_min (edge, paper) "
+        "or sigma_min itself (with parameterization likelihood an exact read-back of the last bridge's token, so "
+        "K = B samples what block 0 drew)")
+    sample_top_quantile: Float = field(0.999, "chains start at this quantile of block 0's training sigma law instead "
+                                              "of sigma_max, where block 0 never trains; 1 = sigma_max (paper and "
+                                              "official code)")
+
+    def check(self) -> None:
+        super().check()
+        _require(0 < self.sigma_min < self.sigma_max, f"diffusion.sigma_min ({self.sigma_min}) must be > 0 and below "
+                                                      f"diffusion.sigma_max ({self.sigma_max})")
+        _require(self.p_std > 0, f"diffusion.p_std must be > 0 (got {self.p_std})")
+        _require(self.sigma_data > 0, f"diffusion.sigma_data must be > 0 (got {self.sigma_data})")
+        _require(0 < self.sample_top_quantile <= 1,
+                 f"diffusion.sample_top_quantile must be in (0, 1] (got {self.sample_top_quantile})")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise UserError(message)
 
 
 # --- the plugin ---------------------------------------------------------------------------------------
@@ -110,10 +191,11 @@ class Kind:
 
     name: ClassVar[str]
     section: ClassVar[type[ModelSection]]
+    diffusion: ClassVar[type[DiffusionSection]] = DiffusionSection  # its `diffusion:` section (none: no field)
     builder: ClassVar[str]
     summary: ClassVar[str] = ""
     capabilities: ClassVar[frozenset[str]] = frozenset({"language_model"})
-    data_sources: ClassVar[tuple[str, ...]] = LANGUAGE_SOURCES
+    data_sources: ClassVar[dict[str, str]] = LANGUAGE_SOURCES  # data.source -> what data.path names ("": none)
     prepare: ClassVar[str] = "looped_lm.data.batches:prepare_tokens"  # (cfg, vocab_size) -> data location
     batches: ClassVar[str] = "looped_lm.data.batches:token_batches"  # (cfg, data location, split) -> batches
 

@@ -9,73 +9,16 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 from looped_lm.errors import UserError
-from looped_lm.fields import field
-from looped_lm.kinds.base import IterationLimits, Kind, LanguageModelSection, ModelSection, SequenceSection
-
+from looped_lm.kinds.base import IterationLimits, Kind
+from looped_lm.kinds.sections import (DbArDiffusion, DbArSection, DitDiffusion, DitSection, GptSection, HuginnSection,
+                                      LoopedDbSection, MdmDiffusion, MdmSection, TokenDiffusion, VitDiffusion,
+                                      VitSection)
 
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise UserError(message)
-
-
-# --- sections ----------------------------------------------------------------------------------------
-class GptSection(LanguageModelSection):
-    kind: Literal["gpt"] = field("gpt", "gpt: end-to-end next-token CE")
-    activation_checkpointing: bool = field(False, "recompute each layer in backward instead of storing its "
-                                                  "activations (the end-to-end alternative to DiffusionBlocks' "
-                                                  "memory)")
-
-
-class DbArSection(LanguageModelSection):
-    kind: Literal["db_ar"] = field("db_ar", "db_ar: DiffusionBlocks AR LM, one block trained per step")
-    activation_checkpointing: bool = field(False, "recompute each layer of the trained block (both streams; huginn: "
-                                                  "each layer of the iterations with gradient) in backward instead "
-                                                  "of storing its activations")
-    n_prelude: int = field(0, "shared clean-stream layers before the blocks (looped: the core; the paper: 2)")
-    n_coda: int = field(0, "shared layers after the blocks (looped: the core; the paper: 2)")
-    max_iterations: int = field(64, "the largest K accepted at inference")
-
-
-class LoopedDbSection(DbArSection):
-    kind: Literal["looped_db"] = field("looped_db", "looped_db: prelude -> weight-tied two-stream core -> coda")
-    init_core_start: int = field(-1, "init_from: the first source layer of the core; -1 = right after the prelude")
-
-
-class HuginnSection(LoopedDbSection):
-    kind: Literal["huginn"] = field("huginn", "huginn: recurrent depth trained with truncated BPTT")
-    mean_recurrence: int = field(32, "mean of the Poisson-log-normal iteration count r (training), and the "
-                                     "default K at inference unless num_iterations is set")
-    backprop_depth: int = field(8, "gradients flow through the last k iterations only")
-    allow_full_backprop: bool = field(False, "allow backprop_depth > mean_recurrence")
-    num_iterations: int = field(0, "default K (core iterations) at inference; 0 = mean_recurrence")
-
-
-class ImageSection(ModelSection):
-    end_to_end: bool = field(False, "the same network trained end-to-end over the whole noise range (the "
-                                    "baseline), instead of diffusion.num_blocks blocks")
-    image_size: int = field(32, "side of the (square) images or latents; must match the data")
-    channels: int = field(3, "image (or latent) channels; must match the data")
-    patch: int = field(4, "patch side; image_size must divide by it (the paper: vit 4, dit 2)")
-
-
-class VitSection(ImageSection):
-    kind: Literal["vit"] = field("vit", "vit: a ViT classifier whose noisy label is denoised block by block")
-    num_classes: int = field(10, "classes; must match the data")
-
-
-class DitSection(ImageSection):
-    kind: Literal["dit"] = field("dit", "dit: a DiT image (or latent) denoiser")
-    num_classes: int = field(10, "classes it is conditioned on (0 = unconditional); must match the data")
-
-
-class MdmSection(SequenceSection):
-    kind: Literal["mdm"] = field("mdm", "mdm: MD4 masked diffusion over text8's characters")
-    end_to_end: bool = field(False, "the same network trained end-to-end over the whole masking range (the "
-                                    "baseline), instead of diffusion.num_blocks blocks")
 
 
 # --- the cost model's shapes of a config (MFU on the log line) ------------------------------------------
@@ -96,7 +39,8 @@ def _db_layout(cfg, blocks: int):
         noisy_self=d.noisy_self, loss_chunk=m.loss_chunk, clean_lm=d.clean_lm_weight > 0,
         fold_likelihood=d.head == "cosine" and d.parameterization == "likelihood",
         posterior={"full": "full", "detached": "no_grad", "topk": "topk"}[d.posterior_input], topk=d.posterior_topk,
-        layers_per_block=tuple(d.layers_per_block) if isinstance(d.layers_per_block, list) else ())
+        layers_per_block=tuple(d.layers_per_block) if isinstance(d, DbArDiffusion) and isinstance(d.layers_per_block,
+                                                                                                   list) else ())
 
 
 def _compile_block_loss(model, backend: str) -> bool:
@@ -139,7 +83,7 @@ class Gpt(Kind):
 
 
 class DbAr(Kind):
-    name, section, builder = "db_ar", DbArSection, "looped_lm.models.db:build"
+    name, section, diffusion, builder = "db_ar", DbArSection, DbArDiffusion, "looped_lm.models.db:build"
     summary = "DiffusionBlocks AR LM: B untied two-stream blocks, one trained per step (docs/method.md)"
     capabilities = _LM | {"activation_checkpointing", "iterative", "block_jobs", "merge", "block_parallel",
                           "stacked_context", "layer_split",
@@ -161,6 +105,10 @@ class DbAr(Kind):
     def validate(self, cfg) -> None:
         _check_prelude_coda(cfg)
         _resolve_layers_per_block(cfg)
+        _require(cfg.diffusion.context != "stacked" or not cfg.diffusion.blocks_to_train,
+                 "diffusion.context stacked cannot train independent block jobs (diffusion.blocks_to_train): block "
+                 "b's clean stream runs blocks < b's current weights, so a block trained apart would read stale "
+                 "ones; train every block in one run (train.mode data_parallel or block_parallel)")
 
     def source_layers(self, cfg, n_source: int) -> dict[str, list]:
         m, d = cfg.model, cfg.diffusion
@@ -194,7 +142,7 @@ class DbAr(Kind):
 
 
 class LoopedDb(Kind):
-    name, section, builder = "looped_db", LoopedDbSection, "looped_lm.models.db:build"
+    name, section, diffusion, builder = "looped_db", LoopedDbSection, TokenDiffusion, "looped_lm.models.db:build"
     summary = "recurrent depth: prelude -> one weight-tied two-stream core -> coda, one forward pass per step"
     capabilities = _LM | {"activation_checkpointing", "iterative", "partition_edges", "export_native", "vllm",
                           "estimated_ppl"}
@@ -243,8 +191,6 @@ class Huginn(Kind):
                  " set model.allow_full_backprop: true if that is intended")
         _require(0 <= m.num_iterations <= m.max_iterations, f"model.num_iterations must be in 0..model.max_iterations "
                  f"({m.max_iterations}) (got {m.num_iterations})")
-        _require(cfg.diffusion.num_iterations == 0, "diffusion.num_iterations is the DiffusionBlocks kinds' default K; "
-                 "huginn's is model.num_iterations (0 = model.mean_recurrence)")
 
     def source_layers(self, cfg, n_source: int) -> dict[str, list]:
         prelude, core, coda = _retrofit(cfg, n_source)
@@ -327,12 +273,17 @@ def _resolve_layers_per_block(cfg) -> None:
     d.num_blocks = blocks
 
 
+IMAGE_SOURCES = {"digits": "", "cifar10": "the python-pickle archive or its folder",
+                 "cifar100": "the python-pickle archive or its folder"}
+
+
 class _Module(Kind):
     """The supporting modules (method.md §7): blocks over their own noise (or masking) range, their own
     data, evaluated by accuracy, Fréchet distance or bits per character; not language models."""
 
     capabilities = frozenset({"block_jobs", "autocast"})
     prepare = "looped_lm.data.batches:prepare_module_data"
+    step_fields: tuple[str, ...] = ()  # its diffusion section's default step counts (vit: K, dit / mdm: steps)
 
     def num_blocks(self, cfg) -> int:
         return 1 if cfg.model.end_to_end else cfg.diffusion.num_blocks
@@ -344,17 +295,11 @@ class _Module(Kind):
                      f"({m.n_layers}): every block needs at least one layer")
             _require(m.n_layers % d.num_blocks == 0,
                      f"diffusion.num_blocks ({d.num_blocks}) must divide model.n_layers ({m.n_layers})")
-        _require(d.block_sampling in ("uniform", "round_robin", "fixed"), f"diffusion.block_sampling "
-                 f"{d.block_sampling} is for the language models (it reads their CE curve); set "
-                 f"diffusion.block_sampling: uniform (the paper), round_robin or fixed for {self.name}")
         blocks = self.num_blocks(cfg)
-        if d.num_iterations:
-            _require(d.num_iterations >= blocks, f"diffusion.num_iterations ({d.num_iterations}) must be >= the number "
-                     f"of blocks ({blocks}): {self.name} runs at least one step per block")
-        _require(d.sample_steps >= 0, f"diffusion.sample_steps must be >= 0 (got {d.sample_steps})")
-        if d.sample_steps:
-            _require(d.sample_steps >= blocks, f"diffusion.sample_steps ({d.sample_steps}) must be >= the number of "
-                     f"blocks ({blocks}): {self.name} runs at least one step per block")
+        for key in self.step_fields:  # a default step count: at least one step per block
+            steps = getattr(d, key)
+            _require(not steps or steps >= blocks, f"diffusion.{key} ({steps}) must be >= the number of blocks "
+                     f"({blocks}): {self.name} runs at least one step per block")
 
 
 class _ImageModule(_Module):
@@ -373,9 +318,10 @@ class _ImageModule(_Module):
 
 
 class Vit(_ImageModule):
-    name, section, builder = "vit", VitSection, "looped_lm.models.vit:build"
+    name, section, diffusion, builder = "vit", VitSection, VitDiffusion, "looped_lm.models.vit:build"
     summary = "supporting module: ViT classifier (the noisy label denoised block by block)"
-    data_sources = ("digits", "cifar10", "cifar100")
+    data_sources = IMAGE_SOURCES
+    step_fields = ("num_iterations",)
 
     def validate(self, cfg) -> None:
         super().validate(cfg)
@@ -383,24 +329,23 @@ class Vit(_ImageModule):
 
 
 class Dit(_ImageModule):
-    name, section, builder = "dit", DitSection, "looped_lm.models.dit:build"
+    name, section, diffusion, builder = "dit", DitSection, DitDiffusion, "looped_lm.models.dit:build"
     summary = "supporting module: DiT image / latent denoiser with classifier-free guidance"
-    data_sources = ("digits", "cifar10", "cifar100", "latents")
+    data_sources = {**IMAGE_SOURCES, "latents": "the directory `looped_lm prepare --vae` wrote"}
+    step_fields = ("sample_steps",)
     unconditional = True  # model.num_classes 0 is allowed: the data's labels are ignored
 
     def validate(self, cfg) -> None:
         super().validate(cfg)
-        d = cfg.diffusion
         _require(cfg.model.num_classes >= 0, f"model.num_classes must be >= 0 for dit, 0 = unconditional (got "
                  f"{cfg.model.num_classes})")
-        _require(0 <= d.label_dropout < 1, f"diffusion.label_dropout must be in [0, 1) (got {d.label_dropout})")
-        _require(d.cfg_scale >= 0, f"diffusion.cfg_scale must be >= 0 (got {d.cfg_scale})")
 
 
 class Mdm(_Module):
-    name, section, builder = "mdm", MdmSection, "looped_lm.models.mdm:build"
+    name, section, diffusion, builder = "mdm", MdmSection, MdmDiffusion, "looped_lm.models.mdm:build"
     summary = "supporting module: MD4 masked diffusion over characters (text8's alphabet)"
-    data_sources = ("bible", "text8")
+    data_sources = {"bible": "", "text8": "the text8 file"}
+    step_fields = ("sample_steps",)
     batches = "looped_lm.data.batches:char_batches"
 
     def vocab(self, cfg) -> tuple[int, str]:

@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from looped_lm import diffusion as dm
 from looped_lm.config import Config, block_layers
 from looped_lm.kinds import kind_of
+from looped_lm.kinds.sections import DbArDiffusion
 from looped_lm.errors import UserError
 from looped_lm.models.layers import (RotaryEmbedding, TransformerLayer, TransposedCopy, chunked, ffn_width,
                                      init_weights, positions_after)
@@ -64,9 +65,10 @@ class DBNetwork(nn.Module):
             raise UserError(f"saved edges have {len(self.edges) - 1} blocks but the model has {num_blocks}")
         self.noisy_self = d.noisy_self
         # context stacked: the clean stream runs through the blocks in stack_order, each continuing the one before
-        self.stacked = d.context == "stacked" and num_blocks > 1
+        stacking = isinstance(d, DbArDiffusion) and d.context == "stacked"  # looped_db: one core, nothing to stack
+        self.stacked = stacking and num_blocks > 1
         order = list(range(num_blocks))
-        self.stack_order = order if d.stack_order == "high_noise_first" else order[::-1]
+        self.stack_order = order[::-1] if stacking and d.stack_order == "low_noise_first" else order
         self.likelihood = d.parameterization == "likelihood"
         self.prev_token = d.noisy_input == "prev_token"
         self.posterior_input, self.posterior_topk = d.posterior_input, d.posterior_topk
