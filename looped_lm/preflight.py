@@ -195,7 +195,8 @@ def check_resume(manifest: dict, cfg: Config, vocab_size: int, world_size: int |
     if "merged_from" in manifest:
         raise UserError(f"cannot resume from {path}: it is a merge of block jobs (`looped_lm merge`): weights only, "
                         "no optimizer state")
-    saved, mine = manifest["config"], cfg.to_dict()
+    # the saved config as this version reads it (fields another kind's section had then are dropped)
+    saved, mine = ckpt_io.config_of(manifest, path).to_dict(), cfg.to_dict()
     saved_world = manifest.get("world_size", 1)
     layout = ckpt_io.optimizer_layout(manifest)
     for section in ("model", "diffusion"):
