@@ -66,7 +66,7 @@ ALONE = {"model": {
     "allow_full_backprop": (True, {"model": {"kind": "huginn"}}),
     "num_iterations": (5, {"model": {"kind": "huginn"}}),
     "end_to_end": (True, MODULE), "image_size": (16, MODULE), "channels": (1, MODULE), "patch": (2, MODULE),
-    "num_classes": (5, MODULE),
+    "num_classes": (5, MODULE), "label_table": ("learned", MODULE),
 }, "diffusion": {  # the module kinds' own diffusion fields (the table's section is db_ar's)
     "label_dropout": (0.2, DIT), "cfg_scale": (1.5, DIT), "sample_steps": (10, DIT), "schedule": ("cosine", MDM),
 }}

@@ -2,23 +2,26 @@
 
 import functools
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from looped_lm import diffusion as dm
+from looped_lm.config import load_config
 from looped_lm.errors import UserError
-from looped_lm.models.dit import DiffusionDiT, DiTSettings, frechet_distance
-from tiny_models import TINY_MODULES, grads_of_one_block, image_batch, tiny_module
+from looped_lm.models.dit import frechet_distance
+from tiny_models import TINY_MODULES, grads_of_one_block, module_config, image_batch, tiny_module
 
 TINY = TINY_MODULES["dit"][0]
 tiny = functools.partial(tiny_module, "dit")  # a 2-layer DiT in B = 2 blocks
 batch = image_batch
 
 
-def test_defaults_are_dit_s2():
-    s = DiTSettings()
-    assert (s.n_layers, s.d_model, s.n_heads, s.patch, s.label_dropout, s.overlap) == (12, 384, 6, 2, 0.1, 0.05)
+def test_the_imagenet_config_is_dit_l2():
+    paper = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "dit_imagenet256.yaml"))
+    m, d = paper.model, paper.diffusion
+    assert (m.n_layers, m.d_model, m.n_heads, m.patch, d.label_dropout, d.overlap) == (24, 1024, 16, 2, 0.1, 0.05)
 
 
 def test_denoiser_is_the_edm_skip_at_init_and_shapes_hold():
@@ -149,12 +152,12 @@ def test_bad_input_raises_one_clear_line():
         model.sample(torch.tensor([12]), steps=4)
     with pytest.raises(UserError, match="label id 10"):
         model.training_loss(x, torch.full((6,), 10), 0, 0)
-    with pytest.raises(UserError, match="not divisible by dit.patch"):
-        DiffusionDiT(DiTSettings(**{**TINY, "image_size": 9}))
-    with pytest.raises(UserError, match="larger than dit.n_layers"):
-        DiffusionDiT(DiTSettings(**{**TINY, "num_blocks": 3}))
-    with pytest.raises(UserError, match="label_dropout"):
-        DiffusionDiT(DiTSettings(**{**TINY, "label_dropout": 1.0}))
+    with pytest.raises(UserError, match="not divisible by model.patch"):
+        module_config("dit", image_size=9)
+    with pytest.raises(UserError, match="larger than model.n_layers"):
+        module_config("dit", num_blocks=3)
+    with pytest.raises(UserError, match=r"diffusion.label_dropout must be in \[0, 1\)"):
+        module_config("dit", label_dropout=1.0)
     with pytest.raises(UserError, match="cfg_scale"):
         model.sample(y, steps=2, cfg_scale=-1)
 

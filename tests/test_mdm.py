@@ -9,9 +9,8 @@ import torch
 
 from looped_lm.data import text8
 from looped_lm.errors import UserError
-from looped_lm.models.mdm import (MaskedDiffusionLM, MDMSettings, alpha, elbo_weight, masked_nelbo, route_time,
-                                  time_edges, time_intervals)
-from tiny_models import TINY_MODULES, grads_of_one_block, tiny_module
+from looped_lm.models.mdm import alpha, elbo_weight, masked_nelbo, route_time, time_edges, time_intervals
+from tiny_models import TINY_MODULES, grads_of_one_block, module_config, tiny_module
 
 TINY = TINY_MODULES["mdm"][0]
 tiny = functools.partial(tiny_module, "mdm")  # 3 layers in B = 3 blocks
@@ -169,10 +168,10 @@ def test_bad_input_raises_one_clear_line():
         model.sample(1, 17, 3)
     with pytest.raises(UserError, match="exceeds mdm.seq_len"):
         model.elbo_bpc(ids(2, 20))
-    with pytest.raises(UserError, match="larger than mdm.n_layers"):
-        MaskedDiffusionLM(MDMSettings(**{**TINY, "num_blocks": 4}))
-    with pytest.raises(UserError, match="mdm.schedule"):
-        MaskedDiffusionLM(MDMSettings(**{**TINY, "schedule": "geometric"}))
+    with pytest.raises(UserError, match="larger than model.n_layers"):
+        module_config("mdm", num_blocks=4)
+    with pytest.raises(UserError, match="diffusion.schedule must be one of linear, cosine"):
+        module_config("mdm", schedule="geometric")
 
 
 # --- text8 data ------------------------------------------------------------------------------------

@@ -1,24 +1,29 @@
 """The DiffusionBlocks ViT classifier and its end-to-end baseline (looped_lm/models/vit.py)."""
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
 
 from looped_lm import diffusion as dm
+from looped_lm.config import load_config
 from looped_lm.errors import UserError
-from looped_lm.models.vit import DiffusionViT, ViTSettings
+from looped_lm.models.vit import DiffusionViT
 from looped_lm.optim import BlockwiseAdamW, param_groups
-from tiny_models import TINY_MODULES, grads_of_one_block, image_batch, tiny_module
+from tiny_models import TINY_MODULES, grads_of_one_block, module_config, image_batch, tiny_module
 
+REPO = Path(__file__).resolve().parents[1]
 TINY = TINY_MODULES["vit"][0]
 tiny = functools.partial(tiny_module, "vit")  # a 3-layer ViT in B = 3 blocks
 batch = image_batch
 
 
 def test_shapes_and_defaults():
-    s = ViTSettings()
-    assert (s.n_layers, s.patch, s.d_model, s.n_heads, s.num_blocks, s.overlap) == (12, 4, 128, 4, 3, 0.05)
+    paper = load_config(str(REPO / "configs" / "vit_cifar100.yaml"))  # the paper's CIFAR-100 ViT
+    m, d = paper.model, paper.diffusion
+    assert (m.n_layers, m.patch, m.d_model, m.n_heads, d.num_blocks, d.overlap) == (12, 4, 128, 4, 3, 0.05)
+    assert (d.loss_weight, d.bridge, d.parameterization) == ("batch_mean", "soft", "edm")  # the official code's
     model = tiny()
     x, y = batch()
     assert model.predict(x).shape == (6, 10)
@@ -219,17 +224,18 @@ def test_loss_weights_normalised_per_block():
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(image_size=10, patch=4), "not divisible by vit.patch"),
-    (dict(num_blocks=4), "larger than vit.n_layers"),
+    (dict(image_size=10, patch=4), "not divisible by model.patch"),
+    (dict(num_blocks=4), "larger than model.n_layers"),
     (dict(num_blocks=2), "must divide"),
-    (dict(d_model=30), "multiple of vit.n_heads"),
-    (dict(bridge="magic"), "vit.bridge"),
-    (dict(last_call="middle"), "vit.last_call"),
-    (dict(loss_weight="loss_share"), "vit.loss_weight"),
+    (dict(d_model=31), "divisible by model.n_heads"),
+    (dict(d_model=30), "must be even"),
+    (dict(bridge="magic"), "diffusion.bridge must be one of"),
+    (dict(last_call="middle"), "diffusion.last_call must be one of"),
+    (dict(loss_weight="loss_share"), "diffusion.loss_weight must be one of"),
 ])
 def test_bad_settings_raise_one_clear_line(kw, match):
     with pytest.raises(UserError, match=match):
-        DiffusionViT(ViTSettings(**{**TINY, **kw}))
+        DiffusionViT(module_config("vit", **kw))
 
 
 def test_bad_input_raises_one_clear_line():

@@ -64,6 +64,9 @@ class ImageSection(ModelSection):
 class VitSection(ImageSection):
     kind: Literal["vit"] = field("vit", "vit: a ViT classifier whose noisy label is denoised block by block")
     num_classes: int = field(10, "classes; must match the data")
+    label_table: Literal["fixed", "learned"] = field(
+        "fixed", "the clean label points: fixed random unit vectors, or learned (normalised to unit norm at every "
+        "use, trained with the shared parts: the official code's)")
 
 
 class DitSection(ImageSection):

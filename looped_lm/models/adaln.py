@@ -28,8 +28,6 @@ from looped_lm.models.contract import Trainable
 from looped_lm.models.layers import TransformerLayer, apply_rope
 from looped_lm.models.two_stream import modulate
 
-BLOCK_SAMPLING = ("uniform", "round_robin", "fixed")  # fixed: diffusion.block_weights
-
 
 class TimestepEmbedding(nn.Module):
     """c_noise (N,) -> conditioning vector (N, C): DiT's timestep embedder (sinusoids at periods 2*pi to
@@ -68,26 +66,6 @@ class AdaLNLayer(TransformerLayer):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         h = h + gate1 * self.attn.merge(F.scaled_dot_product_attention(q, k, v))
         return h + gate2 * self.mlp(modulate(self.norm2(h), shift2, scale2))
-
-
-def check_blocks(n_layers: int, num_blocks: int, prefix: str) -> None:
-    """B must be an integer in [1, L] that divides L (blocks of equal depth)."""
-    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-        raise UserError(f"{prefix}.num_blocks must be an integer >= 1 (got {num_blocks!r})")
-    if num_blocks > n_layers:
-        raise UserError(f"{prefix}.num_blocks ({num_blocks}) is larger than {prefix}.n_layers ({n_layers}): "
-                        f"every block needs at least one layer")
-    if n_layers % num_blocks:
-        raise UserError(f"{prefix}.num_blocks ({num_blocks}) must divide {prefix}.n_layers ({n_layers})")
-
-
-def check_iterations(num_iterations, num_blocks: int, what: str = "num_iterations") -> None:
-    """These modules take one step per block at least: fewer would leave a block's interval unvisited."""
-    if isinstance(num_iterations, bool) or not isinstance(num_iterations, int):
-        raise UserError(f"{what} must be an integer (got {num_iterations!r})")
-    if num_iterations < num_blocks:
-        raise UserError(f"{what} ({num_iterations}) must be >= the number of blocks ({num_blocks}): "
-                        f"this module runs at least one step per block")
 
 
 def check_labels(labels: torch.Tensor, num_classes: int, what: str = "label") -> None:
@@ -158,13 +136,6 @@ def noise_schedule(cfg):
 # --- images -------------------------------------------------------------------------------------
 
 
-def check_image_size(image_size: int, patch: int, prefix: str) -> None:
-    if patch < 1 or image_size < 1:
-        raise UserError(f"{prefix}.image_size ({image_size}) and {prefix}.patch ({patch}) must be >= 1")
-    if image_size % patch:
-        raise UserError(f"{prefix}.image_size ({image_size}) is not divisible by {prefix}.patch ({patch})")
-
-
 def check_images(images: torch.Tensor, channels: int, image_size: int) -> None:
     """A batch must be float (N, channels, image_size, image_size): the shape the model was built for."""
     want = (channels, image_size, image_size)
@@ -187,24 +158,3 @@ def unpatchify(patches: torch.Tensor, p: int, channels: int, image_size: int) ->
     N, g = patches.shape[0], image_size // p
     x = patches.reshape(N, g, g, channels, p, p).permute(0, 3, 1, 4, 2, 5)
     return x.reshape(N, channels, image_size, image_size)
-
-
-# --- settings checks ------------------------------------------------------------------------------
-
-
-def check_positive_ints(settings, prefix: str, names) -> None:
-    for name in names:
-        value = getattr(settings, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise UserError(f"{prefix}.{name} must be an integer >= 1 (got {value!r})")
-
-
-def check_choice(value, choices, name: str) -> None:
-    if value not in choices:
-        raise UserError(f"{name} must be one of {', '.join(choices)} (got {value!r})")
-
-
-def check_width(d_model: int, n_heads: int, prefix: str) -> None:
-    if d_model % n_heads or (d_model // n_heads) % 2:
-        raise UserError(f"{prefix}.d_model ({d_model}) must be a multiple of {prefix}.n_heads ({n_heads}) "
-                        f"with an even head width")

@@ -21,7 +21,7 @@ equi-probability partition every block gets about steps/B calls. Guidance: D = D
 
 Public API:
     build(cfg, vocab_size, state)  the registry's entry (`model.kind: dit`)
-    DiffusionDiT(DiTSettings)
+    DiffusionDiT(cfg)   the run config's model: and diffusion: sections (checked by the kind)
     training_loss(images, labels, step, seed) -> (loss, metrics)      one block per step (Trainable)
     validation_loss(images, labels, seed) -> the EDM loss at sigmas drawn per block (deterministic)
     sample(labels, steps=None, cfg_scale=None, generator=None) -> images (N, C, H, W) in [-1, 1]
@@ -33,94 +33,44 @@ Public API:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from looped_lm import diffusion as dm
-from looped_lm.diffusion.blocks import LAST_CALLS, chain_grid
+from looped_lm.diffusion.blocks import chain_grid
 from looped_lm.diffusion.chain import run_chain
 from looped_lm.errors import UserError
-from looped_lm.models.adaln import (BLOCK_SAMPLING, AdaLNLayer, Blockwise, TimestepEmbedding, check_blocks,
-                                    check_choice, check_image_size, check_images, check_labels,
-                                    check_positive_ints, check_width, finish_build, noise_schedule, patchify,
-                                    unpatchify)
+from looped_lm.models.adaln import (AdaLNLayer, Blockwise, TimestepEmbedding, check_images, check_labels, finish_build,
+                                    noise_schedule, patchify, unpatchify)
 from looped_lm.models.contract import ImageGenerator
 from looped_lm.models.layers import ffn_width, init_weights
 from looped_lm.models.two_stream import modulate
 from looped_lm.settings import DIT_SAMPLE_STEPS, InferenceSettings, resolve_steps
 
 
-@dataclass
-class DiTSettings:
-    """DiT-S/2 on 32x32 RGB by default (12 layers, d 384, 6 heads, patch 2); B = 4 [ours: method.md
-    gives no B for DiT]. DiT-L/2 is n_layers 24, d_model 1024, n_heads 16."""
-
-    image_size: int = 32
-    channels: int = 3
-    num_classes: int = 10  # 0: unconditional
-    patch: int = 2
-    n_layers: int = 12
-    d_model: int = 384
-    n_heads: int = 6
-    ffn_hidden: int = 0
-    num_blocks: int = 4
-    overlap: float = 0.05
-    end_to_end: bool = False  # the baseline: one block of all layers over the whole sigma range
-    partition: str = "equi_probability"
-    block_sampling: str = "uniform"
-    label_dropout: float = 0.1  # share of training labels replaced by the null class (for CFG)
-    sample_steps: int = 0  # default Euler steps of `sample`; 0 = DIT_SAMPLE_STEPS (50, the paper's)
-    cfg_scale: float = 2.0  # default guidance scale of `sample`
-    last_call: str = "sigma_min"  # the last call at sigma_min, its D the sample (method.md §5), or "edge"
-    sample_top_quantile: float = 0.999  # chains start at this quantile of block 0's sigma law; 1 = sigma_max
-    clip_samples: bool = True  # samples clipped to [-1, 1] (pixels); latents are not bounded
-    noise: dm.NoiseSchedule = field(default_factory=dm.NoiseSchedule)
-    norm_eps: float = 1e-6
-    init_std: float = 0.02
-
-    def validate(self) -> "DiTSettings":
-        p = "dit"
-        check_positive_ints(self, p, ("image_size", "channels", "patch", "n_layers", "d_model", "n_heads"))
-        if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int) or self.num_classes < 0:
-            raise UserError(f"{p}.num_classes must be an integer >= 0 (got {self.num_classes!r})")
-        check_image_size(self.image_size, self.patch, p)
-        check_width(self.d_model, self.n_heads, p)
-        check_blocks(self.n_layers, self.num_blocks, p)
-        check_choice(self.partition, dm.PARTITION_KINDS, f"{p}.partition")
-        check_choice(self.block_sampling, BLOCK_SAMPLING, f"{p}.block_sampling")
-        if not 0 <= self.label_dropout < 1:
-            raise UserError(f"{p}.label_dropout must be in [0, 1) (got {self.label_dropout})")
-        check_choice(self.last_call, LAST_CALLS, f"{p}.last_call")
-        if not 0 < self.sample_top_quantile <= 1:
-            raise UserError(f"{p}.sample_top_quantile must be in (0, 1] (got {self.sample_top_quantile})")
-        self.noise.validate()
-        dm.widen([1.0, 2.0], self.overlap)
-        return self
-
-
 class DiffusionDiT(nn.Module, Blockwise, ImageGenerator):
-    def __init__(self, settings: DiTSettings):
+    def __init__(self, cfg):
         super().__init__()
-        s = self.settings = settings.validate()
-        self.sched, self.block_sampling, self.end_to_end = s.noise, s.block_sampling, s.end_to_end
-        num_blocks = 1 if s.end_to_end else s.num_blocks
-        self.edges = dm.make_edges(s.partition, num_blocks, self.sched)
-        self.train_ranges = dm.widen(self.edges, s.overlap)
-        d, per_block = s.d_model, s.n_layers // num_blocks
-        ffn, patch_dim = ffn_width(d, s.ffn_hidden), s.channels * s.patch**2
+        self.cfg = cfg  # the run config: model.* shape, diffusion.* blocks and noise (checked by the kind)
+        m, dc = cfg.model, cfg.diffusion
+        self.sched, self.block_sampling, self.end_to_end = noise_schedule(cfg), dc.block_sampling, m.end_to_end
+        self.clip_samples = cfg.data.source != "latents"  # pixels are in [-1, 1]; latents are not bounded
+        num_blocks = 1 if m.end_to_end else dc.num_blocks
+        self.edges = dm.make_edges(dc.partition, num_blocks, self.sched)
+        self.train_ranges = dm.widen(self.edges, dc.overlap)
+        d, per_block = m.d_model, m.n_layers // num_blocks
+        ffn, patch_dim = ffn_width(d, m.ffn_hidden), m.channels * m.patch**2
         self.patch_embed = nn.Linear(patch_dim, d)
-        self.pos_emb = nn.Parameter(torch.zeros(1, (s.image_size // s.patch) ** 2, d))
+        self.pos_emb = nn.Parameter(torch.zeros(1, (m.image_size // m.patch) ** 2, d))
         self.noise_emb = TimestepEmbedding(d)
-        self.label_emb = nn.Embedding(s.num_classes + 1, d) if s.num_classes else None  # last row: null
-        self.blocks = nn.ModuleList(nn.ModuleList(AdaLNLayer(d, s.n_heads, ffn, s.norm_eps) for _ in range(per_block))
+        self.label_emb = nn.Embedding(m.num_classes + 1, d) if m.num_classes else None  # last row: null
+        self.blocks = nn.ModuleList(nn.ModuleList(AdaLNLayer(d, m.n_heads, ffn, m.norm_eps) for _ in range(per_block))
                                     for _ in range(num_blocks))
-        self.final_norm = nn.LayerNorm(d, elementwise_affine=False, eps=s.norm_eps)
+        self.final_norm = nn.LayerNorm(d, elementwise_affine=False, eps=m.norm_eps)
         self.final_ada = nn.Linear(d, 2 * d)  # shift, scale of the output layer
         self.out = nn.Linear(d, patch_dim)
-        init_weights(self, s.init_std, s.n_layers)
+        init_weights(self, m.init_std, m.n_layers)
         nn.init.xavier_uniform_(self.patch_embed.weight)
         for layer in (layer for block in self.blocks for layer in block):  # adaLN-Zero
             nn.init.zeros_(layer.ada.weight)
@@ -128,24 +78,23 @@ class DiffusionDiT(nn.Module, Blockwise, ImageGenerator):
         for lin in (self.final_ada, self.out):  # DiT's zero output layer: F = 0, D = c_skip*z at init
             nn.init.zeros_(lin.weight)
             nn.init.zeros_(lin.bias)
-        self.grid = chain_grid(self.edges, self.train_ranges, self.sched, s.sample_top_quantile, s.last_call)
+        self.grid = chain_grid(self.edges, self.train_ranges, self.sched, dc.sample_top_quantile, dc.last_call)
 
     @property
     def null_label(self) -> int:
-        return self.settings.num_classes
+        return self.cfg.model.num_classes
 
     @property
     def num_classes(self) -> int:
-        return self.settings.num_classes
+        return self.cfg.model.num_classes
 
     # --- the denoiser -----------------------------------------------------------------------------
 
     def denoise(self, b: int, z, sigma, labels):
         """Block b's D(z; sigma, label): z (N, C, H, W), sigma (N,), labels (N,) (null allowed)."""
-        s = self.settings
         c_skip, c_out, c_in, c_noise = (c.to(z.dtype)[:, None, None, None]
                                         for c in dm.edm_scalings(sigma, self.sched.sigma_data))
-        x = self.patch_embed(patchify(c_in * z, s.patch)) + self.pos_emb
+        x = self.patch_embed(patchify(c_in * z, self.cfg.model.patch)) + self.pos_emb
         cond = self.noise_emb(c_noise.flatten())
         if self.label_emb is not None:
             cond = cond + self.label_emb(labels)
@@ -153,13 +102,14 @@ class DiffusionDiT(nn.Module, Blockwise, ImageGenerator):
         for layer in self.blocks[b]:
             x = layer(x, cond)
         shift, scale = self.final_ada(cond).unsqueeze(1).chunk(2, dim=-1)
-        out = unpatchify(self.out(modulate(self.final_norm(x), shift, scale)), s.patch, s.channels, s.image_size)
+        m = self.cfg.model
+        out = unpatchify(self.out(modulate(self.final_norm(x), shift, scale)), m.patch, m.channels, m.image_size)
         return c_skip * z + c_out * out
 
     def check_batch(self, images, labels):
-        check_images(images, self.settings.channels, self.settings.image_size)
+        check_images(images, self.cfg.model.channels, self.cfg.model.image_size)
         if labels is not None and self.label_emb is not None:
-            check_labels(labels, self.settings.num_classes)
+            check_labels(labels, self.cfg.model.num_classes)
 
     # --- training -------------------------------------------------------------------------------
 
@@ -177,7 +127,7 @@ class DiffusionDiT(nn.Module, Blockwise, ImageGenerator):
     def drop_labels(self, y, N: int, device):
         if self.label_emb is None:
             return torch.zeros(N, dtype=torch.long, device=device)
-        keep = torch.rand(N, device=device) >= self.settings.label_dropout
+        keep = torch.rand(N, device=device) >= self.cfg.diffusion.label_dropout
         return torch.where(keep, y, torch.full_like(y, self.null_label))
 
     def edm_loss(self, b: int, x, sigma, noise, labels):
@@ -208,14 +158,14 @@ class DiffusionDiT(nn.Module, Blockwise, ImageGenerator):
         """Images (N, C, H, W) in [-1, 1] for `labels` (N,): `steps` routed Euler steps from pure noise.
         cfg_scale 1 = plain conditional sampling (one pass per step); > 1 adds the null-label pass."""
         steps = self.resolve_steps(steps)
-        cfg_scale = self.settings.cfg_scale if cfg_scale is None else cfg_scale
+        cfg_scale = self.cfg.diffusion.cfg_scale if cfg_scale is None else cfg_scale
         if isinstance(cfg_scale, bool) or not isinstance(cfg_scale, (int, float)) or cfg_scale < 0:
             raise UserError(f"cfg_scale must be a number >= 0 (got {cfg_scale!r})")
-        s, device = self.settings, labels.device
+        device = labels.device
         if self.label_emb is not None:
-            check_labels(labels, s.num_classes)
+            check_labels(labels, self.cfg.model.num_classes)
         N = labels.shape[0]
-        shape = (N, s.channels, s.image_size, s.image_size)
+        shape = (N, self.cfg.model.channels, self.cfg.model.image_size, self.cfg.model.image_size)
         z = self.grid.sigma_top * torch.randn(shape, generator=generator, device=generator.device if generator else None)
         guided = self.label_emb is not None and cfg_scale != 1
 
@@ -234,11 +184,11 @@ class DiffusionDiT(nn.Module, Blockwise, ImageGenerator):
         out = run_chain(denoise, self.grid, settings, z.to(device).flatten(1)[:, None], None, None, None,
                         points=lambda D, rows: D)  # D is already the denoised point: no bridge
         images = out.logits.view(shape)  # the last call's D
-        return images.clamp(-1, 1) if s.clip_samples else images
+        return images.clamp(-1, 1) if self.clip_samples else images
 
     def resolve_steps(self, steps: int | None) -> int:
         """The Euler steps a sample runs: `steps`, else the config's diffusion.sample_steps, else 50."""
-        return resolve_steps(steps, self.num_blocks, self.settings.sample_steps, DIT_SAMPLE_STEPS,
+        return resolve_steps(steps, self.num_blocks, self.cfg.diffusion.sample_steps, DIT_SAMPLE_STEPS,
                              "num_iterations (sampler steps)")
 
     def steps_per_block(self, steps: int) -> list[int]:
@@ -268,13 +218,4 @@ def frechet_distance(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def build(cfg, vocab_size: int = 0, state: dict | None = None) -> DiffusionDiT:
     """`model.kind: dit` from the run config (model.* shape, diffusion.* blocks, noise and sampling)."""
-    m, d = cfg.model, cfg.diffusion
-    settings = DiTSettings(
-        image_size=m.image_size, channels=m.channels, num_classes=m.num_classes, patch=m.patch, n_layers=m.n_layers,
-        d_model=m.d_model, n_heads=m.n_heads, ffn_hidden=m.ffn_hidden, num_blocks=d.num_blocks, overlap=d.overlap,
-        end_to_end=m.end_to_end, partition=d.partition, block_sampling=d.block_sampling,
-        label_dropout=d.label_dropout, sample_steps=d.sample_steps, cfg_scale=d.cfg_scale,
-        last_call=d.last_call, sample_top_quantile=d.sample_top_quantile,
-        clip_samples=cfg.data.source != "latents",
-        noise=noise_schedule(cfg), norm_eps=m.norm_eps, init_std=m.init_std)
-    return finish_build(DiffusionDiT(settings), cfg, state)
+    return finish_build(DiffusionDiT(cfg), cfg, state)

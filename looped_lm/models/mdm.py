@@ -24,7 +24,7 @@ bound on the model's true negative log-likelihood, with each interval's share re
 
 Public API:
     build(cfg, vocab_size, state)  the registry's entry (`model.kind: mdm`)
-    MaskedDiffusionLM(MDMSettings)
+    MaskedDiffusionLM(cfg)   the run config's model: and diffusion: sections (checked by the kind)
     training_loss(x, y, step, seed) -> (loss, metrics)   x: ids (N, T) < vocab_size; y unused
     validation_loss(x, y, seed) -> NELBO in nats per character (deterministic for a seed)
     sample(n, length, steps=None, generator=None) -> ids (n, length)   (steps default: sample_steps or length)
@@ -35,55 +35,19 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from looped_lm.data.text8 import VOCAB_SIZE
 from looped_lm.errors import UserError
-from looped_lm.models.adaln import (BLOCK_SAMPLING, AdaLNLayer, Blockwise, check_blocks, check_choice,
-                                    check_labels, check_positive_ints, check_width,
-                                    finish_build)
+from looped_lm.models.adaln import (AdaLNLayer, Blockwise, check_labels, finish_build)
 from looped_lm.models.contract import TextDiffusion
 from looped_lm.models.layers import RotaryEmbedding, ffn_width, init_weights
 from looped_lm.models.two_stream import NoiseEmbedding
 from looped_lm.settings import resolve_steps
 
-SCHEDULES = ("linear", "cosine")
 T_FLOOR = 1e-6  # t is never exactly 0 (w(0) is infinite); no mask can be drawn below it anyway
-
-
-@dataclass
-class MDMSettings:
-    """The paper's text8 setting by default: 12 layers, d 768, sequence 256, B = 3, linear schedule."""
-
-    vocab_size: int = 27  # text8: a-z and space; the mask id is vocab_size
-    seq_len: int = 256
-    n_layers: int = 12
-    d_model: int = 768
-    n_heads: int = 12
-    ffn_hidden: int = 0
-    num_blocks: int = 3
-    overlap: float = 0.05  # each block's t-range widened by this share of its width on both sides
-    end_to_end: bool = False  # the baseline: one block of all layers over t in [0, 1]
-    schedule: str = "linear"
-    block_sampling: str = "uniform"
-    rope_theta: float = 10000.0
-    sample_steps: int = 0  # default unmasking steps of `sample`; 0 = the sample's length
-    norm_eps: float = 1e-6
-    init_std: float = 0.02
-
-    def validate(self) -> "MDMSettings":
-        p = "mdm"
-        check_positive_ints(self, p, ("vocab_size", "seq_len", "n_layers", "d_model", "n_heads"))
-        check_width(self.d_model, self.n_heads, p)
-        check_blocks(self.n_layers, self.num_blocks, p)
-        check_choice(self.schedule, SCHEDULES, f"{p}.schedule")
-        check_choice(self.block_sampling, BLOCK_SAMPLING, f"{p}.block_sampling")
-        if isinstance(self.overlap, bool) or not isinstance(self.overlap, (int, float)) or not 0 <= self.overlap <= 0.5:
-            raise UserError(f"{p}.overlap must be in [0, 0.5] (got {self.overlap!r})")
-        return self
 
 
 # --- the masking schedule ---------------------------------------------------------------------------
@@ -144,36 +108,37 @@ def masked_nelbo(logits: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, weig
 
 
 class MaskedDiffusionLM(nn.Module, Blockwise, TextDiffusion):
-    def __init__(self, settings: MDMSettings):
+    def __init__(self, cfg):
         super().__init__()
-        s = self.settings = settings.validate()
-        self.block_sampling, self.end_to_end = s.block_sampling, s.end_to_end
-        self.mask_id = s.vocab_size
-        num_blocks = 1 if s.end_to_end else s.num_blocks
-        self.edges = time_edges(num_blocks, s.schedule)
-        self.train_ranges = time_intervals(self.edges, s.overlap)
-        self.report_edges = time_edges(s.num_blocks, s.schedule)  # per-interval ELBO shares, both variants
-        d, per_block = s.d_model, s.n_layers // num_blocks
-        ffn = ffn_width(d, s.ffn_hidden)
-        self.tok_emb = nn.Embedding(s.vocab_size + 1, d)
+        self.cfg = cfg  # the run config: model.* shape, diffusion.* blocks and noise (checked by the kind)
+        m, dc = cfg.model, cfg.diffusion
+        self.block_sampling, self.end_to_end = dc.block_sampling, m.end_to_end
+        self.mask_id = VOCAB_SIZE
+        num_blocks = 1 if m.end_to_end else dc.num_blocks
+        self.edges = time_edges(num_blocks, dc.schedule)
+        self.train_ranges = time_intervals(self.edges, dc.overlap)
+        self.report_edges = time_edges(dc.num_blocks, dc.schedule)  # per-interval ELBO shares, both variants
+        d, per_block = m.d_model, m.n_layers // num_blocks
+        ffn = ffn_width(d, m.ffn_hidden)
+        self.tok_emb = nn.Embedding(VOCAB_SIZE + 1, d)
         self.time_emb = NoiseEmbedding(d)
-        self.rope = RotaryEmbedding(d // s.n_heads, s.seq_len, s.rope_theta)
-        self.blocks = nn.ModuleList(nn.ModuleList(AdaLNLayer(d, s.n_heads, ffn, s.norm_eps) for _ in range(per_block))
+        self.rope = RotaryEmbedding(d // m.n_heads, m.seq_len, m.rope_theta)
+        self.blocks = nn.ModuleList(nn.ModuleList(AdaLNLayer(d, m.n_heads, ffn, m.norm_eps) for _ in range(per_block))
                                     for _ in range(num_blocks))
-        self.norm = nn.RMSNorm(d, eps=s.norm_eps)
-        self.head = nn.Linear(d, s.vocab_size)  # the clean characters only: the mask is never predicted
-        init_weights(self, s.init_std, s.n_layers)
+        self.norm = nn.RMSNorm(d, eps=m.norm_eps)
+        self.head = nn.Linear(d, VOCAB_SIZE)  # the clean characters only: the mask is never predicted
+        init_weights(self, m.init_std, m.n_layers)
         for layer in (layer for block in self.blocks for layer in block):  # adaLN-Zero
             nn.init.zeros_(layer.ada.weight)
             nn.init.zeros_(layer.ada.bias)
         nn.init.zeros_(self.head.bias)
 
     def checkpoint_state(self) -> dict:
-        return {**super().checkpoint_state(), "schedule": self.settings.schedule}
+        return {**super().checkpoint_state(), "schedule": self.cfg.diffusion.schedule}
 
     @property
     def seq_len(self) -> int:
-        return self.settings.seq_len
+        return self.cfg.model.seq_len
 
     # --- the denoiser -----------------------------------------------------------------------------
 
@@ -190,15 +155,15 @@ class MaskedDiffusionLM(nn.Module, Blockwise, TextDiffusion):
     def corrupt(self, x, t, generator=None):
         """Mask each position of x (N, T) with probability 1 - alpha(t) -> (x_t, mask)."""
         u = torch.rand(x.shape, generator=generator, device=generator.device if generator else x.device)
-        mask = u.to(x.device) < (1 - alpha(t, self.settings.schedule))[:, None]
+        mask = u.to(x.device) < (1 - alpha(t, self.cfg.diffusion.schedule))[:, None]
         return torch.where(mask, torch.full_like(x, self.mask_id), x), mask
 
     def check_ids(self, x):
         if x.dim() != 2:
             raise UserError(f"character ids must have shape (N, T) (got {tuple(x.shape)})")
-        if x.shape[1] > self.settings.seq_len:
-            raise UserError(f"sequence length {x.shape[1]} exceeds mdm.seq_len ({self.settings.seq_len})")
-        check_labels(x, self.settings.vocab_size, "character")
+        if x.shape[1] > self.cfg.model.seq_len:
+            raise UserError(f"sequence length {x.shape[1]} exceeds mdm.seq_len ({self.cfg.model.seq_len})")
+        check_labels(x, VOCAB_SIZE, "character")
 
     @staticmethod
     def stratified_times(n: int, lo: float, hi: float, generator=None, device=None) -> torch.Tensor:
@@ -216,7 +181,7 @@ class MaskedDiffusionLM(nn.Module, Blockwise, TextDiffusion):
         b = self.choose_block(step, seed)
         t = self.stratified_times(x.shape[0], *self.train_ranges[b], device=x.device)
         x_t, mask = self.corrupt(x, t)
-        loss = masked_nelbo(self.logits(b, x_t, t), x, mask, elbo_weight(t, self.settings.schedule))
+        loss = masked_nelbo(self.logits(b, x_t, t), x, mask, elbo_weight(t, self.cfg.diffusion.schedule))
         return loss.mean(), {"block": b, f"loss_block{b}": loss.detach().mean(),  # on the device
                              "masked": mask.float().mean()}
 
@@ -233,7 +198,7 @@ class MaskedDiffusionLM(nn.Module, Blockwise, TextDiffusion):
         reporting partition (the B intervals of the settings, for both variants), each t run by the block
         that owns it. An upper bound on -log2 p(x) per character, in expectation over the draws."""
         self.check_ids(x)
-        schedule, per_block = self.settings.schedule, []
+        schedule, per_block = self.cfg.diffusion.schedule, []
         intervals = time_intervals(self.report_edges)
         for lo, hi in intervals:
             total = 0.0
@@ -264,11 +229,11 @@ class MaskedDiffusionLM(nn.Module, Blockwise, TextDiffusion):
         steps = self.resolve_steps(steps, length)
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise UserError(f"the number of samples must be an integer >= 1 (got {n!r})")
-        if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= self.settings.seq_len:
-            raise UserError(f"length must be an integer in 1 .. {self.settings.seq_len} (got {length!r})")
+        if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= self.cfg.model.seq_len:
+            raise UserError(f"length must be an integer in 1 .. {self.cfg.model.seq_len} (got {length!r})")
         device = device or self.head.weight.device
         gen_device = generator.device if generator is not None else device
-        schedule = self.settings.schedule
+        schedule = self.cfg.diffusion.schedule
         x = torch.full((n, length), self.mask_id, dtype=torch.long, device=device)
         grid = [(steps - k) / steps for k in range(steps + 1)]
         for k in range(steps):
@@ -284,7 +249,7 @@ class MaskedDiffusionLM(nn.Module, Blockwise, TextDiffusion):
     def resolve_steps(self, steps: int | None, length: int) -> int:
         """The unmasking steps a sample of `length` runs: `steps`, else the config's diffusion.sample_steps,
         else one per character."""
-        return resolve_steps(steps, self.num_blocks, self.settings.sample_steps, length,
+        return resolve_steps(steps, self.num_blocks, self.cfg.diffusion.sample_steps, length,
                              "num_iterations (sampler steps)")
 
     def steps_per_block(self, steps: int) -> list[int]:
@@ -298,12 +263,4 @@ class MaskedDiffusionLM(nn.Module, Blockwise, TextDiffusion):
 def build(cfg, vocab_size: int = 0, state: dict | None = None) -> MaskedDiffusionLM:
     """`model.kind: mdm` from the run config: characters in text8's 27-symbol alphabet (model.* shape,
     diffusion.* blocks and masking schedule)."""
-    from looped_lm.data.text8 import VOCAB_SIZE
-
-    m, d = cfg.model, cfg.diffusion
-    settings = MDMSettings(
-        vocab_size=VOCAB_SIZE, seq_len=m.seq_len, n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads,
-        ffn_hidden=m.ffn_hidden, num_blocks=d.num_blocks, overlap=d.overlap, end_to_end=m.end_to_end,
-        schedule=d.schedule, block_sampling=d.block_sampling, rope_theta=m.rope_theta, sample_steps=d.sample_steps,
-        norm_eps=m.norm_eps, init_std=m.init_std)
-    return finish_build(MaskedDiffusionLM(settings), cfg, state)
+    return finish_build(MaskedDiffusionLM(cfg), cfg, state)

@@ -28,7 +28,7 @@ in the slot, adaLN from a learned constant, all L layers in one pass, plain CE.
 
 Public API:
     build(cfg, vocab_size, state)  the registry's entry (`model.kind: vit`)
-    DiffusionViT(ViTSettings)
+    DiffusionViT(cfg)   the run config's model: and diffusion: sections (checked by the kind)
     training_loss(images, labels, step, seed) -> (loss, metrics)    one block per step (Trainable)
     validation_loss(images, labels, seed) -> CE of predict(K = B)
     predict(images, num_iterations=None, generator=None) -> logits (N, num_classes)
@@ -39,128 +39,68 @@ Public API:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from looped_lm import diffusion as dm
-from looped_lm.diffusion.blocks import LAST_CALLS, chain_grid
+from looped_lm.diffusion.blocks import chain_grid
 from looped_lm.diffusion.chain import run_chain
-from looped_lm.errors import UserError
-from looped_lm.models.adaln import (BLOCK_SAMPLING, AdaLNLayer, Blockwise, TimestepEmbedding, check_blocks,
-                                    check_choice, check_image_size, check_images, check_iterations, check_labels,
-                                    check_positive_ints, check_width, finish_build, noise_schedule, patchify)
+from looped_lm.models.adaln import (AdaLNLayer, Blockwise, TimestepEmbedding, check_images, check_labels, finish_build,
+                                    noise_schedule, patchify)
 from looped_lm.models.contract import Classifier
 from looped_lm.models.layers import ffn_width, init_weights
 from looped_lm.models.two_stream import modulate
 from looped_lm.sampling import SharedGenerator
 from looped_lm.settings import InferenceSettings, resolve_steps
 
-LOSS_WEIGHTS = ("batch_mean", "edm", "none")
-LABEL_TABLES = ("fixed", "learned")
-
-
-@dataclass
-class ViTSettings:
-    """The paper's CIFAR-100 ViT by default (12 layers, patch 4, d 128, 4 heads, B = 3, overlap 0.05)."""
-
-    image_size: int = 32
-    channels: int = 3
-    num_classes: int = 100
-    patch: int = 4
-    n_layers: int = 12
-    d_model: int = 128
-    n_heads: int = 4
-    ffn_hidden: int = 0  # 0: SwiGLU's 8/3 d rule
-    num_blocks: int = 3
-    overlap: float = 0.05
-    end_to_end: bool = False  # the baseline: an ordinary ViT classifier over all layers
-    partition: str = "equi_probability"
-    block_sampling: str = "uniform"
-    loss_weight: str = "batch_mean"  # batch_mean: the batch's mean w(sigma) / E_block[w] (the official code);
-    # edm: per-sample w(sigma) / E_block[w]; none: plain CE
-    bridge: str = "soft"  # inference: D = softmax(logits) @ label_table (soft), label_table[argmax] (hard), or
-    # the embedding of a label drawn from softmax(logits) (sample)
-    last_call: str = "sigma_min"  # the K-th call at sigma_min (the official code's grid), or "edge" (method.md §5)
-    sample_top_quantile: float = 0.999  # chains start at this quantile of block 0's sigma law; 1 = sigma_max
-    num_iterations: int = 0  # default K of predict; 0 = num_blocks
-    parameterization: str = "edm"  # edm (the paper); likelihood: logits + <z, y_v>/sigma^2 (method.md §9) [ours]
-    label_table: str = "fixed"  # the clean label points: fixed random unit vectors, or learned (normalised to unit
-    # norm at every use, trained with the shared parts through the target and the chain: the official code's)
-    noise: dm.NoiseSchedule = field(default_factory=dm.NoiseSchedule)
-    norm_eps: float = 1e-6
-    init_std: float = 0.02
-
-    def validate(self) -> "ViTSettings":
-        p = "vit"
-        check_positive_ints(self, p, ("image_size", "channels", "patch", "n_layers", "d_model", "n_heads"))
-        if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int) or self.num_classes < 2:
-            raise UserError(f"{p}.num_classes must be an integer >= 2 (got {self.num_classes!r})")
-        check_image_size(self.image_size, self.patch, p)
-        check_width(self.d_model, self.n_heads, p)
-        check_blocks(self.n_layers, self.num_blocks, p)
-        check_choice(self.partition, dm.PARTITION_KINDS, f"{p}.partition")
-        check_choice(self.block_sampling, BLOCK_SAMPLING, f"{p}.block_sampling")
-        check_choice(self.loss_weight, LOSS_WEIGHTS, f"{p}.loss_weight")
-        check_choice(self.bridge, ("soft", "hard", "sample"), f"{p}.bridge")
-        check_choice(self.last_call, LAST_CALLS, f"{p}.last_call")
-        if not 0 < self.sample_top_quantile <= 1:
-            raise UserError(f"{p}.sample_top_quantile must be in (0, 1] (got {self.sample_top_quantile})")
-        check_choice(self.parameterization, ("edm", "likelihood"), f"{p}.parameterization")
-        check_choice(self.label_table, LABEL_TABLES, f"{p}.label_table")
-        if self.num_iterations and not self.end_to_end:
-            check_iterations(self.num_iterations, self.num_blocks, f"{p}.num_iterations")
-        self.noise.validate()
-        dm.widen([1.0, 2.0], self.overlap)  # checks the overlap's range
-        return self
 
 
 class DiffusionViT(nn.Module, Blockwise, Classifier):
-    def __init__(self, settings: ViTSettings):
+    def __init__(self, cfg):
         super().__init__()
-        s = self.settings = settings.validate()
-        self.sched, self.block_sampling = s.noise, s.block_sampling
-        self.end_to_end = s.end_to_end
-        num_blocks = 1 if s.end_to_end else s.num_blocks
-        self.edges = dm.make_edges(s.partition, num_blocks, self.sched)
-        self.train_ranges = dm.widen(self.edges, s.overlap)  # by block, block 0 = highest sigma
-        d, per_block = s.d_model, s.n_layers // num_blocks
-        ffn = ffn_width(d, s.ffn_hidden)
-        self.patch_embed = nn.Linear(s.channels * s.patch**2, d)
-        self.pos_emb = nn.Parameter(torch.zeros(1, 1 + (s.image_size // s.patch) ** 2, d))
-        self.blocks = nn.ModuleList(nn.ModuleList(AdaLNLayer(d, s.n_heads, ffn, s.norm_eps) for _ in range(per_block))
+        self.cfg = cfg  # the run config: model.* shape, diffusion.* blocks and noise (checked by the kind)
+        m, dc = cfg.model, cfg.diffusion
+        self.sched, self.block_sampling = noise_schedule(cfg), dc.block_sampling
+        self.end_to_end = m.end_to_end
+        num_blocks = 1 if m.end_to_end else dc.num_blocks
+        self.edges = dm.make_edges(dc.partition, num_blocks, self.sched)
+        self.train_ranges = dm.widen(self.edges, dc.overlap)  # by block, block 0 = highest sigma
+        d, per_block = m.d_model, m.n_layers // num_blocks
+        ffn = ffn_width(d, m.ffn_hidden)
+        self.patch_embed = nn.Linear(m.channels * m.patch**2, d)
+        self.pos_emb = nn.Parameter(torch.zeros(1, 1 + (m.image_size // m.patch) ** 2, d))
+        self.blocks = nn.ModuleList(nn.ModuleList(AdaLNLayer(d, m.n_heads, ffn, m.norm_eps) for _ in range(per_block))
                                     for _ in range(num_blocks))
-        if s.end_to_end:
+        if m.end_to_end:
             self.cls = nn.Parameter(torch.zeros(1, 1, d))
             self.cond = nn.Parameter(torch.zeros(d))  # adaLN from a learned constant: no noise level here
         else:
             self.noise_emb = TimestepEmbedding(d)
             self.final_ada = nn.Linear(d, 2 * d)  # shift, scale of h before the head (the official code's)
         # Clean label points: fixed random unit vectors (no gradient into the targets, as in dblm), or learned
-        if s.label_table == "learned" and not s.end_to_end:
-            self.label_emb = nn.Parameter(torch.randn(s.num_classes, d))
+        if m.label_table == "learned" and not m.end_to_end:
+            self.label_emb = nn.Parameter(torch.randn(m.num_classes, d))
         else:
-            self.register_buffer("label_table", F.normalize(torch.randn(s.num_classes, d), dim=-1))
-        self.norm = nn.LayerNorm(d, eps=s.norm_eps)  # learnable gain: the network's term is not capped
-        self.head = nn.Linear(d, s.num_classes)
+            self.register_buffer("label_table", F.normalize(torch.randn(m.num_classes, d), dim=-1))
+        self.norm = nn.LayerNorm(d, eps=m.norm_eps)  # learnable gain: the network's term is not capped
+        self.head = nn.Linear(d, m.num_classes)
         learned = self.label_emb.data.clone() if hasattr(self, "label_emb") else None
-        init_weights(self, s.init_std, s.n_layers)
+        init_weights(self, m.init_std, m.n_layers)
         if learned is not None:
             self.label_emb.data.copy_(learned)  # the same random start as the fixed table (unit after normalising)
         nn.init.xavier_uniform_(self.patch_embed.weight)  # O(1) patch tokens from the first step (DiT's init)
         for layer in (layer for block in self.blocks for layer in block):
             nn.init.zeros_(layer.ada.weight)
             nn.init.zeros_(layer.ada.bias)  # adaLN-Zero: every layer starts as the identity
-            if s.end_to_end:  # no noise level: start as an ordinary pre-norm layer (gates 1), or the
+            if m.end_to_end:  # no noise level: start as an ordinary pre-norm layer (gates 1), or the
                 layer.ada.bias.data.view(6, d)[[2, 5]] = 1.0  # constant [CLS] slot never sees the image
         nn.init.zeros_(self.head.weight)  # the zero-initialised, untied classifier
         nn.init.zeros_(self.head.bias)
-        if not s.end_to_end:
+        if not m.end_to_end:
             nn.init.zeros_(self.final_ada.weight)
             nn.init.zeros_(self.final_ada.bias)
-        self.grid = chain_grid(self.edges, self.train_ranges, self.sched, s.sample_top_quantile, s.last_call)
+        self.grid = chain_grid(self.edges, self.train_ranges, self.sched, dc.sample_top_quantile, dc.last_call)
 
     def checkpoint_state(self) -> dict:
         return {**super().checkpoint_state(), "end_to_end": self.end_to_end}
@@ -172,8 +112,8 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
         return F.normalize(self.label_emb, dim=-1) if hasattr(self, "label_emb") else self.label_table
 
     def embed_patches(self, images):
-        check_images(images, self.settings.channels, self.settings.image_size)
-        return self.patch_embed(patchify(images, self.settings.patch))  # (N, P, C)
+        check_images(images, self.cfg.model.channels, self.cfg.model.image_size)
+        return self.patch_embed(patchify(images, self.cfg.model.patch))  # (N, P, C)
 
     def run_layers(self, b: int, slot, patches, cond):
         """[slot | patches] (+ positions) through block b's layers -> the slot's output (N, C)."""
@@ -189,7 +129,7 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
         c_skip, c_out, c_in, c_noise = (c.to(z.dtype)[:, None] for c in dm.edm_scalings(sigma, self.sched.sigma_data))
         cond = self.noise_emb(c_noise[:, 0])
         out = self.run_layers(b, c_in * z, patches, cond)
-        if self.settings.parameterization == "likelihood":
+        if self.cfg.diffusion.parameterization == "likelihood":
             # the exact log-likelihood of z under each label (unit-norm targets): the network only has to
             # supply the image's prior over labels, and what z already says is never lost
             features = self.norm(out)
@@ -211,21 +151,21 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
     def training_loss(self, x, y, step: int, seed: int):
         """x: images (N, C, H, W) in [-1, 1]; y: labels (N,). One block per step (DB), or the whole
         classifier (end_to_end)."""
-        check_labels(y, self.settings.num_classes)
+        check_labels(y, self.cfg.model.num_classes)
         patches = self.embed_patches(x)
         if self.end_to_end:
             ce = F.cross_entropy(self.classify(patches).float(), y, reduction="none")
             return ce.mean(), {"block": 0, "loss_block0": ce.detach().mean()}  # on the device: read at log steps
         b = self.choose_block(step, seed)
         sigma = dm.sample_sigma(x.shape[0], *self.train_ranges[b], self.sched, device=x.device)
-        z = self.labels()[y] + sigma[:, None] * torch.randn(x.shape[0], self.settings.d_model, device=x.device)
+        z = self.labels()[y] + sigma[:, None] * torch.randn(x.shape[0], self.cfg.model.d_model, device=x.device)
         ce = F.cross_entropy(self.block_logits(b, patches, z, sigma).float(), y, reduction="none")
         loss = (ce * self.loss_weights(sigma, b)).mean()
         return loss, {"block": b, f"loss_block{b}": ce.detach().mean(), "sigma_mean": sigma.detach().mean()}
 
     def loss_weights(self, sigma, b: int):
         """Per-sample CE weights (N,), O(1) on average over block b's sigma law."""
-        kind = self.settings.loss_weight
+        kind = self.cfg.diffusion.loss_weight
         if kind == "none":
             return torch.ones_like(sigma)
         w = (dm.edm_weight(sigma, self.sched.sigma_data) / dm.edm_loss_weight_normaliser(*self.train_ranges[b],
@@ -235,7 +175,7 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
     @torch.no_grad()
     def validation_loss(self, x, y, seed: int):
         g = torch.Generator(device=x.device).manual_seed(seed)
-        check_labels(y, self.settings.num_classes)
+        check_labels(y, self.cfg.model.num_classes)
         return F.cross_entropy(self.predict(x, generator=g).float(), y)
 
     # --- inference ------------------------------------------------------------------------------
@@ -250,7 +190,7 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
         if self.end_to_end:
             return self.classify(patches, with_features)
         K = self.resolve_steps(num_iterations) if check else num_iterations  # `features` runs one call (block 0)
-        N, d = images.shape[0], self.settings.d_model
+        N, d = images.shape[0], self.cfg.model.d_model
         gen_device = generator.device if generator is not None else None
         z = self.grid.sigma_top * torch.randn(N, 1, d, generator=generator, device=gen_device)
         last = {}
@@ -261,7 +201,7 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
 
         labels = self.labels()
         table = lambda: labels  # noqa: E731
-        settings = [InferenceSettings(num_iterations=K, bridge=self.settings.bridge)] * N
+        settings = [InferenceSettings(num_iterations=K, bridge=self.cfg.diffusion.bridge)] * N
         out = run_chain(denoise, self.grid, settings, z.to(images.device), SharedGenerator(generator),
                         lambda ids: labels[ids], table)
         logits = out.logits[:, 0]
@@ -280,7 +220,7 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
     def resolve_steps(self, num_iterations: int | None) -> int:
         """K of a prediction: the request's, else the config's diffusion.num_iterations, else B (the one rule
         of settings.resolve_steps: at least one call per block)."""
-        return resolve_steps(num_iterations, self.num_blocks, self.settings.num_iterations, self.num_blocks)
+        return resolve_steps(num_iterations, self.num_blocks, self.cfg.diffusion.num_iterations, self.num_blocks)
 
     def steps_per_block(self, K: int) -> list[int]:
         return self.grid.steps_per_block(K)
@@ -289,7 +229,7 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
     def accuracy(self, images, labels, num_iterations: int | None = None, batch_size: int = 256,
                  generator: torch.Generator | None = None) -> dict:
         """Top-1 accuracy over (images, labels), in batches: what `looped_lm eval` prints for vit."""
-        check_labels(labels, self.settings.num_classes)
+        check_labels(labels, self.cfg.model.num_classes)
         K = self.resolve_steps(num_iterations)
         correct = 0
         for i in range(0, images.shape[0], batch_size):
@@ -301,12 +241,4 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
 
 def build(cfg, vocab_size: int = 0, state: dict | None = None) -> DiffusionViT:
     """`model.kind: vit` from the run config (model.* shape, diffusion.* blocks, noise and inference)."""
-    m, d = cfg.model, cfg.diffusion
-    settings = ViTSettings(
-        image_size=m.image_size, channels=m.channels, num_classes=m.num_classes, patch=m.patch, n_layers=m.n_layers,
-        d_model=m.d_model, n_heads=m.n_heads, ffn_hidden=m.ffn_hidden, num_blocks=d.num_blocks, overlap=d.overlap,
-        end_to_end=m.end_to_end, partition=d.partition, block_sampling=d.block_sampling, loss_weight=d.loss_weight,
-        bridge=d.bridge, parameterization=d.parameterization, sample_top_quantile=d.sample_top_quantile,
-        last_call=d.last_call,
-        num_iterations=d.num_iterations, noise=noise_schedule(cfg), norm_eps=m.norm_eps, init_std=m.init_std)
-    return finish_build(DiffusionViT(settings), cfg, state)
+    return finish_build(DiffusionViT(cfg), cfg, state)
