@@ -28,7 +28,6 @@ from pathlib import Path
 from looped_lm.kinds import kind_of
 from looped_lm.errors import UserError
 from looped_lm.models.contract import Classifier, ImageGenerator, TextDiffusion
-from looped_lm.settings import resolve_steps
 
 
 def module_data(cfg, manifest: dict, source: str | None):
@@ -75,9 +74,9 @@ def evaluate(model, cfg, manifest: dict, args) -> int:
         data, source = module_data(cfg, manifest, args.data)
         n = args.max_tokens or len(data.test_y)
         images, labels = data.test_x[:n], data.test_y[:n]
-        K = resolve_steps(single_k(args.num_iterations), model.num_blocks, cfg.diffusion.num_iterations,
-                          model.num_blocks)
-        rep = model.accuracy(images.to(args.device), labels.to(args.device), K, generator=gen)
+        # K resolved once, by the model (the request's, else diffusion.num_iterations, else B)
+        rep = model.accuracy(images.to(args.device), labels.to(args.device), single_k(args.num_iterations),
+                             generator=gen)
         rep = {"model_kind": cfg.model.kind, **rep, "data": source, "split": "test (held out)"}
         summary = f"top-1 accuracy {rep['accuracy']:.4f} on {rep['examples']} held-out images, K = " \
                   f"{rep['num_iterations']}"

@@ -233,7 +233,7 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
         K = self.resolve_steps(num_iterations)
         correct = 0
         for i in range(0, images.shape[0], batch_size):
-            logits = self.predict(images[i:i + batch_size], K, generator)
+            logits = self.predict(images[i:i + batch_size], K, generator, check=False)  # K resolved above
             correct += int((logits.argmax(-1) == labels[i:i + batch_size]).sum())
         n = int(images.shape[0])
         return {"accuracy": correct / max(n, 1), "examples": n, "num_iterations": 1 if self.end_to_end else K}
