@@ -24,7 +24,8 @@ def add_arguments(p) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: the run directory, e.g. quickstart_db)")
     p.add_argument("--default-iterations", type=int, default=None,
-                   help="K when a request names none (default: the config's diffusion.num_iterations, or B)")
+                   help="K when a request names none (default: the kind's, as generate and eval use: "
+                        "diffusion.num_iterations or B; huginn: model.num_iterations or its mean recurrence)")
     p.add_argument("--max-iterations", type=int, default=None,
                    help="largest K a request may ask for (default: model.max_iterations)")
     p.add_argument("--kv-memory-gb", type=float, default=1.0, help="KV cache budget in GiB: sets the slot count")
