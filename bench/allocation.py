@@ -1,38 +1,27 @@
-"""Which block a step trains: `block_sampling` loss_share (the default) vs network_gain, on the DB
-quickstart's layout (4 layers, d 128, the Bible in bytes, 1000 steps of 16 x 128 tokens, lr 3e-3), at
-B = 4 (1-layer blocks, where loss_share gives block 0, which ppl@0 and every chain's first draw rest on,
-the fewest steps) and B = 2.
-
-Every run has the same steps, and every block step costs the same FLOPs (equal blocks), so the rules are
-compared at equal training FLOPs. Per run: the share of the steps each block got (counted from the
-rule's draws, `choose_block` over the run's steps with the curves it measured as it went: read from
-metrics.jsonl's per-block loss lines), the final curve's shares under both rules, and held-out ppl@0 over
-the WHOLE validation split (one call per token: exact, cheap). One JSON per run in
-bench/results/allocation/; `--report` writes report.md with paired per-seed ratios.
-
-    python bench/allocation.py --blocks 4 --seeds 0 1          # ~6 CPU-min per run on a quiet machine
-    python bench/allocation.py --report
-
-`--protocol`: the same comparison with each rule's learning rate tuned on held-out data that no reported
-number is measured on. The held-out books are fixed across seeds (`data.split_seed`, `--split-seed`); the
-run's val.bin is cut into two halves, dev (the first) and test (the second), written once as dev.bin /
-test.bin under the work dir. A sweep (`--lrs`, train.min_lr = lr / 10, at the seeds given, normally 0)
-scores ppl@0 on dev; each rule's learning rate is the one with the lowest dev ppl@0 at the sweep seed
-(`--sweep-seed`, 0). Runs without `--lrs` train at that chosen rate. Every run reports on test: ppl@0
-(the whole test half), ppl@B (K = B chain, the first 8,192 test tokens, 16 draws, with its standard error)
-and the block shares of its steps. One JSON per run in bench/results/allocation/protocol/;
-`--protocol-report` writes report.md there (dev sweep, chosen rates, test table, paired per-seed ratios
-network_gain / loss_share with a Student-t 95 % interval on the log ratios).
+"""Which block a step trains (docs/results.md "Which block a step trains"; the allocation study's one driver):
+`block_sampling` loss_share vs network_gain on the DB quickstart's layout (4 layers, d 128, the Bible in bytes,
+1000 steps of 16 x 128 tokens), each rule's learning rate tuned on held-out data no reported number is measured
+on; then `diffusion.clean_lm_weight` on the network_gain recipe. Every run trains with `looped_lm.train` and is
+scored with `looped_lm eval`; equal steps and equal block costs, so the rules compare at equal FLOPs.
 
     python bench/allocation.py --protocol --blocks 2 --lrs 1e-3 3e-3 1e-2 --seeds 0   # the dev sweep
     python bench/allocation.py --protocol --blocks 2 --seeds 1 2                      # chosen lr per rule
     python bench/allocation.py --protocol-report
 
-`--clean-lm-report`: `diffusion.clean_lm_weight` on the B = 2 network_gain recipe at lr 1e-3 (its runs made
-with `--protocol --set diffusion.clean_lm_weight=<w> --out bench/results/allocation/clean_lm_<w>`): the
-weight with the lowest seed-0 dev ppl@0, then its paired per-seed ratios against weight 0 on test, at equal
-steps and against an equal-FLOPs control (weight 0 given the extra FLOPs as steps: `--protocol --set
-train.max_steps=1288 --out bench/results/allocation/eqflops_w0`), with the plan's rule for the quickstart.
+`--protocol`: the held-out books are fixed across seeds (`data.split_seed`, `--split-seed`); the run's val.bin
+is cut into halves, dev (the first) and test (the second), written once as dev.bin / test.bin under the work
+dir. A sweep (`--lrs`, train.min_lr = lr / 10) scores ppl@0 on dev; each rule's rate is the one with the lowest
+dev ppl@0 at `--sweep-seed`; runs without `--lrs` train at it. Every run reports on test: ppl@0 (the whole test
+half), ppl@B (the K = B chain, the first 8,192 test tokens, 16 draws, with its standard error) and the block
+shares of its steps. One JSON per run in bench/results/allocation/protocol/; `--protocol-report` writes
+report.md there (dev sweep, chosen rates, test table, paired per-seed ratios with a t 95 % interval on the logs).
+
+`--clean-lm-report`: clean_lm_weight on the B = 2 network_gain recipe at lr 1e-3 (its runs made with
+`--protocol --set diffusion.clean_lm_weight=<w> --out bench/results/allocation/clean_lm_<w>`): the weight with
+the lowest seed-0 dev ppl@0, then its paired per-seed ratios against weight 0 on test, at equal steps and
+against an equal-FLOPs control (`--protocol --set train.max_steps=1288 --out .../eqflops_w0`), with the plan's
+rule for the quickstart. The earlier comparison at one learning rate (results/allocation/report.md, B*_s*.json)
+and the chain re-scoring of the kept checkpoints were run by this script at commit de182fb.
 """
 
 from __future__ import annotations
@@ -46,6 +35,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (bench/ is not a package)
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "allocation"
@@ -76,83 +68,7 @@ def final_shares(edges: list, curve: dict) -> dict:
 STUDY_PINS = ["diffusion.clean_lm_weight=0"]
 
 
-def run_one(blocks: int, rule: str, seed: int, work: Path) -> dict:
-    name = f"B{blocks}_{rule}_s{seed}"
-    out_dir = work / name
-    sets = [*STUDY_PINS, "train.lr=3e-3", "train.min_lr=3e-4",  # the quickstart's rates when this study ran
-            f"diffusion.num_blocks={blocks}", f"diffusion.block_sampling={rule}", f"train.seed={seed}",
-            f"train.out_dir={out_dir}", "train.save_every=0", "train.progress=false", "train.eval_every=0", "train.log_every=1",
-            f"data.cache_dir={work / 'cache'}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    c0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.time()
-    cmd = [sys.executable, "-m", "looped_lm.train", "--config", str(ROOT / "configs/quickstart_db.yaml")]
-    subprocess.run(cmd + [a for s in sets for a in ("--set", s)], check=True, env=env, cwd=ROOT,
-                   capture_output=True, text=True)
-    ckpt = out_dir / "step_0001000"
-    ppl_json = work / f"{name}_ppl.json"
-    subprocess.run([sys.executable, "-m", "looped_lm", "eval", "--checkpoint", str(ckpt), "--num-iterations", "0",
-                    "--json", str(ppl_json), "--no-progress"], check=True, env=env, cwd=ROOT, capture_output=True)
-    c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    ppl = json.loads(ppl_json.read_text())
-    chain = chain_ppl(ckpt, blocks, work / f"{name}_chain.json", env)
-    manifest = json.loads((ckpt / "manifest.json").read_text())
-    curve = manifest["model_state"].get("curve") or {}
-    edges = manifest["model_state"]["edges"]
-    counts = logged_block_steps(out_dir, blocks)
-    result = {
-        "blocks": blocks, "rule": rule, "seed": seed, "steps": 1000, "ppl0": ppl["ppl"], "nll0": ppl["nll"],
-        "tokens_scored": ppl["tokens"], "chain": chain, "logged_block_share": [c / max(sum(counts), 1) for c in counts],
-        "final_shares": final_shares(edges, curve),
-        "curve": curve, "cpu_s": round((c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime), 1),
-        "wall_s": round(time.time() - t0, 1), "load": os.getloadavg()[0],
-    }
-    (OUT / f"{name}.json").write_text(json.dumps(result, indent=1))
-    return result
-
-
-def chain_ppl(ckpt: Path, blocks: int, out: Path, env: dict) -> dict:
-    """ppl@B (the K = B chain every block runs in, the default sampler's) on the first 8,192 held-out
-    tokens, 16 draws, with the estimator's standard error."""
-    subprocess.run([sys.executable, "-m", "looped_lm", "eval", "--checkpoint", str(ckpt), "--num-iterations",
-                    str(blocks), "--max-tokens", "8192", "--draws", "16", "--json", str(out), "--no-progress"],
-                   check=True, env=env, cwd=ROOT, capture_output=True)
-    rep = json.loads(out.read_text())
-    k = str(blocks)
-    return {"k": blocks, "ppl": rep["ppl_at_k"][k], "se": rep["ppl_se"][k], "tokens": rep["tokens"], "draws": 16}
-
-
-def report() -> str:
-    runs = [json.loads(p.read_text()) for p in sorted(OUT.glob("B*_s*.json"))]
-    lines = ["# block_sampling: loss_share vs network_gain (bench/allocation.py)", "",
-             "DB quickstart layout, 1000 steps each (equal FLOPs within a B), held-out ppl@0 over the whole "
-             "validation split; one learning rate (the quickstart's 3e-3, not tuned per rule).", "",
-             "| B | rule | seed | ppl@0 (whole val) | ppl@B (8,192 tokens, 16 draws; se) | block shares of the steps (block 0 first) | CPU-s |",
-             "|---|---|---|---|---|---|---|"]
-    for r in sorted(runs, key=lambda r: (r["blocks"], r["rule"], r["seed"])):
-        shares = ", ".join(f"{s:.2f}" for s in r["logged_block_share"])
-        c = r.get("chain") or {}
-        chain = f"{c['ppl']:.3f} ({c['se']:.3f})" if c.get("ppl") else "unresolved" if c else ""
-        lines.append(f"| {r['blocks']} | {r['rule']} | {r['seed']} | {r['ppl0']:.3f} | {chain} | {shares} | {r['cpu_s']} |")
-    lines += ["", "Paired per-seed ratio ppl@0(network_gain) / ppl@0(loss_share):", ""]
-    for B in sorted({r["blocks"] for r in runs}):
-        by = {(r["rule"], r["seed"]): r["ppl0"] for r in runs if r["blocks"] == B}
-        ratios = [by[("network_gain", s)] / by[("loss_share", s)] for (rule, s) in by if rule == "loss_share"
-                  and ("network_gain", s) in by]
-        if ratios:
-            mean = sum(ratios) / len(ratios)
-            sd = math.sqrt(sum((x - mean) ** 2 for x in ratios) / (len(ratios) - 1)) if len(ratios) > 1 else float("nan")
-            lines.append(f"- B = {B}: {', '.join(f'{x:.3f}' for x in ratios)} (mean {mean:.3f}, sd {sd:.3f}, "
-                         f"{len(ratios)} seeds)")
-    text = "\n".join(lines) + "\n"
-    (OUT / "report.md").write_text(text)
-    return text
-
-
 PROTOCOL_OUT = OUT / "protocol"
-# two-sided 95 % Student-t quantiles by degrees of freedom
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
-
-
 def lr_tag(lr: float) -> str:
     return f"{lr:.0e}"
 
@@ -256,31 +172,6 @@ def chain_args(blocks: int) -> list[str]:
     return ["--num-iterations", str(blocks), "--max-tokens", "8192", "--draws", str(CHAIN_DRAWS)]
 
 
-def rescore_chains(args) -> None:
-    """Re-score the ppl@B chain of every run at a chosen rate on its kept checkpoint with today's estimator;
-    the earlier score moves to test_chain_before_gate (once: a run already re-scored is skipped)."""
-    split = protocol_split(args.work, args.split_seed)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    runs = protocol_runs(args.out)
-    chosen = {B: chosen_lrs(runs, B, args.sweep_seed) for B in {r["blocks"] for r in runs}}
-    for path in sorted(args.out.glob("B*_lr*_s*.json")):
-        r = json.loads(path.read_text())
-        if r["lr"] != chosen[r["blocks"]].get(r["rule"]):
-            continue
-        if "test_chain_before_gate" in r or "tilt_gate" in r["test_chain"]:
-            continue
-        ckpts = sorted((args.work / path.stem).glob("step_*"))
-        if not ckpts:
-            print(f"{path.stem}: no checkpoint under {args.work}, not re-scored", flush=True)
-            continue
-        rep = eval_json(ckpts[-1], split["test"], args.work / f"{path.stem}_test_chain_gated.json", env,
-                        chain_args(r["blocks"]))
-        r["test_chain_before_gate"], r["test_chain"] = r["test_chain"], {**chain_of(rep, r["blocks"]), "tilt_gate": True}
-        path.write_text(json.dumps(r, indent=1))
-        print(f"{path.stem}: ppl@{r['blocks']} {r['test_chain_before_gate']['ppl']:.4f} -> {r['test_chain']['ppl']:.4f}",
-              flush=True)
-
-
 def protocol_runs(out_root: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(out_root.glob("B*_lr*_s*.json"))]
 
@@ -293,16 +184,6 @@ def chosen_lrs(runs: list[dict], blocks: int, sweep_seed: int) -> dict:
             if r["rule"] not in best or r["dev"]["ppl0"] < best[r["rule"]]["dev"]["ppl0"]:
                 best[r["rule"]] = r
     return {rule: r["lr"] for rule, r in best.items()}
-
-
-def t_interval(logs: list[float]) -> tuple[float, float, float]:
-    n = len(logs)
-    mean = sum(logs) / n
-    if n < 2:
-        return math.exp(mean), float("nan"), float("nan")
-    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (n - 1))
-    half = T95[n - 1] * sd / math.sqrt(n) if n - 1 in T95 else 1.96 * sd / math.sqrt(n)
-    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
 def protocol_report(out_root: Path, sweep_seed: int) -> str:
@@ -346,7 +227,7 @@ def protocol_report(out_root: Path, sweep_seed: int) -> str:
             if not pairs:
                 continue
             ratios = [a / b for _, a, b in pairs]
-            geo, lo, hi = t_interval([math.log(x) for x in ratios])
+            geo, lo, hi = common.ratio_ci(ratios)
             per = ", ".join(f"s{s} {x:.3f}" for (s, _, _), x in zip(pairs, ratios))
             ci = f"95 % t interval [{lo:.3f}, {hi:.3f}]" if len(ratios) > 1 else "no interval with one seed"
             lines.append(f"- {label}: {per}; geometric mean {geo:.3f}, {ci} (n = {len(ratios)} seeds, t on the log ratios, "
@@ -428,7 +309,7 @@ def clean_lm_report(out_root: Path = OUT, protocol_root: Path = PROTOCOL_OUT, sw
         interval = {}  # label -> (geometric mean, lower, upper)
         for label, get in (("ppl@0", lambda r: r["test"]["ppl0"]), (f"ppl@{B}", lambda r: r["test_chain"]["ppl"])):
             ratios = [get(by[chosen][s]) / get(base[s]) for s in paired]
-            geo, lo, hi = interval[label] = t_interval([math.log(x) for x in ratios])
+            geo, lo, hi = interval[label] = common.ratio_ci(ratios)
             per = ", ".join(f"s{s} {x:.3f}" for s, x in zip(paired, ratios))
             ci = f"95 % t interval [{lo:.3f}, {hi:.3f}]" if len(paired) > 1 else "no interval with one seed"
             lines.append(f"- {label}: {per}; geometric mean {geo:.3f}, {ci} (n = {len(paired)} seeds)")
@@ -474,16 +355,12 @@ def protocol_main(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--blocks", type=int, nargs="+", default=[4])
+    ap.add_argument("--blocks", type=int, nargs="+", default=[2])
     ap.add_argument("--rules", nargs="+", default=list(RULES), choices=RULES)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    ap.add_argument("--work", type=Path, default=Path("/tmp/looped_lm_allocation"))
-    ap.add_argument("--report", action="store_true")
-    ap.add_argument("--backfill-chain", action="store_true", help="add ppl@B to runs measured without it")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/looped_lm_allocation_protocol"))
     ap.add_argument("--protocol", action="store_true", help="dev/test halves of a fixed held-out split, lr per rule")
     ap.add_argument("--protocol-report", action="store_true", help="write the protocol's report.md")
-    ap.add_argument("--rescore-chain", action="store_true",
-                    help="protocol: re-score the ppl@B chain of the chosen-rate runs on their kept checkpoints")
     ap.add_argument("--lrs", type=float, nargs="+", default=None,
                     help="protocol: the sweep's learning rates (min_lr = lr / 10); omitted: each rule's dev-chosen lr")
     ap.add_argument("--split-seed", type=int, default=0, help="protocol: data.split_seed of every run")
@@ -495,46 +372,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.clean_lm_report:
         print(clean_lm_report(OUT, PROTOCOL_OUT, args.sweep_seed))
-        return
-    if args.rescore_chain:
-        if "--work" not in sys.argv:
-            args.work = Path("/tmp/looped_lm_allocation_protocol")
-        rescore_chains(args)
-        print(protocol_report(args.out, args.sweep_seed))
-        return
-    if args.protocol_report:
-        print(protocol_report(args.out, args.sweep_seed))
-        return
-    if args.protocol:
-        if "--blocks" not in sys.argv:
-            args.blocks = [2]
-        if "--seeds" not in sys.argv:
-            args.seeds = [0]
-        if "--work" not in sys.argv:
-            args.work = Path("/tmp/looped_lm_allocation_protocol")
+    elif args.protocol:
         protocol_main(args)
-        return
-    if args.backfill_chain:
-        for path in sorted(OUT.glob("B*_s*.json")):
-            r = json.loads(path.read_text())
-            if "chain" not in r:
-                name = path.stem
-                env = {**os.environ, "OMP_NUM_THREADS": "1"}
-                r["chain"] = chain_ppl(args.work / name / "step_0001000", r["blocks"], args.work / f"{name}_chain.json", env)
-                path.write_text(json.dumps(r, indent=1))
-    if args.report:
-        print(report())
-        return
-    OUT.mkdir(parents=True, exist_ok=True)
-    for seed in args.seeds:
-        for B in args.blocks:
-            for rule in args.rules:
-                if (OUT / f"B{B}_{rule}_s{seed}.json").exists():
-                    continue
-                r = run_one(B, rule, seed, args.work)
-                print(f"B{B} {rule} s{seed}: ppl@0 {r['ppl0']:.3f} shares {r['logged_block_share']} ({r['cpu_s']} CPU-s)",
-                      flush=True)
-    print(report())
+    else:
+        print(protocol_report(args.out, args.sweep_seed))
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
     python bench/cost_model.py table     # markdown tables + bench/results/cost_model.json
 
 `table` prints (1) B DB steps / one gpt step and (2) DB(K = B) / gpt decode per token at the project's
-shapes, and (3) every measured ratio of bench/README.md (read from the committed bench JSONs) beside the
-floor the cost model gives for the configuration that was measured.
+shapes (bench/README.md "cost_model.py"). The table of the paper-layout measurements beside their floors
+(db_train_cost.json, db_decode.json, looped_cost.json) was printed by this script at commit ec9be3c.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from looped_lm.cost import DBLayout, Shape, db_train, decode_ratio, huginn_train, train_ratio
+from looped_lm.cost import DBLayout, Shape, decode_ratio, train_ratio
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -84,63 +84,6 @@ def markdown(tables: dict) -> str:
     return "\n".join(out)
 
 
-# --- the measured ratios of bench/README.md beside their floors ----------------------------------
-
-PAPER_LAYOUT = DBLayout(parameterization="edm", noisy_self=True)  # what the older benches measured
-
-
-def measured_vs_floor() -> list[dict]:
-    """Every measured DB / gpt (and huginn / looped_db) ratio in the committed bench JSONs, with the
-    floor this model gives for the same shapes and layout, and x_floor = measured / floor in the ratio's
-    own direction: training cost ratios (lower is better; target <= 1.15), decode speed ratios and the
-    huginn / looped_db step ratio (higher is better; decode target >= 0.9)."""
-    out = []
-
-    def load(name):
-        path = RESULTS / name
-        return json.loads(path.read_text()) if path.exists() else None
-
-    runs = [("db_train_cost.json", PAPER_LAYOUT, 0, "paper layout (edm, self key), no loss_chunk"),
-            ("db_train_cost_chunked.json", DBLayout(loss_chunk=128), 128,
-             "shipped layout (likelihood, prev_token, no self key), loss_chunk 128 in both")]
-    for name, lay, chunk, layout in runs:
-        data = load(name)
-        for r in (data or {}).get("rows", []):
-            s = Shape(d=256, layers=8, heads=4, vocab=r["vocab"], seq=r["seq"], batch=4)
-            floor = train_ratio(s, replace(lay, target_fraction=r["target_fraction"]), chunk)
-            out.append({"source": name, "what": "B DB steps / gpt step, CPU time (cost: lower is better)", "layout": layout,
-                        "config": f"V {r['vocab']}, T {r['seq']}, f {r['target_fraction']:g}",
-                        "measured": r["time_ratio_B_steps"], "floor": floor["ratio"],
-                        "floor_layers_only": floor["layers_ratio"], "x_floor": r["time_ratio_B_steps"] / floor["ratio"]})
-    data = load("db_decode.json")
-    for r in (data or {}).get("speed", []):
-        s = Shape(d=256, layers=8, heads=4, vocab=r["vocab"], seq=256)
-        floor = decode_ratio(s, PAPER_LAYOUT, K=r["K"], context=32, rows=r["batch"])
-        out.append({"source": "db_decode.json", "what": "DB / gpt decode tok/s, CPU time (speed: higher is better)",
-                    "layout": "paper layout, hard bridge, K = 4, ~32 cached tokens",
-                    "config": f"V {r['vocab']}, batch {r['batch']}", "measured": r["ratio_cpu"],
-                    "floor": floor["flops_ratio"], "floor_bytes": floor["bytes_ratio"],
-                    "x_floor": r["ratio_cpu"] / floor["flops_ratio"]})
-    data = load("looped_cost.json")
-    for r in (data or {}).get("rows", []):
-        s = Shape(d=512, layers=4, heads=8, vocab=r["vocab"], seq=256, batch=2, prelude=2, coda=2)
-        lay = replace(PAPER_LAYOUT, blocks=1, target_fraction=r["target_fraction"])
-        floor = huginn_train(s, 32, 8).total() / db_train(s, lay).total()
-        out.append({"source": "looped_cost.json", "what": "huginn (r 32, k 8) step / looped_db step, CPU time (higher is better)",
-                    "layout": "paper layout", "config": f"V {r['vocab']}, f {r['target_fraction']:g}",
-                    "measured": r["time_ratio"], "floor": floor, "x_floor": r["time_ratio"] / floor})
-    return out
-
-
-def measured_markdown(rows: list[dict]) -> str:
-    out = ["| measured in | ratio | layout | config | measured | analytic floor | measured / floor |",
-           "|---|---|---|---|---:|---:|---:|"]
-    for r in rows:
-        out.append(f"| {r['source']} | {r['what']} | {r['layout']} | {r['config']} | {r['measured']:.2f} | "
-                   f"{r['floor']:.2f} | {r['x_floor']:.2f} |")
-    return "\n".join(out)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("command", choices=["table"])
@@ -148,9 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=str(RESULTS / "cost_model.json"))
     args = ap.parse_args(argv)
     tables = build_tables(args.context)
-    tables["measured_vs_floor"] = measured_vs_floor()
-    text = markdown(tables) + "\n\nMeasured ratios of bench/README.md beside their floors:\n\n" + \
-        measured_markdown(tables["measured_vs_floor"])
+    text = markdown(tables)
     print(text)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({**tables, "table": text, "shapes": {k: asdict(v) for k, v in SHAPES.items()},

@@ -47,7 +47,9 @@ the max over the block a step trains), the AdamW state after every unit has step
 tensors' bytes), trainable elements, and FLOPs per step (torch FlopCounterMode, mean over blocks).
 
 Output: bench/results/pretrained/study/runs/<run>_s<seed>.json (config, steps, CPU seconds, eval),
-memory.json, summary.json; the table in docs/pretrained.md is written by --summary --write-docs.
+memory.json, summary.json; the table in docs/pretrained.md is written by --summary --write-docs. diagnose.json
+(ppl@0 at conversion with the noisy input's differences from the source taken away one at a time) was written by
+this script's `--phase diagnose` at commit 9f43323.
 Work files (checkpoints, the export) in bench/work/pretrained/ (not committed).
 """
 
@@ -63,6 +65,9 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import common  # noqa: E402  (bench/ is not a package)
+
 RESULTS = ROOT / "bench" / "results" / "pretrained" / "study"
 WORK = ROOT / "bench" / "work" / "pretrained"
 SEEDS = (0, 1, 2)
@@ -211,24 +216,6 @@ def build(raw: dict, init: bool):
     return model, cfg
 
 
-def activation_bytes(model, x, y, step: int) -> int:
-    """Bytes autograd saves for backward in one training step: the supporting modules' bench counts them
-    (parameters and buffers excluded, each storage once)."""
-    from modules import activation_bytes as counted  # bench/modules.py, beside this script
-
-    return counted(model, x, y, step)
-
-
-def step_flops(model, x, y, step: int) -> int:
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with FlopCounterMode(display=False) as counter:
-        loss, _ = model.training_loss(x, y, step, seed=0)
-        loss.backward()
-    model.zero_grad(set_to_none=True)
-    return counter.get_total_flops()
-
-
 def measure(raw: dict, init: bool = True) -> dict:
     """One configuration: per-step activation bytes and FLOPs (per block), AdamW state bytes after every
     unit stepped, trainable elements."""
@@ -251,9 +238,9 @@ def measure(raw: dict, init: bool = True) -> dict:
             steps[b] = s
         if len(steps) == len(owned):
             break
-    acts = {b: activation_bytes(model, x, y, s) for b, s in steps.items()}
+    acts = {b: common.saved_bytes(model, x, y, s) for b, s in steps.items()}
     reps = 1 if cfg.model.kind != "huginn" else 4  # huginn draws its depth per step
-    flops = {b: sum(step_flops(model, x, y, s + r) for r in range(reps)) / reps for b, s in steps.items()}
+    flops = {b: sum(common.step_flops(model, x, y, s + r) for r in range(reps)) / reps for b, s in steps.items()}
     opt = BlockwiseAdamW(param_groups(model, 0.1), lr=1e-4)
     for s in steps.values():
         opt.set_active_units(model.step_units(s, 0) if hasattr(model, "step_units") else None)
@@ -289,53 +276,6 @@ def memory_table() -> dict:
         for tuning, tr in (("full", FT), ("lora", LORA)):
             raw = run_config("m", 0, {**model, "init_from": str(hf_dir())}, diffusion, tr, 1)
             out[f"{net}_{tuning}"] = measure(raw)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# why a converted db_ar does not start at its source: ppl@0 at conversion, with the noisy input's
-# differences from the source's forward taken away one at a time
-
-
-def diagnose(windows: int = 32) -> dict:
-    """ppl@0 at conversion (no training) on `windows` held-out windows of 64, for db1 / db2 / db2c with the
-    adaLN gates closed or open, then with the posterior-mean embedding left out of the noisy input, then
-    also with the noisy slot at the RoPE position of its previous token (t instead of t + 1): with all
-    three, db1's noisy path is the source's forward at position t, so its ppl@0 is the source's."""
-    import glob
-
-    import numpy as np
-    import torch
-
-    from looped_lm import pretrained
-    from looped_lm.settings import ScoreSettings
-
-    val = np.fromfile(glob.glob(str(WORK / "data_cache" / "*" / "val.bin"))[0], dtype=np.uint16)
-    T = MODEL["seq_len"]
-    x = torch.tensor(val[:windows * T + 1].astype(np.int64))
-    X, Y = x[:-1].view(windows, T), x[1:].view(windows, T)
-    out = {"windows": windows, "tokens": windows * T, "ppl_at_0": {}}
-    for net_name in ("db1", "db2", "db2c"):
-        model, diffusion = kinds()[net_name]
-        raw = run_config("diag", 0, {**model, "init_from": str(hf_dir())}, diffusion, {}, 1)
-        for gates in ("closed", "open"):
-            for variant in ("as built", "no posterior-mean input", "no posterior-mean input, RoPE at t"):
-                pretrained.NOISY_GATES = gates
-                net, _ = build(raw, init=True)
-                pretrained.NOISY_GATES = "closed"
-                net.eval()
-                if variant != "as built":
-                    post = net.posterior_embedding
-                    net.posterior_embedding = lambda ll, post=post: post(ll) * 0
-                if variant.endswith("RoPE at t"):
-                    noisy = net.noisy_pass
-                    net.noisy_pass = lambda b, z, s, prev, pos, kv, mask, head=True, noisy=noisy: \
-                        noisy(b, z, s, prev, pos - 1, kv, mask, head)
-                g = torch.Generator().manual_seed(0)
-                with torch.no_grad():
-                    nll = float(net.score(X, Y, ScoreSettings(k_grid=(), draws=1), g)[0].nll.mean())
-                out["ppl_at_0"][f"{net_name} gates {gates}: {variant}"] = math.exp(nll)
-                print(net_name, gates, variant, math.exp(nll), flush=True)
     return out
 
 
@@ -434,7 +374,7 @@ def main() -> int:
     global SOURCE_STEPS, FT_STEPS, EVAL_TOKENS, WORK, RESULTS, SEEDS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true")
-    p.add_argument("--phase", default="all", choices=["all", "source", "memory", "runs", "diagnose"])
+    p.add_argument("--phase", default="all", choices=["all", "source", "memory", "runs"])
     p.add_argument("--only", default="", help="comma-separated runs (default: all)")
     p.add_argument("--seeds", default=",".join(map(str, SEEDS)))
     p.add_argument("--summary", action="store_true", help="only rebuild summary.json and print the table")
@@ -479,8 +419,6 @@ def main() -> int:
         (RESULTS / "memory.json").write_text(json.dumps(memory, indent=2) + "\n")
         print(json.dumps({k: {kk: v[kk] for kk in ("activation_bytes_max", "optimizer_state_bytes", "flops_per_step")}
                           for k, v in memory.items()}, indent=1))
-    if args.phase in ("all", "diagnose"):
-        (RESULTS / "diagnose.json").write_text(json.dumps(diagnose(), indent=2) + "\n")
     if args.phase in ("all", "runs"):
         table_runs = runs(FT_STEPS)
         # db2 from scratch at equal TOTAL FLOPs: the source's pretraining + the fine-tuning, in db2 steps

@@ -1,48 +1,28 @@
-"""Scale-out evidence (bench/README.md, "Scale-out"): what block-parallel training and independent block jobs
-cost per rank, and what an uneven layer split buys.
+"""Scale-out evidence (README.md "Scale-out", bench/README.md "Scale-out"): what block-parallel training and
+independent block jobs cost per rank, and what an uneven layer split buys.
 
     python bench/scaleout.py memory    # 2 ranks: data parallel (ZeRO 0, 1) vs block parallel vs independent jobs
     python bench/scaleout.py split     # ppl@0 of layers_per_block [3, 1] vs [2, 2] at equal counted FLOPs
     python bench/scaleout.py table     # the markdown tables, from bench/results/scaleout.json
 
 `memory` runs the real trainer (`looped_lm.train` under the DeepSpeed launcher, gloo, one torch thread per
-rank) on a db_ar model of 12 layers, d 768, GPT-2 vocabulary, B = 2 (6 + 6 layers), seq 256, batch 2 per
-rank, fp32, 5 steps (the first 2 not timed), in four set-ups of 2 processes each:
+rank) on a db_ar of 12 layers, d 768, GPT-2 vocabulary, B = 2 (6 + 6 layers), seq 256, batch 2 per rank,
+fp32, 5 steps (the first 2 not timed), in four set-ups of 2 processes: `dp_zero0` (data parallel, ZeRO 0:
+both ranks train the step's block, all gradients averaged), `dp_zero1` (the same, ZeRO 1), `bp`
+(train.mode block_parallel: rank r trains block r; only shared gradients travel), `independent` (two 1-rank
+jobs, diffusion.blocks_to_train [0] and [1]). Each rank is instrumented from outside the product (`worker`):
+every torch.distributed collective's payload is counted, `train_step` timed (wall and CPU), VmHWM read after
+every step, the optimiser's state and the gradients it is handed counted. Beside each, the analytic model
+(`analytic`; P all parameters, S the shared ones, P_b one block's): weights 4P; gradients 4P (ZeRO 0 data
+parallel zero-fills the idle block's) or 4(S + P_b); Adam state 8 x the parameters the rank steps (ZeRO 1:
+/ W); activations counted by autograd's saved-tensor hooks on one micro-batch; exchange buffers 4P (ZeRO 0's
+bucket), 4P / W (ZeRO 1's partition), 4S (block parallel); payload per step 4P, 4(S + P_b) + 4P, 4S, 0.
 
-    dp_zero0    data parallel, ZeRO 0: both ranks train the step's block (round robin), all gradients averaged
-    dp_zero1    the same with ZeRO 1 (optimizer state partitioned over the 2 ranks)
-    bp          train.mode block_parallel: rank r trains block r every step; only shared gradients travel
-    independent two 1-rank jobs at once, diffusion.blocks_to_train [0] and [1]; nothing travels
-
-Each rank is instrumented from outside the product (`worker`): every torch.distributed collective's
-payload is counted (all-reduce: the tensor; reduce-scatter: its input; all-gather: its output; broadcast:
-the tensor; the wire carries 2 (W - 1) / W of an all-reduce's payload), `train_step` is timed (wall and
-CPU), VmHWM (peak resident memory) is read after every step, before the final save, and the optimiser's
-state tensors and the gradients it is handed are counted. Beside each measurement, the analytic model:
-
-    weights      4 P bytes (every rank holds the whole model)
-    gradients    4 x (parameters with a gradient after backward): P in data parallel at ZeRO 0 (DeepSpeed
-                 zero-fills the idle block's gradients to all-reduce them), S + P_b at ZeRO 1, in block
-                 parallel and in a job; the optimiser then steps with 4 P / W of them at ZeRO 1 (its partitions)
-    Adam state   8 x (parameters the rank's optimiser steps; ZeRO 1: / W)
-    activations  tokens x (layers of the block x a_layer + a_rest), a_layer and a_rest counted once by
-                 autograd's saved-tensor hooks (bytes saved for backward, by storage) on one micro-batch
-    buffers      what the exchange copies: DeepSpeed's flat all-reduce bucket (4 P, ZeRO 0), ZeRO 1's fp32
-                 partition (4 P / W), block parallel's flat shared gradients (4 S)
-    comm         payload per step: 4 P (data parallel's all-reduce; ZeRO 1: the reduction of the gradients
-                 that exist, 4 (S + P_b), + the all-gather of the updated weights, 4 P), 4 S (block parallel),
-                 0 (jobs)
-
-with P all parameters, S the shared ones (embedding, noise embedding, norm), P_b one block's.
-
-`split` trains byte-level db_ar models of the study setting (4 layers, d 128, seq 128, batch 16, V 257, the
-project's defaults, lr 3e-3 with 50 warm-up steps and cosine to 3e-4, wd 0.1, clip 1.0, loss_share with
-the curve re-measured every 100 steps) with layers_per_block [2, 2] for 300 steps and [3, 1] until it has
-spent the same counted FLOPs (torch's FlopCounterMode over one forward + backward of each block, and of
-one curve measurement at each refresh, on a training batch), 2 seeds, through the benches' equal-FLOPs
-loop (bench/equal_flops.py: `training.train_step` + `TorchRunner`); then ppl@0 (one call at the top of the noise range,
-`model.score`, 4 antithetic draws) on 48 fixed held-out windows, with the standard error of its estimate,
-and the per-window paired difference.
+`split` trains byte-level db_ar models (4 layers, d 128, seq 128, batch 16, the project's defaults, lr 3e-3,
+50 warm-up steps, cosine to 3e-4, curve every 100 steps) with layers_per_block [2, 2] for 300 steps and
+[3, 1] for the same counted FLOPs, 2 seeds, through the benches' equal-FLOPs loop (bench/common.py); then
+ppl@0 (4 antithetic draws) on 48 fixed held-out windows with its standard error, and the per-window paired
+difference.
 """
 
 from __future__ import annotations
@@ -58,6 +38,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (bench/ is not a package)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "scaleout.json"
@@ -336,76 +319,13 @@ def _split_config(split, seed):
                                        "warmup_steps": WARMUP, "weight_decay": WD, "grad_clip": 1.0}})
 
 
-def _block_flops(cfg, x, y, b: int) -> int:
-    """Counted FLOPs of one forward + backward of block b (a copy of the model that trains b only)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from looped_lm.models import build_model
-
-    one = cfg.model_copy(deep=True)
-    one.diffusion.blocks_to_train = [b]
-    model = build_model(one, 257)
-    counter = FlopCounterMode(display=False)
-    with counter:
-        loss, metrics = model.training_loss(x, y, 0, 0)
-        loss.backward()
-    assert metrics["block"] == b
-    return counter.get_total_flops()
-
-
-def train_split(split, seed: int, budget: float | None):
-    """One run through the benches' equal-FLOPs loop (equal_flops.py): SPLIT_STEPS steps, or (budget) as
-    many as fit in `budget` counted FLOPs; -> (model, steps, FLOPs spent, FLOPs per step of each block, val
-    stream)."""
-    import torch
-
-    from looped_lm.data.bin_dataset import TokenStream
-    from looped_lm.data.prepare import ensure_prepared
-    from looped_lm.models import build_model
-    from looped_lm.optim import BlockwiseAdamW, cosine_with_warmup, param_groups
-    from looped_lm.training import TorchRunner
-
-    sys.path.insert(0, str(ROOT / "bench"))
-    import equal_flops  # bench/ is not a package
-
-    cfg = _split_config(split, seed)
-    data = Path(ensure_prepared("bible", str(ROOT / "data_cache"), "byte", 0.05, seed, progress=False))
-    train, val = TokenStream(str(data / "train.bin"), 128), TokenStream(str(data / "val.bin"), 128)
-    x0, y0 = train.get_batch(16, seed, 0, 0, 0)
-    flops_of = {b: _block_flops(cfg, x0, y0, b) for b in range(len(split))}
-    torch.manual_seed(seed)
-    model = build_model(cfg, 257)
-    curve_every = cfg.diffusion.curve_every if model.uses_curve() else 0
-    curve_cost = 0.0
-    if curve_every:  # one measurement's forward FLOPs, charged at every refresh
-        model.eval()
-        curve_cost = equal_flops.counted(lambda: model.measure_curve(x0, y0, seed=0))
-        model.train()
-    torch.manual_seed(seed + 1)
-
-    def cost_at(step: int) -> float:
-        return flops_of[model.choose_block(step, seed)]
-
-    steps = SPLIT_STEPS if budget is None else equal_flops.plan_steps(cost_at, budget, curve_every, curve_cost)
-    opt = BlockwiseAdamW(param_groups(model, WD), lr=LR, betas=(0.9, 0.95), foreach=False)
-    runner = TorchRunner(model, opt, grad_clip=1.0, seed=seed)
-    state = equal_flops.train(
-        model, opt, runner, steps, seed, batch_at=lambda step: train.get_batch(16, seed, step, 0, 0),
-        cost_at=cost_at, lr_at=lambda step: cosine_with_warmup(step, WARMUP, steps, LR, MIN_LR),
-        curve_every=curve_every, curve_batch_at=lambda step: train.get_batch(16, seed, -2 - step, 0, 0),
-        name=f"split {list(split)}")
-    return model, state["step"], state["flops"], flops_of, val
-
-
 def score_windows(model, val):
     """Per-window ppl@0 NLL sums and their estimate variances on SPLIT_WINDOWS fixed held-out windows."""
     import torch
 
     from looped_lm.settings import ScoreSettings
 
-    tokens = torch.from_numpy(val.tokens[:].astype("int64"))
-    starts = torch.linspace(0, len(tokens) - 130, SPLIT_WINDOWS).long()
-    rows = torch.stack([tokens[s:s + 129] for s in starts.tolist()])
+    rows = common.val_rows(val, SPLIT_WINDOWS)
     model.eval()
     nll, var = [], []
     for i in range(0, SPLIT_WINDOWS, 16):
@@ -426,7 +346,9 @@ def run_split() -> dict:
         budget = None
         for split in ((2, 2), (3, 1)):
             t0 = time.time()
-            model, steps, spent, flops_of, val = train_split(split, seed, budget)
+            model, state, flops_of, _, val = common.train_bible_db(_split_config(split, seed), "byte", seed,
+                                                                   SPLIT_STEPS, budget, WARMUP, f"split {list(split)}")
+            steps, spent = state["step"], state["flops"]
             budget = budget or spent
             nll, var = score_windows(model, val)
             tokens = SPLIT_WINDOWS * 128

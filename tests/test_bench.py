@@ -1,6 +1,7 @@
 """bench/ holds experiments: every script still imports and answers --help (one that imports a removed
-module or name fails here), every file the bench READMEs and docs/export.md cite exists, and the cost
-model's table (bench/cost_model.py) states its ratios."""
+module or name fails here), every file the bench READMEs and the docs cite exists, a bench script a doc names
+exists or the doc names the commit that holds it, and the cost model's table (bench/cost_model.py) states its
+ratios."""
 
 import importlib.util
 import json
@@ -14,11 +15,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted((ROOT / "bench").glob("*.py"))
-DOCS = ["bench/README.md", "bench/README_looped.md", "bench/README_serve.md", "docs/export.md"]
+DOCS = ["bench/README.md", "bench/README_looped.md", "bench/README_serve.md", "docs/export.md", "docs/method.md",
+        "docs/pretrained.md"]
 
 
 def test_bench_has_its_scripts():
-    assert len(SCRIPTS) >= 10 and (ROOT / "bench" / "equal_flops.py") in SCRIPTS
+    assert len(SCRIPTS) >= 10 and (ROOT / "bench" / "common.py") in SCRIPTS
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
@@ -86,6 +88,22 @@ def test_every_cited_file_exists(doc):
     missing = [f"{doc}:{n}: {p}" for n, line in enumerate(path.read_text().splitlines(), 1)
                for c in cited_paths(line) for p in expand(c) if not exists(p, path, tracked)]
     assert not missing, "cited files that do not exist:\n" + "\n".join(missing)
+
+
+def test_a_bench_script_a_doc_names_exists_or_its_commit_is_named():
+    """A script removed from bench/ stays reproducible through the commit that holds it: wherever README.md,
+    docs/ or a bench README or study report names bench/<script>, the script exists, or a commit hash stands
+    within two lines of the name."""
+    docs = [ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("bench/**/*.md")]
+    missing = []
+    for doc in docs:
+        lines = doc.read_text().splitlines()
+        for n, line in enumerate(lines):
+            for m in re.finditer(r"\bbench/(\w+\.(?:py|sh))\b", line):
+                near = " ".join(lines[max(0, n - 2):n + 3])
+                if not (ROOT / "bench" / m[1]).exists() and not re.search(r"\b[0-9a-f]{7,40}\b", near):
+                    missing.append(f"{doc.relative_to(ROOT)}:{n + 1}: {m[0]}")
+    assert not missing, "bench scripts named without a file or a commit:\n" + "\n".join(missing)
 
 
 def test_the_cost_table_states_its_ratios(tmp_path):
