@@ -366,6 +366,17 @@ def verify_files(ckpt: Path, manifest: dict, names=None, verify: bool = True) ->
             raise UserError(f"{p} does not match the sha256 in its manifest: the file is corrupted")
 
 
+def weights_only(manifest: dict) -> str | None:
+    """What a checkpoint without optimizer and RNG state is (None: a training checkpoint): a merge of block
+    jobs, which no run resumes, or a conversion (train.max_steps 0), which a run resumes at step 0 with a
+    fresh optimizer, as a run from the same source would start."""
+    if "merged_from" in manifest:
+        return "a merge of block jobs (`looped_lm merge`)"
+    if "conversion" in manifest:
+        return "the model as built, before any step (train.max_steps 0)"
+    return None
+
+
 def verify_checkpoint(ckpt: str | Path, verify: bool = True, ranks: int | None = None) -> dict:
     """Everything a resume reads: the manifest, every listed file, no unlisted file, and the RNG state
     of each of `ranks` (default: the manifest's world size). Returns the manifest."""
@@ -378,16 +389,22 @@ def verify_checkpoint(ckpt: str | Path, verify: bool = True, ranks: int | None =
         verify_files(ckpt, manifest, None, verify)
         return manifest
     files = manifest["files"]
-    for r in range(manifest["world_size"] if ranks is None else min(ranks, manifest["world_size"])):
-        if f"rng/rank{r}.pt" not in files:
-            raise _fail(ckpt / MANIFEST, f"does not list rng/rank{r}.pt (the RNG state of rank {r})")
-    if not any(rel.startswith("optimizer/") for rel in files):
-        raise _fail(ckpt / MANIFEST, "lists no optimizer/ files (the optimizer state a resume loads)")
+    if weights_only(manifest) is None:
+        _require_resume_files(ckpt, manifest, ranks)
     verify_files(ckpt, manifest, None, verify)
     extra = sorted(set(_names_on_disk(ckpt)) - set(files))
     if extra:
         raise UserError(f"{ckpt / extra[0]} is not in its checkpoint's manifest (added after the save?)")
     return manifest
+
+
+def _require_resume_files(ckpt: Path, manifest: dict, ranks: int | None) -> None:
+    files = manifest["files"]
+    for r in range(manifest["world_size"] if ranks is None else min(ranks, manifest["world_size"])):
+        if f"rng/rank{r}.pt" not in files:
+            raise _fail(ckpt / MANIFEST, f"does not list rng/rank{r}.pt (the RNG state of rank {r})")
+    if not any(rel.startswith("optimizer/") for rel in files):
+        raise _fail(ckpt / MANIFEST, "lists no optimizer/ files (the optimizer state a resume loads)")
 
 
 def _names_on_disk(root: Path) -> list[str]:
@@ -626,7 +643,7 @@ def _check_ownership(manifest: dict, cfg: Config, bad) -> None:
     if sorted(blocks) != trained_blocks(cfg):
         raise bad("ownership", f"lists blocks {sorted(blocks)}, but its config trains blocks {trained_blocks(cfg)} "
                                "(diffusion.blocks_to_train)")
-    if optimizer_layout(manifest) == "units" and "merged_from" not in manifest and "files" in manifest:
+    if optimizer_layout(manifest) == "units" and weights_only(manifest) is None and "files" in manifest:
         stored = sorted(int(m.group(1)) for rel in manifest["files"]
                         if (m := re.fullmatch(rf"{OPTIMIZER_DIR}/block(\d+)\.safetensors", rel)))
         if stored != sorted(blocks):
@@ -697,13 +714,7 @@ def verify_report(path: str | Path) -> list[str]:
     ckpt = resolve_checkpoint(path)
     manifest = read_manifest(ckpt, verify=True)
     merged = "merged_from" in manifest
-    if merged:  # weights only: every listed file and no other
-        verify_files(ckpt, manifest, None, verify=True)
-        extra = sorted(set(_names_on_disk(ckpt)) - set(manifest["files"]))
-        if extra:
-            raise UserError(f"{ckpt / extra[0]} is not in its checkpoint's manifest (added after the save?)")
-    else:
-        verify_checkpoint(ckpt, verify=True)
+    verify_checkpoint(ckpt, verify=True)  # weights only: every listed file and no other
     cfg = check_checkpoint_agrees(ckpt, manifest)
     files = manifest["files"]
     lines = [f"{ckpt}: ok",
@@ -717,7 +728,12 @@ def verify_report(path: str | Path) -> list[str]:
              "  every weight is finite (no NaN or Inf)"]
     if "ownership" in manifest:
         lines.append(f"  trained blocks {manifest['ownership']['blocks']}")
-    lines.append("  a merge of block jobs: eval, generate, serve and export load it; it does not resume" if merged
-                 else "  a resume accepts it (weights, optimizer state, RNG state of every rank); eval, generate, "
-                      "serve and export load it")
+    if merged:
+        lines.append("  a merge of block jobs: eval, generate, serve and export load it; it does not resume")
+    elif weights_only(manifest):
+        lines.append(f"  {weights_only(manifest)}: weights only; eval, generate, serve and export load it, and a run "
+                     "resumes from it with a fresh optimizer")
+    else:
+        lines.append("  a resume accepts it (weights, optimizer state, RNG state of every rank); eval, generate, "
+                     "serve and export load it")
     return lines

@@ -92,7 +92,8 @@ class TrainConfig(_Section):
     mode: TrainMode = _f("data_parallel", "data_parallel: every rank trains the step's block on its own batch, "
                          "gradients averaged; block_parallel (db_ar, ZeRO 0): each rank trains its own block every "
                          "step, keeps optimiser state for it only, and exchanges only the shared parameters' gradients")
-    max_steps: int = _f(1000, "optimiser steps")
+    max_steps: int = _f(1000, "optimiser steps; 0 = write the model as built (model.init_from's conversion, or the "
+                              "init) as a weights-only step-0 checkpoint that every verb reads and a run resumes from")
     batch_size: int = _f(8, "sequences per micro-batch per rank")
     grad_accum: int = _f(1, "micro-batches per optimiser step")
     lr: Float = _f(1e-3, "peak learning rate")
@@ -129,7 +130,9 @@ class TrainConfig(_Section):
                                  "the job owns (diffusion.blocks_to_train): qkv, proj, gate_up, down")
 
     def check(self) -> None:
-        for key in ("max_steps", "batch_size", "grad_accum"):
+        _require(0 <= self.max_steps <= COUNT_MAX, f"train.max_steps must be in 0..{COUNT_MAX} (got {self.max_steps}; "
+                                                   "0 writes the model as built, without training)")
+        for key in ("batch_size", "grad_accum"):
             _require(1 <= getattr(self, key) <= COUNT_MAX, f"train.{key} must be in 1..{COUNT_MAX} (got "
                                                            f"{getattr(self, key)})")
         for key in ("warmup_steps", "save_every", "eval_every", "eval_batches", "log_every", "keep_last",

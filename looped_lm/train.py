@@ -328,6 +328,8 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
     plan = _check_run(cfg, verify, rank, world)
     if nothing_to_train(plan, cfg):
         return Path(plan.resume)
+    if cfg.train.max_steps == 0:
+        return _write_conversion(cfg, plan, rank, world)
     run = _Run(cfg, device, rank, world, plan, *_open_streams(cfg, plan))
     run.model = _build_model(cfg, plan, rank, world)
     run.start_step = plan.manifest["step"] if plan.manifest is not None else 0
@@ -405,6 +407,36 @@ def _build_model(cfg: Config, plan: Plan, rank: int, world: int):
     return model
 
 
+def _write_conversion(cfg: Config, plan: Plan, rank: int, world: int) -> Path:
+    """train.max_steps 0: the model as built (model.init_from's conversion, or the init), written by rank 0 as
+    a weights-only step-0 checkpoint: every verb reads it, and a run resumes from it as a fresh run from the
+    same source would start (no optimizer or RNG state exists before the first step)."""
+    import deepspeed.comm as dist
+
+    model = _build_model(cfg, plan, rank, world)
+    out_dir = Path(cfg.train.out_dir)
+    final = out_dir / ckpt_io.step_dir_name(0)
+    if rank == 0:
+        tmp = ckpt_io.tmp_dir_for(out_dir, 0)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        manifest = {"config": cfg.to_dict(), "model_kind": cfg.model.kind, "vocab_size": plan.vocab_size,
+                    "tokenizer": plan.tokenizer, "model_state": model.checkpoint_state(),
+                    "data": {"dir": plan.data_dir, "position": {"step": 0, "tokens_seen": 0}},
+                    "world_size": world, "optimizer_layout": "units",
+                    "conversion": {"init_from": init_source(cfg) or None}}
+        if getattr(plan, "base", None) is not None:
+            manifest["base"] = plan.base
+        if kind_of(cfg).offers("merge"):
+            manifest["ownership"] = {"blocks": parallel.trained_blocks(cfg)}
+        final = ckpt_io.finalize(out_dir, 0, model, manifest, cfg.train.keep_last)
+        print(f"step 0: wrote the model as built ({init_source(cfg) or 'its init'}), weights only, to {final}; "
+              "eval, generate, serve and export read it, and a run with train.max_steps > 0 resumes from it",
+              flush=True)
+    dist.barrier()
+    return final
+
+
 def _restore_model(model, cfg: Config, plan: Plan) -> None:
     """A resume: the checkpoint's model state (edges, curve...), an adapter run's base, and the weights
     (checkpoints of DeepSpeed's own layout: with the optimizer state, in _resume_state)."""
@@ -473,6 +505,10 @@ def _resume_state(run: _Run) -> None:
 
     manifest = run.plan.manifest
     if manifest is None:
+        return
+    if "conversion" in manifest:  # before any step: a fresh optimizer and the seed's RNG, as a fresh run
+        if run.rank == 0:
+            print(f"resumed from {run.plan.resume} (the model as built, step 0: a fresh optimizer)", flush=True)
         return
     resume_from = Path(run.plan.resume)
     if ckpt_io.optimizer_layout(manifest) == "units":
