@@ -127,6 +127,8 @@ def perplexity(model, data_path: str, block_size: int, stride: int = 0, max_toke
                batch_size: int = 8, settings=None, seed: int = 0, device: str = "cpu", progress: bool = True):
     """Score `data_path`: ({label: summed NLL}, {label: summed NLL variance}, scored tokens).
     Strided windows score their tail only."""
+    from dataclasses import replace
+
     import torch
     from tqdm import tqdm
 
@@ -152,7 +154,14 @@ def perplexity(model, data_path: str, block_size: int, stride: int = 0, max_toke
     variances: dict = {}
     total = 0
     gen = torch.Generator(device=device).manual_seed(seed)
-    for i in tqdm(range(0, len(windows), batch_size), desc="eval", disable=not progress, unit="batch"):
+    # progress in draws: an estimated model reports each draw of each k (ppl@0 too); an exact one a batch's
+    # worth at once. One bar over every window, so a single slow window still moves it.
+    per_batch = len({0, *settings.k_grid}) * settings.draws if settings.k_grid else 1
+    bar = tqdm(total=-(-len(windows) // batch_size) * per_batch, desc="eval", disable=not progress,
+               unit="draw" if settings.k_grid else "batch")
+    settings = replace(settings, progress=bar.update)
+    for i in range(0, len(windows), batch_size):
+        bar.set_postfix_str(f"windows {i + 1}-{min(i + batch_size, len(windows))} of {len(windows)}", refresh=False)
         chunk = windows[i:i + batch_size]
         x = torch.stack([w[0] for w in chunk]).to(device)
         y = torch.stack([w[1] for w in chunk]).to(device)
@@ -161,11 +170,13 @@ def perplexity(model, data_path: str, block_size: int, stride: int = 0, max_toke
             scored[row, y.shape[1] - n:] = True
         with torch.no_grad():
             scores = model.score(x, y, settings, gen)
+        bar.update((i // batch_size + 1) * per_batch - bar.n)  # an exact model reported nothing: its batch's worth
         for label, s in scores.items():
             sums[label] = sums.get(label, 0.0) + float(s.nll[scored].double().sum())
             if s.nll_var is not None:
                 variances[label] = variances.get(label, 0.0) + float(s.nll_var[scored].double().sum())
         total += int(scored.sum())
+    bar.close()
     if total == 0:
         raise UserError(f"{data_path} has too few tokens for one window of {block_size}")
     return sums, variances, total

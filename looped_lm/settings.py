@@ -231,6 +231,7 @@ class ScoreSettings:
     max_draws: int | None = None
     resolve_se: float = 1.0  # with max_draws: draw again while a token's se (nats) is above this
     stats: dict = field(default_factory=dict, compare=False)  # filled with mean iterations under exit_rule
+    progress: object = field(default=None, compare=False)  # called with 1 after each draw (eval's progress bar)
 
     def validate(self) -> "ScoreSettings":
         if isinstance(self.draws, bool) or not isinstance(self.draws, int) or not 1 <= self.draws <= MAX_DRAWS:

@@ -14,7 +14,7 @@ from looped_lm.diffusion.chain import run_chain
 from looped_lm.models.db.contexts import WindowContext
 from looped_lm.sampling import SharedGenerator
 from looped_lm.settings import InferenceSettings, ScoreSettings
-from tiny_models import markov_batch, trained_tiny_db
+from tiny_models import V, build_tiny, markov_batch, trained_tiny_db
 
 B = 2  # blocks of the tiny db_ar model
 MC_CHAINS = 4000
@@ -176,3 +176,13 @@ def test_the_tilt_leaves_near_certain_targets_alone_at_k_2(one_thread):
     for seed in range(3):
         est = model.score(x, y, ScoreSettings(k_grid=(B,)), torch.Generator().manual_seed(seed))[B]
         assert float((est.nll - nll_mc)[sure].abs().mean()) < 0.005
+
+
+def test_each_draw_reports_progress():
+    """eval's progress bar moves per draw of each k (ppl@0 too), so a long DB evaluation is never stuck at 0."""
+    model = build_tiny("db_ar")
+    x = torch.randint(0, V, (2, 8), generator=torch.Generator().manual_seed(0))
+    calls = []
+    model.score(x, x.roll(-1, 1), ScoreSettings(k_grid=(1, 2), draws=3, progress=calls.append),
+                torch.Generator().manual_seed(1))
+    assert calls == [1] * 9  # k = 0, 1, 2, three draws each

@@ -147,6 +147,8 @@ class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, Iterativ
                     part = (torch.as_tensor(weight, device=y.device).float()[..., None] * dist) / (2 * settings.draws)
                     marginal = part if marginal is None else marginal + part
             estimates.append(pair)
+            if settings.progress is not None:
+                settings.progress(1)
         return torch.stack(estimates), marginal, iters
 
     @torch.no_grad()
