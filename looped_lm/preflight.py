@@ -62,7 +62,12 @@ def preflight(cfg: Config, verify: bool = True, world_size: int | None = None) -
     if resume is None and init_source(cfg):  # before anything is written: the source must map
         from looped_lm.pretrained import check_source
 
-        check_source(cfg, vocab_size)
+        source = check_source(cfg, vocab_size)
+        if not cfg.model.max_positions:  # the context the source was trained for, kept for serving
+            cfg.model.max_positions = max(source.positions, cfg.model.seq_len)
+    elif resume is not None and init_source(cfg) and not cfg.model.max_positions:  # as the run's start found it
+        saved = ckpt_io.read_manifest(resume, verify=False)["config"].get("model", {})
+        cfg.model.max_positions = saved.get("max_positions", 0)
     try:  # cheap checks first (the manifest against this config), the files' hashes after the data
         if resume is not None:
             plan.resume, plan.manifest = str(resume), ckpt_io.read_manifest(resume, verify)
@@ -204,6 +209,10 @@ def check_resume(manifest: dict, cfg: Config, vocab_size: int, world_size: int |
             if key not in _FREE_TO_CHANGE[section] and mine[section].get(key) != value:
                 raise UserError(f"cannot resume from checkpoint: {section}.{key} is {value!r} there but "
                                 f"{mine[section].get(key)!r} in this config")
+    was, now = saved.get("train", {}).get("lora_ada"), mine["train"]["lora_ada"]
+    if saved.get("train", {}).get("lora_rank") and was != now:  # another set of tensors: its weights do not load
+        raise UserError(f"cannot resume from checkpoint: train.lora_ada is {was!r} there but {now!r} in this config "
+                        f"(how its adaLN trains; set train.lora_ada: {was} to continue it)")
     split = block_layers(ckpt_io.config_of(manifest, path))
     if split != block_layers(cfg):
         raise UserError(f"cannot resume from checkpoint: its blocks have {split} layers, this config "

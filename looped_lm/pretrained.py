@@ -96,6 +96,11 @@ class Source:
     state: dict | None = None  # a GGUF's dequantised tensors (transformers' names), once read: kept with the
     # Source, so converting one Source into several models dequantises it once
 
+    @property
+    def positions(self) -> int:
+        """The context the source was trained for (config.json's max_position_embeddings; 0 = unknown)."""
+        return int(self.config.get("max_position_embeddings") or 0)
+
 
 def _fail(where, what: str) -> UserError:
     return UserError(f"model.init_from {where}: {what}")

@@ -57,9 +57,9 @@ def default_name(checkpoint: Path) -> str:
 
 
 def served_context(trained: int, positions: int, max_model_len: int | None) -> int:
-    """Tokens per sequence: the trained context unless --max-model-len says otherwise (at most the
-    model's `positions`). Positions past the trained context were never trained on: serving them takes
-    the flag, and prints a warning line."""
+    """Tokens per sequence: the trained context (model.seq_len, or a pretrained source's positions,
+    model.max_positions) unless --max-model-len says otherwise (at most the model's `positions`). Positions
+    past the trained context were never trained on: serving them takes the flag, and prints a warning line."""
     if max_model_len is None:
         return min(trained, positions)
     if not 1 <= max_model_len <= positions:
@@ -67,7 +67,7 @@ def served_context(trained: int, positions: int, max_model_len: int | None) -> i
                         f"{trained}); got {max_model_len}")
     if max_model_len > trained:
         print(f"warning: --max-model-len {max_model_len} exceeds the trained context of {trained} tokens "
-              "(model.seq_len); text past it may be poor", file=sys.stderr)
+              "(model.seq_len / model.max_positions); text past it may be poor", file=sys.stderr)
     return max_model_len
 
 
@@ -144,7 +144,7 @@ def run(args) -> int:
         raise UserError(f"--served-model-name must not contain '@' (it marks K aliases): {name!r}")
     from looped_lm.settings import LOGPROB_RESOLVE_SE, ScoreSettings
 
-    max_len = served_context(cfg.model.seq_len, model.max_positions, args.max_model_len)
+    max_len = served_context(cfg.model.positions(), model.max_positions, args.max_model_len)
     engine = Engine.from_memory_budget(model, args.kv_memory_gb, max_slots=args.max_slots, max_len=max_len,
                                        max_iterations=args.max_iterations, default_iterations=args.default_iterations,
                                        prefill_chunk=args.prefill_chunk, vocab_size=tok.vocab_size,

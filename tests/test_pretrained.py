@@ -199,8 +199,13 @@ def test_a_run_starts_from_the_source_and_records_it(tmp_path, write_config, lla
 
     root, hf = llama
     assert trainer.main(["--config", str(_train_config(write_config, tmp_path, root))]) == 0
-    model, _, manifest = load_checkpoint(tmp_path / "out" / "step_0000001")
+    model, cfg, manifest = load_checkpoint(tmp_path / "out" / "step_0000001")
     assert manifest["base"]["sha256"] == read_source(root).sha256
+    # the source's context (max_position_embeddings 64), not the run's seq_len (16), is what a server serves
+    from looped_lm.serve.cli import served_context
+
+    assert cfg.model.seq_len == 16 and cfg.model.max_positions == 64 and model.max_positions >= 64
+    assert served_context(cfg.model.positions(), model.max_positions, None) == 64
     torch.testing.assert_close(model.layers[3].mlp.down.weight, hf.model.layers[3].mlp.down_proj.weight,
                                atol=1e-6, rtol=0)  # lr 1e-9: one step moves nothing measurable
 

@@ -535,7 +535,7 @@ def test_the_served_context_is_the_trained_one_unless_a_flag_asks(tiny_run, monk
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert code == 0 and app.state.serving.engine.max_len == 3 * seq_len
     assert warnings == [f"warning: --max-model-len {3 * seq_len} exceeds the trained context of {seq_len} tokens "
-                        "(model.seq_len); text past it may be poor"]
+                        "(model.seq_len / model.max_positions); text past it may be poor"]
     code, app = serve_in_process(monkeypatch, "--checkpoint", ckpt, "--max-model-len", str(seq_len // 2))
     assert code == 0 and app.state.serving.engine.max_len == seq_len // 2
     assert "warning" not in capsys.readouterr().err

@@ -98,8 +98,19 @@ class LanguageModelSection(SequenceSection):
                                "MistralForCausalLM, or a `looped_lm export` of a gpt: a fresh run starts from its "
                                "weights (docs/pretrained.md); '' = random init")
 
+    max_positions: int = field(0, "the context the model serves by default (and is built for: RoPE up to the larger of "
+                                  "this and 4 x seq_len); 0 = model.seq_len, its training context; model.init_from "
+                                  "sets it to the source's max_position_embeddings")
+
+    def positions(self) -> int:
+        """The context the model was trained for: its own seq_len, or a pretrained source's positions."""
+        return self.max_positions or self.seq_len
+
     def check(self) -> None:
         super().check()
+        _require(self.max_positions == 0 or self.max_positions >= self.seq_len,
+                 f"model.max_positions must be 0 (model.seq_len) or >= model.seq_len ({self.seq_len}) (got "
+                 f"{self.max_positions})")
         _require(self.vocab_size >= 0, f"model.vocab_size must be >= 0 (got {self.vocab_size})")
         _require(self.loss_chunk >= 0, f"model.loss_chunk must be >= 0 (got {self.loss_chunk})")
 

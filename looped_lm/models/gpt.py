@@ -124,4 +124,5 @@ class GPTCache:
 def build(cfg, vocab_size: int, state: dict | None = None) -> GPT:
     m = cfg.model
     return GPT(m.n_layers, m.d_model, m.n_heads, m.seq_len, vocab_size, m.ffn_hidden, m.rope_theta,
-               m.norm_eps, m.init_std, loss_chunk=m.loss_chunk, activation_checkpointing=m.activation_checkpointing)
+               m.norm_eps, m.init_std, max_positions=max(4 * m.seq_len, m.max_positions), loss_chunk=m.loss_chunk,
+               activation_checkpointing=m.activation_checkpointing)

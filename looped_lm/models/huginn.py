@@ -45,7 +45,8 @@ class HuginnLM(nn.Module, Trainable, Scorable, CachedDecoding, Iterative):
         super().__init__()
         m = cfg.model
         self.cfg, self.vocab_size, self.n_heads = cfg, vocab_size, m.n_heads
-        self.seq_len, self.max_positions, self.max_iterations = m.seq_len, 4 * m.seq_len, m.max_iterations
+        self.seq_len, self.max_iterations = m.seq_len, m.max_iterations
+        self.max_positions = max(4 * m.seq_len, m.max_positions)  # generation may run past the training length
         self.mean_recurrence, self.backprop_depth = m.mean_recurrence, m.backprop_depth
         self.init_scale = 1.0  # std of the random initial state, as Huginn's default
         ffn = ffn_width(m.d_model, m.ffn_hidden)

@@ -56,7 +56,7 @@ class DBNetwork(nn.Module):
         super().__init__()
         m, d = cfg.model, cfg.diffusion
         self.cfg, self.vocab_size, self.n_heads = cfg, vocab_size, m.n_heads
-        self.seq_len, self.max_positions = m.seq_len, 4 * m.seq_len
+        self.seq_len, self.max_positions = m.seq_len, max(4 * m.seq_len, m.max_positions)
         self.activation_checkpointing = getattr(m, "activation_checkpointing", False)
         self.sched = dm.NoiseSchedule(d.p_mean, d.p_std, d.sigma_min, d.sigma_max, d.sigma_data).validate()
         num_blocks = kind_of(cfg).num_blocks(cfg)  # looped_db: its one weight-tied core
