@@ -78,19 +78,30 @@ MDM_EVAL_WINDOWS, MDM_T_SAMPLES = 128, 8
 # building blocks
 
 
-def build(module: str, variant: str, overrides: dict | None = None):
-    from looped_lm.models.dit import DiffusionDiT, DiTSettings
-    from looped_lm.models.mdm import MaskedDiffusionLM, MDMSettings
-    from looped_lm.models.vit import DiffusionViT, ViTSettings
+# what the study ran: the module classes' defaults of that time (docs/method.md §7, the official code's recipe),
+# pinned here because the config's defaults differ where a later measurement chose otherwise
+RECIPES = {
+    "vit": dict(overlap=0.05, block_sampling="uniform", loss_weight="batch_mean", bridge="soft",
+                parameterization="edm", last_call="sigma_min", norm_eps=1e-6),
+    "dit": dict(overlap=0.05, block_sampling="uniform", last_call="sigma_min", norm_eps=1e-6),
+    "mdm": dict(overlap=0.05, block_sampling="uniform", norm_eps=1e-6),
+}
 
-    cls, settings = {"vit": (DiffusionViT, ViTSettings), "dit": (DiffusionDiT, DiTSettings),
-                     "mdm": (MaskedDiffusionLM, MDMSettings)}[module]
-    kw = {**MODULES[module]["settings"], **variants_of(module).get(variant, {}), **(overrides or {})}
-    weights = kw.pop("block_weights", None)  # a model attribute (set by adaln.finish_build from the config)
-    model = cls(settings(**kw))
-    if weights is not None:
-        model.block_weights = [float(w) for w in weights]
-    return model
+
+def build(module: str, variant: str, overrides: dict | None = None):
+    """The module's network: its run config from MODULES' shape, RECIPES, the variant and `overrides` (each field
+    to the section of the kind that has it), built as `looped_lm train` builds it."""
+    from looped_lm.config import config_from_dict
+    from looped_lm.kinds import get_kind
+    from looped_lm.models import build_model
+
+    model, diffusion = {"kind": module}, {}
+    for key, value in {**MODULES[module]["settings"], **RECIPES[module], **variants_of(module).get(variant, {}),
+                       **(overrides or {})}.items():
+        (model if key in get_kind(module).section.model_fields else diffusion)[key] = value
+    cfg = config_from_dict({"model": model, "diffusion": diffusion,
+                            "data": {"source": "bible" if module == "mdm" else "digits"}}, flat_era=False)
+    return build_model(cfg, 0)
 
 
 def variants_of(module: str) -> dict:
@@ -190,7 +201,7 @@ def evaluate(module: str, model, data, seed: int, final: bool, features=None) ->
                 out["accuracy_2B"] = twice["accuracy"]
                 patches, n = model.embed_patches(data.test_x), data.test_x.shape[0]
                 top = model.grid.sigma_top  # where the chain's first call runs
-                z = top * torch.randn(n, model.settings.d_model, generator=g)
+                z = top * torch.randn(n, model.cfg.model.d_model, generator=g)
                 logits = model.block_logits(0, patches, z, torch.full((n,), top))
                 out["block0_accuracy"] = float((logits.argmax(-1) == data.test_y).float().mean())
         elif module == "dit":
@@ -209,7 +220,7 @@ def evaluate(module: str, model, data, seed: int, final: bool, features=None) ->
             if final:
                 from looped_lm.data.text8 import decode
 
-                ids = model.sample(4, MODULES["mdm"]["settings"]["seq_len"], steps=model.settings.seq_len, generator=g)
+                ids = model.sample(4, MODULES["mdm"]["settings"]["seq_len"], steps=model.cfg.model.seq_len, generator=g)
                 out["samples"] = [decode(row) for row in ids]
     model.train()
     return out

@@ -230,7 +230,7 @@ def measure(raw: dict, init: bool = True) -> dict:
     x = torch.randint(0, 257, (B, T), generator=g)
     y = torch.randint(0, 257, (B, T), generator=g)
     blocks = len(getattr(model, "blocks", [])) if cfg.model.kind == "db_ar" else 1
-    owned = list(cfg.diffusion.blocks_to_train) or list(range(blocks))
+    owned = list(getattr(cfg.diffusion, "blocks_to_train", [])) or list(range(blocks))  # gpt, huginn: none
     steps = {}  # block -> a step that trains it
     for s in range(10_000):
         b = model.choose_block(s, 0) if cfg.model.kind == "db_ar" else 0
