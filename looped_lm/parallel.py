@@ -161,8 +161,9 @@ class BlockParallel:
                     p.copy_(flat[offset:offset + p.numel()].view_as(p))
                     offset += p.numel()
 
-    def block_losses(self, loss: float, block: int, device) -> dict[int, float]:
-        """{block: its mean training loss this step over the ranks that trained it}."""
+    def block_losses(self, loss, block: int, device) -> dict:
+        """{block: its mean training loss this step over the ranks that trained it}, device tensors (NaN for
+        a block no rank trained this step): one all-reduce, nothing read back to the host."""
         import torch
 
         blocks = sorted(self.owners)
@@ -170,4 +171,5 @@ class BlockParallel:
         sums[0, blocks.index(block)] = loss
         sums[1, blocks.index(block)] = 1
         self.dist.all_reduce(sums)
-        return {b: float(sums[0, i] / sums[1, i]) for i, b in enumerate(blocks) if sums[1, i] > 0}
+        means = sums[0] / sums[1]  # 0 / 0: NaN, a block not trained this step
+        return {b: means[i] for i, b in enumerate(blocks)}

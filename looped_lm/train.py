@@ -586,8 +586,10 @@ def _step(run: _Run, step: int):
                        rank)
     run.meter.add(metrics.get("block", metrics.get("recurrence")))  # host ints: what the step cost
     if run.exchange is not None:  # every block trained this step: log each one's loss
-        per_block = run.exchange.block_losses(loss_sum, metrics["block"], run.device)
-        loss_sum = sum(per_block.values()) / len(per_block)
+        import torch
+
+        per_block = run.exchange.block_losses(loss_sum, metrics["block"], run.device)  # on the device
+        loss_sum = torch.nanmean(torch.stack(list(per_block.values())))  # the blocks trained this step
         metrics = {"blocks": sorted(per_block), **{f"loss_block{b}": v for b, v in per_block.items()}}
     return loss_sum, metrics, lr
 
@@ -625,6 +627,9 @@ def _log_step(run: _Run, done: int, loss_sum, metrics: dict, lr: float) -> None:
     """Rank 0, a log step: the values of this step, read back from the device here only."""
     elapsed = time.perf_counter() - run.t0
     values = {k: float(v) if hasattr(v, "item") else v for k, v in metrics.items()}
+    values = {k: v for k, v in values.items() if not (isinstance(v, float) and math.isnan(v))}  # untrained blocks
+    if "blocks" in values:  # block parallel: the blocks some rank trained this step
+        values["blocks"] = [b for b in values["blocks"] if f"loss_block{b}" in values]
     rate = run.meter.read()
     run.logger.log(done, {**({"loss": float(loss_sum)} if run.runner.finite else {}), "lr": lr,
                           "tokens": _tokens(run, done),
