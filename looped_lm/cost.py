@@ -75,6 +75,7 @@ class Shape:
 @dataclass(frozen=True)
 class DBLayout:
     blocks: int = 4  # looped_db: 1 (the core)
+    denoise: bool = True  # diffusion.denoise_weight > 0; False: the clean stream and its head only
     target_fraction: float = 1.0
     parameterization: str = "likelihood"  # or "edm"
     noisy_self: bool = False
@@ -88,6 +89,7 @@ class DBLayout:
     posterior: str = "full"
     topk: int = 0
     layers_per_block: tuple[int, ...] = ()  # diffusion.layers_per_block; () = an even split
+    stack_order: tuple[int, ...] = ()  # context stacked: the clean stream's block order; () = independent
 
 
 def layers_of(s: Shape, lay: DBLayout, block: int) -> int:
@@ -194,9 +196,16 @@ def db_train(s: Shape, lay: DBLayout, block: int = 0, attention: str = "visible"
     causal = _causal_keys(T, attention)
     for _ in range(s.prelude):
         _layer(led, s, Bsz, T, causal, grad=True)
+    # context stacked: the blocks before this one in the stack hand their clean states on, forward only
+    for before in lay.stack_order[:lay.stack_order.index(block)] if lay.stack_order else ():
+        for _ in range(layers_of(s, lay, before) - s.coda):
+            _layer(led, s, Bsz, T, causal, grad=False)
     depth = layers_of(s, lay, block)
     for i in range(depth):
         _layer(led, s, Bsz, T, causal, grad=True, qkv_only=(i + 1 == depth and not lay.clean_lm))
+    if not lay.denoise:  # the control arm: the clean stream's next-token loss alone
+        led.linear("head", Bsz * T, d, V, True, True)
+        return led
     # noisy slot keys: clean positions <= its own (+ its own key with noisy_self). Every slot of the window
     # with its self key (target_fraction 1) runs `causal_plus_self_attention`: one causal SDPA over a sink
     # and the clean keys at head dim D + SINK_PAD, the self score elementwise; some slots: the masked

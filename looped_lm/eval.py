@@ -191,9 +191,16 @@ def report(sums: dict, variances: dict, tokens: int, block_size: int, stride: in
     is above UNRESOLVED_MEAN_SE nats, is listed in `unresolved` and its ppl is null, never a number."""
     from looped_lm.diffusion.estimator import UNRESOLVED_MEAN_SE
 
-    ppl = {label: math.exp(min(s / tokens, 700.0)) for label, s in sums.items()}
+    sums = dict(sums)
     out = {"model_kind": kind, "tokens": tokens, "block_size": block_size, "stride": stride or block_size,
            "protocol": "disjoint" if not stride else "strided", "tokenizer": tokenizer, "data": data}
+    if "clean" in sums:  # a DiffusionBlocks model's clean stream read as an ordinary LM: exact
+        clean = sums.pop("clean") / tokens
+        out.update(ppl_clean=math.exp(min(clean, 700.0)), nll_clean=clean)
+        if not sums:  # denoising off: the clean readout is the model's only reading
+            out.update(ppl=out["ppl_clean"], nll=clean, primary="clean")
+            return out
+    ppl = {label: math.exp(min(s / tokens, 700.0)) for label, s in sums.items()}
     if "exact" in ppl:
         out.update(ppl=ppl["exact"], nll=sums["exact"] / tokens)
         return out
@@ -223,8 +230,10 @@ def format_table(rep: dict) -> str:
         for k, v in rep["ppl_at_k"].items():
             error = f"{se[k]:.3g}" if k in se else "-"
             rows.append(f"| {k} | unresolved (raise --draws) | {error} |" if v is None else f"| {k} | {v:.3f} | {error} |")
-    else:
+    elif "ppl_clean" not in rep:
         rows += [f"| exact | {rep['ppl']:.3f} | exact |"]
+    if "ppl_clean" in rep:  # the clean stream's readout, an exact ordinary-LM perplexity
+        rows += [f"| clean | {rep['ppl_clean']:.3f} | exact |"]
     return head + "\n" + "\n".join(rows)
 
 

@@ -35,12 +35,22 @@ def _db_layout(cfg, blocks: int):
 
     m, d = cfg.model, cfg.diffusion
     return cost.DBLayout(
-        blocks=blocks, target_fraction=d.target_fraction, parameterization=d.parameterization,
+        blocks=blocks, denoise=d.denoise_weight > 0, target_fraction=d.target_fraction,
+        parameterization=d.parameterization,
         noisy_self=d.noisy_self, loss_chunk=m.loss_chunk, clean_lm=d.clean_lm_weight > 0,
         fold_likelihood=d.head == "cosine" and d.parameterization == "likelihood",
         posterior={"full": "full", "detached": "no_grad", "topk": "topk"}[d.posterior_input], topk=d.posterior_topk,
         layers_per_block=tuple(d.layers_per_block) if isinstance(d, DbArDiffusion) and isinstance(d.layers_per_block,
-                                                                                                   list) else ())
+                                                                                                   list) else (),
+        stack_order=_stack_order(cfg, blocks))
+
+
+def _stack_order(cfg, blocks: int) -> tuple[int, ...]:
+    """context stacked: the blocks in the order the clean stream runs through them; () otherwise."""
+    d = cfg.diffusion
+    if not isinstance(d, DbArDiffusion) or d.context != "stacked" or blocks < 2:
+        return ()
+    return tuple(range(blocks))[::-1] if d.stack_order == "low_noise_first" else tuple(range(blocks))
 
 
 def _compile_block_loss(model, backend: str) -> bool:
@@ -105,6 +115,10 @@ class DbAr(Kind):
     def validate(self, cfg) -> None:
         _check_prelude_coda(cfg)
         _resolve_layers_per_block(cfg)
+        d = cfg.diffusion
+        _require(d.denoise_weight > 0 or d.context == "stacked" or d.num_blocks == 1,
+                 "diffusion.denoise_weight 0 needs diffusion.context stacked: each block continues the frozen blocks "
+                 "before it, and the whole stack's clean stream is the model a clean readout scores")
         _require(cfg.diffusion.context != "stacked" or not cfg.diffusion.blocks_to_train,
                  "diffusion.context stacked cannot train independent block jobs (diffusion.blocks_to_train): block "
                  "b's clean stream runs blocks < b's current weights, so a block trained apart would read stale "

@@ -109,6 +109,11 @@ class TokenDiffusion(NoiseDiffusion):
         "tied", "output head: tied (RMSNorm then the embedding table) or cosine (a learned scale times the cosine to "
         "the unit-norm targets; with the likelihood layout its log-likelihood term is folded into the same product)")
     clean_lm_weight: Float = field(0.0, "weight of a next-token CE on each block's clean stream, added to the loss")
+    denoise_weight: Float = field(1.0, "weight of the denoising loss (the noisy slots' CE); 0 = off, the control arm "
+                                       "that says what denoising adds: each block trains on the clean_lm_weight "
+                                       "loss alone, the blocks before it (context stacked) frozen and detached; such "
+                                       "a model is read through its clean stream (eval's ppl_clean) and cannot "
+                                       "sample")
     loss_weight: Literal["none", "edm", "batch_mean"] = field(
         "none", "CE weight per sample: none, edm (normalised w(sigma)) or batch_mean")
     target_scale: Literal["unit", "sigma_data"] = field(
@@ -127,6 +132,13 @@ class TokenDiffusion(NoiseDiffusion):
         _require(self.curve_every >= 1 and self.curve_until >= 0,
                  "diffusion.curve_every must be >= 1 and curve_until >= 0")
         _require(self.clean_lm_weight >= 0, f"diffusion.clean_lm_weight must be >= 0 (got {self.clean_lm_weight})")
+        _require(self.denoise_weight >= 0, f"diffusion.denoise_weight must be >= 0 (got {self.denoise_weight})")
+        if self.denoise_weight == 0:  # the control arm: the clean next-token loss alone
+            _require(self.clean_lm_weight > 0, "diffusion.denoise_weight 0 leaves no loss: set diffusion.clean_lm_weight "
+                                               "> 0 (each block then trains on the clean next-token loss alone)")
+            _require(self.block_sampling in ("uniform", "round_robin", "fixed"),
+                     f"diffusion.denoise_weight 0: block_sampling {self.block_sampling} reads the denoiser's CE "
+                     "curve, which is not trained; use uniform, round_robin or fixed")
         _require(self.posterior_topk >= 1, f"diffusion.posterior_topk must be >= 1 (got {self.posterior_topk})")
         _require(self.num_iterations >= 0, f"diffusion.num_iterations must be >= 1, or 0 for num_blocks (got "
                                            f"{self.num_iterations})")

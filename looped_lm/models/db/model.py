@@ -51,9 +51,19 @@ class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, Iterativ
 
     @torch.no_grad()
     def validation_loss(self, x, y, seed: int):
-        """ppl@0's loss: one call at sigma_top from pure noise, one draw."""
+        """ppl@0's loss: one call at sigma_top from pure noise, one draw (denoising off: the clean readout's)."""
+        if not self.cfg.diffusion.denoise_weight:
+            return self.objective.clean_losses(x, y, self.readout_block()).mean()
         g = torch.Generator(device=x.device).manual_seed(seed)
         return self.score(x, y, ScoreSettings(k_grid=(), draws=1), g)[0].nll.mean()
+
+    def readout_block(self) -> int | None:
+        """The block whose clean stream reads the whole model as an ordinary next-token LM (`ppl_clean`): the
+        last of the stack (context stacked), or the one block; None where blocks are independent LMs or no
+        clean loss trained the head on the clean stream."""
+        if not self.cfg.diffusion.clean_lm_weight or not (self.stacked or len(self.blocks) == 1):
+            return None
+        return self.stack_order[-1]
 
     def choose_block(self, step: int, seed: int) -> int:
         return self.objective.choose_block(step, seed)
@@ -153,10 +163,15 @@ class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, Iterativ
 
     @torch.no_grad()
     def score(self, x, y, settings: ScoreSettings, generator: torch.Generator | None = None) -> dict:
-        """{k: TokenScores}: k = 0 is one call at sigma_top (ppl@0); k >= 1 the K = k sampler (ppl@k)."""
+        """{k: TokenScores}: k = 0 is one call at sigma_top (ppl@0); k >= 1 the K = k sampler (ppl@k); and
+        "clean", exact, the clean stream's readout (`readout_block`) where the model has one."""
         ks = sorted({0, *settings.k_grid})  # resolved at the boundary (resolve_score_settings)
         context, random = WindowContext(self, x), SharedGenerator(generator)
         out = {}
+        if self.readout_block() is not None:
+            out["clean"] = TokenScores(self.objective.clean_losses(x, y, self.readout_block()))
+        if not self.cfg.diffusion.denoise_weight:  # nothing trained the denoiser: its ppl@k are not the model's
+            return out
         for k in ks:
             estimates, _, iters = self._estimates(context, y, max(k, 1), settings, random, full=False)
             out[k] = TokenScores(*jackknife_nll(estimates))
@@ -198,6 +213,10 @@ class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, Iterativ
     # --- CachedDecoding ---------------------------------------------------------------------------------
 
     def new_cache(self, batch: int, max_len: int) -> DecodeState:
+        if not self.cfg.diffusion.denoise_weight:  # generate, serve, export's generate all start here
+            raise UserError("this checkpoint trained with diffusion.denoise_weight 0 (the clean next-token loss "
+                            "alone): its denoising path is untrained, so it cannot sample; score it with "
+                            "`looped_lm eval` (ppl_clean)")
         return DecodeState(self, batch, max_len)
 
     def reset_rows(self, cache: DecodeState, rows) -> None:

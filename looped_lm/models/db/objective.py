@@ -101,6 +101,22 @@ class BlockObjective:
         # model.loss_chunk: the clean stream's (B, T, V) logits never exist whole either
         return ce, chunked(clean_ce, net.loss_chunk, h_clean, y) if net.chunking() else clean_ce(h_clean, y)
 
+    def clean_losses(self, x, y, b: int):
+        """Block b's clean stream's next-token CE (B, T), as training sees it: its input (context stacked:
+        through the blocks before it, without gradient), its own layers and the shared coda, the tied head."""
+        net = self.net
+        positions = torch.arange(x.shape[1], device=x.device)
+        if net.feeder(b) is not None:  # the blocks before b only hand their clean states on
+            with torch.no_grad():
+                h = net.block_input(b, net.clean_inputs(x), positions)
+        else:
+            h = net.clean_inputs(x)
+        cos, sin = net.rope(positions)
+        for layer in net.layers_of(b):
+            h, _, _ = net.run_layer(layer.clean, h, cos, sin)
+        ce = lambda h_, y_: token_cross_entropy(F.linear(net.norm(h_), net.tok_emb.weight), y_)  # noqa: E731
+        return chunked(ce, net.loss_chunk, h, y) if net.chunking() else ce(h, y)
+
     def training_loss(self, x, y, step: int, seed: int):
         return self.block_loss(x, y, self.choose_block(step, seed))
 
@@ -108,6 +124,9 @@ class BlockObjective:
         """One micro-batch's loss of block b (what `train.compile` compiles: the step number stays out of
         the graph, the block is one graph each)."""
         Bsz, T = x.shape
+        if self.cfg.denoise_weight == 0:  # the control arm: the clean next-token loss alone, no noisy stream
+            ce = self.clean_losses(x, y, b).mean()
+            return self.cfg.clean_lm_weight * ce, {"block": b, f"loss_block{b}": ce.detach()}
         sigma = dm.sample_sigma(Bsz, *self.net.train_ranges[b], self.net.sched, device=x.device)
         n = max(1, round(self.cfg.target_fraction * T))
         slots = None if n == T else torch.rand(Bsz, T, device=x.device).argsort(dim=1)[:, :n].sort(dim=1).values
@@ -116,7 +135,7 @@ class BlockObjective:
         out = self.slot_losses(x, y, b, sigma, noise, slots, clean_lm=bool(clean_w))
         ce, clean_ce = out if clean_w else (out, None)
         ce = ce.mean(dim=1)  # (B,)
-        loss = (ce * self.loss_weights(sigma, b)).mean()
+        loss = self.cfg.denoise_weight * (ce * self.loss_weights(sigma, b)).mean()
         # values stay on the device (0-d tensors): the trainer reads them at log steps only
         metrics = {"block": b, f"loss_block{b}": ce.detach().mean(), "sigma_mean": sigma.detach().mean()}
         if clean_w:  # an ordinary next-token loss on the block's clean stream
