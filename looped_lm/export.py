@@ -17,8 +17,10 @@ fused qkv and gate_up Linears are split into q/k/v_proj and gate_proj/up_proj.
 
 Both also write
 
-    HF_DIR/generation_config.json   eos/bos/pad = end-of-text; DB models: num_iterations (K), bridge, seed
-    HF_DIR/tokenizer.json ...       `Tokenizer.to_hf().save_pretrained`
+    HF_DIR/generation_config.json   eos = the end-of-text and end-of-turn ids, bos/pad = the model's (else
+                                    end-of-text); DB models: num_iterations (K), bridge, seed
+    HF_DIR/tokenizer.json ...       `Tokenizer.to_hf().save_pretrained`: tokenizer_config.json holds the
+                                    model's eos/bos/unk/pad and chat template (else the server's plain one)
 
 Load a `looped_lm` directory with `import looped_lm` then `transformers.AutoModelForCausalLM.from_pretrained`.
 """
@@ -62,9 +64,10 @@ def run(args) -> int:
     return 0
 
 
-def llama_config_dict(model, cfg, eot_id: int) -> dict:
-    """The fields of a transformers LlamaConfig for a native GPT. rope_theta is written both at the top
-    level (transformers 4.x, llama.cpp, older tools) and in rope_parameters (transformers 5)."""
+def llama_config_dict(model, cfg, eot_id: int, bos_id: int | None = None, pad_id: int | None = None) -> dict:
+    """The fields of a transformers LlamaConfig for a native GPT (bos / pad default to eot_id). rope_theta
+    is written both at the top level (transformers 4.x, llama.cpp, older tools) and in rope_parameters
+    (transformers 5)."""
     m = cfg.model
     vocab, d = model.tok_emb.weight.shape
     ffn = model.layers[0].mlp.down.weight.shape[1]
@@ -74,8 +77,9 @@ def llama_config_dict(model, cfg, eot_id: int) -> dict:
             "hidden_act": "silu", "max_position_embeddings": model.max_positions, "rms_norm_eps": m.norm_eps,
             "rope_theta": m.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
             "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
-            "initializer_range": m.init_std, "use_cache": True, "bos_token_id": eot_id, "eos_token_id": eot_id,
-            "pad_token_id": eot_id, "dtype": "float32", "torch_dtype": "float32"}
+            "initializer_range": m.init_std, "use_cache": True,
+            "bos_token_id": eot_id if bos_id is None else bos_id, "eos_token_id": eot_id,
+            "pad_token_id": eot_id if pad_id is None else pad_id, "dtype": "float32", "torch_dtype": "float32"}
 
 
 def llama_state_dict(model) -> dict:
@@ -113,6 +117,28 @@ def hf_config_dict(model, cfg, manifest: dict, num_iterations: int | None = None
     elif num_iterations is not None:
         raise UserError(f"--num-iterations applies to DiffusionBlocks and looped models, not to model.kind '{kind}'")
     return fields
+
+
+def token_ids(tok) -> dict:
+    """config.json's eos / bos / pad ids: the model's (`Tokenizer.specials`), bos and pad else end-of-text."""
+    s = tok.specials
+    return {"eos_token_id": tok.eot_id, "bos_token_id": tok.eot_id if s.bos_token_id is None else s.bos_token_id,
+            "pad_token_id": tok.eot_id if s.pad_token_id is None else s.pad_token_id}
+
+
+def save_tokenizer(tok, out: Path, model_max_length: int) -> None:
+    """tokenizer.json and tokenizer_config.json: the model's special tokens and its chat template (a
+    model without one: the server's plain `Role: content` template, so transformers and vLLM render chat
+    as `looped_lm serve` does), in tokenizer_config.json itself; tokenizer_class PreTrainedTokenizerFast,
+    which transformers 4 and 5 both load."""
+    from looped_lm.data.specials import PLAIN_CHAT_TEMPLATE, TOKENIZER_CLASS
+
+    hf = tok.to_hf(model_max_length=model_max_length, chat_template=tok.specials.chat_template or PLAIN_CHAT_TEMPLATE)
+    hf.save_pretrained(out, save_jinja_files=False)  # the template in tokenizer_config.json, not a .jinja file
+    path = Path(out) / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["tokenizer_class"] = TOKENIZER_CLASS  # transformers 5 writes its own class name, TokenizersBackend
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, num_iterations: int | None = None,
@@ -158,12 +184,15 @@ def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, num
         raise UserError(f"--format llama: model.kind {kind.name} does not offer export_llama (it is not a stock "
                         f"Llama); use --format looped_lm")
     tok = get_tokenizer(manifest["tokenizer"])
-    gen = {"eos_token_id": tok.eot_id, "bos_token_id": tok.eot_id, "pad_token_id": tok.eot_id}
+    ids = token_ids(tok)
+    stops = list(tok.specials.stop_ids)  # generation stops at eos and the end-of-turn tokens (<|im_end|>)
+    gen = {"eos_token_id": stops if len(stops) > 1 else stops[0], "bos_token_id": ids["bos_token_id"],
+           "pad_token_id": ids["pad_token_id"]}
     if format == "llama":
         if num_iterations is not None:
             raise UserError(f"--num-iterations applies to DiffusionBlocks and looped models, not to model.kind "
                             f"'{kind.name}'")
-        config = llama_config_dict(model, cfg, tok.eot_id)
+        config = llama_config_dict(model, cfg, tok.eot_id, ids["bos_token_id"], ids["pad_token_id"])
         weights = llama_state_dict(model)
     else:
         from looped_lm.hf import register
@@ -171,8 +200,7 @@ def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, num
 
         register()
         config = LoopedLMConfig(**hf_config_dict(model, cfg, manifest, num_iterations),
-                                architectures=["LoopedLMForCausalLM"], eos_token_id=tok.eot_id,
-                                bos_token_id=tok.eot_id, pad_token_id=tok.eot_id, dtype="float32")
+                                architectures=["LoopedLMForCausalLM"], **ids, dtype="float32")
         if kind.offers("iterative"):
             gen.update(num_iterations=config.num_iterations, bridge=config.bridge, seed=0)
         weights = None  # the native weights, tied embedding once, under the wrapper's "model." prefix
@@ -189,7 +217,7 @@ def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, num
             holder = torch.nn.Module()  # the HF wrapper keeps the native model as `.model`: names "model.*"
             holder.model = model
             save_model(holder, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        tok.to_hf(model_max_length=model.max_positions).save_pretrained(tmp)
+        save_tokenizer(tok, tmp, model.max_positions)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

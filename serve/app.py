@@ -18,6 +18,7 @@ from looped_lm import __version__
 from looped_lm.data.tokenizer import Tokenizer
 from looped_lm.engine.engine import Engine
 from looped_lm.errors import UserError
+from looped_lm.serve import text
 from looped_lm.serve.api_router import router
 from looped_lm.serve.errors import APIError, install_error_handlers
 from looped_lm.serve.metrics import HTTPMetricsMiddleware, ServerMetrics
@@ -59,11 +60,13 @@ class APIKeyMiddleware:
 
 
 def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str, api_key: str | None = None,
-              max_request_work: int | None = None) -> FastAPI:
+              max_request_work: int | None = None, chat_template: str | None = None) -> FastAPI:
     """api_key None: no authentication; any other value turns it on (an empty or blank key is refused,
-    never read as "off"). max_request_work: the denoising calls one request may cost (None: unbounded)."""
+    never read as "off"). max_request_work: the denoising calls one request may cost (None: unbounded).
+    chat_template: a Jinja template that replaces the model's (None: the model's, else the plain one)."""
     if api_key is not None and not api_key.strip():
         raise UserError("the API key is empty: give a key, or None to serve without authentication")
+    template = text.chat_template(tokenizer, chat_template)  # compiled now: a broken template fails at start
     models = ServedModels(model_name, engine)
     metrics = ServerMetrics(engine)
 
@@ -74,7 +77,7 @@ def build_app(engine: Engine, tokenizer: Tokenizer, model_name: str, api_key: st
         engine.shutdown()
 
     app = FastAPI(title="looped_lm", version=__version__, description=DESCRIPTION, lifespan=lifespan)
-    app.state.serving = OpenAIServing(engine, tokenizer, models, metrics, max_request_work)
+    app.state.serving = OpenAIServing(engine, tokenizer, models, metrics, max_request_work, template)
     install_error_handlers(app)
     app.include_router(router)
     if api_key is not None:

@@ -45,6 +45,10 @@ def add_arguments(p) -> None:
                    help="denoising calls one request may cost at most (tokens x K x choices, and prompt "
                         "scoring's draws): more is refused with 400 before it runs; a chat request without "
                         "max_tokens gets as many tokens as fit (default 2**20)")
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_STRING",
+                   help="the Jinja chat template for /v1/chat/completions, a file or the template itself (as "
+                        "vLLM's flag); default: the model's (tokenizer_config.json's chat_template, a "
+                        "chat_template.jinja beside it, or the GGUF's), else a plain `Role: content` one")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
@@ -130,6 +134,11 @@ def run(args) -> int:
     from looped_lm.checkpoint import check_device
 
     check_device(args.device)
+    template = None
+    if args.chat_template is not None:
+        from looped_lm.serve.text import load_chat_template
+
+        template = load_chat_template(args.chat_template)
     check_address(args.host, args.port)  # before the model loads: a taken port fails in a second
     if args.no_verify:
         print(no_verify_note(), file=sys.stderr)
@@ -151,7 +160,8 @@ def run(args) -> int:
                                        score_settings=ScoreSettings(draws=args.logprob_draws,
                                                                     max_draws=args.logprob_max_draws,
                                                                     resolve_se=LOGPROB_RESOLVE_SE))
-    app = build_app(engine, tok, name, api_key=args.api_key, max_request_work=args.max_request_work)
+    app = build_app(engine, tok, name, api_key=args.api_key, max_request_work=args.max_request_work,
+                    chat_template=template)
     k = f", K default {engine.default_iterations} (max {engine.max_iterations})" if engine.max_iterations else ""
     print(f"serving {name} ({cfg.model.kind}{k}) at http://{args.host}:{args.port}/v1 with "
           f"{engine.stats.num_slots} slots of {engine.max_len} tokens", file=sys.stderr)

@@ -418,7 +418,10 @@ class TokenizeRequest(RequestModel):
     prompt: str | SkipJsonSchema[None] = Field(None, description="the text to tokenize (or give messages)")
     messages: list[ChatMessage] | SkipJsonSchema[None] = Field(
         None, description="a conversation, rendered by the chat template (or give prompt)")
-    add_special_tokens: bool = Field(True, description="accepted for vLLM compatibility; no token is ever added")
+    add_special_tokens: bool | None = Field(
+        None, description="add what the tokenizer's post-processor adds (a BOS for some models), as transformers' "
+                          "encode; default: true for prompt, false for messages (the chat template writes them), "
+                          "as vLLM")
     add_generation_prompt: bool = True
     return_token_strs: bool = False
 
@@ -460,12 +463,18 @@ class TokenizerInfo(ResponseModel):
     model_max_length: int
     eos_token: str
     eos_token_id: int
-    bos_token: str
-    bos_token_id: int
+    bos_token: str | None = None
+    bos_token_id: int | None = None
     pad_token: str | None = None
-    chat_template: str
-    special_tokens_in_text: bool = Field(True, description="'<|endoftext|>' in input text is the end-of-text "
-                                                            "token (the Hugging Face convention)")
+    pad_token_id: int | None = None
+    unk_token: str | None = None
+    unk_token_id: int | None = None
+    stop_token_ids: list[int] = Field(description="generation stops at these: eos, and the model's end-of-turn "
+                                                  "tokens (e.g. <|im_end|>)")
+    chat_template: str = Field(description="the template chat renders through: --chat-template, else the model's, "
+                                           "else the plain `Role: content` one")
+    special_tokens_in_text: bool = Field(True, description="the literal text of a special (added) token in input "
+                                                            "text is that token (the Hugging Face convention)")
 
 
 class HealthResponse(ResponseModel):

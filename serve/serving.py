@@ -14,7 +14,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-from looped_lm.data.tokenizer import EOT_TEXT, Tokenizer
+import jinja2
+
+from looped_lm.data.tokenizer import Tokenizer
 from looped_lm.engine.engine import Engine, InvalidRequest, Request
 from looped_lm.errors import UserError
 from looped_lm.sampling import SamplingParams
@@ -23,7 +25,7 @@ from looped_lm.serve import protocol as p
 from looped_lm.serve.errors import APIError
 from looped_lm.serve.metrics import RequestTimer, ServerMetrics
 from looped_lm.serve.models import ServedModels
-from looped_lm.serve.text import (CHAT_TEMPLATE, TURN_STOPS, Detokenizer, StopStrings, encode, render_chat,
+from looped_lm.serve.text import (TURN_STOPS, ChatTemplate, Detokenizer, StopStrings, chat_template, encode,
                                   token_bytes, token_text)
 
 MAX_CHOICES = 256  # prompts x n in one request
@@ -72,9 +74,11 @@ class Choice:
 
 class OpenAIServing:
     def __init__(self, engine: Engine, tokenizer: Tokenizer, models: ServedModels, metrics: ServerMetrics,
-                 max_request_work: int | None = None):
+                 max_request_work: int | None = None, template: ChatTemplate | None = None):
         self.engine, self.tok, self.models, self.metrics = engine, tokenizer, models, metrics
         self.max_request_work = max_request_work  # token-steps per request (`request_work`); None: unbounded
+        self.chat = template or chat_template(tokenizer)  # the model's, --chat-template's, or the plain one
+        self.stop_ids = frozenset(tokenizer.specials.stop_ids)  # eos and the end-of-turn tokens
 
     # --- /v1/completions -----------------------------------------------------------------------
 
@@ -123,8 +127,22 @@ class OpenAIServing:
         return [list(ids) for ids in prompt]
 
     def _encode(self, text: str) -> list[int]:
-        """A text prompt's ids; the empty text starts from the end-of-text token (a document start)."""
-        return encode(self.tok, text) or [self.tok.eot_id]
+        """A text prompt's ids (its special-token text is those tokens; the post-processor's tokens added, as
+        vLLM and transformers encode a completion prompt); the empty text starts from the end-of-text token
+        (a document start)."""
+        return encode(self.tok, text, add_special_tokens=True) or [self.tok.eot_id]
+
+    def _render(self, messages: list[p.ChatMessage], add_generation_prompt: bool = True) -> str:
+        """The conversation through the chat template; a template that refuses it (its raise_exception, or
+        any error of the template's own code on these messages) is a 400."""
+        try:
+            return self.chat.render([{"role": m.role, "content": m.text(), "name": m.name} for m in messages],
+                                    add_generation_prompt)
+        except jinja2.TemplateError as e:
+            raise APIError.bad_request(f"the chat template refuses these messages: {e}", "messages") from None
+        except Exception as e:  # the template is the model's code: whatever it raises is about the input
+            raise APIError.bad_request(f"the chat template fails on these messages ({type(e).__name__}: {e})",
+                                       "messages") from None
 
     def _completion_logprobs(self, tokens: list[TokenEntry], token_str: Callable[[int], str]) -> p.CompletionLogProbs:
         out = p.CompletionLogProbs()
@@ -148,8 +166,7 @@ class OpenAIServing:
                                      ) -> p.ChatCompletionResponse | AsyncIterator[str]:
         name, k = self.models.resolve(req.model, req.num_iterations)
         settings = self._settings(req, k)
-        text = render_chat([{"role": m.role, "content": m.text()} for m in req.messages])
-        ids = self._encode(text)
+        ids = encode(self.tok, self._render(req.messages)) or [self.tok.eot_id]  # the template writes any BOS
         room = self.engine.max_len - len(ids)
         if room < 1:
             raise APIError.bad_request(f"the conversation ({len(ids)} tokens) leaves no room in the context of "
@@ -157,7 +174,8 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens or req.max_tokens or self._tokens_that_fit(room, settings, req.n,
                                                                                           bool(req.logprobs))
         top_n = (req.top_logprobs or 0) if req.logprobs else None
-        choices = self._choices(req, [ids], settings, max_tokens, [*(req.stop or []), *TURN_STOPS], echo=False,
+        turn_stops = TURN_STOPS if self.chat.plain else ()  # a model's own template ends a turn with a token
+        choices = self._choices(req, [ids], settings, max_tokens, [*(req.stop or []), *turn_stops], echo=False,
                                 logprobs=top_n, prompt_logprobs=None)
         used_k = settings.num_iterations
         timer = self.metrics.track("chat", used_k)
@@ -233,7 +251,7 @@ class OpenAIServing:
                 f"this request may cost {work:,} token-steps (tokens x K x choices, x the log-prob draws where "
                 f"estimated), over this server's --max-request-work of {self.max_request_work:,}: lower max_tokens, "
                 "n, num_iterations or the prompts", "max_tokens")
-        stop_ids = frozenset() if req.ignore_eos else frozenset({self.tok.eot_id})
+        stop_ids = frozenset() if req.ignore_eos else self.stop_ids
         choices = []
         for i, ids in enumerate(prompts):
             for j in range(req.n):
@@ -363,9 +381,10 @@ class OpenAIServing:
 
     def tokenize(self, req: p.TokenizeRequest) -> p.TokenizeResponse:
         self._check_model(req.model)
-        text = req.prompt if req.messages is None else render_chat(
-            [{"role": m.role, "content": m.text()} for m in req.messages], req.add_generation_prompt)
-        ids = encode(self.tok, text)
+        chat = req.messages is not None
+        text = self._render(req.messages, req.add_generation_prompt) if chat else req.prompt
+        add = not chat if req.add_special_tokens is None else req.add_special_tokens  # vLLM's defaults
+        ids = encode(self.tok, text, add_special_tokens=add)
         return p.TokenizeResponse(count=len(ids), max_model_len=self.engine.max_len, tokens=ids,
                                   token_strs=[self.tok.decode([i]) for i in ids] if req.return_token_strs else None)
 
@@ -377,10 +396,12 @@ class OpenAIServing:
             raise APIError.bad_request(str(e), "tokens") from None
 
     def tokenizer_info(self) -> p.TokenizerInfo:
-        return p.TokenizerInfo(tokenizer_class=f"looped_lm.{self.tok.name}", name=self.tok.name,
-                               vocab_size=self.tok.vocab_size, model_max_length=self.engine.max_len,
-                               eos_token=EOT_TEXT, eos_token_id=self.tok.eot_id, bos_token=EOT_TEXT,
-                               bos_token_id=self.tok.eot_id, chat_template=CHAT_TEMPLATE)
+        s = self.tok.specials
+        return p.TokenizerInfo(tokenizer_class=s.tokenizer_class, name=self.tok.name, vocab_size=self.tok.vocab_size,
+                               model_max_length=self.engine.max_len, eos_token=s.eos_token, eos_token_id=s.eos_token_id,
+                               bos_token=s.bos_token, bos_token_id=s.bos_token_id, pad_token=s.pad_token,
+                               pad_token_id=s.pad_token_id, unk_token=s.unk_token, unk_token_id=s.unk_token_id,
+                               stop_token_ids=sorted(self.stop_ids), chat_template=self.chat.source)
 
     def health(self) -> p.HealthResponse:
         if not self.engine.is_alive:

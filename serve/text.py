@@ -1,51 +1,190 @@
 """Text <-> token ids for the server: prompt encoding, the chat template, incremental detokenization
 and stop strings. The engine never sees text.
 
-Prompt text follows the Hugging Face / vLLM convention: the literal "<|endoftext|>" is the end-of-text
-token (as in `Tokenizer.to_hf()`), so /tokenize, completions and lm-evaluation-harness's remote
-tokenizer agree on every id. (`looped_lm generate` and the data pipeline read that string as plain
-text instead, like nanoGPT's `encode_ordinary`.)
+Prompt text follows the Hugging Face / vLLM convention: the literal text of any of the model's added
+tokens (its end-of-text, `<|im_end|>` for a ChatML model, ...: `Tokenizer.specials`) is that token, as in
+`Tokenizer.to_hf()`, so /tokenize, completions and lm-evaluation-harness's remote tokenizer agree on every
+id. (`looped_lm generate` and the data pipeline read such text as plain text instead, like nanoGPT's
+`encode_ordinary`: a document cannot forge a boundary.)
+
+Chat goes through the model's chat template (tokenizer_config.json's `chat_template`, a chat_template.jinja
+beside it, or the GGUF's `tokenizer.chat_template`; `--chat-template` overrides it), rendered as
+transformers' `apply_chat_template` renders it; a model without one gets PLAIN_CHAT_TEMPLATE.
 """
 
 from __future__ import annotations
 
 import codecs
 import functools
+import json
+import re
+from datetime import datetime
+from pathlib import Path
 
+import jinja2
+import tokenizers
+from jinja2 import ext, nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers.decoders import DecodeStream
 
-from looped_lm.data.tokenizer import EOT_TEXT, Tokenizer, _bytes_to_unicode
+from looped_lm.data.specials import PLAIN_CHAT_TEMPLATE
+from looped_lm.data.tokenizer import Tokenizer, _bytes_to_unicode
+from looped_lm.errors import UserError
 
-# A plain chat template: one "Role: content" line per message, then "Assistant:" to continue.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ message['role'] | capitalize }}: {{ message['content'] }}\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}Assistant:{% endif %}"
-)
-TURN_STOPS = ("\nUser:", "\nSystem:")  # a chat reply ends where the model starts the next turn
+CHAT_TEMPLATE = PLAIN_CHAT_TEMPLATE  # one "Role: content" line per message, then "Assistant:" to continue
+TURN_STOPS = ("\nUser:", "\nSystem:")  # with the plain template, a reply ends where the model starts the next turn
 
 
-def encode(tok: Tokenizer, text: str) -> list[int]:
-    """Token ids of `text`; each "<|endoftext|>" in it is the end-of-text token."""
+@functools.lru_cache(maxsize=8)
+def _prompt_backend(tok: Tokenizer) -> tokenizers.Tokenizer:
+    """A copy of the tokenizer that matches added tokens in text (the data pipeline's does not)."""
+    backend = tokenizers.Tokenizer.from_str(tok.backend.to_str())
+    backend.encode_special_tokens = False
+    return backend
+
+
+@functools.lru_cache(maxsize=8)
+def _added_pattern(tok: Tokenizer) -> re.Pattern:
+    return re.compile("|".join(re.escape(t) for t in sorted(tok.specials.added, key=len, reverse=True)))
+
+
+def encode(tok: Tokenizer, text: str, add_special_tokens: bool = False) -> list[int]:
+    """Token ids of `text`; the literal text of each added token (`<|endoftext|>`, `<|im_end|>`, ...) is
+    that token. add_special_tokens: what the tokenizer's post-processor adds (a BOS for some models; none
+    for gpt2, byte and SmolLM2), as transformers' `encode` does by default."""
+    if tok.name != "byte":
+        return _prompt_backend(tok).encode(text, add_special_tokens=add_special_tokens).ids
     ids: list[int] = []
-    for i, part in enumerate(text.split(EOT_TEXT)):
-        if i:
-            ids.append(tok.eot_id)
-        if part:
-            ids += tok.encode(part)
-    return ids
+    at = 0
+    for m in _added_pattern(tok).finditer(text):
+        ids += tok.encode(text[at:m.start()])
+        ids.append(tok.specials.added[m.group()])
+        at = m.end()
+    return ids + tok.encode(text[at:])
+
+
+# --- chat templates, as transformers renders them (transformers/utils/chat_template_utils.py) ------------
+
+
+class _Generation(ext.Extension):
+    """transformers' `{% generation %}...{% endgeneration %}` block (it marks assistant tokens for
+    training masks): here it renders its body, as apply_chat_template does."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """`namespace()` refusing underscore attributes, as transformers' TemplateNamespace."""
+
+    def __init__(*args, **kwargs):
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"a chat template cannot set the attribute {name!r} on a namespace")
+
+
+class _Dict:
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 @functools.lru_cache(maxsize=1)
-def _chat_template():
-    return ImmutableSandboxedEnvironment(keep_trailing_newline=True).from_string(CHAT_TEMPLATE)
+def _environment() -> ImmutableSandboxedEnvironment:
+    """transformers' environment: the sandbox, trim_blocks and lstrip_blocks, loop controls, the
+    generation block, its tojson, and the globals raise_exception, strftime_now, dict and namespace."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_Generation, ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=lambda f: datetime.now().strftime(f),
+                       dict=_Dict(), namespace=_Namespace)
+    return env
 
 
-def render_chat(messages: list[dict], add_generation_prompt: bool = True) -> str:
-    """[{"role", "content"}, ...] -> the prompt text, through CHAT_TEMPLATE (also served by /tokenizer_info)."""
-    return _chat_template().render(messages=messages, add_generation_prompt=add_generation_prompt)
+def _compile(source: str, where: str) -> jinja2.Template:
+    try:
+        return _environment().from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise UserError(f"{where}: the chat template does not compile (line {e.lineno}: {e.message})") from None
+
+
+class ChatTemplate:
+    """A compiled chat template and the special tokens it sees (bos_token, eos_token, unk_token,
+    pad_token: transformers' `special_tokens_map`). `where` names the template in a compile error. plain:
+    the plain template (whose replies end at a "\\nUser:" line: TURN_STOPS)."""
+
+    def __init__(self, source: str, tok: Tokenizer, where: str):
+        self.template = _compile(source, where)
+        self.source = source
+        self.tokens = tok.specials.named()
+        self.plain = source == PLAIN_CHAT_TEMPLATE
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """[{"role", "content", ...}, ...] -> the prompt text, as `apply_chat_template(messages,
+        tokenize=False, add_generation_prompt=...)` gives it (keys whose value is None are dropped, as
+        there). A template's raise_exception (or any template error) raises jinja2.TemplateError."""
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        return self.template.render(messages=messages, tools=None, documents=None,
+                                    add_generation_prompt=add_generation_prompt, **self.tokens)
+
+
+def chat_template(tok: Tokenizer, override: str | None = None) -> ChatTemplate:
+    """The template chat renders through: `override` (--chat-template), else the model's, else the plain one."""
+    if override is not None:
+        return ChatTemplate(override, tok, "--chat-template")
+    if tok.specials.chat_template is not None:
+        return ChatTemplate(tok.specials.chat_template, tok, f"the chat template of {tok.name}")
+    return ChatTemplate(PLAIN_CHAT_TEMPLATE, tok, "the plain chat template")
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template FILE_OR_STRING, as vLLM reads it: a file's text; else, if the value looks like a
+    template (it holds "{", "}" or a newline), the value itself, its backslash escapes decoded ("\\n"
+    typed on a command line is a newline)."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            template = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"--chat-template {value}: cannot read it ({e})") from None
+        _compile(template, f"--chat-template {value}")
+        return template
+    if not any(c in value for c in "{}\n"):
+        raise UserError(f"--chat-template {value}: no such file (give a template file, or the template itself)")
+    try:  # characters beyond latin-1 pass through as \uXXXX escapes, which decode back to themselves
+        template = value.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except UnicodeError:  # a malformed escape (a lone "\x"): taken as written
+        template = value
+    _compile(template, "--chat-template")
+    return template
 
 
 @functools.lru_cache(maxsize=1)
@@ -54,13 +193,18 @@ def _byte_of_char() -> dict[str, int]:
 
 
 def token_bytes(tok: Tokenizer, token_id: int) -> bytes:
-    """The bytes one token stands for (a byte-level token may hold part of a UTF-8 character)."""
-    if token_id == tok.eot_id:
-        return EOT_TEXT.encode()
+    """The bytes one token stands for (a byte-level token may hold part of a UTF-8 character; an added
+    token, such as the end-of-text, is its text)."""
+    added = tok.backend.id_to_token(token_id)
+    if added in tok.specials.added and tok.specials.added[added] == token_id:
+        return added.encode()
     if tok.name == "byte":
         return bytes([token_id])
     table = _byte_of_char()
-    return bytes(table[c] for c in tok.backend.id_to_token(token_id))
+    try:
+        return bytes(table[c] for c in added)
+    except KeyError:  # not a byte-level vocabulary: the token's decoded text
+        return tok.decode([token_id]).encode()
 
 
 def token_text(tok: Tokenizer, token_id: int) -> str:

@@ -14,7 +14,9 @@ because it needs no files at all.
 Like nanoGPT's `enc.encode_ordinary`, `encode` treats the literal text "<|endoftext|>" as ordinary text:
 only the data pipeline inserts the end-of-text token, so a document that happens to contain that string
 cannot forge a document boundary. `to_hf()` exports the usual Hugging Face convention instead, where the
-string maps to the special token.
+string maps to the special token. `specials` (looped_lm.data.specials) holds the model's eos / bos / unk /
+pad tokens, its added tokens, the tokens that end a turn and its chat template, for the server and the
+export.
 """
 
 import functools
@@ -25,6 +27,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
 from looped_lm.data.gguf_file import gguf_tokenizer, is_gguf
+from looped_lm.data.specials import Specials, read_specials
 from looped_lm.errors import UserError
 
 EOT_TEXT = "<|endoftext|>"
@@ -44,6 +47,11 @@ class Tokenizer:
     def backend(self) -> tokenizers.Tokenizer:
         """The `tokenizers.Tokenizer` behind this one; its decoding gives the same text as `decode`."""
         return self._backend
+
+    @functools.cached_property
+    def specials(self) -> Specials:
+        """The model's special tokens and chat template, from its tokenizer files (read once)."""
+        return read_specials(self.name, self._backend, self.eot_id)
 
     def __repr__(self) -> str:
         return f"Tokenizer(name={self.name!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id})"
@@ -79,25 +87,23 @@ class Tokenizer:
         pieces.append(run.decode("utf-8", errors="replace"))
         return "".join(pieces)
 
-    def to_hf(self, model_max_length: int | None = None):
+    def to_hf(self, model_max_length: int | None = None, chat_template: str | None = None):
         """A `transformers.PreTrainedTokenizerFast` with the same vocabulary, for `save_pretrained`.
 
-        bos, eos and unk are all `<|endoftext|>`, as in Hugging Face's own GPT-2 tokenizer.
+        eos / bos / unk / pad are the model's (`specials`: for gpt2 and byte, bos, eos and unk are all
+        `<|endoftext|>`, as in Hugging Face's own GPT-2 tokenizer); chat_template: the template to carry
+        (default: the model's own, if it has one).
         """
         from transformers import PreTrainedTokenizerFast
 
         backend = tokenizers.Tokenizer.from_str(self._backend.to_str())
         backend.encode_special_tokens = False  # HF convention: the literal string is the special token
         kwargs = {} if model_max_length is None else {"model_max_length": model_max_length}
-        eot = self._backend.id_to_token(self.eot_id)
-        return PreTrainedTokenizerFast(
-            tokenizer_object=backend,
-            bos_token=eot,
-            eos_token=eot,
-            unk_token=eot,
-            clean_up_tokenization_spaces=False,
-            **kwargs,
-        )
+        template = chat_template or self.specials.chat_template
+        if template is not None:
+            kwargs["chat_template"] = template
+        return PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False,
+                                       **self.specials.named(), **kwargs)
 
 
 def _gpt2_backend() -> tokenizers.Tokenizer:
