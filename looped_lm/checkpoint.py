@@ -413,8 +413,13 @@ def _names_on_disk(root: Path) -> list[str]:
 
 
 def config_of(manifest: dict, ckpt: Path | None = None) -> Config:
+    raw = manifest["config"]
+    train = raw.get("train") if isinstance(raw, dict) else None
+    if isinstance(train, dict) and train.get("lora_rank") and "lora_ada" not in train:
+        # an adapter checkpoint from before train.lora_ada: its `ada` trained fully, whatever the default
+        raw = {**raw, "train": {**train, "lora_ada": "full"}}
     try:
-        return config_from_dict(manifest["config"])
+        return config_from_dict(raw)
     except UserError as e:
         where = f"{Path(ckpt) / MANIFEST}: " if ckpt is not None else ""
         raise UserError(f"{where}its config is invalid: {e}") from None
@@ -476,10 +481,12 @@ def check_weights_fit(path: Path, model, recorded_dtypes: dict | None = None) ->
     dtypes against those the manifest records (`weights_dtypes`; absent in older checkpoints)."""
     shapes, dtypes = weights_header(path)
     state = model.state_dict(keep_vars=True)
-    from looped_lm.lora import adapter_names, is_adapted
+    from looped_lm.lora import adapter_names, is_adapted, rebuilt_names
 
+    required = None
     if is_adapted(model):  # an adapter checkpoint holds the adapters only (the base is model.init_from's)
-        names = set(adapter_names(model))
+        required = set(adapter_names(model))  # and may hold the frozen zero `ada` weights (older ones did)
+        names = required | set(rebuilt_names(model))
         state = {n: t for n, t in state.items() if n in names}
     want = {k: tuple(v.shape) for k, v in state.items()}
     for name, shape in sorted(shapes.items()):
@@ -493,7 +500,7 @@ def check_weights_fit(path: Path, model, recorded_dtypes: dict | None = None) ->
     for name, t in state.items():
         by_tensor.setdefault(id(t), []).append(name)
     for names in by_tensor.values():
-        if not any(n in shapes for n in names):
+        if not any(n in shapes for n in names) and (required is None or any(n in required for n in names)):
             raise UserError(f"{path} lacks {names[0]}, which the model in its manifest has")
 
 

@@ -39,7 +39,7 @@ PER_JOB = {"model": {"num_iterations", "max_iterations", "loss_chunk", "init_fro
            "diffusion": {"blocks_to_train", "block_sampling", "curve_every", "curve_until", "loss_weight",
                          "target_fraction", "clean_lm_weight", "num_iterations", "bridge", "last_call",
                          "sample_top_quantile"}}
-LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets")  # what an adapter computes (dropout only trains)
+LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets", "lora_ada")  # what an adapter computes (dropout only trains)
 
 
 def add_arguments(p) -> None:
@@ -87,12 +87,17 @@ class _Job:
         self.edges = [float(e) for e in self.manifest.get("model_state", {}).get("edges", [])]
 
     def shapes(self) -> dict:
-        """Tensor name -> shape (an adapter job's LoRA tensors left out: each job has its own blocks')."""
+        """Tensor name -> shape (an adapter job's LoRA tensors and `ada` weights left out: each job has its own
+        blocks', and a frozen `ada` weight is rebuilt, not saved; peft's `base_layer.` dropped: an adapted
+        `ada`'s bias is the plain one of a layer the job does not own)."""
         from safetensors import SafetensorError, safe_open
+
+        from looped_lm.lora import ADA_WEIGHT
 
         try:
             with safe_open(str(self.path / ckpt_io.WEIGHTS), "pt") as f:
-                return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if not (self.lora and "lora_" in k)}
+                return {k.replace(".base_layer.", "."): tuple(f.get_slice(k).get_shape()) for k in f.keys()
+                        if not (self.lora and ("lora_" in k or ADA_WEIGHT.search(k)))}
         except (SafetensorError, OSError) as e:
             raise UserError(f"cannot read {self.path / ckpt_io.WEIGHTS}: {e}") from None
 
@@ -260,7 +265,7 @@ def _fill_adapters(model, cfg, shared: _Job, owner: dict) -> None:
     keep lora_B = 0 (peft's init: no update)."""
     import torch
 
-    from looped_lm.lora import adapter_names
+    from looped_lm.lora import ADA_WEIGHT, adapter_names
     from looped_lm.pretrained import load_base
 
     load_base(model, cfg, shared.base)
@@ -271,8 +276,11 @@ def _fill_adapters(model, cfg, shared: _Job, owner: dict) -> None:
             job = owner[int(name.split(".")[1])] if name.startswith("blocks.") else shared
             if id(job) not in files:
                 files[id(job)] = job.tensors()
-            tensor = files[id(job)].get(name)
+            held = files[id(job)]  # an adapted `ada`'s bias is the plain `ada.bias` of a layer the job does not own
+            tensor = held.get(name, held.get(name.replace(".base_layer.", ".")))
             if tensor is None:
+                if ADA_WEIGHT.search(name) and not name.startswith("blocks."):
+                    continue  # the shared part's `ada` weight: frozen in every block job, zero from the init
                 if "lora_" not in name or name.startswith("blocks."):
                     raise UserError(f"cannot merge: {job.path / ckpt_io.WEIGHTS} does not hold {name}, which its "
                                     "blocks' adapters need")

@@ -14,6 +14,7 @@ import torch
 
 from looped_lm import checkpoint as ckpt_io
 from looped_lm import cli
+from looped_lm.lora import ADA_WEIGHT
 from test_pretrained import D, FFN, HEADS, V, make_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -23,8 +24,11 @@ SPLIT = {"kind": "db_ar", "n_layers": 2, "n_prelude": 1, "n_coda": 1, "d_model":
 
 
 def _job(write_config, root, base, name: str, blocks: list[int] | None, seed: int = 0, **train):
-    """A 3-step LoRA db_ar job (B = 2, context independent) over `base` training `blocks` -> its checkpoint."""
+    """A 3-step LoRA db_ar job (B = 2, context independent) over `base` training `blocks` -> its checkpoint
+    (adaLN by its adapter, train.lora_ada lora, unless `train` says otherwise)."""
     from looped_lm import train as trainer
+
+    train = {"lora_ada": "lora", **train}
 
     diffusion = {"num_blocks": 2, "block_sampling": "round_robin"}
     if blocks is not None:
@@ -45,7 +49,7 @@ def base(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory, write_config, base):
-    """LoRA jobs for block 0 and block 1 of one model, over the same base."""
+    """LoRA jobs for block 0 and block 1 of one model, over the same base (adaLN by its adapter)."""
     root = tmp_path_factory.mktemp("lora_jobs")
     return root, [_job(write_config, root, base, f"job{b}", [b]) for b in (0, 1)]
 
@@ -89,6 +93,29 @@ def test_merged_adapters_are_each_jobs_blocks(jobs, merged, base):
         shared_b = [f.get_tensor(n) for n in names if "lora_B" in n and n.startswith(("prelude", "coda"))]
     assert {n.split(".")[1] for n in names if n.startswith("blocks.") and "lora_" in n} == {"0", "1"}
     assert shared_b and all(not t.any() for t in shared_b)  # no block job adapts them: no update
+    for ckpt in (merged, job0, job1):  # the frozen zero `ada` weights are rebuilt by the init, not saved
+        with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+            assert not [n for n in f.keys() if ADA_WEIGHT.search(n)]
+            assert {n.rsplit(".ada.", 1)[1] for n in f.keys() if ".ada." in n} >= {
+                "base_layer.bias", "lora_A.default.weight", "lora_B.default.weight"}
+
+
+def test_full_ada_block_jobs_merge_and_hold_more(jobs, merged, write_config, base, tmp_path):
+    """lora_ada full: each job trains its blocks' whole `ada` and saves no frozen one (the other block's, the
+    coda's: zero from the init); the merge computes each job's block, and weighs far more than the lora one."""
+    full_jobs = [_job(write_config, tmp_path, base, f"full{b}", [b], lora_ada="full") for b in (0, 1)]
+    out = tmp_path / "merged_full"
+    assert cli.main(["merge", *map(str, full_jobs), "--out", str(out)]) == 0
+    model, cfg, _ = ckpt_io.load_checkpoint(out)
+    assert cfg.train.lora_ada == "full"
+    for b, job in enumerate(full_jobs):
+        torch.testing.assert_close(block_loss(model, b), block_loss(ckpt_io.load_checkpoint(job)[0], b), atol=0, rtol=0)
+    from safetensors import safe_open
+
+    with safe_open(str(full_jobs[0] / "model.safetensors"), "pt") as f:
+        assert sorted(n for n in f.keys() if ADA_WEIGHT.search(n)) == ["blocks.0.0.ada.weight"]
+    low, full = ((ckpt / "model.safetensors").stat().st_size for ckpt in (merged, out))
+    assert low < 0.55 * full, (low, full)
 
 
 def test_every_verb_loads_the_merged_adapter_checkpoint(merged, tmp_path, capsys):
@@ -114,7 +141,7 @@ def test_every_verb_loads_the_merged_adapter_checkpoint(merged, tmp_path, capsys
         torch.testing.assert_close(block_loss(plain, b), block_loss(model, b), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("case", ["base", "mixed", "alpha", "seed"])
+@pytest.mark.parametrize("case", ["base", "mixed", "alpha", "seed", "ada"])
 def test_merge_refuses_lora_jobs_that_disagree(case, jobs, base, tmp_path, write_config, capsys, one_line_error):
     _, (job0, job1) = jobs
     if case == "base":  # adapters trained on another base: one line naming the hash mismatch
@@ -127,6 +154,9 @@ def test_merge_refuses_lora_jobs_that_disagree(case, jobs, base, tmp_path, write
     elif case == "alpha":
         inputs = [job0, _job(write_config, tmp_path, base, "alpha", [1], lora_alpha=4.0)]
         needles = ["train.lora_alpha", "4.0", "16.0"]
+    elif case == "ada":  # block 1's adaLN trained fully, block 0's by its adapter
+        inputs = [job0, _job(write_config, tmp_path, base, "ada", [1], lora_ada="full")]
+        needles = ["train.lora_ada", "'full'", "'lora'"]
     else:  # another seed: the frozen shared init (noise embedding) differs from job 0's
         inputs = [job0, _job(write_config, tmp_path, base, "seed1", [1], seed=1)]
         needles = ["trained against different ones", "train.seed"]
