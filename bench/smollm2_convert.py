@@ -80,6 +80,8 @@ def parse_args(argv=None):
     p.add_argument("--save-at", default="25,50,100", help="LoRA phase: checkpoints measured (default 25,50,100; "
                    "each holds ~720 MB: the fully trained adaLN and its AdamW state)")
     p.add_argument("--lora-batch", type=int, default=2, help="LoRA phase: sequences per step (default 2)")
+    p.add_argument("--retrain", action="store_true", help="LoRA phase: train again even if bench/work/smollm2 "
+                   "holds the run's last checkpoint")
     return p.parse_args(argv)
 
 
@@ -419,13 +421,23 @@ def lora_phase(args, x, y) -> int:
     path = work / f"lora_{args.lora_steps}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     t0 = time.time()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, "-m", "looped_lm", "train", "--config", str(path)], check=True, env=env)
-    train_seconds = time.time() - t0
+    trained = args.retrain or not (out_dir / f"step_{args.lora_steps:07d}").is_dir()
+    if trained:
+        import shutil
+
+        shutil.rmtree(out_dir, ignore_errors=True)
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        subprocess.run([sys.executable, "-m", "looped_lm", "train", "--config", str(path)], check=True, env=env)
+    else:
+        print(f"reusing the checkpoints in {out_dir} (--retrain to train again)", flush=True)
+    train_seconds = round(time.time() - t0, 1) if trained else None  # None: an earlier invocation trained
     log = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     losses = [{k: r[k] for k in r if k in ("step", "block", "lr", "loss", "loss_block0", "loss_block1", "grad_norm")}
               for r in log if "step" in r and ("loss_block0" in r or "loss_block1" in r)]
-    result = {"config": cfg, "train_seconds": round(train_seconds, 1), "train_log": losses, "checkpoints": []}
+    # the trainer's own step times (tokens per step / tokens_per_s), whichever invocation trained
+    step_seconds = sum(args.lora_batch * args.seq / r["tokens_per_s"] for r in log if r.get("tokens_per_s"))
+    result = {"config": cfg, "train_seconds": train_seconds, "train_step_seconds": round(step_seconds, 1),
+              "train_log": losses, "checkpoints": []}
     with torch.no_grad():
         for step in [0, *saves]:
             if step == 0:
@@ -444,6 +456,7 @@ def lora_phase(args, x, y) -> int:
         "lr": 1e-3, "cond_l1": result["checkpoints"][0]["adaln_at_sigma_top"]["cond_l1"],
         "per_step_move_of_an_adaln_output": 1e-3 * (result["checkpoints"][0]["adaln_at_sigma_top"]["cond_l1"] + 1)}
     out = Path(args.out) if args.out != str(OUT) else OUT.with_name("lora.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
     return 0
