@@ -341,11 +341,11 @@ def kind_section(section: str, values, name: str, flat_era: bool = False):
         if key in cls.model_fields:
             kept[key] = value
             continue
+        if f"{section}.{key}" in REMOVED:  # a removed option that changed what a model computed: never dropped
+            raise UserError(f"{section}.{key} was removed: {REMOVED[f'{section}.{key}']}; delete it from the config")
         if flat_era and (section == "diffusion" or FLAT_ERA_DEFAULTS.get(key, object()) == value):
             continue
         owners = [k.name for k in registered().values() if key in _section_class(k, section).model_fields]
-        if f"{section}.{key}" in REMOVED:
-            raise UserError(f"{section}.{key} was removed: {REMOVED[f'{section}.{key}']}; delete it from the config")
         if owners:
             raise UserError(f"{section}.{key} is a field of model.kind {' / '.join(owners)}, not of {name}; delete "
                             f"it (`looped_lm train --help-config {name}` lists {name}'s fields)")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 import torch
 import torch.nn.functional as F
 
@@ -358,7 +359,8 @@ SCALE = 250  # README steps / these steps: 1000-step quickstarts become 4 steps,
 TINY = ["--set", "model.d_model=32", "--set", "model.n_heads=2", "--set", "model.seq_len=32",
         "--set", "train.batch_size=2", "--set", "train.max_steps=4", "--set", "train.save_every=2",
         "--set", "train.eval_every=2", "--set", "train.eval_batches=1", "--set", "train.warmup_steps=1",
-        "--set", "train.progress=false", "--set", "diffusion.curve_every=2"]
+        "--set", "train.progress=false"]
+CURVE = ["--set", "diffusion.curve_every=2"]  # the kinds whose block sampling re-measures a curve
 
 
 def readme_commands() -> list[str]:
@@ -382,11 +384,18 @@ def scaled(command: str) -> list[str]:
     command = re.sub(r"--max-tokens (\d{4,})", "--max-tokens 256", command)  # eval's 8192: 256 here
     argv = shlex.split(command)
     if argv[:2] == ["looped_lm", "train"] and "--help-config" not in argv:
-        argv[2:2] = TINY  # before the README's own --set: its values win
+        argv[2:2] = TINY + _curve(argv)  # before the README's own --set: its values win
     if "looped_lm/train.py" in argv:
         at = argv.index("looped_lm/train.py") + 1
-        argv[at:at] = TINY
+        argv[at:at] = TINY + _curve(argv)
     return argv
+
+
+def _curve(argv: list[str]) -> list[str]:
+    """diffusion.curve_every for a config whose kind has it (a gpt config refuses diffusion fields)."""
+    config = argv[argv.index("--config") + 1] if "--config" in argv else None
+    kind = (yaml.safe_load((README.parent / config).read_text()) or {}).get("model", {}).get("kind") if config else None
+    return CURVE if kind in ("db_ar", "looped_db") else []
 
 
 @pytest.mark.slow
