@@ -95,8 +95,9 @@ class LanguageModelSection(SequenceSection):
                                "so the (tokens, vocab) logits are never stored (0 = off; e.g. 128 with a 50257 "
                                "vocab)")
     init_from: Str = field("", "a local Hugging Face directory (config.json + safetensors) of LlamaForCausalLM / "
-                               "MistralForCausalLM, or a `looped_lm export` of a gpt: a fresh run starts from its "
-                               "weights (docs/pretrained.md); '' = random init")
+                               "MistralForCausalLM, a GGUF file of one (dequantised by transformers), or a "
+                               "`looped_lm export` of a gpt: a fresh run starts from its weights "
+                               "(docs/pretrained.md); '' = random init")
 
     max_positions: int = field(0, "the context the model serves by default (and is built for: RoPE up to the larger of "
                                   "this and 4 x seq_len); 0 = model.seq_len, its training context; model.init_from "
