@@ -12,6 +12,10 @@ from tiny_models import D, V, build_tiny
 
 
 def build(kind):
+    if kind.endswith("_clean_state"):  # noisy_input clean_state: the slot reads its row's stored clean input
+        stacked = {"context": "stacked", "stack_order": "low_noise_first"} if "stacked" in kind else {}
+        return build_tiny("db_ar", parameterization="likelihood", noisy_self=False, noisy_input="clean_state",
+                          **stacked)
     if kind == "db_ar_defaults":  # the product's DB layout: slots attend the clean keys only
         return build_tiny("db_ar", parameterization="likelihood", noisy_self=False, noisy_input="prev_token")
     if kind.startswith("db_ar_stacked"):  # depth composition: one block continues from the other's clean states
@@ -33,7 +37,7 @@ def step(model, kind, tokens, caches, rows, noise):
 
 @pytest.mark.parametrize("slots", [(0, 1), (2, 0)], ids=["contiguous", "scattered"])
 @pytest.mark.parametrize("kind", ["gpt", "db_ar", "db_ar_defaults", "db_ar_stacked", "db_ar_stacked_low", "looped_db",
-                                  "huginn"])
+                                  "huginn", "db_ar_clean_state", "db_ar_stacked_clean_state"])
 @torch.no_grad()
 def test_interleaved_rows_equal_solo_runs(kind, slots):
     model = build(kind)

@@ -98,8 +98,11 @@ class TokenDiffusion(NoiseDiffusion):
         "models only what context adds)")
     noisy_self: bool = field(False, "a noisy slot attends its own key besides the clean keys (paper); false: clean "
                                     "keys only, plain causal attention (flash), and servable by vLLM's paged attention")
-    noisy_input: Literal["noise", "prev_token"] = field(
-        "prev_token", "noisy slot input: what it reads of z alone (noise), or that + E[previous token] (prev_token)")
+    noisy_input: Literal["noise", "prev_token", "clean_state"] = field(
+        "prev_token", "noisy slot input: what it reads of z alone (noise), or that + E[previous token] (prev_token), "
+        "or that minus the embedding table's mean row + the block's clean input state at the previous token "
+        "(clean_state: the slot continues the clean stream's depth, so a converted model's block that owns a "
+        "source's last layers reads them out as the source does: docs/pretrained.md)")
     posterior_input: Literal["full", "detached", "topk"] = field(
         "full", "likelihood: the slot's input embedding softmax(<z,y>/sigma^2) @ E with a gradient into E (full), "
         "without one (detached: one V-sized product less in backward), or from its top posterior_topk tokens plus "

@@ -10,7 +10,9 @@ stream through `DBNetwork.clean_kv` and the slots through `DBNetwork.noisy_pass`
 
 With `context: stacked` a block's clean input is the states its feeder (`DBNetwork.feeder`) hands on, so
 a block that runs first brings its feeder up to date (recursively): every block still computes each
-token's clean states once, whatever K skips.
+token's clean states once, whatever K skips. With `noisy_input: clean_state` a slot also reads its block's
+clean input at the slot's previous token: the window's `_input(b)` at the slot, or the decode state's
+stored input (`DecodeState.inputs(b)`) at the row's last token.
 """
 
 from __future__ import annotations
@@ -63,10 +65,15 @@ class WindowContext:
             self._encode(b)
         B = self.x.shape[0]
         kv, prev = self.kv[b], self.x[:, slots] if slots is not self.slots else self.x
+        clean = None
+        if self.net.clean_state:  # noisy_input clean_state: block b's clean input at the slot's previous token
+            clean = self._input(b)
+            clean = clean[:, slots] if slots is not self.slots else clean
         if rows is not None:  # a subset, or repeated rows (the estimator's branches)
             kv = [(_select(k, rows, B), _select(v, rows, B)) for k, v in kv]
             prev = _select(prev, rows, B)
-        return self.net.noisy_pass(b, z, sigma, prev, slots + 1, kv, mask)
+            clean = _select(clean, rows, B) if clean is not None else None
+        return self.net.noisy_pass(b, z, sigma, prev, slots + 1, kv, mask, clean=clean)
 
     def at(self, slots: torch.Tensor) -> "SlotSubset":
         """The same window, scoring only `slots` (ascending): the same clean K/V, fewer noisy slots."""
@@ -169,10 +176,19 @@ class CachedContext:
         clean = self.state.inputs(b)[self.sel[:, None], span]
         prev = self.state.last[self.sel][:, None]
         logits, handed = self.net.fused_pass(b, clean, clean_pos, caches, self.sel, z, sigma, prev, noisy_pos,
-                                             hand_on=self._hands_on(b))
+                                             hand_on=self._hands_on(b), slot_clean=self._slot_clean(b, self.sel))
         if handed is not None:
             self.state.handed[self.net.fed(b)][self.sel[:, None], span] = handed
         return logits
+
+    def _slot_clean(self, b: int, sel: torch.Tensor):
+        """noisy_input clean_state: block b's clean input state at each row's last token (R, 1, C): the shared
+        history, or (stacked) the states its feeder handed on, which `denoise` brought up to date first;
+        None for the other noisy inputs."""
+        if not self.net.clean_state:
+            return None
+        last = (self.state.lengths[sel] - 1).clamp_min(0)
+        return self.state.inputs(b)[sel, last][:, None]
 
     def _hands_on(self, b: int) -> bool:
         return self.net.fed(b) is not None
@@ -221,4 +237,4 @@ class CachedContext:
         pos = self.state.lengths[sel][:, None]
         noisy_pos = pos[:1, 0] if bool((pos == pos[0]).all()) else pos
         prev = self.state.last[sel][:, None]
-        return self.net.noisy_pass(b, z, sigma, prev, noisy_pos, kv, mask)
+        return self.net.noisy_pass(b, z, sigma, prev, noisy_pos, kv, mask, clean=self._slot_clean(b, sel))

@@ -6,7 +6,9 @@
     block b (its own two-stream layers, then the shared coda) owns one sigma interval (block 0 = highest)
       clean stream  causal over x, no sigma conditioning: its K/V never depend on sigma or K
       noisy stream  slot i holds z_i (a noisy target for x_{i+1}) at RoPE position i+1; it attends clean
-                    positions <= i (and itself with noisy_self); adaLN-Zero from c_noise
+                    positions <= i (and itself with noisy_self); adaLN-Zero from c_noise; its input: what
+                    it reads of z, + E[x_i] (noisy_input prev_token) or + block b's clean input at i
+                    (clean_state: the noisy stream continues the clean stream's depth)
     logits: likelihood  head(norm(F)) + <z, y_v>/sigma^2      (the exact log-likelihood of z, added)
             edm         head(norm(c_out * s*normalize(F) + c_skip * z))
 
@@ -71,6 +73,7 @@ class DBNetwork(nn.Module):
         self.stack_order = order[::-1] if stacking and d.stack_order == "low_noise_first" else order
         self.likelihood = d.parameterization == "likelihood"
         self.prev_token = d.noisy_input == "prev_token"
+        self.clean_state = d.noisy_input == "clean_state"  # the slot starts from its block's clean input state
         self.posterior_input, self.posterior_topk = d.posterior_input, d.posterior_topk
         self.cosine_head = d.head == "cosine"
         self.loss_chunk = m.loss_chunk  # training: (slots, V) tensors per chunk, recomputed in backward
@@ -93,6 +96,7 @@ class DBNetwork(nn.Module):
         init_weights(self, m.init_std, max(depths) + m.n_prelude + m.n_coda)
         # inference: contiguous transposes of the head and of the target table (faster products)
         self.head_t, self.targets_t = TransposedCopy(), TransposedCopy(self._normalized)
+        self.mean_row_t = TransposedCopy(lambda table: table.mean(0, keepdim=True))  # noisy_input clean_state
         for layer in [*self.coda, *(layer for block in self.blocks for layer in block)]:  # adaLN-Zero
             nn.init.zeros_(layer.ada.weight)
             nn.init.zeros_(layer.ada.bias)
@@ -141,10 +145,22 @@ class DBNetwork(nn.Module):
 
     # --- the noisy step ---------------------------------------------------------------------------
 
-    def noisy_input(self, z, sigma, prev=None):
+    def table_mean(self) -> torch.Tensor:
+        """The embedding table's mean row (d,), with a gradient into the table exactly when the posterior
+        input has one (posterior_input full); at inference from a cached copy."""
+        if not torch.is_grad_enabled():
+            return self.mean_row_t(self.tok_emb.weight)[:, 0]
+        table = self.tok_emb.weight if self.posterior_input == "full" else self.tok_emb.weight.detach()
+        return table.mean(0)
+
+    def noisy_input(self, z, sigma, prev=None, clean=None):
         """(the noisy stream's input, its conditioning from c_noise, z's log-likelihood or None).
         Input: c_in*z (edm), or the embedding expected under z's likelihood (likelihood: no raw noise
-        enters the residual stream); + E[previous token] with noisy_input: prev_token."""
+        enters the residual stream); + E[previous token] with noisy_input: prev_token. With noisy_input:
+        clean_state, `clean` (R, n, C) is the block's clean input state at each slot's previous token (what
+        `block_input` gives at that position) and the input is that + (posterior-mean embedding - the
+        table's mean row: 0 where the posterior is uniform, as at sigma_top), so the slot continues the clean
+        stream's depth (edm: + c_in*z)."""
         _, _, c_in, c_noise = dm.edm_scalings(sigma, self.sched.sigma_data)
         loglik = None
         if self.likelihood and self.posterior_input != "full":  # forward-only: no gradient into the table
@@ -157,7 +173,14 @@ class DBNetwork(nn.Module):
             h = self.posterior_embedding(loglik)
         else:
             h = (c_in.to(z.dtype)[:, None, None] * z).to(self.tok_emb.weight.dtype)
-        if prev is not None and self.prev_token:
+        if self.clean_state:
+            if clean is None:
+                raise UserError("diffusion.noisy_input clean_state: this path does not hand the noisy slots "
+                                "their block's clean input state (the vLLM plugin does not support it yet)")
+            if self.likelihood:
+                h = h - self.table_mean().to(h.dtype)
+            h = h + clean
+        elif prev is not None and self.prev_token:
             h = h + self.tok_emb(prev)
         return h, self.noise_emb(c_noise.to(z.device)), loglik
 
@@ -269,11 +292,13 @@ class DBNetwork(nn.Module):
                 clean = self.own_forward(j, clean, positions)
         return clean.detach()
 
-    def fused_pass(self, b: int, clean, clean_pos, caches, rows, z, sigma, prev, noisy_pos, hand_on: bool = False):
+    def fused_pass(self, b: int, clean, clean_pos, caches, rows, z, sigma, prev, noisy_pos, hand_on: bool = False,
+                   slot_clean=None):
         """Decoding: block b's pending clean tokens (appended to `caches`) and the noisy slots z in one
         weight pass per layer (`TwoStreamLayer.fused`) -> (the slots' logits, the clean states after
-        block b's own layers with hand_on, else None). Equal to `clean_pass` then `noisy_pass`."""
-        h, cond, loglik = self.noisy_input(z, sigma, prev)
+        block b's own layers with hand_on, else None). Equal to `clean_pass` then `noisy_pass`.
+        slot_clean: noisy_input clean_state's input, block b's clean input state at the slots' previous token."""
+        h, cond, loglik = self.noisy_input(z, sigma, prev, slot_clean)
         clean_rope, noisy_rope = self.rope(clean_pos), self.rope(noisy_pos)
         layers, own, handed = self.layers_of(b), len(self.blocks[b]), None
         for i, (layer, cache) in enumerate(zip(layers, caches)):
@@ -283,10 +308,11 @@ class DBNetwork(nn.Module):
                 handed = clean
         return self.denoise_logits(h, z, sigma, loglik), handed
 
-    def noisy_pass(self, b: int, z, sigma, prev, noisy_pos, kv: list, mask, head: bool = True):
+    def noisy_pass(self, b: int, z, sigma, prev, noisy_pos, kv: list, mask, head: bool = True, clean=None):
         """THE noisy step: slots z (R, n, d) at sigma (R,) through block b against its clean K/V
-        (one (k, v) per layer) -> logits (R, n, V), or the slots' states with head=False."""
-        h, cond, loglik = self.noisy_input(z, sigma, prev)
+        (one (k, v) per layer) -> logits (R, n, V), or the slots' states with head=False. clean (R, n, C):
+        noisy_input clean_state's input, block b's clean input state at each slot's previous token."""
+        h, cond, loglik = self.noisy_input(z, sigma, prev, clean)
         cos, sin = self.rope(noisy_pos)
         for layer, (k, v) in zip(self.layers_of(b), kv):
             h = self.run_layer(layer.noisy, h, cond, cos, sin, k, v, mask, self.noisy_self)

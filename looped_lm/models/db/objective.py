@@ -89,12 +89,20 @@ class BlockObjective:
                 h_clean, k, v = net.run_layer(layer.clean, h_clean, cos, sin)
                 kv.append((k, v))
         mask = slot_mask(slots, T, net.noisy_self, full_window)
+        # noisy_input clean_state: the slot starts from block b's clean input at its previous token. Stacked
+        # (a feeder): computed above without gradient, so the step still trains one block; otherwise (the
+        # first block of the stack, context independent, looped_db) it is the shared embedding + prelude,
+        # which get a gradient through it as through the clean stream (and as prev_token's E[x_t] does).
+        slot_clean = None
+        if net.clean_state:
+            slot_clean = clean if full_window else clean.gather(1, slots[..., None].expand(-1, -1, clean.shape[-1]))
         if net.chunking():  # the slots' states, then head + CE chunk by chunk
-            h = net.noisy_pass(b, z, sigma, prev, slots + 1, kv, mask, head=False)
+            h = net.noisy_pass(b, z, sigma, prev, slots + 1, kv, mask, head=False, clean=slot_clean)
             ce = chunked(lambda h_, z_, t_: token_cross_entropy(net.denoise_logits(h_, z_, sigma), t_),
                          net.loss_chunk, h, z, targets)
         else:
-            ce = token_cross_entropy(net.noisy_pass(b, z, sigma, prev, slots + 1, kv, mask), targets)
+            ce = token_cross_entropy(net.noisy_pass(b, z, sigma, prev, slots + 1, kv, mask, clean=slot_clean),
+                                     targets)
         if not clean_lm:
             return ce
         clean_ce = lambda h_, y_: token_cross_entropy(F.linear(net.norm(h_), net.tok_emb.weight), y_)  # noqa: E731
