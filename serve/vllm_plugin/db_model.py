@@ -81,9 +81,10 @@ class DiffusionBlocksRunner(nn.Module):
         x = m.tok_emb(input_ids)
         for layer, attn in zip(m.prelude, self.prelude_attn):
             x, _, _ = self._clean_layer(layer, attn, x, cos, sin)
-        clean_kv, carry = [None] * len(m.blocks), x
+        clean_kv, inputs, carry = [None] * len(m.blocks), [None] * len(m.blocks), x
         for b in (m.stack_order if m.stacked else range(len(m.blocks))):
             c, kv, layers, own = carry if m.feeder(b) is not None else x, [], m.layers_of(b), len(m.blocks[b])
+            inputs[b] = c  # block b's clean input state at each token: noisy_input clean_state's slot input
             hand_on = m.fed(b) is not None  # context stacked: the next block of stack_order continues from here
             for i, (layer, attn) in enumerate(zip(layers, self.block_attn[b])):
                 c, k, v = self._clean_layer(layer, attn, c, cos, sin,
@@ -95,7 +96,8 @@ class DiffusionBlocksRunner(nn.Module):
         cos_n, sin_n = m.rope(positions + 1)  # the noisy slot of the token after position p
 
         def denoise(b, z, sigma, rows):  # every row (token) runs the same step: rows is all of them
-            h, cond, loglik = m.noisy_input(z.view(1, N, -1), sigma[:1], input_ids[None])
+            h, cond, loglik = m.noisy_input(z.view(1, N, -1), sigma[:1], input_ids[None],
+                                            inputs[b][None] if m.clean_state else None)
             for layer, attn, (k, v) in zip(m.layers_of(b), self.block_attn[b], clean_kv[b]):
                 h = self._noisy_layer(layer, attn, h, cond, cos_n, sin_n, k, v)
             return m.denoise_logits(h, z.view(1, N, -1), sigma[:1], loglik).view(N, 1, -1)

@@ -93,11 +93,15 @@ def native_positional(model, prompt: list[int], K: int, seed: int = 0):
     return tokens, torch.stack(logits)
 
 
-@pytest.mark.parametrize("kind,K", [("db_ar", 2), ("db_ar", 5), ("looped_db", 3)])
-def test_vllm_db_models_equal_the_native_chain(tmp_path, kind, K):
+CLEAN_STATE = {"noisy_input": "clean_state", "context": "stacked", "stack_order": "low_noise_first"}
+
+
+@pytest.mark.parametrize("kind,K,extra", [("db_ar", 2, {}), ("db_ar", 5, {}), ("looped_db", 3, {}),
+                                          ("db_ar", 2, CLEAN_STATE)])
+def test_vllm_db_models_equal_the_native_chain(tmp_path, kind, K, extra):
     from looped_lm.checkpoint import load_checkpoint
 
-    ckpt = make_checkpoint(tmp_path / "run", kind, num_blocks=2 if kind == "db_ar" else 1, **DB)
+    ckpt = make_checkpoint(tmp_path / "run", kind, num_blocks=2 if kind == "db_ar" else 1, **{**DB, **extra})
     hf_dir = export(ckpt, tmp_path / "hf")
     got = run_vllm(hf_dir, {"num_iterations": K})
     model, _, _ = load_checkpoint(ckpt)

@@ -176,7 +176,7 @@ class DBNetwork(nn.Module):
         if self.clean_state:
             if clean is None:
                 raise UserError("diffusion.noisy_input clean_state: this path does not hand the noisy slots "
-                                "their block's clean input state (the vLLM plugin does not support it yet)")
+                                "their block's clean input state")
             if self.likelihood:
                 h = h - self.table_mean().to(h.dtype)
             h = h + clean
