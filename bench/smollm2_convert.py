@@ -63,7 +63,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "smollm2" / "convert.json"
 V = 49152
-LAYOUTS = ("db2_stacked", "db2_low_noise_first", "db2_coda4", "db1")
+LAYOUTS = ("db2_stacked", "db2_low_noise_first", "db2_coda4", "db1", "db2_clean_state")
 
 
 def parse_args(argv=None):
@@ -80,6 +80,8 @@ def parse_args(argv=None):
     p.add_argument("--save-at", default="25,50,100", help="LoRA phase: checkpoints measured (default 25,50,100; "
                    "each holds ~720 MB: the fully trained adaLN and its AdamW state)")
     p.add_argument("--lora-batch", type=int, default=2, help="LoRA phase: sequences per step (default 2)")
+    p.add_argument("--lora-layout", default="db2_stacked", help="LoRA phase: the layout trained (a --layouts name; "
+                   "default db2_stacked, the user's; db2_clean_state: the fix; gpt: the end-to-end control)")
     p.add_argument("--retrain", action="store_true", help="LoRA phase: train again even if bench/work/smollm2 "
                    "holds the run's last checkpoint")
     return p.parse_args(argv)
@@ -104,6 +106,9 @@ LAYOUT_CONFIGS = {
     "db2_low_noise_first": dict(diffusion={"num_blocks": 2, "context": "stacked", "stack_order": "low_noise_first"}),
     "db2_coda4": dict(n_layers=26, n_coda=4, diffusion={"num_blocks": 2, "context": "stacked"}),
     "db1": dict(diffusion={"num_blocks": 1}),
+    # the fix: the slot continues its block's clean input state, the block owning the last layers called first
+    "db2_clean_state": dict(diffusion={"num_blocks": 2, "context": "stacked", "stack_order": "low_noise_first",
+                                       "noisy_input": "clean_state"}),
 }
 
 
@@ -382,7 +387,8 @@ def adaln(net, x, sigma: float) -> dict:
     B, T = x.shape
     d = net.tok_emb.weight.shape[1]
     sig = torch.full((B,), sigma)
-    _, cond, _ = net.noisy_input(torch.zeros(B, T, d), sig, x)
+    # only the conditioning is read: a clean_state slot's input state does not enter it
+    _, cond, _ = net.noisy_input(torch.zeros(B, T, d), sig, x, torch.zeros(B, T, d) if net.clean_state else None)
     rows = []
     for b, block in enumerate(net.blocks):
         for layer in block:
@@ -406,19 +412,22 @@ def lora_phase(args, x, y) -> int:
     from looped_lm.pretrained import smollm2_gguf
 
     work = ROOT / "bench" / "work" / "smollm2"
-    out_dir = work / f"lora_{args.lora_steps}"
+    layout = args.lora_layout
+    tag = "" if layout == "db2_stacked" else f"_{layout}"
+    out_dir = work / f"lora_{args.lora_steps}{tag}"
     saves = sorted({int(s) for s in args.save_at.split(",") if s and int(s) <= args.lora_steps} | {args.lora_steps})
     every = math.gcd(*saves)
-    cfg = {"model": {"kind": "db_ar", "n_layers": 30, "d_model": 576, "n_heads": 9, "ffn_hidden": 1536,
-                     "vocab_size": V, "norm_eps": 1e-5, "rope_theta": 100000.0, "seq_len": args.seq,
+    control = layout == "gpt"  # the end-to-end control: the source fine-tuned the same way
+    cfg = {"model": {"kind": "gpt" if control else "db_ar", "n_layers": 30, "d_model": 576, "n_heads": 9,
+                     "ffn_hidden": 1536, "vocab_size": V, "norm_eps": 1e-5, "rope_theta": 100000.0, "seq_len": args.seq,
                      "init_from": str(smollm2_gguf())},
-           "diffusion": {"num_blocks": 2, "context": "stacked"},
+           **({} if control else {"diffusion": dict(LAYOUT_CONFIGS[layout]["diffusion"])}),
            "data": {"source": "bible", "cache_dir": str(work / "cache")},
            "train": {"out_dir": str(out_dir), "max_steps": args.lora_steps, "batch_size": args.lora_batch, "lr": 1e-3,
-                     "lora_rank": 8, "save_every": every, "keep_last": 1000, "eval_every": 0, "log_every": 1,
+                     "lora_rank": 8, **({"lora_ada": "lora"} if tag and not control else {}), "save_every": every, "keep_last": 1000, "eval_every": 0, "log_every": 1,
                      "progress": False, "resume": "never", "seed": args.seed}}
     work.mkdir(parents=True, exist_ok=True)
-    path = work / f"lora_{args.lora_steps}.yaml"
+    path = work / f"lora_{args.lora_steps}{tag}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     t0 = time.time()
     trained = args.retrain or not (out_dir / f"step_{args.lora_steps:07d}").is_dir()
@@ -440,22 +449,39 @@ def lora_phase(args, x, y) -> int:
               "train_log": losses, "checkpoints": []}
     with torch.no_grad():
         for step in [0, *saves]:
+            if control:  # exact: the next-token NLL of the fine-tuned source (step 0: the source)
+                if step == 0:
+                    entry = {"step": 0, "nll": None, "note": "the source: see convert.json's source.nll"}
+                    result["checkpoints"].append(entry)
+                    continue
+                net, _, _ = load_checkpoint(out_dir / f"step_{step:07d}")
+                nll = torch.nn.functional.cross_entropy(net(x)[0].flatten(0, 1).float(), y.flatten())
+                entry = {"step": step, "nll": float(nll)}
+                result["checkpoints"].append(entry)
+                print(f"step {step}: NLL {entry['nll']:.3f}", flush=True)
+                del net
+                continue
             if step == 0:
                 from looped_lm.pretrained import read_source
 
                 source = read_source(smollm2_gguf())
-                net, _ = convert(source, "db2_stacked")
+                net, _ = convert(source, layout)
             else:
                 net, _, _ = load_checkpoint(out_dir / f"step_{step:07d}")
-            entry = {"step": step, **ppl(net, x, y, (0,), args.draws, args.seed),
+            entry = {"step": step, **ppl(net, x, y, (0, 2) if tag else (0,), args.draws, args.seed),
                      "adaln_at_sigma_top": adaln(net, x, net.sigma_top())}
             result["checkpoints"].append(entry)
             print(f"step {step}: ppl@0 NLL {entry['ppl@0']['nll']:.2f}", flush=True)
             del net
+    if control:
+        out = OUT.with_name(f"lora{tag}.json")
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {out}")
+        return 0
     result["adam_first_step_bound"] = {
         "lr": 1e-3, "cond_l1": result["checkpoints"][0]["adaln_at_sigma_top"]["cond_l1"],
         "per_step_move_of_an_adaln_output": 1e-3 * (result["checkpoints"][0]["adaln_at_sigma_top"]["cond_l1"] + 1)}
-    out = Path(args.out) if args.out != str(OUT) else OUT.with_name("lora.json")
+    out = Path(args.out) if args.out != str(OUT) else OUT.with_name(f"lora{tag}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
