@@ -32,8 +32,8 @@ from looped_lm.errors import UserError
 from looped_lm.fields import Float, Str
 from looped_lm.fields import Section as _Section
 from looped_lm.fields import field as _f
-from looped_lm.kinds import (BlockDiffusion, DiffusionSection, LanguageModelSection, ModelSection, SequenceSection, get_kind, kind_of,
-                             registered, require)
+from looped_lm.kinds import (BlockDiffusion, DiffusionSection, LanguageModelSection, ModelSection, ensure, get_kind,
+                             kind_of, registered, require)
 from looped_lm.kinds.builtin import BUILTIN
 
 LORA_TARGETS = ("qkv", "proj", "gate_up", "down")  # the Linears of a layer that train.lora_targets may name
@@ -81,12 +81,12 @@ class DataConfig(_Section):
                        "training images (digits: never flipped)")
 
     def check(self) -> None:
-        _require(0 < self.val_fraction < 1, f"data.val_fraction must be in (0, 1) (got {self.val_fraction})")
-        _require(0 <= self.test_fraction < 1 - self.val_fraction,
-                 f"data.test_fraction must be in [0, 1 - data.val_fraction) = [0, {1 - self.val_fraction:g}) "
+        ensure(0 < self.val_fraction < 1, f"data.val_fraction must be in (0, 1) (got {self.val_fraction})")
+        ensure(0 <= self.test_fraction < 1 - self.val_fraction,
+               f"data.test_fraction must be in [0, 1 - data.val_fraction) = [0, {1 - self.val_fraction:g}) "
                  f"(got {self.test_fraction})")
-        _require(-1 <= self.split_seed < 2 ** 62, f"data.split_seed must be -1 (train.seed) or in 0..2**62 - 1 "
-                                                  f"(got {self.split_seed})")
+        ensure(-1 <= self.split_seed < 2 ** 62, f"data.split_seed must be -1 (train.seed) or in 0..2**62 - 1 "
+                                                f"(got {self.split_seed})")
 
 
 class TrainConfig(_Section):
@@ -138,37 +138,37 @@ class TrainConfig(_Section):
                            "(docs/pretrained.md)")
 
     def check(self) -> None:
-        _require(0 <= self.max_steps <= COUNT_MAX, f"train.max_steps must be in 0..{COUNT_MAX} (got {self.max_steps}; "
-                                                   "0 writes the model as built, without training)")
+        ensure(0 <= self.max_steps <= COUNT_MAX, f"train.max_steps must be in 0..{COUNT_MAX} (got {self.max_steps}; "
+                                                 "0 writes the model as built, without training)")
         for key in ("batch_size", "grad_accum"):
-            _require(1 <= getattr(self, key) <= COUNT_MAX, f"train.{key} must be in 1..{COUNT_MAX} (got "
-                                                           f"{getattr(self, key)})")
+            ensure(1 <= getattr(self, key) <= COUNT_MAX, f"train.{key} must be in 1..{COUNT_MAX} (got "
+                                                         f"{getattr(self, key)})")
         for key in ("warmup_steps", "save_every", "eval_every", "eval_batches", "log_every", "keep_last",
                     "skip_nonfinite"):
-            _require(getattr(self, key) <= COUNT_MAX, f"train.{key} must be <= {COUNT_MAX} (got {getattr(self, key)})")
-        _require(self.lr > 0, f"train.lr must be > 0 (got {self.lr})")
-        _require(0 <= self.min_lr <= self.lr, f"train.min_lr must be in [0, train.lr] (got {self.min_lr})")
+            ensure(getattr(self, key) <= COUNT_MAX, f"train.{key} must be <= {COUNT_MAX} (got {getattr(self, key)})")
+        ensure(self.lr > 0, f"train.lr must be > 0 (got {self.lr})")
+        ensure(0 <= self.min_lr <= self.lr, f"train.min_lr must be in [0, train.lr] (got {self.min_lr})")
         for key in ("warmup_steps", "save_every", "eval_every", "weight_decay", "grad_clip", "skip_nonfinite"):
-            _require(getattr(self, key) >= 0, f"train.{key} must be >= 0 (got {getattr(self, key)})")
-        _require(self.eval_batches >= 1, f"train.eval_batches must be >= 1 (got {self.eval_batches}); "
-                                         "train.eval_every: 0 turns validation off")
+            ensure(getattr(self, key) >= 0, f"train.{key} must be >= 0 (got {getattr(self, key)})")
+        ensure(self.eval_batches >= 1, f"train.eval_batches must be >= 1 (got {self.eval_batches}); "
+                                       "train.eval_every: 0 turns validation off")
         # the seed and its offsets (seed + rank, seed + batch) must fit torch's and the data hash's 64-bit seeds
-        _require(0 <= self.seed < 2 ** 62, f"train.seed must be in 0..2**62 - 1 (got {self.seed})")
-        _require(self.log_every >= 1 and self.keep_last >= 1, "train.log_every and train.keep_last must be >= 1")
-        _require(math.isfinite(self.peak_tflops) and self.peak_tflops >= 0,
-                 f"train.peak_tflops must be >= 0 (got {self.peak_tflops})")
-        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1)")
-        _require(self.out_dir != "", "train.out_dir must not be empty")
-        _require(self.lora_rank >= 0, f"train.lora_rank must be >= 0 (got {self.lora_rank})")
+        ensure(0 <= self.seed < 2 ** 62, f"train.seed must be in 0..2**62 - 1 (got {self.seed})")
+        ensure(self.log_every >= 1 and self.keep_last >= 1, "train.log_every and train.keep_last must be >= 1")
+        ensure(math.isfinite(self.peak_tflops) and self.peak_tflops >= 0,
+               f"train.peak_tflops must be >= 0 (got {self.peak_tflops})")
+        ensure(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1)")
+        ensure(self.out_dir != "", "train.out_dir must not be empty")
+        ensure(self.lora_rank >= 0, f"train.lora_rank must be >= 0 (got {self.lora_rank})")
         if self.lora_rank:
-            _require(self.lora_alpha > 0 and 0 <= self.lora_dropout < 1,
-                     "train.lora_alpha must be > 0 and train.lora_dropout in [0, 1)")
-            _require(bool(self.lora_targets), f"train.lora_targets is empty: name at least one of "
-                                              f"{', '.join(LORA_TARGETS)}")
+            ensure(self.lora_alpha > 0 and 0 <= self.lora_dropout < 1,
+                   "train.lora_alpha must be > 0 and train.lora_dropout in [0, 1)")
+            ensure(bool(self.lora_targets), f"train.lora_targets is empty: name at least one of "
+                                            f"{', '.join(LORA_TARGETS)}")
         # checked with or without train.lora_rank: a misspelt target is refused, not kept until a LoRA run reads it
         bad = [name for name in self.lora_targets if name not in LORA_TARGETS]
-        _require(not bad, f"train.lora_targets has {bad[0]!r}: no such module (have: {', '.join(LORA_TARGETS)})"
-                 if bad else "")
+        ensure(not bad, f"train.lora_targets has {bad[0]!r}: no such module (have: {', '.join(LORA_TARGETS)})"
+               if bad else "")
 
 
 class DeepSpeedConfig(_Section):
@@ -178,14 +178,14 @@ class DeepSpeedConfig(_Section):
                     "fp32 weights and optimizer state")
 
     def check(self) -> None:
-        _require(self.zero_stage in (0, 1, 2), f"deepspeed.zero_stage must be 0, 1 or 2 (got {self.zero_stage})")
+        ensure(self.zero_stage in (0, 1, 2), f"deepspeed.zero_stage must be 0, 1 or 2 (got {self.zero_stage})")
 
 
 class EvalConfig(_Section):
     block_size: int = _f(0, "perplexity window; 0 = model.seq_len")
 
     def check(self) -> None:
-        _require(self.block_size >= 0, f"eval.block_size must be >= 0 (got {self.block_size})")
+        ensure(self.block_size >= 0, f"eval.block_size must be >= 0 (got {self.block_size})")
 
 
 class Config(BaseModel):
@@ -440,11 +440,6 @@ def _suggest(name: str, known) -> str:
 # validation: impossible values, named
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise UserError(message)
-
-
 def validate(cfg: Config) -> None:
     """Each section's own checks (`Section.check`), then what reads several sections: the blocks a run
     trains, the training mode, LoRA and the data source against the kind, the default K under its bound;
@@ -467,44 +462,44 @@ def validate(cfg: Config) -> None:
 
 def _check_blocks(d: BlockDiffusion, n_blocks: int) -> None:
     if d.block_sampling == "fixed":
-        _require(len(d.block_weights) == n_blocks and all(w > 0 for w in d.block_weights),
-                 f"diffusion.block_sampling fixed needs diffusion.block_weights: {n_blocks} weights > 0, one per "
-                 f"block (got {d.block_weights})")
+        ensure(len(d.block_weights) == n_blocks and all(w > 0 for w in d.block_weights),
+               f"diffusion.block_sampling fixed needs diffusion.block_weights: {n_blocks} weights > 0, one per "
+               f"block (got {d.block_weights})")
     else:
-        _require(not d.block_weights, f"diffusion.block_weights applies to block_sampling fixed (got "
-                                      f"{d.block_sampling})")
+        ensure(not d.block_weights, f"diffusion.block_weights applies to block_sampling fixed (got "
+                                    f"{d.block_sampling})")
     for b in d.blocks_to_train:
-        _require(0 <= b < n_blocks, f"diffusion.blocks_to_train has {b}, outside 0..{n_blocks - 1}")
+        ensure(0 <= b < n_blocks, f"diffusion.blocks_to_train has {b}, outside 0..{n_blocks - 1}")
 
 
 def _check_training(cfg: Config, kind) -> None:
     t = cfg.train
     if t.mode == "block_parallel":
         require(kind, "block_parallel", "train.mode block_parallel")
-        _require(cfg.deepspeed.zero_stage == 0,
-                 f"train.mode block_parallel needs deepspeed.zero_stage 0 (got {cfg.deepspeed.zero_stage}): each rank "
-                 "already keeps optimiser state for its own block only, and ZeRO would partition it over ranks that "
-                 "train other blocks")
+        ensure(cfg.deepspeed.zero_stage == 0,
+               f"train.mode block_parallel needs deepspeed.zero_stage 0 (got {cfg.deepspeed.zero_stage}): each rank "
+               "already keeps optimiser state for its own block only, and ZeRO would partition it over ranks that "
+               "train other blocks")
         # diffusion.block_sampling matters only when a rank owns several blocks: checked with the world size
         # (parallel.check_world)
     if t.lora_rank:
         require(kind, "lora", "train.lora_rank")
-        _require(bool(init_source(cfg)), "train.lora_rank needs model.init_from: adapters train on a pretrained base")
+        ensure(bool(init_source(cfg)), "train.lora_rank needs model.init_from: adapters train on a pretrained base")
 
 
 def _check_data(cfg: Config, kind) -> None:
     data = cfg.data
-    _require(data.source in kind.data_sources, f"model.kind {kind.name} reads data.source "
-             f"{' / '.join(kind.data_sources)} (got {data.source})")
+    ensure(data.source in kind.data_sources, f"model.kind {kind.name} reads data.source "
+           f"{' / '.join(kind.data_sources)} (got {data.source})")
     if kind.data_sources[data.source]:
-        _require(data.path != "", f"data.path is required when data.source is {data.source} "
-                                  f"({kind.data_sources[data.source]})")
-    _require(data.test_fraction == 0 or kind.offers("language_model"),
-             f"data.test_fraction splits a language model's token corpus; model.kind {kind.name} scores its own "
-             "held-out split (`looped_lm eval --split`)")
-    _require(data.test_fraction == 0 or data.source != "bin",
-             "data.test_fraction splits a corpus looped_lm tokenizes; a bin directory brings its own splits (score "
-             "a held-out test.bin with `looped_lm eval --data`)")
+        ensure(data.path != "", f"data.path is required when data.source is {data.source} "
+                                f"({kind.data_sources[data.source]})")
+    ensure(data.test_fraction == 0 or kind.offers("language_model"),
+           f"data.test_fraction splits a language model's token corpus; model.kind {kind.name} scores its own "
+           "held-out split (`looped_lm eval --split`)")
+    ensure(data.test_fraction == 0 or data.source != "bin",
+           "data.test_fraction splits a corpus looped_lm tokenizes; a bin directory brings its own splits (score "
+           "a held-out test.bin with `looped_lm eval --data`)")
 
 
 def _check_iteration_bounds(cfg: Config, kind) -> None:
@@ -513,18 +508,18 @@ def _check_iteration_bounds(cfg: Config, kind) -> None:
     MAX_ITERATIONS."""
     top = getattr(cfg.model, "max_iterations", None)
     if top is not None:
-        _require(top <= MAX_ITERATIONS, f"model.max_iterations must be in 1..{MAX_ITERATIONS} (got {top})")
+        ensure(top <= MAX_ITERATIONS, f"model.max_iterations must be in 1..{MAX_ITERATIONS} (got {top})")
     limits = kind.iteration_limits(cfg)
     if limits is not None:
         where = "model.num_iterations" if "num_iterations" in type(cfg.model).model_fields else "diffusion.num_iterations"
-        _require(limits.default_iterations <= limits.max_iterations, f"{where} must be <= model.max_iterations "
-                 f"({limits.max_iterations}) (got {limits.default_iterations})")
+        ensure(limits.default_iterations <= limits.max_iterations, f"{where} must be <= model.max_iterations "
+               f"({limits.max_iterations}) (got {limits.default_iterations})")
     for key in ("num_iterations", "sample_steps"):
         steps = cfg.diffusion.model_dump().get(key, 0)
-        _require(steps <= MAX_ITERATIONS, f"diffusion.{key} must be <= {MAX_ITERATIONS} (got {steps})")
+        ensure(steps <= MAX_ITERATIONS, f"diffusion.{key} must be <= {MAX_ITERATIONS} (got {steps})")
     recurrence = getattr(cfg.model, "mean_recurrence", None)  # huginn's training recurrence (a default K too)
     if recurrence is not None:
-        _require(recurrence <= MAX_ITERATIONS, f"model.mean_recurrence must be <= {MAX_ITERATIONS} (got {recurrence})")
+        ensure(recurrence <= MAX_ITERATIONS, f"model.mean_recurrence must be <= {MAX_ITERATIONS} (got {recurrence})")
 
 
 def init_source(cfg: Config) -> str:

@@ -21,7 +21,7 @@ from looped_lm.models.db.contexts import WindowContext
 from looped_lm.models.layers import token_cross_entropy
 from looped_lm.sampling import GREEDY, SharedGenerator
 from looped_lm.settings import ScoreSettings, resolve_settings
-from tiny_models import uncached_next_logits
+from tiny_models import perturb_adaln, uncached_next_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,12 +45,7 @@ def make(layout="stacked_low", num_blocks=2, n_layers=4, seed=0, **diffusion):
     cfg = config_from_dict({"model": model, "diffusion": {"num_blocks": num_blocks, **CLEAN_STATE, **fields,
                                                           **diffusion}})
     torch.manual_seed(seed)
-    net = build_model(cfg, V)
-    with torch.no_grad():  # adaLN-Zero starts at zero: give the noisy stream's modulation some weight
-        for name, p in net.named_parameters():
-            if "ada" in name:
-                p.normal_(0, 0.2)
-    return net.eval()
+    return perturb_adaln(build_model(cfg, V)).eval()
 
 
 def batch(g, B=3):

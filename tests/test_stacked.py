@@ -19,7 +19,7 @@ from looped_lm.models.layers import token_cross_entropy
 from looped_lm.sampling import GREEDY, SharedGenerator
 from looped_lm.settings import ScoreSettings, resolve_settings
 from looped_lm.engine.generate import generate
-from tiny_models import uncached_next_logits
+from tiny_models import perturb_adaln, uncached_next_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -35,12 +35,7 @@ def make(num_blocks=4, n_layers=4, context="stacked", seed=0, **diffusion):
                   "n_prelude": 1, "init_std": 0.2, "max_iterations": 16},
         "diffusion": {"num_blocks": num_blocks, "context": context, **LIKELIHOOD, **diffusion}})
     torch.manual_seed(seed)
-    model = build_model(cfg, V)
-    with torch.no_grad():  # adaLN-Zero starts at zero: give the noisy stream's modulation some weight
-        for name, p in model.named_parameters():
-            if "ada" in name:
-                p.normal_(0, 0.2)
-    return model.eval()
+    return perturb_adaln(build_model(cfg, V)).eval()
 
 
 def batch(g, B=3):

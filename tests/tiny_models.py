@@ -28,11 +28,16 @@ def build_tiny(kind: str, seq_len: int = 16, **diffusion):
     diffusion = {"num_blocks": 2 if kind == "db_ar" else 1, **PAPER, **diffusion}
     torch.manual_seed(0)
     m = build_model(config_from_dict({"model": model, "diffusion": diffusion}), V)
+    return perturb_adaln(m).eval()
+
+
+def perturb_adaln(model):
+    """adaLN-Zero starts at zero: give the noisy stream's modulation some weight, so sigma matters."""
     with torch.no_grad():
-        for name, p in m.named_parameters():
+        for name, p in model.named_parameters():
             if "ada" in name:
                 p.normal_(0, 0.2)
-    return m.eval()
+    return model
 
 
 def markov_batch(generator, batch: int = 16, T: int = 16, stay: float = 0.7):

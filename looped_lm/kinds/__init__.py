@@ -18,13 +18,13 @@ import os
 
 from looped_lm.errors import UserError
 from looped_lm.kinds.base import (CAPABILITIES, LANGUAGE_SOURCES, BlockDiffusion, DiffusionSection, IterationLimits,
-                                  Kind, LanguageModelSection, ModelSection, NoiseDiffusion, SequenceSection, require,
+                                  Kind, LanguageModelSection, ModelSection, NoiseDiffusion, SequenceSection, ensure, require,
                                   resolve)
 from looped_lm.kinds.builtin import BUILTIN
 
 
 __all__ = ["CAPABILITIES", "LANGUAGE_SOURCES", "BlockDiffusion", "DiffusionSection", "IterationLimits", "Kind", "LanguageModelSection",
-           "ModelSection", "NoiseDiffusion", "SequenceSection", "get_kind", "kind_of", "register", "registered",
+           "ModelSection", "NoiseDiffusion", "SequenceSection", "ensure", "get_kind", "kind_of", "register", "registered",
            "require", "resolve"]
 
 ENTRY_POINT_GROUP = "looped_lm.kinds"

@@ -66,13 +66,13 @@ class ModelSection(Section):
 
     def check(self) -> None:
         for key in ("n_layers", "d_model", "n_heads"):
-            _require(getattr(self, key) >= 1, f"model.{key} must be >= 1 (got {getattr(self, key)})")
-        _require(self.d_model % self.n_heads == 0,
-                 f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})")
-        _require((self.d_model // self.n_heads) % 2 == 0, "model.d_model / model.n_heads must be even (RoPE rotates "
-                                                          "pairs)")
-        _require(self.ffn_hidden >= 0, f"model.ffn_hidden must be >= 0 (got {self.ffn_hidden})")
-        _require(self.init_std > 0 and self.norm_eps > 0, "model.init_std and norm_eps must be > 0")
+            ensure(getattr(self, key) >= 1, f"model.{key} must be >= 1 (got {getattr(self, key)})")
+        ensure(self.d_model % self.n_heads == 0,
+               f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})")
+        ensure((self.d_model // self.n_heads) % 2 == 0, "model.d_model / model.n_heads must be even (RoPE rotates "
+                                                        "pairs)")
+        ensure(self.ffn_hidden >= 0, f"model.ffn_hidden must be >= 0 (got {self.ffn_hidden})")
+        ensure(self.init_std > 0 and self.norm_eps > 0, "model.init_std and norm_eps must be > 0")
 
 
 class SequenceSection(ModelSection):
@@ -83,8 +83,8 @@ class SequenceSection(ModelSection):
 
     def check(self) -> None:
         super().check()
-        _require(self.seq_len >= 1, f"model.seq_len must be >= 1 (got {self.seq_len})")
-        _require(self.rope_theta > 0, f"model.rope_theta must be > 0 (got {self.rope_theta})")
+        ensure(self.seq_len >= 1, f"model.seq_len must be >= 1 (got {self.seq_len})")
+        ensure(self.rope_theta > 0, f"model.rope_theta must be > 0 (got {self.rope_theta})")
 
 
 class LanguageModelSection(SequenceSection):
@@ -109,11 +109,11 @@ class LanguageModelSection(SequenceSection):
 
     def check(self) -> None:
         super().check()
-        _require(self.max_positions == 0 or self.max_positions >= self.seq_len,
-                 f"model.max_positions must be 0 (model.seq_len) or >= model.seq_len ({self.seq_len}) (got "
-                 f"{self.max_positions})")
-        _require(self.vocab_size >= 0, f"model.vocab_size must be >= 0 (got {self.vocab_size})")
-        _require(self.loss_chunk >= 0, f"model.loss_chunk must be >= 0 (got {self.loss_chunk})")
+        ensure(self.max_positions == 0 or self.max_positions >= self.seq_len,
+               f"model.max_positions must be 0 (model.seq_len) or >= model.seq_len ({self.seq_len}) (got "
+               f"{self.max_positions})")
+        ensure(self.vocab_size >= 0, f"model.vocab_size must be >= 0 (got {self.vocab_size})")
+        ensure(self.loss_chunk >= 0, f"model.loss_chunk must be >= 0 (got {self.loss_chunk})")
 
 
 # --- K: the one rule every verb reads ------------------------------------------------------------------
@@ -149,10 +149,10 @@ class BlockDiffusion(DiffusionSection):
                                            "first, e.g. [3, 1, 1]: block 0 gets 60 % of the steps; normalised")
 
     def check(self) -> None:
-        _require(self.num_blocks >= 1, f"diffusion.num_blocks must be >= 1 (got {self.num_blocks})")
-        _require(0.0 <= self.overlap <= 0.5, f"diffusion.overlap must be in [0, 0.5] (got {self.overlap})")
-        _require(len(set(self.blocks_to_train)) == len(self.blocks_to_train),
-                 f"diffusion.blocks_to_train has duplicates: {self.blocks_to_train}")
+        ensure(self.num_blocks >= 1, f"diffusion.num_blocks must be >= 1 (got {self.num_blocks})")
+        ensure(0.0 <= self.overlap <= 0.5, f"diffusion.overlap must be in [0, 0.5] (got {self.overlap})")
+        ensure(len(set(self.blocks_to_train)) == len(self.blocks_to_train),
+               f"diffusion.blocks_to_train has duplicates: {self.blocks_to_train}")
 
 
 class NoiseDiffusion(BlockDiffusion):
@@ -175,15 +175,16 @@ class NoiseDiffusion(BlockDiffusion):
 
     def check(self) -> None:
         super().check()
-        _require(0 < self.sigma_min < self.sigma_max, f"diffusion.sigma_min ({self.sigma_min}) must be > 0 and below "
-                                                      f"diffusion.sigma_max ({self.sigma_max})")
-        _require(self.p_std > 0, f"diffusion.p_std must be > 0 (got {self.p_std})")
-        _require(self.sigma_data > 0, f"diffusion.sigma_data must be > 0 (got {self.sigma_data})")
-        _require(0 < self.sample_top_quantile <= 1,
-                 f"diffusion.sample_top_quantile must be in (0, 1] (got {self.sample_top_quantile})")
+        ensure(0 < self.sigma_min < self.sigma_max, f"diffusion.sigma_min ({self.sigma_min}) must be > 0 and below "
+                                                    f"diffusion.sigma_max ({self.sigma_max})")
+        ensure(self.p_std > 0, f"diffusion.p_std must be > 0 (got {self.p_std})")
+        ensure(self.sigma_data > 0, f"diffusion.sigma_data must be > 0 (got {self.sigma_data})")
+        ensure(0 < self.sample_top_quantile <= 1,
+               f"diffusion.sample_top_quantile must be in (0, 1] (got {self.sample_top_quantile})")
 
 
-def _require(ok: bool, message: str) -> None:
+def ensure(ok: bool, message: str) -> None:
+    """A config check: raise UserError(message), one line naming the key, unless ok."""
     if not ok:
         raise UserError(message)
 
@@ -271,4 +272,4 @@ def require(kind: Kind, capability: str, needed_by: str) -> None:
     """One line naming the kind and what it lacks, for `needed_by` (a verb or a config option)."""
     if not kind.offers(capability):
         raise UserError(f"model.kind {kind.name} does not offer {capability} ({CAPABILITIES.get(capability, '')}), "
-                        f"which {needed_by} needs")
+                      f"which {needed_by} needs")

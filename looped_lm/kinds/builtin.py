@@ -10,15 +10,10 @@
 from __future__ import annotations
 
 from looped_lm.errors import UserError
-from looped_lm.kinds.base import IterationLimits, Kind
+from looped_lm.kinds.base import IterationLimits, Kind, ensure
 from looped_lm.kinds.sections import (DbArDiffusion, DbArSection, DitDiffusion, DitSection, GptSection, HuginnSection,
                                       LoopedDbSection, MdmDiffusion, MdmSection, TokenDiffusion, VitDiffusion,
                                       VitSection)
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise UserError(message)
 
 
 # --- the cost model's shapes of a config (MFU on the log line) ------------------------------------------
@@ -116,13 +111,13 @@ class DbAr(Kind):
         _check_prelude_coda(cfg)
         _resolve_layers_per_block(cfg)
         d = cfg.diffusion
-        _require(d.denoise_weight > 0 or d.context == "stacked" or d.num_blocks == 1,
-                 "diffusion.denoise_weight 0 needs diffusion.context stacked: each block continues the frozen blocks "
-                 "before it, and the whole stack's clean stream is the model a clean readout scores")
-        _require(cfg.diffusion.context != "stacked" or not cfg.diffusion.blocks_to_train,
-                 "diffusion.context stacked cannot train independent block jobs (diffusion.blocks_to_train): block "
-                 "b's clean stream runs blocks < b's current weights, so a block trained apart would read stale "
-                 "ones; train every block in one run (train.mode data_parallel or block_parallel)")
+        ensure(d.denoise_weight > 0 or d.context == "stacked" or d.num_blocks == 1,
+               "diffusion.denoise_weight 0 needs diffusion.context stacked: each block continues the frozen blocks "
+               "before it, and the whole stack's clean stream is the model a clean readout scores")
+        ensure(cfg.diffusion.context != "stacked" or not cfg.diffusion.blocks_to_train,
+               "diffusion.context stacked cannot train independent block jobs (diffusion.blocks_to_train): block "
+               "b's clean stream runs blocks < b's current weights, so a block trained apart would read stale "
+               "ones; train every block in one run (train.mode data_parallel or block_parallel)")
 
     def source_layers(self, cfg, n_source: int) -> dict[str, list]:
         m, d = cfg.model, cfg.diffusion
@@ -166,8 +161,8 @@ class LoopedDb(Kind):
 
     def validate(self, cfg) -> None:
         _check_prelude_coda(cfg)
-        _require(cfg.diffusion.num_blocks == 1, f"looped_db has one weight-tied core: diffusion.num_blocks must be 1 "
-                                                f"(got {cfg.diffusion.num_blocks})")
+        ensure(cfg.diffusion.num_blocks == 1, f"looped_db has one weight-tied core: diffusion.num_blocks must be 1 "
+                                              f"(got {cfg.diffusion.num_blocks})")
 
     def source_layers(self, cfg, n_source: int) -> dict[str, list]:
         prelude, core, coda = _retrofit(cfg, n_source)
@@ -198,13 +193,13 @@ class Huginn(Kind):
     def validate(self, cfg) -> None:
         m = cfg.model
         _check_prelude_coda(cfg)
-        _require(m.mean_recurrence >= 1, f"model.mean_recurrence must be >= 1 (got {m.mean_recurrence})")
-        _require(m.backprop_depth >= 1, f"model.backprop_depth must be >= 1 (got {m.backprop_depth})")
-        _require(m.backprop_depth <= m.mean_recurrence or m.allow_full_backprop,
-                 f"model.backprop_depth ({m.backprop_depth}) exceeds model.mean_recurrence ({m.mean_recurrence});"
-                 " set model.allow_full_backprop: true if that is intended")
-        _require(0 <= m.num_iterations <= m.max_iterations, f"model.num_iterations must be in 0..model.max_iterations "
-                 f"({m.max_iterations}) (got {m.num_iterations})")
+        ensure(m.mean_recurrence >= 1, f"model.mean_recurrence must be >= 1 (got {m.mean_recurrence})")
+        ensure(m.backprop_depth >= 1, f"model.backprop_depth must be >= 1 (got {m.backprop_depth})")
+        ensure(m.backprop_depth <= m.mean_recurrence or m.allow_full_backprop,
+               f"model.backprop_depth ({m.backprop_depth}) exceeds model.mean_recurrence ({m.mean_recurrence});"
+               " set model.allow_full_backprop: true if that is intended")
+        ensure(0 <= m.num_iterations <= m.max_iterations, f"model.num_iterations must be in 0..model.max_iterations "
+               f"({m.max_iterations}) (got {m.num_iterations})")
 
     def source_layers(self, cfg, n_source: int) -> dict[str, list]:
         prelude, core, coda = _retrofit(cfg, n_source)
@@ -259,8 +254,8 @@ def _block_lora_layers(cfg, num_blocks: int) -> tuple[list[str], bool]:
 def _check_prelude_coda(cfg) -> None:
     m = cfg.model
     for key in ("n_prelude", "n_coda"):
-        _require(getattr(m, key) >= 0, f"model.{key} must be >= 0 (got {getattr(m, key)})")
-    _require(m.max_iterations >= 1, f"model.max_iterations must be >= 1 (got {m.max_iterations})")
+        ensure(getattr(m, key) >= 0, f"model.{key} must be >= 0 (got {getattr(m, key)})")
+    ensure(m.max_iterations >= 1, f"model.max_iterations must be >= 1 (got {m.max_iterations})")
 
 
 def _resolve_layers_per_block(cfg) -> None:
@@ -269,17 +264,17 @@ def _resolve_layers_per_block(cfg) -> None:
     m, d = cfg.model, cfg.diffusion
     lpb = d.layers_per_block
     if lpb in (0, []):
-        _require(m.n_layers % d.num_blocks == 0,
-                 f"diffusion.num_blocks ({d.num_blocks}) must divide model.n_layers ({m.n_layers})")
+        ensure(m.n_layers % d.num_blocks == 0,
+               f"diffusion.num_blocks ({d.num_blocks}) must divide model.n_layers ({m.n_layers})")
         return
     if isinstance(lpb, list):
-        _require(all(n >= 1 for n in lpb), f"diffusion.layers_per_block must list counts >= 1 (got {lpb})")
-        _require(sum(lpb) == m.n_layers, f"diffusion.layers_per_block {lpb} sums to {sum(lpb)}, but model.n_layers "
-                                         f"is {m.n_layers}")
+        ensure(all(n >= 1 for n in lpb), f"diffusion.layers_per_block must list counts >= 1 (got {lpb})")
+        ensure(sum(lpb) == m.n_layers, f"diffusion.layers_per_block {lpb} sums to {sum(lpb)}, but model.n_layers "
+                                       f"is {m.n_layers}")
         blocks = len(lpb)
     else:
-        _require(lpb >= 1, f"diffusion.layers_per_block must be >= 1, a list, or 0 for n_layers / num_blocks (got {lpb})")
-        _require(m.n_layers % lpb == 0, f"diffusion.layers_per_block ({lpb}) must divide model.n_layers ({m.n_layers})")
+        ensure(lpb >= 1, f"diffusion.layers_per_block must be >= 1, a list, or 0 for n_layers / num_blocks (got {lpb})")
+        ensure(m.n_layers % lpb == 0, f"diffusion.layers_per_block ({lpb}) must divide model.n_layers ({m.n_layers})")
         blocks = m.n_layers // lpb
     if "num_blocks" in d.model_fields_set and d.num_blocks != blocks:
         raise UserError(f"diffusion.num_blocks ({d.num_blocks}) contradicts diffusion.layers_per_block {lpb!r} "
@@ -305,15 +300,15 @@ class _Module(Kind):
     def validate(self, cfg) -> None:
         m, d = cfg.model, cfg.diffusion
         if not m.end_to_end:
-            _require(d.num_blocks <= m.n_layers, f"diffusion.num_blocks ({d.num_blocks}) is larger than model.n_layers "
-                     f"({m.n_layers}): every block needs at least one layer")
-            _require(m.n_layers % d.num_blocks == 0,
-                     f"diffusion.num_blocks ({d.num_blocks}) must divide model.n_layers ({m.n_layers})")
+            ensure(d.num_blocks <= m.n_layers, f"diffusion.num_blocks ({d.num_blocks}) is larger than model.n_layers "
+                   f"({m.n_layers}): every block needs at least one layer")
+            ensure(m.n_layers % d.num_blocks == 0,
+                   f"diffusion.num_blocks ({d.num_blocks}) must divide model.n_layers ({m.n_layers})")
         blocks = self.num_blocks(cfg)
         for key in self.step_fields:  # a default step count: at least one step per block
             steps = getattr(d, key)
-            _require(not steps or steps >= blocks, f"diffusion.{key} ({steps}) must be >= the number of blocks "
-                     f"({blocks}): {self.name} runs at least one step per block")
+            ensure(not steps or steps >= blocks, f"diffusion.{key} ({steps}) must be >= the number of blocks "
+                   f"({blocks}): {self.name} runs at least one step per block")
 
 
 class _ImageModule(_Module):
@@ -326,9 +321,9 @@ class _ImageModule(_Module):
         super().validate(cfg)
         m = cfg.model
         for key in ("image_size", "channels", "patch"):
-            _require(getattr(m, key) >= 1, f"model.{key} must be >= 1 (got {getattr(m, key)})")
-        _require(m.image_size % m.patch == 0, f"model.image_size ({m.image_size}) is not divisible by model.patch "
-                 f"({m.patch})")
+            ensure(getattr(m, key) >= 1, f"model.{key} must be >= 1 (got {getattr(m, key)})")
+        ensure(m.image_size % m.patch == 0, f"model.image_size ({m.image_size}) is not divisible by model.patch "
+               f"({m.patch})")
 
 
 class Vit(_ImageModule):
@@ -339,7 +334,7 @@ class Vit(_ImageModule):
 
     def validate(self, cfg) -> None:
         super().validate(cfg)
-        _require(cfg.model.num_classes >= 2, f"model.num_classes must be >= 2 for vit (got {cfg.model.num_classes})")
+        ensure(cfg.model.num_classes >= 2, f"model.num_classes must be >= 2 for vit (got {cfg.model.num_classes})")
 
 
 class Dit(_ImageModule):
@@ -351,8 +346,8 @@ class Dit(_ImageModule):
 
     def validate(self, cfg) -> None:
         super().validate(cfg)
-        _require(cfg.model.num_classes >= 0, f"model.num_classes must be >= 0 for dit, 0 = unconditional (got "
-                 f"{cfg.model.num_classes})")
+        ensure(cfg.model.num_classes >= 0, f"model.num_classes must be >= 0 for dit, 0 = unconditional (got "
+               f"{cfg.model.num_classes})")
 
 
 class Mdm(_Module):

@@ -10,15 +10,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from looped_lm.errors import UserError
 from looped_lm.fields import Float, field
-from looped_lm.kinds.base import (BlockDiffusion, LanguageModelSection, ModelSection, NoiseDiffusion,
-                                  SequenceSection)
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise UserError(message)
+from looped_lm.kinds.base import (BlockDiffusion, LanguageModelSection, ModelSection, NoiseDiffusion, SequenceSection,
+                                  ensure)
 
 
 # --- model: sections ----------------------------------------------------------------------------------------
@@ -130,21 +124,21 @@ class TokenDiffusion(NoiseDiffusion):
 
     def check(self) -> None:
         super().check()
-        _require(0 < self.target_fraction <= 1, f"diffusion.target_fraction must be in (0, 1] (got "
-                                                f"{self.target_fraction})")
-        _require(self.curve_every >= 1 and self.curve_until >= 0,
-                 "diffusion.curve_every must be >= 1 and curve_until >= 0")
-        _require(self.clean_lm_weight >= 0, f"diffusion.clean_lm_weight must be >= 0 (got {self.clean_lm_weight})")
-        _require(self.denoise_weight >= 0, f"diffusion.denoise_weight must be >= 0 (got {self.denoise_weight})")
+        ensure(0 < self.target_fraction <= 1, f"diffusion.target_fraction must be in (0, 1] (got "
+                                              f"{self.target_fraction})")
+        ensure(self.curve_every >= 1 and self.curve_until >= 0,
+               "diffusion.curve_every must be >= 1 and curve_until >= 0")
+        ensure(self.clean_lm_weight >= 0, f"diffusion.clean_lm_weight must be >= 0 (got {self.clean_lm_weight})")
+        ensure(self.denoise_weight >= 0, f"diffusion.denoise_weight must be >= 0 (got {self.denoise_weight})")
         if self.denoise_weight == 0:  # the control arm: the clean next-token loss alone
-            _require(self.clean_lm_weight > 0, "diffusion.denoise_weight 0 leaves no loss: set diffusion.clean_lm_weight "
-                                               "> 0 (each block then trains on the clean next-token loss alone)")
-            _require(self.block_sampling in ("uniform", "round_robin", "fixed"),
-                     f"diffusion.denoise_weight 0: block_sampling {self.block_sampling} reads the denoiser's CE "
-                     "curve, which is not trained; use uniform, round_robin or fixed")
-        _require(self.posterior_topk >= 1, f"diffusion.posterior_topk must be >= 1 (got {self.posterior_topk})")
-        _require(self.num_iterations >= 0, f"diffusion.num_iterations must be >= 1, or 0 for num_blocks (got "
-                                           f"{self.num_iterations})")
+          ensure(self.clean_lm_weight > 0, "diffusion.denoise_weight 0 leaves no loss: set diffusion.clean_lm_weight "
+                                             "> 0 (each block then trains on the clean next-token loss alone)")
+          ensure(self.block_sampling in ("uniform", "round_robin", "fixed"),
+                   f"diffusion.denoise_weight 0: block_sampling {self.block_sampling} reads the denoiser's CE "
+                   "curve, which is not trained; use uniform, round_robin or fixed")
+        ensure(self.posterior_topk >= 1, f"diffusion.posterior_topk must be >= 1 (got {self.posterior_topk})")
+        ensure(self.num_iterations >= 0, f"diffusion.num_iterations must be >= 1, or 0 for num_blocks (got "
+                                         f"{self.num_iterations})")
 
 
 class DbArDiffusion(TokenDiffusion):
@@ -175,8 +169,8 @@ class VitDiffusion(NoiseDiffusion):
 
     def check(self) -> None:
         super().check()
-        _require(self.num_iterations >= 0, f"diffusion.num_iterations must be >= 1, or 0 for num_blocks (got "
-                                           f"{self.num_iterations})")
+        ensure(self.num_iterations >= 0, f"diffusion.num_iterations must be >= 1, or 0 for num_blocks (got "
+                                         f"{self.num_iterations})")
 
 
 class DitDiffusion(NoiseDiffusion):
@@ -188,9 +182,9 @@ class DitDiffusion(NoiseDiffusion):
 
     def check(self) -> None:
         super().check()
-        _require(0 <= self.label_dropout < 1, f"diffusion.label_dropout must be in [0, 1) (got {self.label_dropout})")
-        _require(self.cfg_scale >= 0, f"diffusion.cfg_scale must be >= 0 (got {self.cfg_scale})")
-        _require(self.sample_steps >= 0, f"diffusion.sample_steps must be >= 0 (got {self.sample_steps})")
+        ensure(0 <= self.label_dropout < 1, f"diffusion.label_dropout must be in [0, 1) (got {self.label_dropout})")
+        ensure(self.cfg_scale >= 0, f"diffusion.cfg_scale must be >= 0 (got {self.cfg_scale})")
+        ensure(self.sample_steps >= 0, f"diffusion.sample_steps must be >= 0 (got {self.sample_steps})")
 
 
 class MdmDiffusion(BlockDiffusion):
@@ -202,4 +196,4 @@ class MdmDiffusion(BlockDiffusion):
 
     def check(self) -> None:
         super().check()
-        _require(self.sample_steps >= 0, f"diffusion.sample_steps must be >= 0 (got {self.sample_steps})")
+        ensure(self.sample_steps >= 0, f"diffusion.sample_steps must be >= 0 (got {self.sample_steps})")
