@@ -206,17 +206,7 @@ def db_train(s: Shape, lay: DBLayout, block: int = 0, attention: str = "visible"
     if not lay.denoise:  # the control arm: the clean stream's next-token loss alone
         led.linear("head", Bsz * T, d, V, True, True)
         return led
-    # noisy slot keys: clean positions <= its own (+ its own key with noisy_self). Every slot of the window
-    # with its self key (target_fraction 1) runs `causal_plus_self_attention`: one causal SDPA over a sink
-    # and the clean keys at head dim D + SINK_PAD, the self score elementwise; some slots: the masked
-    # SDPA over T + n keys
-    # (T + 1 queries: a dummy one in front makes the call square)
-    structural = lay.noisy_self and n == T
-    width = d * (s.d // s.heads + SINK_PAD) / (s.d // s.heads) if structural else d
-    if attention == "dense":
-        keys = (T + 1) ** 2 / T if structural else T + (n if lay.noisy_self else 0)
-    else:
-        keys = (T + 2) / 2 * (T + 1) / T if structural else (T + 1) / 2 + (1 if lay.noisy_self else 0)
+    keys, width = _slot_keys(s, lay, T, n, attention)
     _noise_embedding(led, s, Bsz, grad=True)
     for _ in range(depth):
         _noisy_layer(led, s, Bsz, n, keys, lay.noisy_self, grad=True, width=width)
@@ -228,6 +218,52 @@ def db_train(s: Shape, lay: DBLayout, block: int = 0, attention: str = "visible"
     if lay.clean_lm:
         led.linear("head", Bsz * T, d, V, True, True)
     return led
+
+
+def db_curve(s: Shape, lay: DBLayout, n_sigma: int = 24, attention: str = "visible") -> Ledger:
+    """One refresh of the measured CE(sigma) curve (block_sampling loss_share / network_gain, every
+    diffusion.curve_every steps; `DBObjective.measure_curve`): forward only, on one training batch. Every
+    block's clean stream runs once (its last layer K/V only, unless it hands its states on under context
+    stacked), then each of the n_sigma grid points runs the owning block's noisy stream over the whole
+    window, the head, and z's own likelihood (the network_gain reference)."""
+    led, T, Bsz = Ledger(), s.seq, s.batch
+    d, V, M = s.d, s.vocab, s.batch * s.seq
+    causal = _causal_keys(T, attention)
+    for _ in range(s.prelude):
+        _layer(led, s, Bsz, T, causal, grad=False)
+    hands_on = set(lay.stack_order[:-1]) if lay.stack_order else set()
+    for b in range(lay.blocks):
+        depth = layers_of(s, lay, b)
+        for i in range(depth):
+            last = i + 1 == depth and not (b in hands_on and s.coda == 0)
+            _layer(led, s, Bsz, T, causal, grad=False, qkv_only=last)
+    keys, width = _slot_keys(s, lay, T, T, attention)
+    for i in range(n_sigma):
+        depth = layers_of(s, lay, 0)  # an even split; an uneven one charges block 0's depth
+        _noise_embedding(led, s, Bsz, grad=False)
+        for _ in range(depth):
+            _noisy_layer(led, s, Bsz, T, keys, lay.noisy_self, grad=False, width=width)
+        if lay.parameterization == "likelihood":
+            led.linear("loglik", M, d, V)
+            led.linear("posterior", M, lay.topk if lay.posterior == "topk" else V, d)
+        led.linear("head", M, d, V)
+        led.linear("loglik", M, d, V)  # ce_z: z's own likelihood alone
+    return led
+
+
+def _slot_keys(s: Shape, lay: DBLayout, T: int, n: int, attention: str) -> tuple[float, float]:
+    """(keys per noisy slot, attention width) for n slots of a T-token window: clean positions <= its own
+    (+ its own key with noisy_self). Every slot of the window with its self key runs
+    `causal_plus_self_attention`: one causal SDPA over a sink and the clean keys at head dim D + SINK_PAD,
+    the self score elementwise (T + 1 queries: a dummy one in front makes the call square); some slots:
+    the masked SDPA over T + n keys."""
+    structural = lay.noisy_self and n == T
+    width = s.d * (s.d // s.heads + SINK_PAD) / (s.d // s.heads) if structural else s.d
+    if attention == "dense":
+        keys = (T + 1) ** 2 / T if structural else T + (n if lay.noisy_self else 0)
+    else:
+        keys = (T + 2) / 2 * (T + 1) / T if structural else (T + 1) / 2 + (1 if lay.noisy_self else 0)
+    return keys, width
 
 
 def _likelihood_train(led, lay: DBLayout, M, d, V, runs):

@@ -111,6 +111,23 @@ def test_db_ar_training_step_of_every_block(lay):
         close(step_flops(model, s, b), cm.db_train(s, lay, b, "dense").total())
 
 
+CURVE_LAYOUTS = [cm.DBLayout(blocks=2), cm.DBLayout(blocks=2, clean_lm=True),
+                 cm.DBLayout(blocks=2, parameterization="edm", noisy_self=True)]
+
+
+@pytest.mark.parametrize("lay", CURVE_LAYOUTS, ids=["shipped", "clean_lm", "paper"])
+def test_a_curve_refresh(lay):
+    """What network_gain / loss_share spend every diffusion.curve_every steps (measure_curve, forward only):
+    charged to DB's training budget in equal-FLOPs comparisons."""
+    s = replace(SHAPES[0], prelude=1)
+    model = build("db_ar", s, lay)
+    g = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, s.vocab, (s.batch, s.seq), generator=g) for _ in range(2))
+    with counting() as c:
+        model.measure_curve(x, y, seed=0)
+    close(c.get_total_flops(), cm.db_curve(s, lay, attention="dense").total())
+
+
 def test_looped_db_training_step():
     s = replace(SHAPES[1], prelude=1, coda=1)
     lay = cm.DBLayout(blocks=1, loss_chunk=8)
