@@ -1,0 +1,265 @@
+"""The decision row (docs/results.md): the recommended DiffusionBlocks recipe against end-to-end gpt models
+at equal training FLOPs, every arm's learning rate and warm-up tuned alike on dev, 5 paired seeds scored on
+test. The plan, its statistic and its rules are bench/results/decision/plan.md (written before the runs).
+
+    python bench/decision.py run --workers 2      # every stage the plan names, in order; resumable
+    python bench/decision.py report               # bench/results/decision/report.md from the JSONs
+
+Arms (ARMS): the DB recipe (configs/quickstart_db.yaml as shipped: db_ar, 4 layers in B = 2 blocks,
+network_gain, clean_lm_weight 1.0, 1000 steps), gpt with 4 layers and gpt with 2 layers (one block's
+depth), configs/quickstart.yaml otherwise. A gpt arm trains for as many steps as the DB recipe's FLOPs buy
+(looped_lm.cost: DB's 1000 steps plus its 10 CE(sigma) curve refreshes, gpt's step at its depth). Held-out
+data, dev/test halves and scoring are bench/allocation.py's protocol (`protocol_split`, `eval_json`).
+
+Stages per arm: (1) lr in LRS at warm-up 50, seed 0; an edge optimum adds the next rate out, once;
+(2) warm-up in WARMUPS (20, 50, 200) at the chosen lr; an edge optimum adds the next warm-up out, once; (3) seeds 1-4
+at the chosen (lr, warm-up), seed 0 being the sweep's run there. One JSON per run in
+bench/results/decision/<arm>/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, wait, FIRST_COMPLETED
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import allocation  # noqa: E402  (bench/ is not a package)
+import common  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "bench" / "results" / "decision"
+WORK = Path("/tmp/looped_lm_decision")
+DB_STEPS = 1000
+
+ARMS = {
+    "db_b2": {"config": "configs/quickstart_db.yaml", "sets": [], "blocks": 2},
+    "gpt_4l": {"config": "configs/quickstart.yaml", "sets": ["model.n_layers=4"], "blocks": 0},
+    "gpt_2l": {"config": "configs/quickstart.yaml", "sets": ["model.n_layers=2"], "blocks": 0},
+}
+LRS = [3e-4, 1e-3, 3e-3, 1e-2]
+LR_OUT = {3e-4: 1e-4, 1e-2: 3e-2}  # the next rate out from an edge
+WARMUP0 = 50
+WARMUPS = [20, 50, 200]
+WARMUP_OUT = {20: 5, 200: 500}
+SEEDS = [0, 1, 2, 3, 4]
+
+
+def load(arm: str, sets: list[str]):
+    from looped_lm.config import load_config
+
+    return load_config(str(ROOT / ARMS[arm]["config"]), [*ARMS[arm]["sets"], *sets])
+
+
+def budget(vocab: int) -> dict:
+    """The DB recipe's training FLOPs (matmuls, looped_lm.cost) and the steps each gpt arm gets for them."""
+    from looped_lm import cost
+    from looped_lm.kinds import get_kind
+    from looped_lm.kinds.builtin import _cost_shape, _db_layout
+
+    db = load("db_b2", [])
+    kind, batch = get_kind("db_ar"), db.train.batch_size
+    steps = sum(kind.step_flops(db, vocab, batch, key=b) for b in range(2)) / 2  # independent: equal blocks
+    refreshes = DB_STEPS // db.diffusion.curve_every
+    curve = cost.db_curve(_cost_shape(db, vocab, batch), _db_layout(db, 2)).total()
+    total = DB_STEPS * steps + refreshes * curve
+    out = {"vocab": vocab, "db_step_flops": steps, "db_curve_flops": curve, "db_refreshes": refreshes,
+           "db_total_flops": total, "arm_steps": {"db_b2": DB_STEPS}}
+    for arm in ARMS:
+        if arm.startswith("gpt"):
+            gpt = load(arm, [])
+            f = get_kind("gpt").step_flops(gpt, vocab, gpt.train.batch_size)
+            out["arm_steps"][arm] = round(total / f)
+            out[f"{arm}_step_flops"] = f
+    return out
+
+
+def name(arm: str, lr: float, warmup: int, seed: int) -> str:
+    return f"{arm}_lr{lr:.0e}_wu{warmup}_s{seed}"
+
+
+def run_one(arm: str, lr: float, warmup: int, seed: int, steps: int, split: dict, extra: list[str]) -> dict:
+    """Train one arm (1 thread), score dev and test ppl (exact) and, for DB, the K = B chain on test."""
+    tag = name(arm, lr, warmup, seed)
+    out_dir = WORK / tag
+    sets = [f"train.max_steps={steps}", f"train.seed={seed}", f"train.lr={lr}", f"train.min_lr={lr / 10}",
+            f"train.warmup_steps={warmup}", f"data.split_seed={split['split_seed']}", f"train.out_dir={out_dir}",
+            "train.save_every=0", "train.progress=false", "train.eval_every=0", "train.log_every=1",
+            f"data.cache_dir={WORK / 'cache'}", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    c0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.time()
+    cmd = [sys.executable, "-m", "looped_lm.train", "--config", str(ROOT / ARMS[arm]["config"])]
+    done = subprocess.run(cmd + [a for s in [*ARMS[arm]["sets"], *sets] for a in ("--set", s)], env=env, cwd=ROOT,
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{tag}: training failed: {done.stderr[-2000:]}")
+    ckpt = sorted(out_dir.glob("step_*"))[-1]
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    if (Path(manifest["data"]["dir"]).resolve() / "val.bin") != Path(split["val"]):
+        raise RuntimeError(f"{tag}: its val.bin is not the one split into dev/test ({split['val']})")
+    blocks = ARMS[arm]["blocks"]
+    exact = ["--num-iterations", "0"] if blocks else []
+    dev = allocation.eval_json(ckpt, split["dev"], WORK / f"{tag}_dev.json", env, exact)
+    test = allocation.eval_json(ckpt, split["test"], WORK / f"{tag}_test.json", env, exact)
+    result = {"arm": arm, "lr": lr, "min_lr": lr / 10, "warmup": warmup, "seed": seed, "steps": int(ckpt.name[5:]),
+              "extra_sets": extra, "split": {k: split[k] for k in ("split_seed", "val_tokens", "dev_tokens", "test_tokens")},
+              "dev": {"ppl": dev["ppl"], "nll": dev["nll"], "tokens": dev["tokens"]},
+              "test": {"ppl": test["ppl"], "nll": test["nll"], "tokens": test["tokens"]}}
+    if blocks and seed != 0:  # the chain (sensitivity only) on the seed runs; the sweep chooses on exact ppl@0
+        rep = allocation.eval_json(ckpt, split["test"], WORK / f"{tag}_chain.json", env, allocation.chain_args(blocks))
+        result["test_chain"] = allocation.chain_of(rep, blocks)
+        counts = allocation.logged_block_steps(out_dir, blocks)
+        result["block_steps"] = counts
+    c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    result.update(cpu_s=round((c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime), 1),
+                  wall_s=round(time.time() - t0, 1), commit=common.git_commit(),
+                  finished_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    path = OUT / arm / f"{tag}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def runs(arm: str) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((OUT / arm).glob("*.json"))]
+
+
+def best(rows: list[dict], key: str) -> dict | None:
+    return min(rows, key=lambda r: r["dev"]["ppl"]) if rows else None
+
+
+def next_jobs(arm: str, have: list[dict]) -> tuple[list[tuple], str]:
+    """The runs this arm's next stage needs (lr, warm-up, seed), given the runs it has; and the stage's name."""
+    sweep = [r for r in have if r["seed"] == 0]
+    lr_rows = [r for r in sweep if r["warmup"] == WARMUP0]
+    lrs = sorted({*LRS, *(r["lr"] for r in lr_rows)})
+    missing = [(lr, WARMUP0, 0) for lr in LRS if not any(math.isclose(r["lr"], lr) for r in lr_rows)]
+    if missing:
+        return missing, "lr"
+    lr = best(lr_rows, "lr")["lr"]
+    for edge, out in LR_OUT.items():  # an edge optimum adds the next rate out, once
+        if math.isclose(lr, edge) and edge == (lrs[0] if out < edge else lrs[-1]):
+            return [(out, WARMUP0, 0)], "lr edge"
+    wu_rows = [r for r in sweep if math.isclose(r["lr"], lr)]
+    wus = sorted({r["warmup"] for r in wu_rows})
+    missing = [(lr, w, 0) for w in WARMUPS if w not in wus]
+    if missing:
+        return missing, "warm-up"
+    wu = best(wu_rows, "warmup")["warmup"]
+    if wu in WARMUP_OUT and wu == (wus[0] if WARMUP_OUT[wu] < wu else wus[-1]):
+        return [(lr, WARMUP_OUT[wu], 0)], "warm-up edge"
+    done = {r["seed"] for r in have if math.isclose(r["lr"], lr) and r["warmup"] == wu}
+    return [(lr, wu, s) for s in SEEDS if s not in done], "seeds"
+
+
+def run_all(workers: int, arms: list[str], extra: list[str]) -> None:
+    split = allocation.protocol_split(WORK, 0)
+    vocab = json.loads((Path(split["val"]).parent / "meta.json").read_text())["vocab_size"]
+    b = budget(vocab)
+    (OUT / "budget.json").parent.mkdir(parents=True, exist_ok=True)
+    (OUT / "budget.json").write_text(json.dumps(b, indent=1))
+    print(f"budget: {b}", flush=True)
+    running: dict = {}
+    with ProcessPoolExecutor(workers) as pool:
+        while True:
+            # one job per arm in turn, the arm with the fewest finished runs first, so every arm advances
+            ready = {arm: next_jobs(arm, runs(arm)) for arm in sorted(arms, key=lambda a: len(runs(a)))}
+            queue = [(arm, job, stage) for i in range(len(LRS) + len(SEEDS))
+                     for arm, (jobs, stage) in ready.items() if i < len(jobs) for job in [jobs[i]]]
+            for arm, job, stage in queue:
+                if (arm, *job) in running.values() or len(running) >= workers:
+                    continue
+                fut = pool.submit(run_one, arm, *job, b["arm_steps"][arm], split, extra)
+                running[fut] = (arm, *job)
+                print(f"start {arm} lr {job[0]:g} wu {job[1]} s{job[2]} ({stage})", flush=True)
+            if not running:
+                break
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                key = running.pop(fut)
+                r = fut.result()
+                print(f"done {key}: dev {r['dev']['ppl']:.3f} test {r['test']['ppl']:.3f} ({r['cpu_s']} CPU-s)", flush=True)
+    print(report())
+
+
+def chosen(arm: str) -> tuple[float, int] | None:
+    have = runs(arm)
+    jobs, stage = next_jobs(arm, have)
+    if stage != "seeds":
+        return None
+    lr_rows = [r for r in have if r["seed"] == 0 and r["warmup"] == WARMUP0]
+    lr = best(lr_rows, "lr")["lr"]
+    return lr, best([r for r in have if r["seed"] == 0 and math.isclose(r["lr"], lr)], "warmup")["warmup"]
+
+
+def report() -> str:
+    b = json.loads((OUT / "budget.json").read_text())
+    lines = ["# The decision row: the DB recipe against tuned end-to-end gpt at equal training FLOPs", "",
+             "Written by `bench/decision.py report`; plan, statistic and rules: plan.md (written before the runs).",
+             f"Budget: DB {b['arm_steps']['db_b2']} steps + {b['db_refreshes']} curve refreshes = "
+             f"{b['db_total_flops']:.3e} matmul FLOPs; gpt steps for it: "
+             + ", ".join(f"{a} {s}" for a, s in b["arm_steps"].items() if a != "db_b2") + ".", ""]
+    pick = {}
+    for arm in ARMS:
+        have = runs(arm)
+        c = chosen(arm)
+        pick[arm] = c
+        lines += [f"## {arm}", "", "| lr | warm-up | seed | dev ppl | test ppl | chain test ppl@B (se) | CPU-s |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in sorted(have, key=lambda r: (r["seed"], r["lr"], r["warmup"])):
+            ch = r.get("test_chain")
+            chain = f"{ch['ppl']:.3f} ({ch['se']:.3f})" if ch and ch.get("ppl") is not None else "-"
+            mark = " (chosen)" if c and math.isclose(r["lr"], c[0]) and r["warmup"] == c[1] else ""
+            lines.append(f"| {r['lr']:g} | {r['warmup']}{mark} | {r['seed']} | {r['dev']['ppl']:.3f} | "
+                         f"{r['test']['ppl']:.3f} | {chain} | {r['cpu_s']} |")
+        lines += ["", f"Chosen on dev: {'lr %g, warm-up %d' % c if c else 'sweep not finished'}", ""]
+    lines += ["## Paired test ratios, DB recipe ppl@0 / gpt ppl (same seed)", ""]
+    at = {arm: {r["seed"]: r for r in runs(arm) if pick[arm] and math.isclose(r["lr"], pick[arm][0])
+                and r["warmup"] == pick[arm][1]} for arm in ARMS}
+    for gpt in (a for a in ARMS if a != "db_b2"):
+        seeds = sorted(set(at["db_b2"]) & set(at[gpt]))
+        if len(seeds) < 2:
+            lines.append(f"- db_b2 / {gpt}: {len(seeds)} paired seed(s); no interval yet")
+            continue
+        ratios = [at["db_b2"][s]["test"]["ppl"] / at[gpt][s]["test"]["ppl"] for s in seeds]
+        geo, lo, hi = common.ratio_ci(ratios)
+        verdict = "DB lower" if hi < 1 else "gpt lower" if lo > 1 else "not separated"
+        lines.append(f"- db_b2 / {gpt}: " + ", ".join(f"s{s} {x:.3f}" for s, x in zip(seeds, ratios))
+                     + f"; geometric mean {geo:.3f}, 95 % t interval [{lo:.3f}, {hi:.3f}] (n = {len(seeds)}): "
+                     f"**{verdict}**" + ("" if len(seeds) == len(SEEDS) else " (fewer seeds than planned: no verdict)"))
+        chain = [s for s in seeds if at["db_b2"][s].get("test_chain", {}).get("ppl") is not None]
+        if len(chain) > 1:  # sensitivity: the served K = B chain's estimate on its 8,192 tokens
+            ratios = [at["db_b2"][s]["test_chain"]["ppl"] / at[gpt][s]["test"]["ppl"] for s in chain]
+            geo, lo, hi = common.ratio_ci(ratios)
+            lines.append(f"  - sensitivity, DB ppl@2 (chain, first 8,192 test tokens) / gpt ppl (whole test half): "
+                         f"geometric mean {geo:.3f}, [{lo:.3f}, {hi:.3f}] (n = {len(chain)}, seeds {chain})")
+    text = "\n".join(lines) + "\n"
+    (OUT / "report.md").write_text(text)
+    return text
+
+
+def main() -> None:
+    global OUT
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["run", "report"])
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--set", action="append", default=[], help="extra train overrides (a smoke test)")
+    ap.add_argument("--out", type=Path, default=OUT, help="where the JSONs and report.md go")
+    args = ap.parse_args()
+    OUT = args.out
+    if args.what == "run":
+        run_all(args.workers, args.arms, args.set)
+    else:
+        print(report())
+
+
+if __name__ == "__main__":
+    main()
