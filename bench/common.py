@@ -1,7 +1,7 @@
 """What the bench scripts share (bench/ is not a package: a script puts bench/ on sys.path and imports this).
 
-The benches' one equal-FLOPs training loop, used by bench/quality.py, bench/vocab_options.py and
-bench/scaleout.py: runs that are compared get the same counted training FLOPs.
+An equal-FLOPs training loop (bench/scaleout.py; the retired quality study's, bench/quality.py at commit
+a2d4a89, was the same): runs that are compared get the same counted training FLOPs.
 
     steps = plan_steps(cost_at, budget, curve_every, curve_cost)     # how many steps fit the budget
     state = train(model, opt, runner, steps, seed, batch_at, cost_at, lr_at, ...)

@@ -381,7 +381,7 @@ NEVER_READ = {  # removed fields that did nothing: a manifest that carries one l
     "eval.draws": "it was never read; pass `looped_lm eval --draws`",
 }
 REMOVED = {  # removed options, with what replaced them
-    "diffusion.noise": "noise: adaptive lost every measurement (docs/results.md)",
+    "diffusion.noise": "noise: adaptive lost every measurement (docs/studies/results-history.md)",
     **NEVER_READ,
 }
 

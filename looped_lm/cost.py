@@ -1,6 +1,6 @@
 """Analytic cost model: matmul FLOPs per training step and per decoded token, counted term by term from
 what the model code does (looped_lm/models/: gpt, db/, two_stream, layers, huginn). The equal-FLOPs
-benches (bench/quality.py) charge each step from it; `bench/cost_model.py table` prints its tables;
+benches (bench/decision.py, bench/scaleout.py) charge each step from it; `bench/cost_model.py table` prints its tables;
 tests/test_cost_model.py checks it against torch's FlopCounterMode on the real steps.
 
 Every count is a ledger of matmuls, each tagged with a term:

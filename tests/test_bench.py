@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted((ROOT / "bench").glob("*.py"))
 DOCS = ["bench/README.md", "bench/README_looped.md", "bench/README_serve.md", "docs/export.md", "docs/method.md",
-        "docs/pretrained.md"]
+        "docs/pretrained.md", "docs/results.md"]
 
 
 def test_bench_has_its_scripts():
@@ -94,7 +94,7 @@ def test_a_bench_script_a_doc_names_exists_or_its_commit_is_named():
     """A script removed from bench/ stays reproducible through the commit that holds it: wherever README.md,
     docs/ or a bench README or study report names bench/<script>, the script exists, or a commit hash stands
     within two lines of the name."""
-    docs = [ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("bench/**/*.md")]
+    docs = [ROOT / "README.md", *ROOT.glob("docs/**/*.md"), *ROOT.glob("bench/**/*.md")]
     missing = []
     for doc in docs:
         lines = doc.read_text().splitlines()
