@@ -24,6 +24,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -89,6 +90,7 @@ def run_one(arm: str, lr: float, warmup: int, seed: int, steps: int, split: dict
     """Train one arm (1 thread), score dev and test ppl (exact) and, for DB, the K = B chain on test."""
     tag = name(arm, lr, warmup, seed)
     out_dir = WORK / tag
+    shutil.rmtree(out_dir, ignore_errors=True)  # a run without its JSON starts fresh (train.resume is auto)
     sets = [f"train.max_steps={steps}", f"train.seed={seed}", f"train.lr={lr}", f"train.min_lr={lr / 10}",
             f"train.warmup_steps={warmup}", f"data.split_seed={split['split_seed']}", f"train.out_dir={out_dir}",
             "train.save_every=0", "train.progress=false", "train.eval_every=0", "train.log_every=1",
