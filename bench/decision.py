@@ -61,15 +61,13 @@ def load(arm: str, sets: list[str]):
 
 def budget(vocab: int) -> dict:
     """The DB recipe's training FLOPs (matmuls, looped_lm.cost) and the steps each gpt arm gets for them."""
-    from looped_lm import cost
     from looped_lm.kinds import get_kind
-    from looped_lm.kinds.builtin import _cost_shape, _db_layout
 
     db = load("db_b2", [])
     kind, batch = get_kind("db_ar"), db.train.batch_size
     steps = sum(kind.step_flops(db, vocab, batch, key=b) for b in range(2)) / 2  # independent: equal blocks
     refreshes = DB_STEPS // db.diffusion.curve_every
-    curve = cost.db_curve(_cost_shape(db, vocab, batch), _db_layout(db, 2)).total()
+    curve = kind.curve_flops(db, vocab, batch)
     total = DB_STEPS * steps + refreshes * curve
     out = {"vocab": vocab, "db_step_flops": steps, "db_curve_flops": curve, "db_refreshes": refreshes,
            "db_total_flops": total, "arm_steps": {"db_b2": DB_STEPS}}

@@ -47,6 +47,12 @@ class StepFlops:
             self._cache[key] = None if flops is None else t.grad_accum * flops
         return self._cache[key]
 
+    def curve(self) -> float | None:
+        """FLOPs of one CE(sigma) curve refresh (measured on rank 0 only, on one batch of batch_size)."""
+        if "curve" not in self._cache:
+            self._cache["curve"] = self.kind.curve_flops(self.cfg, self.vocab_size, self.cfg.train.batch_size)
+        return self._cache["curve"]
+
 
 def peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float = 0.0) -> float:
     """The dense matmul peak in FLOP/s: the override, the table for a known GPU, a measurement on CPU,

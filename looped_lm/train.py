@@ -647,6 +647,7 @@ def _tokens(run: _Run, done: int) -> int:
 def _refresh_curve(run: _Run, done: int) -> None:
     """Re-measure CE(sigma) on the training stream (never validation data): the edges and block shares follow."""
     curve = refresh_curve(run.model, run.train_stream, run.cfg, run.device, run.rank, done)
+    run.meter.add_curve()
     if run.logger is not None:
         run.logger.log(done, {"edges": run.model.edges, "curve_ce": curve["ce"]})
 
@@ -681,7 +682,8 @@ def stop_nonfinite(runner, bad: int, done: int, last_ckpt, rank: int = 0) -> Non
 
 class FlopsMeter:
     """MFU between log steps: each step's FLOPs from the cost model (looped_lm/mfu.py), keyed by what decides
-    them (the DB block, huginn's r; host values, no sync), over the wall time, the world and the peak."""
+    them (the DB block, huginn's r; host values, no sync), and the curve refreshes', over the wall time, the
+    world and the peak."""
 
     def __init__(self, step_flops, world: int, peak: float):
         self.step_flops, self.world, self.peak = step_flops, world, peak
@@ -690,6 +692,12 @@ class FlopsMeter:
     def add(self, key) -> None:
         flops = self.step_flops(key)
         self.flops = None if flops is None or self.flops is None else self.flops + self.world * flops
+
+    def add_curve(self) -> None:
+        """A CE(sigma) curve refresh: rank 0 measures it, so it counts once, not once per rank."""
+        flops = self.step_flops.curve()
+        if flops is not None and self.flops is not None:
+            self.flops += flops
 
     def read(self) -> dict:
         """{"flops_per_s", "mfu"} since the last read (what is known), and start a new interval."""

@@ -61,3 +61,24 @@ def test_measuring_the_cpu_peak_leaves_the_global_rng_alone():
     mfu.measured_cpu_peak.cache_clear()
     mfu.measured_cpu_peak(1, n=64, repeats=1)
     assert torch.equal(state, torch.random.get_rng_state())
+
+
+def test_a_curve_refresh_is_charged_once_whatever_the_world():
+    """network_gain re-measures CE(sigma) on rank 0 every curve_every steps: the meter adds the cost model's
+    refresh FLOPs once (not per rank), and kinds without a curve add nothing."""
+    from looped_lm import cost
+    from looped_lm.train import FlopsMeter
+
+    cfg = config_from_dict({"model": {"kind": "db_ar", "n_layers": 4, "d_model": 32, "n_heads": 2, "seq_len": 16},
+                            "diffusion": {"num_blocks": 2, "block_sampling": "network_gain"}})
+    flops = mfu.StepFlops(cfg, 257)
+    shape = cost.Shape(d=32, layers=4, heads=2, vocab=257, seq=16, batch=cfg.train.batch_size)
+    assert flops.curve() == cost.db_curve(shape, cost.DBLayout(blocks=2)).total() > 0
+    meter = FlopsMeter(flops, world=4, peak=0.0)
+    meter.add(0)
+    meter.add_curve()
+    assert meter.flops == pytest.approx(4 * flops(0) + flops.curve())
+    gpt = FlopsMeter(mfu.StepFlops(gpt_config(), 100), world=2, peak=0.0)
+    gpt.add(None)
+    gpt.add_curve()
+    assert gpt.flops == pytest.approx(2 * mfu.StepFlops(gpt_config(), 100)())

@@ -255,6 +255,11 @@ class Kind:
         kinds, "recurrence" for huginn). None: no cost model (no MFU is logged)."""
         return None
 
+    def curve_flops(self, cfg, vocab_size: int, batch: int) -> float | None:
+        """Matmul FLOPs of one CE(sigma) curve refresh (block_sampling loss_share / network_gain, every
+        diffusion.curve_every steps, forward only on one batch of `batch` sequences); None: no curve."""
+        return None
+
     def compile_for_training(self, model, backend: str) -> bool:
         """train.compile: torch.compile what this kind trains through, in place; -> whether anything was.
         Compile what runs with the same shapes every step (the step number or a host-drawn size must stay

@@ -146,6 +146,11 @@ class DbAr(Kind):
 
         return cost.db_train(_cost_shape(cfg, vocab_size, batch), _db_layout(cfg, self.num_blocks(cfg)), key or 0).total()
 
+    def curve_flops(self, cfg, vocab_size: int, batch: int) -> float:
+        from looped_lm import cost
+
+        return cost.db_curve(_cost_shape(cfg, vocab_size, batch), _db_layout(cfg, self.num_blocks(cfg))).total()
+
     def compile_for_training(self, model, backend: str) -> bool:
         return _compile_block_loss(model, backend)
 
@@ -175,6 +180,11 @@ class LoopedDb(Kind):
         from looped_lm import cost
 
         return cost.db_train(_cost_shape(cfg, vocab_size, batch), _db_layout(cfg, 1), 0).total()
+
+    def curve_flops(self, cfg, vocab_size: int, batch: int) -> float:
+        from looped_lm import cost
+
+        return cost.db_curve(_cost_shape(cfg, vocab_size, batch), _db_layout(cfg, 1)).total()
 
     def compile_for_training(self, model, backend: str) -> bool:
         return _compile_block_loss(model, backend)
