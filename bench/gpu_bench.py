@@ -1,14 +1,9 @@
-"""Training cost and decode speed on a GPU, measured side by side in one run (bf16 autocast).
+"""Training cost and decode speed on a GPU, bf16 autocast (the last step of bench/gpu_check.sh): gpt vs db_ar
+B = 4 (and target_fraction 0.25) at 12 x 768, seq 1024; huginn (r 32, k 8) vs looped_db at 2 + 4 + 2, d 512.
+Activation memory = max_memory_allocated during forward + backward minus what was held before; step time =
+`train_step`, CUDA-synchronised, mean after warm-up (a DB step trains one block).
 
-    python bench/gpu_bench.py [--json out.json] [--quick]
-
-Rows: end-to-end GPT vs DiffusionBlocks AR (B = 4) at the paper's AR shape (12 x 768, 12 heads, seq 1024,
-vocab 50304), DB with target_fraction 0.25, and Huginn BPTT (r = 32, k = 8) vs looped_db at the paper's
-looped shape (2 + 4 + 2, d 512). Memory is torch.cuda.max_memory_allocated during forward + backward
-minus the memory held before it (weights, gradients, optimiser state excluded): activation memory.
-Step time is the trainer's `train_step` (looped_lm/training.py: forward + backward + AdamW, no clipping),
-CUDA-synchronised, mean over timed steps after warm-up; a DB "step" trains one block, so the table also
-gives B DB steps against one end-to-end step.
+    python bench/gpu_bench.py [--json out.json]
 """
 
 from __future__ import annotations

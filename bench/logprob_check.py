@@ -1,26 +1,12 @@
-"""Served log-probs of DiffusionBlocks models: checked against plain Monte-Carlo, and through
-lm-evaluation-harness against `looped_lm eval`.
+"""Served log-probs of DiffusionBlocks models against plain Monte-Carlo of the chain `generate` runs (`mc`),
+and lm-evaluation-harness through `looped_lm serve` against `looped_lm eval` on the same windows (`lm-eval`,
+needs `pip install "lm-eval[api]"`); bench/README_serve.md, "DiffusionBlocks log-probs", has the protocol.
 
     python bench/logprob_check.py mc --checkpoint out/quickstart_db/step_0001000 --ks 4,8,16,32
     python bench/logprob_check.py lm-eval --checkpoint out/quickstart_db/step_0001000 --ks 1,2,4,8,16,32
-    python bench/logprob_check.py report      # markdown tables of the committed JSONs (bench/README_serve.md)
+    python bench/logprob_check.py report      # markdown tables of the committed JSONs
 
-mc       On held-out tokens of the run's val.bin: the log-prob the server returns for each token (the
-         model's `token_logprobs` with the server's defaults: 4 draws, more where a token is unresolved, up
-         to 64), over `--repeats` independent scoring seeds, against log of plain Monte-Carlo of the very
-         chain `generate` runs (`--chains` runs per token, temperature 1). Per K: the mean bias per token
-         (served - MC) with its standard error, the spread of one served value (sd over repeats), the share
-         of tokens still unresolved after the cap (se > 1 nat), the mean draws used.
-lm-eval  `looped_lm serve` in a subprocess; lm-evaluation-harness `local-completions` runs a rolling
-         log-likelihood task over one held-out document of 126 x W byte tokens (lm-eval's windows at
-         max_length 128 predict 126 tokens each: exactly the windows `looped_lm eval --block-size 126`
-         scores on the same text preceded by the end-of-text token), at each K;
-         its mean NLL per token (bits_per_byte x ln 2) against `looped_lm eval --num-iterations K` with its
-         standard error se. The two are independent estimates of the same number, each with about that se,
-         so the check (fixed before the runs) is |difference| <= 2 x sqrt(2) x se (`within`); `z` is the
-         difference over se. Needs `pip install "lm-eval[api]"`.
-
-Writes bench/results/logprob_check/<mode>_<run>.json and prints a table. One thread.
+Writes bench/results/logprob_check/<mode>_<run>.json. One thread.
 """
 
 from __future__ import annotations
@@ -40,6 +26,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from looped_lm.checkpoint import load_checkpoint
+from looped_lm.data.tokenizer import get_tokenizer
+from looped_lm.diffusion.chain import run_chain
+from looped_lm.engine.engine import Engine
+from looped_lm.eval import data_tokens, perplexity
+from looped_lm.models.db.contexts import WindowContext
+from looped_lm.sampling import SharedGenerator
+from looped_lm.settings import InferenceSettings, ScoreSettings
+
 RESULTS = Path(__file__).resolve().parent / "results" / "logprob_check"
 CONTEXT = 128  # the quickstart's seq_len: the server's context, lm-eval's max_length
 # lm-eval's API models keep one token for generation (echo requests send max_tokens 1) and one of context per
@@ -57,13 +52,6 @@ def held_out(manifest: dict, n: int, start: int = 0) -> list[int]:
 
 
 def run_mc(args) -> dict:
-    from looped_lm.checkpoint import load_checkpoint
-    from looped_lm.diffusion.chain import run_chain
-    from looped_lm.engine.engine import Engine
-    from looped_lm.models.db.contexts import WindowContext
-    from looped_lm.sampling import SharedGenerator
-    from looped_lm.settings import InferenceSettings
-
     model, cfg, manifest = load_checkpoint(args.checkpoint, "cpu", verify=False)
     served = Engine(model, 1).score_settings  # what `looped_lm serve` uses by default
     variants = [served] + [replace(served, resolve_se=float(se), max_draws=int(cap))  # what less bias costs
@@ -125,12 +113,6 @@ def free_port() -> int:
 
 
 def run_lm_eval(args) -> dict:
-    from looped_lm.checkpoint import load_checkpoint
-    from looped_lm.data.tokenizer import get_tokenizer
-
-    from looped_lm.eval import data_tokens, perplexity
-    from looped_lm.settings import ScoreSettings
-
     model, cfg, manifest = load_checkpoint(args.checkpoint, "cpu", verify=False)
     tok = get_tokenizer(manifest["tokenizer"])
     text = tok.decode(held_out(manifest, BLOCK * args.windows, args.start)[:BLOCK * args.windows])

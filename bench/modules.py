@@ -1,5 +1,5 @@
-"""DiffusionBlocks vs end-to-end for the supporting modules (vit, dit, mdm) on CPU-sized settings: the table of
-bench/results/modules.md (README.md "Supporting modules"; configs/vit_digits.yaml). The study's one driver.
+"""DiffusionBlocks vs end-to-end for the supporting modules (vit, dit, mdm) at equal training FLOPs: the
+table of bench/results/modules.md, which states the protocol. The study's one driver.
 
     python bench/modules.py                      # every module, both variants, seeds 0 1 2 (~1 h on 1 core)
     python bench/modules.py --modules vit --seeds 0 --jobs 2
@@ -7,23 +7,10 @@ bench/results/modules.md (README.md "Supporting modules"; configs/vit_digits.yam
     python bench/modules.py --modules vit --split dev --seeds 0 --lr-mults 0.5 1 2   # LR sweep on the dev split
     python bench/modules.py --modules vit --variants e2e db_w411   # test runs, each at its LR chosen on dev
 
-Settings are chosen on a DEV split and reported on the test split: `--split dev` trains on 80% of the digits'
-training images and scores on the other 20% (a fixed permutation), writing bench/results/modules_dev.json; a
-test run takes each variant's learning rate from it (the dev-best mean over seeds; a DB option variant without
-dev runs takes `db`'s), or the module's base LR where it has no dev runs.
-
-Per module, the same network trained end-to-end (`end_to_end: true`) and as B DiffusionBlocks at EQUAL TRAINING
-FLOPs: one step's FLOPs counted by torch.utils.flop_counter per variant (DB: the mean over its blocks); e2e gets
-`e2e_steps` steps, DB round(e2e_steps * flops_e2e / flops_db). The trainer's BlockwiseAdamW, the same batch,
-warm-up + cosine over each run's own steps, clip 1, one torch thread. Metrics (mean ± half the range over seeds):
-vit top-1 accuracy on the held-out 20% of scikit-learn's digits at K = B; dit the Frechet distance between 1,000
-samples (50 Euler steps, CFG 2) and the training digits in a small MLP classifier's 64-d features (NOT FID; the
-held-out real digits give the floor); mdm bits per character (the NELBO) on the Bible in text8's alphabet.
-Activation memory: the bytes autograd saves in one training step, one DB block's vs e2e's (floor 1/B).
-
-Writes bench/results/modules.json (every run) and modules.md (the table). The diagnostics and reading under
-modules.md's table (`--diagnose-vit`, the vit chain's inference variants), and the figures, were written by this
-script at commit 98b2234.
+`--split dev` trains on 80% of the digits' training images and scores on the rest (modules_dev.json); a test
+run takes each variant's dev-best LR (a DB option variant without dev runs takes `db`'s), else the module's
+base LR. The diagnostics under modules.md's table (`--diagnose-vit`, the vit chain's inference variants) and
+the figures came from this script at commit 98b2234.
 """
 
 from __future__ import annotations
@@ -39,7 +26,20 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+import dataclasses  # noqa: E402
+import math  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
 import common  # noqa: E402  (bench/ is not a package)
+from looped_lm.config import config_from_dict
+from looped_lm.data.images import load_digits
+from looped_lm.data.text8 import decode, load_bible
+from looped_lm.kinds import get_kind
+from looped_lm.models import build_model
+from looped_lm.models.dit import frechet_distance
+from looped_lm.optim import BlockwiseAdamW, cosine_with_warmup, param_groups
 
 MODULES = {
     "vit": {"settings": dict(image_size=8, channels=1, num_classes=10, patch=2, n_layers=6, d_model=64,
@@ -88,16 +88,11 @@ RECIPES = {
 }
 
 
-def build(module: str, variant: str, overrides: dict | None = None):
-    """The module's network: its run config from MODULES' shape, RECIPES, the variant and `overrides` (each field
-    to the section of the kind that has it), built as `looped_lm train` builds it."""
-    from looped_lm.config import config_from_dict
-    from looped_lm.kinds import get_kind
-    from looped_lm.models import build_model
-
+def build(module: str, variant: str):
+    """The module's network: its run config from MODULES' shape, RECIPES and the variant (each field to the
+    section of the kind that has it), built as `looped_lm train` builds it."""
     model, diffusion = {"kind": module}, {}
-    for key, value in {**MODULES[module]["settings"], **RECIPES[module], **variants_of(module).get(variant, {}),
-                       **(overrides or {})}.items():
+    for key, value in {**MODULES[module]["settings"], **RECIPES[module], **variants_of(module).get(variant, {})}.items():
         (model if key in get_kind(module).section.model_fields else diffusion)[key] = value
     cfg = config_from_dict({"model": model, "diffusion": diffusion,
                             "data": {"source": "bible" if module == "mdm" else "digits"}}, flat_era=False)
@@ -113,17 +108,9 @@ def load_data(module: str, split: str = "test"):
     DEV_FRACTION) of the training images and score on the rest (a fixed permutation): the test images
     stay unseen while settings are chosen."""
     if module == "mdm":
-        from looped_lm.data.text8 import load_bible
-
         if split != "test":
             raise SystemExit("mdm has no dev split here")
         return load_bible()
-    import dataclasses
-
-    import torch
-
-    from looped_lm.data.images import load_digits
-
     data = load_digits()
     if split == "test":
         return data
@@ -144,8 +131,6 @@ def make_batch(module: str, data, batch: int, g):
 
 def flops_and_memory(module: str, variants, data) -> dict:
     """Per-step FLOPs and activation bytes of each variant, on one fixed batch."""
-    import torch
-
     out = {}
     for variant in variants:
         torch.manual_seed(0)
@@ -168,9 +153,6 @@ def flops_and_memory(module: str, variants, data) -> dict:
 def feature_net(data, seed: int = 0):
     """A small MLP classifier on the digits (64 -> 128 -> 64 -> 10); its 64-d hidden layer is the
     feature space of the dit Frechet distance. Returns (features_fn, test accuracy)."""
-    import torch
-    import torch.nn as nn
-
     torch.manual_seed(seed)
     body = nn.Sequential(nn.Flatten(), nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU())
     net = nn.Sequential(body, nn.Linear(64, 10))
@@ -189,8 +171,6 @@ def feature_net(data, seed: int = 0):
 
 
 def evaluate(module: str, model, data, seed: int, final: bool, features=None) -> dict:
-    import torch
-
     model.eval()
     g = torch.Generator().manual_seed(1000 + seed)
     with torch.no_grad():
@@ -207,8 +187,6 @@ def evaluate(module: str, model, data, seed: int, final: bool, features=None) ->
         elif module == "dit":
             out = {"val_loss": float(model.validation_loss(data.test_x, data.test_y, seed=seed))}
             if final:
-                from looped_lm.models.dit import frechet_distance
-
                 labels = torch.arange(10).repeat_interleave(DIT_SAMPLES_PER_CLASS)
                 t0 = time.process_time()
                 images = model.sample(labels, steps=DIT_STEPS, cfg_scale=DIT_CFG, generator=g)
@@ -218,8 +196,6 @@ def evaluate(module: str, model, data, seed: int, final: bool, features=None) ->
             windows = data.windows(MODULES["mdm"]["settings"]["seq_len"], "val", limit=MDM_EVAL_WINDOWS)
             out = model.elbo_bpc(windows, samples_per_block=MDM_T_SAMPLES, generator=g)
             if final:
-                from looped_lm.data.text8 import decode
-
                 ids = model.sample(4, MODULES["mdm"]["settings"]["seq_len"], steps=model.cfg.model.seq_len, generator=g)
                 out["samples"] = [decode(row) for row in ids]
     model.train()
@@ -230,24 +206,16 @@ def evaluate(module: str, model, data, seed: int, final: bool, features=None) ->
 # one run
 
 
-def run(module: str, variant: str, seed: int, steps: int, overrides: dict | None = None,
-        only_block: int | None = None, lr: float | None = None, split: str = "test") -> dict:
+def run(module: str, variant: str, seed: int, steps: int, lr: float | None = None, split: str = "test") -> dict:
     """Train one variant for `steps` steps at peak learning rate `lr` (default: the module's) on `split`'s
-    training images, scored on its held-out images; `overrides` change its settings, `only_block` trains
-    that block alone (a diagnosis: how well one block learns from all of the updates)."""
-    import torch
-
-    from looped_lm.optim import BlockwiseAdamW, cosine_with_warmup, param_groups
-
+    training images, scored on its held-out images."""
     torch.set_num_threads(1)
     spec = MODULES[module]
     peak = spec["lr"] if lr is None else lr
     data = load_data(module, split)
     features = feature_net(data)[0] if module == "dit" else None
     torch.manual_seed(seed)
-    model = build(module, variant, overrides)
-    if only_block is not None:
-        model.choose_block = lambda step, seed: only_block
+    model = build(module, variant)
     model.train()
     opt = BlockwiseAdamW(param_groups(model, 0.05), lr=peak, betas=(0.9, 0.99))
     g = torch.Generator().manual_seed(seed)
@@ -271,7 +239,7 @@ def run(module: str, variant: str, seed: int, steps: int, overrides: dict | None
                      **evaluate(module, model, data, seed, final, features)}
             curve.append(point)
     return {"module": module, "variant": variant, "seed": seed, "steps": steps, "lr": peak, "split": split,
-            "overrides": overrides or {}, "only_block": only_block,
+            "overrides": {}, "only_block": None,
             "train_cpu_s": time.process_time() - cpu0, "wall_s": time.perf_counter() - t0,
             "loss_curve": [sum(losses[i:i + 25]) / len(losses[i:i + 25]) for i in range(0, steps, 25)],
             "curve": curve, "final": curve[-1]}
@@ -289,8 +257,6 @@ def dev_lr(module: str, variant: str, dev: dict) -> tuple[float, str]:
     """The peak LR a test run of `variant` uses, and where it came from: the best mean dev metric over the
     variant's dev runs (ties to the LR nearest the module's base), `db`'s choice for a DB option variant with
     no dev runs of its own, else the module's base LR."""
-    import math
-
     base = MODULES[module]["lr"]
     key, _, scale, better = METRIC[module]
     runs = [r for r in dev.get("modules", {}).get(module, {}).get("runs", []) if r["variant"] == variant]
@@ -417,8 +383,6 @@ def main() -> None:
         print(summarise(results) if args.split == "test" else summarise_dev(results))
         return
     dev = json.loads(DEV_FILE.read_text()) if DEV_FILE.exists() else {"modules": {}}
-    import torch
-
     torch.set_num_threads(1)
     jobs = []
     for module in args.modules:
@@ -448,8 +412,6 @@ def main() -> None:
               + f" -> steps {steps}; activation bytes " + ", ".join(f"{v} {c['act_bytes']}" for v, c in cost.items())
               + f"; lr {lrs}", flush=True)
         if module == "dit" and args.split == "test":  # the distance of real held-out digits: the floor
-            from looped_lm.models.dit import frechet_distance
-
             data = load_data(module)
             features, accuracy = feature_net(data)
             entry["feature_net_test_accuracy"] = accuracy

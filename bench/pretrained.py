@@ -1,56 +1,19 @@
-"""Starting from a pretrained model (docs/pretrained.md): converted db_ar (B = 2 and 4), looped_db and
-huginn, fine-tuned for a fixed budget, against the same kinds from scratch at equal FLOPs and against
-their source; per-step activation and optimizer memory, full vs LoRA, anchor on/off.
+"""Starting from a pretrained model (docs/pretrained.md, "Measured"): the project's gpt (4 layers of d 64,
+byte Bible, SOURCE_STEPS steps, seed 0) exported as a stock Llama, converted by `model.init_from` into
+db_ar (B = 2, 4, a shared-coda layout), looped_db and huginn and fine-tuned (`runs()`), against the same
+kinds from scratch at equal fine-tuning and equal total FLOPs and the source continued as gpt; full vs
+LoRA, clean anchor on / off, adaLN gates open / closed (`_open`), 5x the steps (`_x5`), each layout at
+conversion (`_init`); per-step activation bytes, AdamW state and FLOPs (`--phase memory`).
 
     python bench/pretrained.py                      # everything, seeds 0,1,2 (~40 CPU-min, one thread)
     python bench/pretrained.py --phase memory       # only the per-step memory / FLOPs table (seconds)
     python bench/pretrained.py --only db2_full_anchor --seeds 0   # some runs (the source is reused)
-    python bench/pretrained.py --summary            # rebuild summary.json + the docs table from the runs
+    python bench/pretrained.py --summary --write-docs   # summary.json + the table in docs/pretrained.md
     python bench/pretrained.py --smoke              # a few steps of everything: checks the script
 
-Protocol (tiny: 2 shared CPU cores): the Bible, byte tokenizer (V = 257), 4 layers of d 64 (4 heads),
-seq 64, batch 8, fp32, one torch thread.
-
-    source     the project's gpt trained SOURCE_STEPS steps (seed 0), exported with `looped_lm export` as
-               a stock LlamaForCausalLM: the pretrained directory every converted run starts from. One
-               source; the seeds are the fine-tuning's (and the scratch runs').
-    converted  model.init_from the export, fine-tuned FT_STEPS steps (lr 1e-3 full, 3e-3 LoRA rank 8):
-               db2  db_ar, 2 blocks of 2 layers, context stacked (the clean stream is the source's forward)
-               db4  db_ar, 4 blocks of 1 layer, stacked
-               lnf  db2 with stack_order low_noise_first: block 0, which ppl@0 reads, continues from the
-                    clean states of all 4 source layers (its own 2 are the source's last two)
-               looped_db, huginn   prelude = source layer 0, core = layers 1-2, coda = layer 3
-               (retrofitted recurrence; huginn mean_recurrence 4, backprop_depth 2)
-               full vs LoRA, with and without the clean next-token anchor (diffusion.clean_lm_weight 0.3)
-    gpt_continued  the source given the fine-tuning steps as more gpt training (its own upper reference)
-    scratch    the same networks from random init (lr 3e-3): FT_STEPS steps (equal FLOPs: the same
-               network, batch and steps as the full fine-tuning; the FLOPs per step are measured and
-               recorded), and db2 at equal TOTAL FLOPs (the source's pretraining + the fine-tuning,
-               converted to db2 steps with the measured FLOPs per step)
-    open       `_open` runs: the noisy stream's adaLN gates opened at conversion (pretrained.NOISY_GATES):
-               its layers start as the source's instead of as identity
-    levers     what might close the 1.10x target: 5x the fine-tuning steps (db2, db2c, db4 and the
-               control db1: one block of all 4 layers, whose noisy path is the source's whole forward;
-               against gpt_continued_x5, the source given the same 1000 steps), anchor weight
-               1.0; and each layout at conversion (`_init`, one step at lr 1e-9). Runs in ONE_SEED and the
-               `_init` ones are seed 0 only.
-
-Data: every run reads the source's book split (seed 0: data.source bible, whose split train.seed draws;
-seeds 1, 2: data.source bin of that same split's files), so no held-out book was trained on.
-Metric: `looped_lm eval` on the held-out books, EVAL_TOKENS tokens, disjoint windows of 64: the
-gpt exact PPL; db_ar ppl@0 (one call at sigma_top) and ppl@2 (the K = 2 sampler), looped_db ppl@1,4,
-huginn PPL at K = 1, 4 (looped_db compared on ppl@0, huginn on K = 4), each diffusion ppl with its
-standard error from 4 draws. Across seeds: mean and the standard
-error of the mean (n = 3). Memory (phase memory, exact bytes, one step at batch 8 x 64 on the converted
-model): the bytes autograd saves for backward (saved_tensors_hooks, parameters excluded; per block:
-the max over the block a step trains), the AdamW state after every unit has stepped (sum of the state
-tensors' bytes), trainable elements, and FLOPs per step (torch FlopCounterMode, mean over blocks).
-
-Output: bench/results/pretrained/study/runs/<run>_s<seed>.json (config, steps, CPU seconds, eval),
-memory.json, summary.json; the table in docs/pretrained.md is written by --summary --write-docs. diagnose.json
-(ppl@0 at conversion with the noisy input's differences from the source taken away one at a time) was written by
-this script's `--phase diagnose` at commit 9f43323.
-Work files (checkpoints, the export) in bench/work/pretrained/ (not committed).
+Seeds 1, 2 read the seed-0 source's book split (data.source bin), so no held-out book is trained on.
+Output: bench/results/pretrained/study/ (runs/<run>_s<seed>.json, memory.json, summary.json); diagnose.json
+came from this script's `--phase diagnose` at commit 9f43323. Work files: bench/work/pretrained/.
 """
 
 from __future__ import annotations
@@ -66,7 +29,16 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
+import torch  # noqa: E402
+import yaml  # noqa: E402
+
 import common  # noqa: E402  (bench/ is not a package)
+from looped_lm import cli, pretrained  # noqa: E402
+from looped_lm import train as trainer  # noqa: E402
+from looped_lm.config import config_from_dict
+from looped_lm.models import build_model
+from looped_lm.optim import BlockwiseAdamW, param_groups
+from looped_lm.pretrained import init_from_pretrained
 
 RESULTS = ROOT / "bench" / "results" / "pretrained" / "study"
 WORK = ROOT / "bench" / "work" / "pretrained"
@@ -169,11 +141,6 @@ def config_of(name: str, seed: int, spec) -> dict:
 
 
 def train(raw: dict, name: str) -> tuple[Path, float]:
-    import yaml
-
-    from looped_lm import pretrained
-    from looped_lm import train as trainer
-
     pretrained.NOISY_GATES = "open" if "_open" in name else "closed"
 
     path = WORK / f"{name}.yaml"
@@ -185,8 +152,6 @@ def train(raw: dict, name: str) -> tuple[Path, float]:
 
 
 def evaluate(name: str, ckpt: Path, kind: str, seed: int) -> dict:
-    from looped_lm import cli
-
     out = WORK / f"{name}.eval.json"
     argv = ["eval", "--checkpoint", str(ckpt), "--max-tokens", str(EVAL_TOKENS), "--json", str(out), "--no-progress",
             "--seed", str(seed)]
@@ -202,13 +167,7 @@ def evaluate(name: str, ckpt: Path, kind: str, seed: int) -> dict:
 
 
 def build(raw: dict, init: bool):
-    from looped_lm.config import config_from_dict
-    from looped_lm.models import build_model
-    from looped_lm.pretrained import init_from_pretrained
-
     cfg = config_from_dict({k: v for k, v in raw.items() if k in ("model", "diffusion", "train")})
-    import torch
-
     torch.manual_seed(raw["train"].get("seed", 0))
     model = build_model(cfg, 257)
     if init:
@@ -219,10 +178,6 @@ def build(raw: dict, init: bool):
 def measure(raw: dict, init: bool = True) -> dict:
     """One configuration: per-step activation bytes and FLOPs (per block), AdamW state bytes after every
     unit stepped, trainable elements."""
-    import torch
-
-    from looped_lm.optim import BlockwiseAdamW, param_groups
-
     model, cfg = build(raw, init)
     model.train()
     g = torch.Generator().manual_seed(0)
@@ -387,8 +342,6 @@ def main() -> int:
         RESULTS = WORK / "results"
     (RESULTS / "runs").mkdir(parents=True, exist_ok=True)
     WORK.mkdir(parents=True, exist_ok=True)
-    import torch
-
     torch.set_num_threads(1)
     if args.summary:
         summary = summarize()
@@ -438,17 +391,16 @@ def main() -> int:
         for seed, (name, spec) in ((s, item) for s in SEEDS for item in table_runs.items()):
             if (only and name not in only) or (name in ONE_SEED or name.endswith("_init")) and seed != 0:
                 continue
-            if True:
-                out = RESULTS / "runs" / f"{name}_s{seed}.json"
-                if out.is_file() and not only:
-                    continue  # done: a rerun continues where it stopped
-                raw = config_of(name, seed, spec)
-                ckpt, secs = train(raw, f"{name}_s{seed}")
-                rep = evaluate(f"{name}_s{seed}", ckpt, raw["model"]["kind"], seed)
-                out.write_text(json.dumps({"name": name, "seed": seed, "config": raw, "steps": spec[4],
-                                           "noisy_gates": "open" if "_open" in name else "closed",
-                                           "train_cpu_seconds": round(secs, 1), "eval": rep}, indent=2) + "\n")
-                print(f"{name} seed {seed}: {primary(rep)[0]} {primary(rep)[1]} ({secs:.0f} CPU-s)", flush=True)
+            out = RESULTS / "runs" / f"{name}_s{seed}.json"
+            if out.is_file() and not only:
+                continue  # done: a rerun continues where it stopped
+            raw = config_of(name, seed, spec)
+            ckpt, secs = train(raw, f"{name}_s{seed}")
+            rep = evaluate(f"{name}_s{seed}", ckpt, raw["model"]["kind"], seed)
+            out.write_text(json.dumps({"name": name, "seed": seed, "config": raw, "steps": spec[4],
+                                       "noisy_gates": "open" if "_open" in name else "closed",
+                                       "train_cpu_seconds": round(secs, 1), "eval": rep}, indent=2) + "\n")
+            print(f"{name} seed {seed}: {primary(rep)[0]} {primary(rep)[1]} ({secs:.0f} CPU-s)", flush=True)
     summary = summarize()
     (RESULTS / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return 0

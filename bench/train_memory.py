@@ -1,24 +1,9 @@
-"""Activation memory of one training step at the GPT-2 shape: what autograd keeps for backward, by model and
-with / without activation checkpointing, beside a count of what must be kept by construction.
+"""Activation memory of one training step at the GPT-2 shape (12 x 768, V 50257, loss_chunk 128, fp32, CPU):
+gpt, db_ar B = 2, 4, looped_db, with and without `model.activation_checkpointing` (bench/README.md,
+"step_vs_llama.py and train_memory.py"): bytes autograd keeps, the step's peak (the profiler's memory
+timeline) and `floor_bytes`, what recomputation cannot drop. Target: db_ar B = 4 below gpt, both checkpointed.
 
     python bench/train_memory.py [--json bench/results/train_memory.json] [--batch 1] [--seq 1024]
-
-Rows at 12 x 768, 12 heads, V 50257, fp32, model.loss_chunk 128 (the head and its CE chunked, so the
-(T, V) logits are never kept): gpt; db_ar B = 2 and B = 4 (one step trains one block: block 0 here, the
-product defaults otherwise, clean_lm off); looped_db (2 + 8 + 2, B = 1). Each with
-`model.activation_checkpointing` off and on.
-
-Measured, on CPU: `kept for backward`, the bytes of every distinct tensor storage autograd saves during
-the forward (a saved_tensors_hooks count, parameters left out); `step peak`, the most bytes live at once
-among those allocated during forward + backward (the profiler's memory timeline: activations, the
-recomputation of checkpointed parts, gradients, temporaries). The target reads the step peak.
-Weights, gradients and optimizer state are apart (listed: fp32, AdamW). Counted (`floor`, checkpointing on):
-what recomputation cannot drop: each recomputed layer's input (B T d per stream), the keys and values the
-noisy stream reads from each clean layer of the block (2 B T d), and the chunked head's input (B T d);
-4 bytes each. The step peak adds the gradients (all of gpt's; for a DB step the trained block's and the
-shared parameters', the embedding table among them) and the recomputation of one layer at a time.
-
-Target (filed before this bench existed): db_ar B = 4 with checkpointing below gpt with checkpointing.
 """
 
 from __future__ import annotations
@@ -76,7 +61,8 @@ def step_peak_bytes(model, x, y) -> int:
 
 
 def floor_bytes(name: str, model_cfg: dict, batch: int, seq: int) -> int:
-    """What checkpointing cannot drop (see the module docstring), fp32."""
+    """What checkpointing cannot drop, fp32: each recomputed layer's input (B T d per stream), the K/V the noisy
+    stream reads from each clean layer of the block (2 B T d), the chunked head's input (B T d)."""
     d, L = GPT2["d_model"], model_cfg.get("n_layers", GPT2["n_layers"])
     tokens = batch * seq * d
     if name == "gpt":
