@@ -9,8 +9,8 @@ table of bench/results/modules.md, which states the protocol. The study's one dr
 
 `--split dev` trains on 80% of the digits' training images and scores on the rest (modules_dev.json); a test
 run takes each variant's dev-best LR (a DB option variant without dev runs takes `db`'s), else the module's
-base LR. The diagnostics under modules.md's table (`--diagnose-vit`, the vit chain's inference variants) and
-the figures came from this script at commit 98b2234.
+base LR. The diagnostics under modules.md's table (`--diagnose-vit`, the vit chain's inference variants, a
+final vit run's K = 2B and block-0-alone accuracy) and the figures came from this script at commit 98b2234.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch.nn as nn  # noqa: E402
 import common  # noqa: E402  (bench/ is not a package)
 from looped_lm.config import config_from_dict
 from looped_lm.data.images import load_digits
-from looped_lm.data.text8 import decode, load_bible
+from looped_lm.data.text8 import load_bible
 from looped_lm.kinds import get_kind
 from looped_lm.models import build_model
 from looped_lm.models.dit import frechet_distance
@@ -176,14 +176,6 @@ def evaluate(module: str, model, data, seed: int, final: bool, features=None) ->
     with torch.no_grad():
         if module == "vit":
             out = model.accuracy(data.test_x, data.test_y, generator=g)
-            if final and not model.end_to_end:  # where the chain gains or loses: block 0 alone, and K = 2B
-                twice = model.accuracy(data.test_x, data.test_y, 2 * model.num_blocks, generator=g)
-                out["accuracy_2B"] = twice["accuracy"]
-                patches, n = model.embed_patches(data.test_x), data.test_x.shape[0]
-                top = model.grid.sigma_top  # where the chain's first call runs
-                z = top * torch.randn(n, model.cfg.model.d_model, generator=g)
-                logits = model.block_logits(0, patches, z, torch.full((n,), top))
-                out["block0_accuracy"] = float((logits.argmax(-1) == data.test_y).float().mean())
         elif module == "dit":
             out = {"val_loss": float(model.validation_loss(data.test_x, data.test_y, seed=seed))}
             if final:
@@ -195,9 +187,6 @@ def evaluate(module: str, model, data, seed: int, final: bool, features=None) ->
         else:
             windows = data.windows(MODULES["mdm"]["settings"]["seq_len"], "val", limit=MDM_EVAL_WINDOWS)
             out = model.elbo_bpc(windows, samples_per_block=MDM_T_SAMPLES, generator=g)
-            if final:
-                ids = model.sample(4, MODULES["mdm"]["settings"]["seq_len"], steps=model.cfg.model.seq_len, generator=g)
-                out["samples"] = [decode(row) for row in ids]
     model.train()
     return out
 

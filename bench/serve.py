@@ -3,12 +3,12 @@ inter-token latency at 16 streams, the same requests through `Engine.run` alone,
 
     python bench/serve.py                 # gpt + looped_db K table + db_ar, untrained quickstart shapes, ~2 min
     python bench/serve.py --quick         # fewer rounds (a smoke run)
-    python bench/serve.py --medium        # the concurrency table on an 8 x 512 GPT (25M parameters), ~4 min
 
 The server runs in its own process (uvicorn), the load generator (httpx, asyncio) in this one. Every request:
 a streamed /v1/completions, 32-token prompt, 64 tokens (ignore_eos), greedy; each of c clients sends its
 requests back to back; every point --repeats times, interleaved, the fastest kept. Writes
-bench/results/serve.json (serve_medium.json).
+bench/results/serve.json. `--medium` (an 8 x 512 GPT: serve_medium.json) and `--checkpoint` /
+`--looped-checkpoint` (serve trained weights) are this script at commit b3c9eeb.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from pathlib import Path
 import httpx
 import torch
 
-from looped_lm.checkpoint import load_checkpoint
 from looped_lm.config import config_from_dict
 from looped_lm.data.tokenizer import get_tokenizer
 from looped_lm.engine.engine import Engine, Request
@@ -40,9 +39,8 @@ RESULTS = ROOT / "bench" / "results"
 PROMPT, MAX_TOKENS = 32, 64
 CONCURRENCY = [1, 4, 16, 64]
 KS = [1, 2, 4, 8, 16]
-SHAPES = {  # configs/quickstart.yaml and configs/quickstart_looped.yaml; gpt_medium: 8 x 512 (25M parameters)
+SHAPES = {  # configs/quickstart.yaml and configs/quickstart_looped.yaml
     "gpt": {"kind": "gpt", "n_layers": 4, "d_model": 128, "n_heads": 4, "seq_len": 128},
-    "gpt_medium": {"kind": "gpt", "n_layers": 8, "d_model": 512, "n_heads": 8, "seq_len": 128},
     "looped_db": {"kind": "looped_db", "n_prelude": 1, "n_layers": 2, "n_coda": 1, "d_model": 128, "n_heads": 4,
                   "seq_len": 128},
     "db_ar": {"kind": "db_ar", "n_layers": 4, "d_model": 128, "n_heads": 4, "seq_len": 128},  # quickstart_db
@@ -68,17 +66,13 @@ def build_untrained(kind: str):
 
 
 def serve_worker(spec: dict) -> None:
-    """Run one server until killed: an untrained model of `spec["kind"]`, or `spec["checkpoint"]`."""
+    """Run one server until killed: an untrained model of `spec["kind"]`."""
     import uvicorn
 
     from looped_lm.serve.app import build_app
 
     torch.set_num_threads(spec["threads"])
-    if spec.get("checkpoint"):
-        model, _, manifest = load_checkpoint(spec["checkpoint"])
-        tok_name = manifest["tokenizer"]
-    else:
-        model, tok_name = build_untrained(spec["kind"])
+    model, tok_name = build_untrained(spec["kind"])
     tok = get_tokenizer(tok_name)
     engine = Engine.from_memory_budget(model, 1.0, max_slots=64, vocab_size=tok.vocab_size,
                                        max_iterations=16 if isinstance(model, Iterative) else None)
@@ -182,25 +176,22 @@ def best(runs: list[dict]) -> dict:
     return max(runs, key=lambda r: r["tokens_per_s"])
 
 
-def concurrency_table(kind: str, checkpoint: str | None, threads: int, rounds: dict, repeats: int) -> tuple[list, dict]:
+def concurrency_table(kind: str, threads: int, rounds: dict, repeats: int) -> tuple[list, dict]:
     """Every concurrency `repeats` times, interleaved (a job sharing the machine slows all alike); the
     fastest run of each is kept."""
     runs: dict[int, list] = {c: [] for c in CONCURRENCY}
-    with ServerProcess({"kind": kind, "checkpoint": checkpoint, "threads": threads}) as server:
+    with ServerProcess({"kind": kind, "threads": threads}) as server:
         for _ in range(repeats):
             for c in CONCURRENCY:
                 runs[c].append(asyncio.run(load(server.url, "bench", c, rounds[c])))
                 print(f"  {c:>2} streams: {runs[c][-1]['tokens_per_s']:.0f} tokens/s", file=sys.stderr)
-    engine = {}
-    if not checkpoint:
-        for c in CONCURRENCY:
-            engine[c] = max(engine_only(kind, c, rounds[c], threads) for _ in range(repeats))
+    engine = {c: max(engine_only(kind, c, rounds[c], threads) for _ in range(repeats)) for c in CONCURRENCY}
     return [best(runs[c]) for c in CONCURRENCY], engine
 
 
-def k_table(checkpoint: str | None, threads: int, repeats: int) -> list[dict]:
+def k_table(threads: int, repeats: int) -> list[dict]:
     runs: dict[int, list] = {k: [] for k in KS}
-    with ServerProcess({"kind": "looped_db", "checkpoint": checkpoint, "threads": threads}) as server:
+    with ServerProcess({"kind": "looped_db", "threads": threads}) as server:
         for _ in range(repeats):
             for k in KS:
                 runs[k].append(asyncio.run(load(server.url, f"bench@{k}", 16, 1)))
@@ -233,10 +224,7 @@ def print_tables(rows: list, engine: dict, k_rows: list) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", default=None, help="serve this checkpoint for the concurrency table")
-    ap.add_argument("--looped-checkpoint", default=None, help="serve this looped checkpoint for the K table")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the server process")
-    ap.add_argument("--medium", action="store_true", help="the concurrency table only, on gpt_medium (8 x 512)")
     ap.add_argument("--quick", action="store_true", help="one round per client, one repeat (a smoke run)")
     ap.add_argument("--repeats", type=int, default=2, help="measure every point this many times, keep the fastest")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -244,29 +232,26 @@ def main() -> None:
     if args.worker:
         return serve_worker(json.loads(args.worker))
     rounds = {1: 2, 4: 1, 16: 1, 64: 1} if args.quick else {1: 8, 4: 4, 16: 2, 64: 1}
-    kind = "gpt_medium" if args.medium else "gpt"
     load_before = os.getloadavg()
     repeats = 1 if args.quick else args.repeats
-    rows, engine = concurrency_table(kind, args.checkpoint, args.threads, rounds, repeats)
-    k_rows = [] if args.medium else k_table(args.looped_checkpoint, args.threads, repeats)
+    rows, engine = concurrency_table("gpt", args.threads, rounds, repeats)
+    k_rows = k_table(args.threads, repeats)
     latency = print_tables(rows, engine, k_rows)
-    db = None
-    if not args.medium and not args.checkpoint:  # DiffusionBlocks requests batch too: the same table, db_ar
-        db_rows, db_engine = concurrency_table("db_ar", None, args.threads, rounds, repeats)
-        print("\ndb_ar (B = 2, K = 2, sample bridge):")
-        print_tables(db_rows, db_engine, [])
+    # DiffusionBlocks requests batch too: the same table, db_ar
+    db_rows, db_engine = concurrency_table("db_ar", args.threads, rounds, repeats)
+    print("\ndb_ar (B = 2, K = 2, sample bridge):")
+    print_tables(db_rows, db_engine, [])
 
-        def ratio(rs):
-            return next(r for r in rs if r["clients"] == 16)["tokens_per_s"] / rs[0]["tokens_per_s"]
+    def ratio(rs):
+        return next(r for r in rs if r["clients"] == 16)["tokens_per_s"] / rs[0]["tokens_per_s"]
 
-        db = {"concurrency": [{k: v for k, v in r.items() if k not in ("ttft", "itl")} for r in db_rows],
-              "engine_only_tokens_per_s": db_engine, "http_16_over_1": ratio(db_rows),
-              "gpt_http_16_over_1": ratio(rows), "vs_gpt_ratio": ratio(db_rows) / ratio(rows)}
-        print(f"\n16 streams / 1 stream over HTTP: db_ar {db['http_16_over_1']:.1f}x, gpt {db['gpt_http_16_over_1']:.1f}x "
-              f"(db_ar / gpt = {db['vs_gpt_ratio']:.2f}, target >= 0.8)")
+    db = {"concurrency": [{k: v for k, v in r.items() if k not in ("ttft", "itl")} for r in db_rows],
+          "engine_only_tokens_per_s": db_engine, "http_16_over_1": ratio(db_rows),
+          "gpt_http_16_over_1": ratio(rows), "vs_gpt_ratio": ratio(db_rows) / ratio(rows)}
+    print(f"\n16 streams / 1 stream over HTTP: db_ar {db['http_16_over_1']:.1f}x, gpt {db['gpt_http_16_over_1']:.1f}x "
+          f"(db_ar / gpt = {db['vs_gpt_ratio']:.2f}, target >= 0.8)")
     summary = {
-        "setup": {"model": args.checkpoint or SHAPES[kind],
-                  "looped_model": args.looped_checkpoint or SHAPES["looped_db"],
+        "setup": {"model": SHAPES["gpt"], "looped_model": SHAPES["looped_db"],
                   "prompt_tokens": PROMPT, "max_tokens": MAX_TOKENS, "server_threads": args.threads,
                   "cpus": os.cpu_count(), "rounds": rounds, "repeats": repeats, "loadavg_before": load_before,
                   "loadavg_after": os.getloadavg()},
@@ -277,7 +262,7 @@ def main() -> None:
         "db_ar": db,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / ("serve_medium.json" if args.medium else "serve.json")).write_text(json.dumps(summary, indent=2))
+    (RESULTS / "serve.json").write_text(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

