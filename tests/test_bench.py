@@ -222,17 +222,6 @@ def test_the_copying_bench_picks_the_db_recipe_at_seed_0_not_by_a_mean_over_uneq
     assert ds.best_recipe(by, {"many": 0.01, "one": 0.003}, ["many", "one"]) == "many"
 
 
-def test_every_leak_mutation_still_finds_the_line_it_breaks():
-    """bench/leak_mutations.py breaks code by replacing an exact line; a line the code no longer has would
-    make that mutation silently test nothing."""
-    spec = importlib.util.spec_from_file_location("bench_leak_mutations", ROOT / "bench" / "leak_mutations.py")
-    lm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lm)
-    for name, (path, old, new) in lm.M.items():
-        assert (ROOT / path).read_text().count(old) == 1, name
-        assert old != new, name
-
-
 def test_the_clean_lm_report_chooses_the_weight_on_dev_and_pairs_it_by_seed(tmp_path):
     """The weight is the lowest seed-0 DEV ppl@0 (a weight better on test must not win), ratios pair the same
     seed, and the plan's rule needs the ppl@0 interval's upper bound below 1 at equal steps AND against the
