@@ -327,6 +327,7 @@ def summarise(results: dict, dev: dict | None = None) -> str:
     if dev_lines:
         lines += ["", "Dev split (seed 0 unless the bracket says more; the LR marked `chosen` is what the test rows "
                   "use):", dev_lines]
+    lines += ["", "Diagnostics and the reading of the earlier runs (history): [modules_reading.md](modules_reading.md)."]
     return "\n".join(lines)
 
 
