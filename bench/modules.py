@@ -82,7 +82,8 @@ MDM_EVAL_WINDOWS, MDM_T_SAMPLES = 128, 8
 # pinned here because the config's defaults differ where a later measurement chose otherwise
 RECIPES = {
     "vit": dict(overlap=0.05, block_sampling="uniform", loss_weight="batch_mean", bridge="soft",
-                parameterization="edm", last_call="sigma_min", norm_eps=1e-6),
+                parameterization="edm", last_call="sigma_min", norm_eps=1e-6,
+                sample_top_quantile=1.0),  # the chain starts at sigma_max, as the official code (chosen on dev)
     "dit": dict(overlap=0.05, block_sampling="uniform", last_call="sigma_min", norm_eps=1e-6),
     "mdm": dict(overlap=0.05, block_sampling="uniform", norm_eps=1e-6),
 }

@@ -24,6 +24,7 @@ def test_shapes_and_defaults():
     m, d = paper.model, paper.diffusion
     assert (m.n_layers, m.patch, m.d_model, m.n_heads, d.num_blocks, d.overlap) == (12, 4, 128, 4, 3, 0.05)
     assert (d.loss_weight, d.bridge, d.parameterization) == ("batch_mean", "soft", "edm")  # the official code's
+    assert d.sample_top_quantile == 1.0  # the chain starts at sigma_max, as the official code (chosen on dev)
     model = tiny()
     x, y = batch()
     assert model.predict(x).shape == (6, 10)
