@@ -219,7 +219,14 @@ def report() -> str:
             mark = " (chosen)" if c and math.isclose(r["lr"], c[0]) and r["warmup"] == c[1] else ""
             lines.append(f"| {r['lr']:g} | {r['warmup']}{mark} | {r['seed']} | {r['dev']['ppl']:.3f} | "
                          f"{r['test']['ppl']:.3f} | {chain} | {r['cpu_s']} |")
-        lines += ["", f"Chosen on dev: {'lr %g, warm-up %d' % c if c else 'sweep not finished'}", ""]
+        edge = ""
+        if c:
+            sweep = [r for r in have if r["seed"] == 0]
+            lrs, wus = sorted({r["lr"] for r in sweep}), sorted({r["warmup"] for r in sweep if math.isclose(r["lr"], c[0])})
+            edges = [what for what, v, grid in (("lr", c[0], lrs), ("warm-up", c[1], wus)) if v in (grid[0], grid[-1])]
+            edge = (f" ({' and '.join(edges)} at the edge of the swept grid after its one extension: reported as an "
+                    f"edge, as the plan says)") if edges else " (both inside the swept grid)"
+        lines += ["", f"Chosen on dev: {'lr %g, warm-up %d' % c if c else 'sweep not finished'}{edge}", ""]
     lines += ["## Paired test ratios, DB recipe ppl@0 / gpt ppl (same seed)", ""]
     at = {arm: {r["seed"]: r for r in runs(arm) if pick[arm] and math.isclose(r["lr"], pick[arm][0])
                 and r["warmup"] == pick[arm][1]} for arm in ARMS}
