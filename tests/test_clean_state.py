@@ -21,7 +21,7 @@ from looped_lm.models.db.contexts import WindowContext
 from looped_lm.models.layers import token_cross_entropy
 from looped_lm.sampling import GREEDY, SharedGenerator
 from looped_lm.settings import ScoreSettings, resolve_settings
-from tiny_models import perturb_adaln, uncached_next_logits
+from tiny_models import perturb_adaln, shifted_batch, uncached_next_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -49,8 +49,7 @@ def make(layout="stacked_low", num_blocks=2, n_layers=4, seed=0, **diffusion):
 
 
 def batch(g, B=3):
-    x = torch.randint(0, V, (B, T), generator=g)
-    return x, torch.cat([x[:, 1:], torch.randint(0, V, (B, 1), generator=g)], dim=1)
+    return shifted_batch(g, B, vocab=V, T=T)
 
 
 # --- the input -----------------------------------------------------------------------------------------

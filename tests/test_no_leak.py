@@ -16,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 from looped_lm.models.db.contexts import WindowContext
 from looped_lm.models.layers import token_cross_entropy
 from looped_lm.settings import ScoreSettings
-from tiny_models import V, build_tiny
+from tiny_models import V, build_tiny, shifted_batch
 
 T = 12
 POSITIONS = (0, 4, 10)
@@ -46,9 +46,7 @@ def mutate_outside(x, y, noise, t, g):
 
 
 def batch(g, B=3):
-    x = torch.randint(0, V, (B, T), generator=g)
-    y = torch.cat([x[:, 1:], torch.randint(0, V, (B, 1), generator=g)], dim=1)  # real text: y = x shifted
-    return x, y
+    return shifted_batch(g, B, vocab=V, T=T)
 
 
 @torch.no_grad()

@@ -40,6 +40,12 @@ def perturb_adaln(model):
     return model
 
 
+def shifted_batch(generator, B: int = 3, *, vocab: int, T: int):
+    """(x, y) of B random windows of T tokens, y = x shifted by one plus a fresh last token (real text's shape)."""
+    x = torch.randint(0, vocab, (B, T), generator=generator)
+    return x, torch.cat([x[:, 1:], torch.randint(0, vocab, (B, 1), generator=generator)], dim=1)
+
+
 def markov_batch(generator, batch: int = 16, T: int = 16, stay: float = 0.7):
     """A tiny synthetic language: the next token is (token + 1) mod V with probability `stay`, else
     uniform. (x, y) with y = x shifted by one."""
