@@ -40,11 +40,20 @@ OUT = ROOT / "bench" / "results" / "decision"
 WORK = Path("/tmp/looped_lm_decision")
 DB_STEPS = 1000
 
+# the control arms (controls_plan.md): the same 4 layers in B = 2 blocks, context stacked (each block continues
+# the frozen blocks before it), blocks in turn; ctl_clean trains each block on the clean next-token loss alone,
+# ctl_both adds the denoising term. Both are scored by their clean readout (eval's ppl_clean), exact.
+CONTROL = ["diffusion.context=stacked", "diffusion.block_sampling=round_robin"]
 ARMS = {
     "db_b2": {"config": "configs/quickstart_db.yaml", "sets": [], "blocks": 2},
     "gpt_4l": {"config": "configs/quickstart.yaml", "sets": ["model.n_layers=4"], "blocks": 0},
     "gpt_2l": {"config": "configs/quickstart.yaml", "sets": ["model.n_layers=2"], "blocks": 0},
+    "ctl_clean": {"config": "configs/quickstart_db.yaml", "sets": [*CONTROL, "diffusion.denoise_weight=0"],
+                  "blocks": 2, "clean": True},
+    "ctl_both": {"config": "configs/quickstart_db.yaml", "sets": CONTROL, "blocks": 2, "clean": True},
 }
+DECISION_ARMS = ["db_b2", "gpt_4l", "gpt_2l"]
+CONTROL_ARMS = ["ctl_clean", "ctl_both"]
 LRS = [3e-4, 1e-3, 3e-3, 1e-2]
 LR_OUT = {3e-4: 1e-4, 1e-2: 3e-2}  # the next rate out from an edge
 WARMUP0 = 50
@@ -75,8 +84,13 @@ def budget(vocab: int) -> dict:
         if arm.startswith("gpt"):
             gpt = load(arm, [])
             f = get_kind("gpt").step_flops(gpt, vocab, gpt.train.batch_size)
-            out["arm_steps"][arm] = round(total / f)
-            out[f"{arm}_step_flops"] = f
+        elif arm in CONTROL_ARMS:  # blocks in turn: the mean of the blocks' steps (block 1 also runs frozen block 0)
+            ctl = load(arm, [])
+            f = sum(kind.step_flops(ctl, vocab, ctl.train.batch_size, key=b) for b in range(2)) / 2
+        else:
+            continue
+        out["arm_steps"][arm] = round(total / f)
+        out[f"{arm}_step_flops"] = f
     return out
 
 
@@ -104,15 +118,21 @@ def run_one(arm: str, lr: float, warmup: int, seed: int, steps: int, split: dict
     manifest = json.loads((ckpt / "manifest.json").read_text())
     if (Path(manifest["data"]["dir"]).resolve() / "val.bin") != Path(split["val"]):
         raise RuntimeError(f"{tag}: its val.bin is not the one split into dev/test ({split['val']})")
-    blocks = ARMS[arm]["blocks"]
+    blocks, clean = ARMS[arm]["blocks"], ARMS[arm].get("clean", False)
     exact = ["--num-iterations", "0"] if blocks else []
     dev = allocation.eval_json(ckpt, split["dev"], WORK / f"{tag}_dev.json", env, exact)
     test = allocation.eval_json(ckpt, split["test"], WORK / f"{tag}_test.json", env, exact)
+    # an arm's score ("ppl", what the sweep chooses on and the ratios use): ppl@0 for the DB recipe, the
+    # clean readout for a control arm (ctl_both's ppl@0 is kept beside it as "ppl0"), ppl for gpt
+    score = (lambda rep: {"ppl": rep["ppl_clean"], "nll": rep["nll_clean"], "tokens": rep["tokens"],
+                          **({"ppl0": rep["ppl"]} if rep.get("primary") != "clean" else {})}) if clean else \
+        (lambda rep: {"ppl": rep["ppl"], "nll": rep["nll"], "tokens": rep["tokens"]})
     result = {"arm": arm, "lr": lr, "min_lr": lr / 10, "warmup": warmup, "seed": seed, "steps": int(ckpt.name[5:]),
               "extra_sets": extra, "split": {k: split[k] for k in ("split_seed", "val_tokens", "dev_tokens", "test_tokens")},
-              "dev": {"ppl": dev["ppl"], "nll": dev["nll"], "tokens": dev["tokens"]},
-              "test": {"ppl": test["ppl"], "nll": test["nll"], "tokens": test["tokens"]}}
-    if blocks and seed != 0:  # the chain (sensitivity only) on the seed runs; the sweep chooses on exact ppl@0
+              "dev": score(dev), "test": score(test)}
+    if clean:
+        result["block_steps"] = allocation.logged_block_steps(out_dir, blocks)
+    elif blocks and seed != 0:  # the chain (sensitivity only) on the seed runs; the sweep chooses on exact ppl@0
         rep = allocation.eval_json(ckpt, split["test"], WORK / f"{tag}_chain.json", env, allocation.chain_args(blocks))
         result["test_chain"] = allocation.chain_of(rep, blocks)
         counts = allocation.logged_block_steps(out_dir, blocks)
@@ -199,51 +219,63 @@ def chosen(arm: str) -> tuple[float, int] | None:
     return lr, best([r for r in have if r["seed"] == 0 and math.isclose(r["lr"], lr)], "warmup")["warmup"]
 
 
+def arm_table(arm: str) -> list[str]:
+    """One arm's runs, its choice on dev and whether that choice sits at the edge of the swept grid."""
+    have, c = runs(arm), chosen(arm)
+    ppl0 = any("ppl0" in r["test"] for r in have)
+    lines = [f"## {arm}", "", "| lr | warm-up | seed | dev ppl | test ppl | " + ("test ppl@0 | " if ppl0 else "")
+             + "chain test ppl@B (se) | CPU-s |", "|---|---|---|---|---|---|---|" + ("---|" if ppl0 else "")]
+    for r in sorted(have, key=lambda r: (r["seed"], r["lr"], r["warmup"])):
+        ch = r.get("test_chain")
+        chain = f"{ch['ppl']:.3f} ({ch['se']:.3f})" if ch and ch.get("ppl") is not None else "-"
+        mark = " (chosen)" if c and math.isclose(r["lr"], c[0]) and r["warmup"] == c[1] else ""
+        lines.append(f"| {r['lr']:g} | {r['warmup']}{mark} | {r['seed']} | {r['dev']['ppl']:.3f} | "
+                     f"{r['test']['ppl']:.3f} | " + (f"{r['test'].get('ppl0', 0):.3f} | " if ppl0 else "")
+                     + f"{chain} | {r['cpu_s']} |")
+    edge = ""
+    if c:
+        sweep = [r for r in have if r["seed"] == 0]
+        lrs, wus = sorted({r["lr"] for r in sweep}), sorted({r["warmup"] for r in sweep if math.isclose(r["lr"], c[0])})
+        edges = [what for what, v, grid in (("lr", c[0], lrs), ("warm-up", c[1], wus)) if v in (grid[0], grid[-1])]
+        edge = (f" ({' and '.join(edges)} at the edge of the swept grid after its one extension: reported as an "
+                f"edge, as the plan says)") if edges else " (both inside the swept grid)"
+    return lines + ["", f"Chosen on dev: {'lr %g, warm-up %d' % c if c else 'sweep not finished'}{edge}", ""]
+
+
+def at_choice(arm: str) -> dict:
+    """{seed: run} at the arm's dev-chosen (lr, warm-up)."""
+    c = chosen(arm)
+    return {r["seed"]: r for r in runs(arm) if c and math.isclose(r["lr"], c[0]) and r["warmup"] == c[1]}
+
+
+def paired_row(num: str, den: str, lower: tuple[str, str], key=lambda r: r["test"]["ppl"]) -> str:
+    """The plan's statistic: paired per-seed test ratios num / den, geometric mean and t 95 % interval."""
+    a, b = at_choice(num), at_choice(den)
+    seeds = sorted(set(a) & set(b))
+    if len(seeds) < 2:
+        return f"- {num} / {den}: {len(seeds)} paired seed(s); no interval yet"
+    ratios = [key(a[s]) / key(b[s]) for s in seeds]
+    geo, lo, hi = common.ratio_ci(ratios)
+    verdict = f"{lower[0]} lower" if hi < 1 else f"{lower[1]} lower" if lo > 1 else "not separated"
+    return (f"- {num} / {den}: " + ", ".join(f"s{s} {x:.3f}" for s, x in zip(seeds, ratios))
+            + f"; geometric mean {geo:.3f}, 95 % t interval [{lo:.3f}, {hi:.3f}] (n = {len(seeds)}): **{verdict}**"
+            + ("" if len(seeds) == len(SEEDS) else " (fewer seeds than planned: no verdict)"))
+
+
 def report() -> str:
     b = json.loads((OUT / "budget.json").read_text())
     lines = ["# The decision row: the DB recipe against tuned end-to-end gpt at equal training FLOPs", "",
              "Written by `bench/decision.py report`; plan, statistic and rules: plan.md (written before the runs).",
              f"Budget: DB {b['arm_steps']['db_b2']} steps + {b['db_refreshes']} curve refreshes = "
              f"{b['db_total_flops']:.3e} matmul FLOPs; gpt steps for it: "
-             + ", ".join(f"{a} {s}" for a, s in b["arm_steps"].items() if a != "db_b2") + ".", ""]
-    pick = {}
-    for arm in ARMS:
-        have = runs(arm)
-        c = chosen(arm)
-        pick[arm] = c
-        lines += [f"## {arm}", "", "| lr | warm-up | seed | dev ppl | test ppl | chain test ppl@B (se) | CPU-s |",
-                  "|---|---|---|---|---|---|---|"]
-        for r in sorted(have, key=lambda r: (r["seed"], r["lr"], r["warmup"])):
-            ch = r.get("test_chain")
-            chain = f"{ch['ppl']:.3f} ({ch['se']:.3f})" if ch and ch.get("ppl") is not None else "-"
-            mark = " (chosen)" if c and math.isclose(r["lr"], c[0]) and r["warmup"] == c[1] else ""
-            lines.append(f"| {r['lr']:g} | {r['warmup']}{mark} | {r['seed']} | {r['dev']['ppl']:.3f} | "
-                         f"{r['test']['ppl']:.3f} | {chain} | {r['cpu_s']} |")
-        edge = ""
-        if c:
-            sweep = [r for r in have if r["seed"] == 0]
-            lrs, wus = sorted({r["lr"] for r in sweep}), sorted({r["warmup"] for r in sweep if math.isclose(r["lr"], c[0])})
-            edges = [what for what, v, grid in (("lr", c[0], lrs), ("warm-up", c[1], wus)) if v in (grid[0], grid[-1])]
-            edge = (f" ({' and '.join(edges)} at the edge of the swept grid after its one extension: reported as an "
-                    f"edge, as the plan says)") if edges else " (both inside the swept grid)"
-        lines += ["", f"Chosen on dev: {'lr %g, warm-up %d' % c if c else 'sweep not finished'}{edge}", ""]
+             + ", ".join(f"{a} {b['arm_steps'][a]}" for a in DECISION_ARMS if a != "db_b2") + ".", ""]
+    for arm in DECISION_ARMS:
+        lines += arm_table(arm)
     lines += ["## Paired test ratios, DB recipe ppl@0 / gpt ppl (same seed)", ""]
-    at = {arm: {r["seed"]: r for r in runs(arm) if pick[arm] and math.isclose(r["lr"], pick[arm][0])
-                and r["warmup"] == pick[arm][1]} for arm in ARMS}
-    for gpt in (a for a in ARMS if a != "db_b2"):
-        seeds = sorted(set(at["db_b2"]) & set(at[gpt]))
-        if len(seeds) < 2:
-            lines.append(f"- db_b2 / {gpt}: {len(seeds)} paired seed(s); no interval yet")
-            continue
-        ratios = [at["db_b2"][s]["test"]["ppl"] / at[gpt][s]["test"]["ppl"] for s in seeds]
-        geo, lo, hi = common.ratio_ci(ratios)
-        verdict = "DB lower" if hi < 1 else "gpt lower" if lo > 1 else "not separated"
-        lines.append(f"- db_b2 / {gpt}: " + ", ".join(f"s{s} {x:.3f}" for s, x in zip(seeds, ratios))
-                     + f"; geometric mean {geo:.3f}, 95 % t interval [{lo:.3f}, {hi:.3f}] (n = {len(seeds)}): "
-                     f"**{verdict}**" + ("" if len(seeds) == len(SEEDS) else " (fewer seeds than planned: no verdict)"))
+    lines += [paired_row("db_b2", gpt, ("DB", "gpt")) for gpt in ("gpt_4l", "gpt_2l")]
     # sensitivity: the served K = B chain scores what ppl@0 scores (on the chain's own 8,192 tokens); gpt was not
     # scored on those tokens, so the chain enters through its ratio to ppl@0 there, not through a mixed ratio
-    chain = [r["test_chain"] for s, r in sorted(at["db_b2"].items()) if r.get("test_chain", {}).get("ppl")]
+    chain = [r["test_chain"] for s, r in sorted(at_choice("db_b2").items()) if r.get("test_chain", {}).get("ppl")]
     if chain:
         ratios = [c["ppl"] / c["ppl0_same_tokens"] for c in chain]
         lines.append(f"- sensitivity, DB ppl@2 (the K = B chain, 16 draws) / DB ppl@0 on the same first 8,192 test "
@@ -252,6 +284,29 @@ def report() -> str:
                      "served model")
     text = "\n".join(lines) + "\n"
     (OUT / "report.md").write_text(text)
+    if any(runs(arm) for arm in CONTROL_ARMS):
+        text += "\n" + controls_report(b)
+    return text
+
+
+def controls_report(b: dict) -> str:
+    lines = ["# The control arms: what the denoising term adds, at equal training FLOPs", "",
+             "Written by `bench/decision.py report`; plan, statistics and rules: controls_plan.md (written before the "
+             f"runs). Budget: the DB recipe's {b['db_total_flops']:.3e} matmul FLOPs; steps for it: "
+             + ", ".join(f"{a} {b['arm_steps'][a]}" for a in CONTROL_ARMS) + ". Each control arm's score is its "
+             "clean readout (eval's ppl_clean, exact); ctl_both's ppl@0 is shown beside it.", ""]
+    for arm in CONTROL_ARMS:
+        lines += arm_table(arm)
+    lines += ["## Paired test ratios (same seed)", "",
+              paired_row("ctl_both", "ctl_clean", ("with denoising", "without denoising")),
+              paired_row("db_b2", "ctl_clean", ("DB recipe", "ctl_clean")),
+              *(paired_row(ctl, gpt, (ctl, gpt)) for ctl in CONTROL_ARMS for gpt in ("gpt_4l", "gpt_2l"))]
+    both = at_choice("ctl_both")
+    if both:
+        lines.append("- sensitivity, ctl_both's ppl@0 (its denoiser's one call) / its ppl_clean on test: "
+                     + ", ".join(f"s{s} {r['test']['ppl0'] / r['test']['ppl']:.3f}" for s, r in sorted(both.items())))
+    text = "\n".join(lines) + "\n"
+    (OUT / "controls_report.md").write_text(text)
     return text
 
 
@@ -260,7 +315,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["run", "report"])
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--arms", nargs="+", default=DECISION_ARMS, choices=list(ARMS),
+                    help=f"the decision row (default) or the control arms: --arms {' '.join(CONTROL_ARMS)}")
     ap.add_argument("--set", action="append", default=[], help="extra train overrides (a smoke test)")
     ap.add_argument("--out", type=Path, default=OUT, help="where the JSONs and report.md go")
     args = ap.parse_args()
