@@ -1,12 +1,10 @@
 """The copying study (docs/results.md "The depth regime"; its one driver): in-context copying (induction), a
 regime where depth matters by construction (one attention layer cannot copy, two can).
 
-    python bench/depth_synthetic.py run --lanes 1      # the plan (plan.md): SWEEP rows x LRS at seed 0 on dev,
-                                                       # then SEEDS at each row's dev-chosen lr
     DEPTH_SYNTHETIC_DIR=round3 python bench/depth_synthetic.py jobs db_L4_B2_gain:0.01:5 huginn_wu20:0.003:1
                                                        # given row:lr:seed runs, in a round's folder
     DEPTH_SYNTHETIC_DIR=round3 python bench/depth_synthetic.py table   # the headline tables of a round
-    python bench/depth_synthetic.py run --smoke
+    python bench/depth_synthetic.py one gpt_L2 0.001 0 --smoke         # a few steps: checks the script
 
 Data: each sequence of T = 64 tokens repeats one segment of 8..24 distinct symbols (out of 64; length and
 symbols random per sequence). The first period is unpredictable (ln 64 = 4.16 nats); every later token follows
@@ -20,7 +18,8 @@ results/depth_synthetic/<round>/<row>__lr<lr>__s<seed>.json; its weights in benc
 
 Each round's report.md (and round 2's `confidence`, `chain-check` and `rescore` side studies, the sequential-
 schedule rows and the `--commit` option) was written by this script at commit 85636b7; `table` prints the
-headline tables from the JSON.
+headline tables from the JSON. Round 1's `run` mode (plan.md's SWEEP x LRS at seed 0, then SEEDS at each row's
+dev-chosen lr, in that order; every run it made is a `jobs` row:lr:seed) is this script at commit daf8543.
 """
 
 from __future__ import annotations
@@ -50,7 +49,6 @@ RESULTS = ROOT / "results" / "depth_synthetic"
 V, T, BATCH, D, HEADS = 64, 64, 32, 64, 4
 SEG = (8, 25)  # segment lengths, [low, high)
 BUDGET = float(os.environ.get("DEPTH_SYNTHETIC_BUDGET", 6e12))
-LRS = (3e-4, 1e-3, 3e-3)
 DEV_SEED, TEST_SEED = 1, 2  # the held-out data: 512 dev sequences pick each row's learning rate, 512 test ones report
 COPIES = 1.0  # a run "learns to copy" when its test copy NLL is below this (stated before the 5-seed runs)
 DB = {"parameterization": "likelihood", "noisy_input": "prev_token", "noisy_self": False, "bridge": "sample",
@@ -93,10 +91,6 @@ WARMUP = {"huginn_wu1": 0.01, "huginn_wu20": 0.20, "looped_db_wu1": 0.01, "loope
 for _name in WARMUP:
     RUNS[_name] = RUNS[_name.rsplit("_wu", 1)[0]]
 CURVE_EVERY = 200  # network_gain / loss_share: re-measure CE(sigma) on a fixed training batch this often (the product's default)
-# The fair protocol (plan.md): the sweep rows at seed 0 over LRS (dev), then seeds at each row's dev-chosen lr
-SWEEP = ("gpt_L2", "db_L4_B2_independent", "db_L4_B2_stacked_low_first")
-SEEDS = {"gpt_L2": 3, "db_L4_B2_independent": 5, "db_L4_B2_stacked_low_first": 5}
-CRITERION = ("gpt_L1", "gpt_L2")
 
 
 def sequences(n: int, seed: int) -> torch.Tensor:
@@ -354,37 +348,11 @@ def one(name: str, lr: float, seed: int, smoke: bool) -> None:
           flush=True)
 
 
-def best_lr(name: str, smoke: bool) -> float:
-    """The learning rate with the lowest dev copy NLL at seed 0 (among those that ran)."""
-    ran = [json.loads(f.read_text())["lr"] for f in path_of(name, 1.0, 0, smoke).parent.glob(f"{name}__lr*__s0.json")]
-    return min(ran, key=lambda lr: json.loads(path_of(name, lr, 0, smoke).read_text())["dev"]["copy_nll"])
-
-
-def seed_jobs(smoke: bool) -> list:
-    """Seeds 1, 2, ... at each row's chosen lr: every seed of the db row best on dev (seed 0) first (the
-    verdicts rest on it), then gpt_L2's further seeds (its seeds 0 and 1 agree to 0.001 nats), then the
-    other db rows seed by seed."""
-    dev = {n: json.loads(path_of(n, best_lr(n, smoke), 0, smoke).read_text())["dev"]["copy_nll"] for n in SWEEP}
-    dbs = sorted((n for n in SWEEP if n.startswith("db_")), key=dev.get)
-    jobs = [(dbs[0], s) for s in range(1, SEEDS[dbs[0]])]
-    jobs += [(n, s) for n in SWEEP if not n.startswith("db_") for s in range(1, SEEDS[n])]
-    jobs += [(n, s) for s in range(1, max(SEEDS.values())) for n in dbs[1:] if s < SEEDS[n]]
-    return [(n, best_lr(n, smoke), s) for n, s in jobs]
-
-
-def run_all(lanes: int, smoke: bool) -> None:
-    """The plan (plan.md): seed 0 of every SWEEP row at every learning rate (chosen on dev), then seeds
-    1, 2, ... at each row's chosen learning rate, seed by seed across the rows (a stop loses the least)."""
-    run_jobs([(name, lr, 0) for name in SWEEP for lr in LRS], lanes, smoke, "sweep")
-    run_jobs(seed_jobs(smoke), lanes, smoke, "seeds")
-
-
-def run_jobs(todo: list, lanes: int, smoke: bool, what: str = "jobs") -> None:
+def run_jobs(todo: list, lanes: int) -> None:
     """Run (row, lr, seed) jobs whose JSON is missing, `lanes` processes at a time, one thread each."""
-    todo = [job for job in todo if not path_of(*job, smoke).is_file()]
-    print(f"{what}: {len(todo)} runs to do: {todo}", flush=True)
-    common.run_lanes([([__file__, "one", name, str(lr), str(seed)] + (["--smoke"] if smoke else []), None)
-                      for name, lr, seed in todo], lanes)
+    todo = [job for job in todo if not path_of(*job, False).is_file()]
+    print(f"jobs: {len(todo)} runs to do: {todo}", flush=True)
+    common.run_lanes([([__file__, "one", name, str(lr), str(seed)], None) for name, lr, seed in todo], lanes)
 
 
 # --- table --------------------------------------------------------------------------------------------
@@ -510,9 +478,6 @@ def table() -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="the plan: the sweep at seed 0, then the seeds at each row's dev-chosen lr")
-    r.add_argument("--lanes", type=int, default=1)
-    r.add_argument("--smoke", action="store_true")
     j = sub.add_parser("jobs", help="run the listed row:lr:seed jobs whose JSON is missing (DEPTH_SYNTHETIC_DIR "
                        "picks the round's folder)")
     j.add_argument("job", nargs="+")
@@ -524,14 +489,12 @@ def main() -> None:
     o.add_argument("--smoke", action="store_true")
     sub.add_parser("table", help="the headline tables of a round (DEPTH_SYNTHETIC_DIR), from its JSON")
     a = p.parse_args()
-    if a.cmd == "run":
-        run_all(a.lanes, a.smoke)
-    elif a.cmd == "jobs":
+    if a.cmd == "jobs":
         todo = [(name, float(lr), int(seed)) for name, lr, seed in (job.split(":") for job in a.job)]
         unknown = sorted({name for name, _, _ in todo} - set(RUNS))
         if unknown:
             p.error(f"unknown rows {unknown} (have: {', '.join(RUNS)})")
-        run_jobs(todo, a.lanes, False)
+        run_jobs(todo, a.lanes)
     elif a.cmd == "one":
         one(a.name, a.lr, a.seed, a.smoke)
     else:
