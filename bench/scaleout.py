@@ -1,10 +1,12 @@
 """Scale-out (bench/README.md "scaleout.py", which describes both measurements): memory, step time and traffic
 per rank of data parallel (ZeRO 0, 1), block parallel and independent block jobs on 2 gloo ranks, beside
-`analytic`'s model; ppl@0 of layers_per_block [3, 1] vs [2, 2] at equal counted FLOPs.
+`analytic`'s model; the table of ppl@0 of layers_per_block [3, 1] vs [2, 2] at equal counted FLOPs.
 
     python bench/scaleout.py memory [SETUP ...]  # the real trainer under the DeepSpeed launcher, each rank instrumented
-    python bench/scaleout.py split     # byte-level db_ar, 2 seeds, through bench/common.py's equal-FLOPs loop
     python bench/scaleout.py table     # the markdown tables, from bench/results/scaleout.json
+
+The split runs in scaleout.json came from `split` at commit 96d80fb (its own equal-FLOPs loop); the mode, later
+on bench/common.py's shared loop (a rerun differed slightly), is this script at commit daf8543.
 """
 
 from __future__ import annotations
@@ -20,9 +22,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402  (bench/ is not a package)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "scaleout.json"
@@ -287,66 +286,10 @@ def memory_table(mem: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------------------
-# split: ppl@0 of an uneven layer split at equal FLOPs
+# split: the table of ppl@0 of an uneven layer split at equal FLOPs (the runs of commit 96d80fb)
 
 
-SPLIT_STEPS, SPLIT_SEEDS, SPLIT_WINDOWS = 300, (0, 1), 48
-LR, MIN_LR, WARMUP, WD = 3e-3, 3e-4, 50, 0.1
-
-
-def _split_config(split, seed):
-    from looped_lm.config import config_from_dict
-
-    return config_from_dict({"model": {"kind": "db_ar", "n_layers": 4, "d_model": 128, "n_heads": 4, "seq_len": 128},
-                             "diffusion": {"layers_per_block": list(split), "curve_every": 100},
-                             "data": {"tokenizer": "byte"},
-                             "train": {"seed": seed, "batch_size": 16, "lr": LR, "min_lr": MIN_LR,
-                                       "warmup_steps": WARMUP, "weight_decay": WD, "grad_clip": 1.0}})
-
-
-def score_windows(model, val):
-    """Per-window ppl@0 NLL sums and their estimate variances on SPLIT_WINDOWS fixed held-out windows."""
-    import torch
-
-    from looped_lm.settings import ScoreSettings
-
-    rows = common.val_rows(val, SPLIT_WINDOWS)
-    model.eval()
-    nll, var = [], []
-    for i in range(0, SPLIT_WINDOWS, 16):
-        x, y = rows[i:i + 16, :-1], rows[i:i + 16, 1:]
-        g = torch.Generator().manual_seed(1234 + i)
-        s = model.score(x, y, ScoreSettings(k_grid=(), draws=4), g)[0]
-        nll += s.nll.double().sum(1).tolist()
-        var += s.nll_var.double().sum(1).tolist()
-    return nll, var
-
-
-def run_split() -> dict:
-    import torch
-
-    torch.set_num_threads(1)
-    runs = {}
-    for seed in SPLIT_SEEDS:
-        budget = None
-        for split in ((2, 2), (3, 1)):
-            t0 = time.time()
-            model, state, flops_of, _, val = common.train_bible_db(_split_config(split, seed), "byte", seed,
-                                                                   SPLIT_STEPS, budget, WARMUP, f"split {list(split)}")
-            steps, spent = state["step"], state["flops"]
-            budget = budget or spent
-            nll, var = score_windows(model, val)
-            tokens = SPLIT_WINDOWS * 128
-            mean = sum(nll) / tokens
-            runs[f"{list(split)} seed {seed}"] = {
-                "split": list(split), "seed": seed, "steps": steps, "flops": spent,
-                "flops_per_block_step": flops_of, "ppl0": math.exp(mean),
-                "ppl0_se": math.exp(mean) * math.sqrt(sum(var)) / tokens, "window_nll": nll,
-                "block_steps": [sum(1 for s in range(steps) if model.choose_block(s, seed) == b)
-                                for b in range(len(split))], "seconds": time.time() - t0}
-            print(f"split {list(split)} seed {seed}: {steps} steps, ppl@0 {math.exp(mean):.3f}", flush=True)
-    return {"setting": "byte level, 4 layers, d 128, seq 128, batch 16, V 257, project defaults, curve_every 100",
-            "steps_of_even": SPLIT_STEPS, "windows": SPLIT_WINDOWS, "runs": runs}
+SPLIT_SEEDS = (0, 1)
 
 
 def split_table(split: dict) -> str:
@@ -383,7 +326,7 @@ def main(argv=None) -> int:
     if "worker" in argv[:2]:  # the DeepSpeed launcher puts --local_rank=N first
         return worker([a for a in argv if a != "worker"])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("memory", "split", "table"))
+    p.add_argument("what", choices=("memory", "table"))
     p.add_argument("setups", nargs="*", help="memory: rerun only these set-ups (the others stay as measured)")
     args = p.parse_args(argv)
     if args.what == "memory":
@@ -393,8 +336,6 @@ def main(argv=None) -> int:
             fresh["setups"] = {s: {**old["setups"].get(s, {}), **fresh["setups"].get(s, {})} for s in SETUPS}
             fresh["setups"] = {s: {**v, "analytic": analytic(s, fresh["counts"])} for s, v in fresh["setups"].items()}
         _save("memory", fresh)
-    elif args.what == "split":
-        _save("split", run_split())
     data = json.loads(RESULTS.read_text())
     if "memory" in data:
         print(memory_table(data["memory"]))
