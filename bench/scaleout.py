@@ -17,6 +17,7 @@ import math
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -250,11 +251,6 @@ def run_memory(only=()) -> dict:
             "setups": {s: {**r, "analytic": analytic(s, counts)} for s, r in results.items()}}
 
 
-def _median(xs):
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
-
-
 def memory_table(mem: dict) -> str:
     GiB, MiB = 2 ** 30, 2 ** 20
     c = mem["counts"]
@@ -270,14 +266,14 @@ def memory_table(mem: dict) -> str:
         growth = max(max(st["hwm"] for st in r["steps"]) - r["baseline_rss"] for r in ranks)
         state = max(r["optimizer_state_bytes"] for r in ranks)
         grads = max(r["grad_bytes"] for r in ranks)
-        comm = _median([st["comm_bytes"] for st in timed])
+        comm = statistics.median([st["comm_bytes"] for st in timed])
         lines.append(f"| {name} | {growth / GiB:.2f} ({a['total'] / GiB:.2f}) | {state / MiB:.0f} ({a['adam'] / MiB:.0f}) | "
                      f"{grads / MiB:.0f} ({a['optimizer_grads'] / MiB:.0f}) | {comm / MiB:.0f} ({a['comm_payload'] / MiB:.0f}) | "
-                     f"{_median([st['wall_s'] for st in timed]):.1f} ({_median([st['cpu_s'] for st in timed]):.1f}) |")
+                     f"{statistics.median([st['wall_s'] for st in timed]):.1f} ({statistics.median([st['cpu_s'] for st in timed]):.1f}) |")
     dp, bp = mem["setups"]["dp_zero0"], mem["setups"]["bp"]
     ratio = max(r["optimizer_state_bytes"] for r in bp["ranks"]) / max(r["optimizer_state_bytes"] for r in dp["ranks"])
     bound = 1 / mem["blocks"] + c["S"] / c["P"]
-    sent = int(_median([st["comm_bytes"] for r in bp["ranks"] for st in r["steps"][mem["timed_from_step"] - 1:]]))
+    sent = int(statistics.median([st["comm_bytes"] for r in bp["ranks"] for st in r["steps"][mem["timed_from_step"] - 1:]]))
     lines += ["", f"- block-parallel Adam state per rank / data parallel's: {ratio:.3f} (target <= 1/B + S/P = "
                   f"{bound:.3f}: {'met' if ratio <= bound else 'MISSED'})",
               f"- block-parallel payload per step and rank: {sent:,} bytes; the shared parameters' fp32 gradients: "
