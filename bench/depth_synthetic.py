@@ -128,8 +128,6 @@ def config(name: str):
 def huginn_costs(model, x, y, seed: int, steps: int = 100_000):
     """huginn's step cost depends on its recurrence r (drawn per step from seed and step, as training_loss
     draws it): the counted FLOPs of one real step per distinct r, -> (cost_at(step), {r: FLOPs})."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     from looped_lm.models.huginn import sample_recurrence
 
     def r_at(step: int) -> int:
@@ -140,10 +138,7 @@ def huginn_costs(model, x, y, seed: int, steps: int = 100_000):
     def cost_at(step: int) -> float:
         r = r_at(step)
         if r not in by_r:
-            with FlopCounterMode(display=False) as counter:
-                model.training_loss(x, y, step, seed)[0].backward()
-            model.zero_grad(set_to_none=True)
-            by_r[r] = float(counter.get_total_flops())
+            by_r[r] = float(common.step_flops(model, x, y, step, seed))
         return by_r[r]
 
     return cost_at, by_r
