@@ -3,6 +3,7 @@
 CPU time of 48 new tokens (prefill excluded), interleaved repeats, the fastest kept.
 
     python bench/decode.py [--quick]     # -> bench/results/decode.json
+    python bench/decode.py --compiled    # the engine's decode step compiled vs eager -> decode_compiled.json
 """
 
 from __future__ import annotations
@@ -54,12 +55,55 @@ def tokens_per_s(model, batch: int, K: int | None) -> float:
     return batch * NEW / max(time.process_time() - t - one, 1e-9)
 
 
+def engine_tokens_per_s(model, batch: int, compile_decode: bool, repeats: int) -> float:
+    """The engine's decode rate: `batch` greedy requests at once, 48 new tokens after a 16-token prompt,
+    wall time minus a 1-token run's (the prefill); the first run compiles every bucket and is not timed."""
+    from looped_lm.engine.engine import Engine, Request
+
+    engine = Engine(model, num_slots=batch, max_len=PROMPT + NEW + 1, compile_decode=compile_decode)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, model.vocab_size, (PROMPT,), generator=g).tolist() for _ in range(batch)]
+
+    def timed(new: int) -> float:
+        t = time.perf_counter()
+        engine.run([Request(prompt=p, max_tokens=new, seed=0, sampling=GREEDY) for p in prompts])
+        return time.perf_counter() - t
+
+    timed(NEW)  # compiles (each bucket once) and warms up
+    best = min(timed(NEW) - timed(1) for _ in range(repeats))
+    return batch * (NEW - 1) / max(best, 1e-9)
+
+
+def compiled_vs_eager(repeats: int) -> None:
+    """gpt's engine decode, torch.compile (inductor) against eager, one thread, at three batch sizes."""
+    out = {"new_tokens": NEW, "prompt": PROMPT, "threads": 1, "torch": torch.__version__, "rows": []}
+    for name, vocab, extra in (("quickstart (4 x 128, V 257)", 257, {}),
+                               ("6 x 384, V 50257", 50257, {"n_layers": 6, "d_model": 384, "n_heads": 6})):
+        model = build("gpt", vocab)
+        if extra:
+            torch.manual_seed(0)
+            raw = {"model": {"kind": "gpt", "seq_len": 128, **extra}}
+            model = build_model(config_from_dict(raw), vocab).eval()
+        for batch in (1, 4, 16):
+            eager = engine_tokens_per_s(model, batch, False, repeats)
+            fast = engine_tokens_per_s(model, batch, True, repeats)
+            row = {"shape": name, "batch": batch, "eager_tokens_per_s": eager, "compiled_tokens_per_s": fast,
+                   "compiled_vs_eager": fast / eager}
+            out["rows"].append(row)
+            print(row, flush=True)
+    out["load_average"] = list(__import__("os").getloadavg())
+    (HERE / "results" / "decode_compiled.json").write_text(json.dumps(out, indent=1))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one repeat, one vocabulary")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--compiled", action="store_true", help="the engine's gpt decode step compiled vs eager instead")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.compiled:
+        return compiled_vs_eager(args.repeats)
     repeats = 1 if args.quick else args.repeats
     out = {"new_tokens": NEW, "prompt": PROMPT, "speed": [], "kv": []}
     for vocab in ((257,) if args.quick else (257, 50257)):

@@ -49,6 +49,9 @@ def add_arguments(p) -> None:
                    help="the Jinja chat template for /v1/chat/completions, a file or the template itself (as "
                         "vLLM's flag); default: the model's (tokenizer_config.json's chat_template, a "
                         "chat_template.jinja beside it, or the GGUF's), else a plain `Role: content` one")
+    p.add_argument("--compile-decode", choices=("auto", "on", "off"), default="auto",
+                   help="torch.compile the one-token decode step, rows padded to power-of-two buckets (CUDA graphs "
+                        "on a GPU), for models with a fixed-shape step (gpt; others decode eagerly): auto = on CUDA")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
@@ -105,14 +108,15 @@ def run(args) -> int:
                         "pip install -e '.[serve]'") from None
     from looped_lm.checkpoint import load_checkpoint, no_verify_note, resolve_checkpoint
     from looped_lm.data.tokenizer import get_tokenizer
+    import torch
+
+    from looped_lm.engine.compiled import compile_setting
     from looped_lm.engine.engine import Engine
     from looped_lm.models.contract import CachedDecoding
 
     if args.threads is not None:
         if args.threads < 1:
             raise UserError(f"--threads must be >= 1 (got {args.threads})")
-        import torch
-
         torch.set_num_threads(args.threads)
     if args.port < 0 or args.port > 65535:
         raise UserError(f"--port must be in 0..65535 (got {args.port})")
@@ -159,7 +163,8 @@ def run(args) -> int:
                                        prefill_chunk=args.prefill_chunk, vocab_size=tok.vocab_size,
                                        score_settings=ScoreSettings(draws=args.logprob_draws,
                                                                     max_draws=args.logprob_max_draws,
-                                                                    resolve_se=LOGPROB_RESOLVE_SE))
+                                                                    resolve_se=LOGPROB_RESOLVE_SE),
+                                       compile_decode=compile_setting(args.compile_decode, torch.device(args.device)))
     app = build_app(engine, tok, name, api_key=args.api_key, max_request_work=args.max_request_work,
                     chat_template=template)
     k = f", K default {engine.default_iterations} (max {engine.max_iterations})" if engine.max_iterations else ""

@@ -68,12 +68,15 @@ class Engine:
                  prefill_budget: int | None = None, default_iterations: int | None = None,
                  max_iterations: int | None = None, vocab_size: int | None = None,
                  score_settings: ScoreSettings = ScoreSettings(max_draws=LOGPROB_MAX_DRAWS,
-                                                              resolve_se=LOGPROB_RESOLVE_SE)):
+                                                              resolve_se=LOGPROB_RESOLVE_SE),
+                 compile_decode: bool = False):
         """num_slots: rows of the KV pool (concurrent sequences); max_len: tokens per slot (prompt +
         generation, at most model.max_positions); prefill_budget: prompt tokens per step (default:
         one chunk); vocab_size: ids that may be sampled (a model may pad its vocabulary);
         score_settings: how log-probs of DiffusionBlocks models are estimated (draws, candidates, and the
-        draws an unresolved one may add: by default every log-prob is resolved or has had 64 draws)."""
+        draws an unresolved one may add: by default every log-prob is resolved or has had 64 draws);
+        compile_decode: one-token decode steps through torch.compile, rows padded to buckets (compiled.py),
+        for models that offer a fixed-shape step (gpt); the others decode eagerly."""
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.max_len = max_len or model.max_positions
@@ -86,7 +89,7 @@ class Engine:
         self.default_iterations = self.limits and self.limits.default_iterations
         self.score_settings = score_settings.validate()
         self.runner = ModelRunner(model, num_slots, self.max_len, self.vocab_size, self.max_iterations,
-                                  self.score_settings)
+                                  self.score_settings, compile_decode)
         self.scheduler = Scheduler(num_slots, prefill_chunk, prefill_budget or prefill_chunk)
         self.stats = EngineStats(num_slots)
         self._cond = threading.Condition()

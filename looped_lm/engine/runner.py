@@ -16,7 +16,7 @@ import torch
 from looped_lm.engine.requests import TokenLogprob
 from looped_lm.engine.scheduler import Sequence
 from looped_lm.errors import UserError
-from looped_lm.models.contract import CachedDecoding, Scorable, split_logprobs
+from looped_lm.models.contract import CachedDecoding, FixedShapeDecoding, Scorable, split_logprobs
 from looped_lm.sampling import RowGenerators, sample
 from looped_lm.settings import RowBatch, ScoreSettings
 
@@ -49,11 +49,18 @@ def _tensor_bytes(obj, seen=None) -> int:
 
 class ModelRunner:
     def __init__(self, model, num_slots: int, max_len: int, vocab_size: int, max_iterations: int | None,
-                 score_settings: ScoreSettings):
+                 score_settings: ScoreSettings, compile_decode: bool = False):
+        """compile_decode: run one-token steps through `CompiledDecode` where the model offers
+        `FixedShapeDecoding` (others decode eagerly)."""
         self.model, self.vocab_size, self.score_settings = model, vocab_size, score_settings
         self.device = next(model.parameters()).device
         self.pool = model.new_cache(num_slots, max_len)
         model.reserve(self.pool, max_iterations)
+        self.compiled = None
+        if compile_decode and isinstance(model, FixedShapeDecoding):
+            from looped_lm.engine.compiled import CompiledDecode  # imports the compiler: only when asked
+
+            self.compiled = CompiledDecode(model, self.pool, num_slots)
 
     def _rows(self, seqs: list[Sequence]) -> torch.Tensor:
         return torch.tensor([s.slot for s in seqs], device=self.device)
@@ -61,6 +68,8 @@ class ModelRunner:
     def forward(self, ids: torch.Tensor, seqs: list[Sequence], want_logits: bool = True) -> torch.Tensor | None:
         """New tokens ids (R, n) of the rows of `seqs` -> next-token logits (R, V), fp32 (None when
         `want_logits` is False: a non-final prompt chunk only fills the caches)."""
+        if self.compiled is not None and ids.shape[1] == 1 and want_logits:  # a decode step: exact models only
+            return self.compiled(ids, self.pool, self._rows(seqs))[:, :self.vocab_size].float()
         batch = RowBatch([s.settings for s in seqs], RowGenerators([s.generator for s in seqs]))
         logits = self.model.forward_cached(ids, self.pool, self._rows(seqs), batch, want_logits=want_logits)
         used = [None] * len(seqs) if batch.iterations is None else batch.iterations.tolist()

@@ -6,6 +6,7 @@ A model kind is a `torch.nn.Module` that subclasses the capabilities it offers; 
     Trainable        training_loss / validation_loss / step_units / param_unit / checkpoint_state
     Scorable         score(x, y, ScoreSettings, generator) -> {label: TokenScores}      (eval, echo log-probs)
     CachedDecoding   new_cache / forward_cached(idx, cache, rows, RowBatch) -> next-token logits
+    FixedShapeDecoding decode_fixed(idx, cache, rows) -> logits: one token per row, static shapes (compiled)
     Iterative        iteration_limits() -> IterationLimits: the model has a K (DiffusionBlocks, looped)
 
 The supporting modules (vit, dit, mdm) are Trainable, and offer what `eval` / `generate` ask of them:
@@ -154,6 +155,16 @@ class CachedDecoding(ABC):
     def kv_bytes_per_token(self, cache) -> int:
         """Cache bytes one token of history occupies in one row."""
         return cache.nbytes_per_token()
+
+
+class FixedShapeDecoding(ABC):
+    """A decode step whose shapes depend only on the row count and the cache's size, with no host reads:
+    what the engine compiles (looped_lm/engine/compiled.py), rows padded to a few bucket sizes."""
+
+    @abstractmethod
+    def decode_fixed(self, idx: torch.Tensor, cache, rows: torch.Tensor) -> torch.Tensor:
+        """Append one token per row, idx (R, 1), to the histories of `rows` (R,) -> next-token logits (R, V),
+        equal to `forward_cached`'s. A row may be listed more than once with the same token (padding)."""
 
 
 class Iterative(ABC):

@@ -12,12 +12,12 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from looped_lm.errors import UserError
-from looped_lm.models.contract import CachedDecoding, Scorable, TokenScores, Trainable
-from looped_lm.models.layers import (KVCache, RotaryEmbedding, TransformerLayer, TransposedCopy, chunked, ffn_width,
+from looped_lm.models.contract import CachedDecoding, FixedShapeDecoding, Scorable, TokenScores, Trainable
+from looped_lm.models.layers import (FixedShapeRows, KVCache, RotaryEmbedding, TransformerLayer, TransposedCopy, chunked, ffn_width,
                                      init_weights, positions_after, token_cross_entropy)
 
 
-class GPT(nn.Module, Trainable, Scorable, CachedDecoding):
+class GPT(nn.Module, Trainable, Scorable, CachedDecoding, FixedShapeDecoding):
     def __init__(self, n_layers: int, d_model: int, n_heads: int, seq_len: int, vocab_size: int,
                  ffn_hidden: int = 0, rope_theta: float = 10000.0, norm_eps: float = 1e-5,
                  init_std: float = 0.02, max_positions: int | None = None, loss_chunk: int = 0,
@@ -100,6 +100,16 @@ class GPT(nn.Module, Trainable, Scorable, CachedDecoding):
         for layer, c in zip(self.layers, caches):
             h = layer(h, cos, sin, c, rows)
         return self.logits(h)
+
+    @torch.no_grad()
+    def decode_fixed(self, idx: torch.Tensor, cache: "GPTCache", rows: torch.Tensor) -> torch.Tensor:
+        """`forward_cached` for one token per row with static shapes and no host reads (compiled by the
+        engine): each row attends over the cache's whole length, masked to its own filled positions."""
+        cos, sin = self.rope(cache.layers[0].lengths[rows][:, None])
+        h = self.tok_emb(idx)
+        for layer, c in zip(self.layers, cache.layers):
+            h = layer(h, cos, sin, FixedShapeRows(c), rows)
+        return F.linear(self.norm(h[:, -1]), self.tok_emb.weight)  # not head_t: its cache key reads pointers
 
     def forward_cached(self, idx: torch.Tensor, cache: "GPTCache", rows=None, batch=None,
                        want_logits: bool = True) -> torch.Tensor:

@@ -106,6 +106,19 @@ class KVCache:
             return self.k[block, :, :L], self.v[block, :, :L], mask[:, None]
         return self.k[idx, :, :L], self.v[idx, :, :L], mask[:, None]
 
+    def append_fixed(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor):
+        """One new token per row, k, v (R, H, 1, D), for a compiled decode step: no host reads, and every
+        shape fixed by R and the cache's max_len M, so one graph serves every step. -> (keys, values, mask):
+        (R, H, M, D) twice and (R, 1, 1, M), True over each row's filled positions. A row may appear more than
+        once (a padded batch) as long as each copy brings the same k, v. The caller keeps rows within max_len
+        (the engine's scheduler does; checking here would read the lengths on the host)."""
+        pos = self.lengths[rows]  # (R,)
+        self.k[rows, :, pos] = k[:, :, 0]
+        self.v[rows, :, pos] = v[:, :, 0]
+        self.lengths[rows] = pos + 1
+        mask = torch.arange(self.k.shape[2], device=pos.device)[None, :] <= pos[:, None]
+        return self.k[rows], self.v[rows], mask[:, None, None, :]
+
     def view(self, rows: torch.Tensor | None = None):
         """(keys, values, valid) of the selected rows; valid is None when they are aligned, else
         (R, 1, 1, L) marking each row's filled positions."""
@@ -126,6 +139,16 @@ class KVCache:
 
     def nbytes_per_token(self) -> int:
         return 2 * self.k.shape[1] * self.k.shape[3] * self.k.element_size()
+
+
+class FixedShapeRows:
+    """A KVCache as a compiled decode step sees it: `append` is `append_fixed` (the layers call `append`)."""
+
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor):
+        return self.cache.append_fixed(k, v, rows)
 
 
 def positions_after(lengths: torch.Tensor, rows, n: int, device) -> torch.Tensor:
