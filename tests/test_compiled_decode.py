@@ -90,3 +90,9 @@ def test_the_compiled_engine_returns_the_eager_engines_tokens_with_one_graph_per
 def test_models_without_a_fixed_shape_step_decode_eagerly():
     engine = Engine(build_tiny("db_ar").eval(), num_slots=2, max_len=32, compile_decode=True)
     assert engine.runner.compiled is None
+
+
+def test_every_bucket_of_a_large_pool_fits_dynamos_graph_limit():
+    model = build_tiny("gpt").eval()
+    engine = Engine(model, num_slots=300, max_len=8, compile_decode=True)  # buckets 1, 2, ..., 256, 300
+    assert torch._dynamo.config.recompile_limit >= len(engine.runner.compiled.buckets) == 10

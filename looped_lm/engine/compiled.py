@@ -40,6 +40,9 @@ class CompiledDecode:
         if cuda:  # CUDA graphs replay fixed addresses: the pool's tensors must not be copied in per call
             for t in _tensors(pool):
                 torch._dynamo.mark_static_address(t)
+        self.cuda = cuda
+        # one graph per bucket must fit dynamo's per-function limit, or the largest buckets would run eager
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(self.buckets) + 1)
         # fullgraph: a graph break would be a silent fall back to eager for part of every step
         self.step = torch.compile(model.decode_fixed, backend=backend, fullgraph=True, dynamic=False,
                                   mode="reduce-overhead" if cuda and backend == "inductor" else None)
@@ -52,7 +55,8 @@ class CompiledDecode:
             pad = size - R
             rows = torch.cat([rows, rows[-1:].expand(pad)])
             ids = torch.cat([ids, ids[-1:].expand(pad, -1)])
-        return self.step(ids, pool, rows)[:R]
+        logits = self.step(ids, pool, rows)[:R]
+        return logits.clone() if self.cuda else logits  # a CUDA graph's output is overwritten by its next replay
 
 
 def _tensors(obj) -> list[torch.Tensor]:
