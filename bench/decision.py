@@ -51,9 +51,15 @@ ARMS = {
     "ctl_clean": {"config": "configs/quickstart_db.yaml", "sets": [*CONTROL, "diffusion.denoise_weight=0"],
                   "blocks": 2, "clean": True},
     "ctl_both": {"config": "configs/quickstart_db.yaml", "sets": CONTROL, "blocks": 2, "clean": True},
+    # the B = 4 row (b4_plan.md): 4 blocks of 1 layer (clean_lm_weight 0: the recipe's rule for 1-layer blocks)
+    # at the same budget, against gpt 4L (the runs above) and gpt 1L (one block's depth)
+    "db_b4": {"config": "configs/quickstart_db.yaml", "sets": ["diffusion.num_blocks=4", "diffusion.clean_lm_weight=0"],
+              "blocks": 4},
+    "gpt_1l": {"config": "configs/quickstart.yaml", "sets": ["model.n_layers=1"], "blocks": 0},
 }
 DECISION_ARMS = ["db_b2", "gpt_4l", "gpt_2l"]
 CONTROL_ARMS = ["ctl_clean", "ctl_both"]
+B4_ARMS = ["db_b4", "gpt_1l"]
 LRS = [3e-4, 1e-3, 3e-3, 1e-2]
 LR_OUT = {3e-4: 1e-4, 1e-2: 3e-2}  # the next rate out from an edge
 WARMUP0 = 50
@@ -87,6 +93,15 @@ def budget(vocab: int) -> dict:
         elif arm in CONTROL_ARMS:  # blocks in turn: the mean of the blocks' steps (block 1 also runs frozen block 0)
             ctl = load(arm, [])
             f = sum(kind.step_flops(ctl, vocab, ctl.train.batch_size, key=b) for b in range(2)) / 2
+        elif arm == "db_b4":  # the most steps whose cost, curve refreshes included, fits the budget
+            b4 = load(arm, [])
+            f = kind.step_flops(b4, vocab, b4.train.batch_size, key=0)  # equal blocks: the same cost each
+            refresh = kind.curve_flops(b4, vocab, b4.train.batch_size)
+            steps = int(total // (f + refresh / b4.diffusion.curve_every))
+            while steps * f + steps // b4.diffusion.curve_every * refresh > total:
+                steps -= 1
+            out["arm_steps"][arm], out[f"{arm}_step_flops"], out[f"{arm}_curve_flops"] = steps, f, refresh
+            continue
         else:
             continue
         out["arm_steps"][arm] = round(total / f)
@@ -286,6 +301,26 @@ def report() -> str:
     (OUT / "report.md").write_text(text)
     if any(runs(arm) for arm in CONTROL_ARMS):
         text += "\n" + controls_report(b)
+    if any(runs(arm) for arm in B4_ARMS):
+        text += "\n" + b4_report(b)
+    return text
+
+
+def b4_report(b: dict) -> str:
+    lines = ["# The decision row at B = 4: 4 blocks of 1 layer against gpt 4L and gpt 1L at equal training FLOPs", "",
+             "Written by `bench/decision.py report`; plan, statistic and rules: b4_plan.md (written before the runs). "
+             f"Budget: {b['db_total_flops']:.3e} matmul FLOPs (the B = 2 row's); steps for it: "
+             + ", ".join(f"{a} {b['arm_steps'][a]}" for a in [*B4_ARMS, "gpt_4l"]) + " (gpt_4l: the B = 2 row's runs).", ""]
+    for arm in B4_ARMS:
+        lines += arm_table(arm)
+    lines += ["## Paired test ratios, DB B = 4 ppl@0 / gpt ppl (same seed)", "",
+              *(paired_row("db_b4", gpt, ("DB", "gpt")) for gpt in ("gpt_4l", "gpt_1l"))]
+    chain = [r["test_chain"] for s, r in sorted(at_choice("db_b4").items()) if r.get("test_chain", {}).get("ppl")]
+    if chain:
+        lines.append("- sensitivity, DB ppl@4 (the K = B chain, 16 draws) / DB ppl@0 on the same first 8,192 test tokens: "
+                     + ", ".join(f"{c['ppl'] / c['ppl0_same_tokens']:.4f}" for c in chain))
+    text = "\n".join(lines) + "\n"
+    (OUT / "b4_report.md").write_text(text)
     return text
 
 
@@ -316,7 +351,8 @@ def main() -> None:
     ap.add_argument("what", choices=["run", "report"])
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--arms", nargs="+", default=DECISION_ARMS, choices=list(ARMS),
-                    help=f"the decision row (default) or the control arms: --arms {' '.join(CONTROL_ARMS)}")
+                    help=f"the decision row (default), the control arms (--arms {' '.join(CONTROL_ARMS)}) or the B = 4 row "
+                         f"(--arms {' '.join(B4_ARMS)})")
     ap.add_argument("--set", action="append", default=[], help="extra train overrides (a smoke test)")
     ap.add_argument("--out", type=Path, default=OUT, help="where the JSONs and report.md go")
     args = ap.parse_args()
