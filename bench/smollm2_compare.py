@@ -101,8 +101,10 @@ def run_one(arm: str, lr: float, seed: int, steps: int, stage: str) -> dict:
         if done.returncode:
             raise RuntimeError(f"{tag}: training failed: {done.stderr[-2000:]}")
         result = {"arm": arm, "lr": lr, "seed": seed, "steps": steps, "train_s": round(time.time() - t0, 1)}
+        log = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        keep = ("step", "block", "lr", "loss", "grad_norm")  # the training curve, per step (what limits a run)
+        result["train_log"] = [{k: r[k] for k in keep if k in r} for r in log if "loss" in r]
         if db:
-            log = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
             result["block_steps"] = [sum(1 for r in log if r.get("block") == b) for b in range(2)]
     ckpt = sorted(out_dir.glob("step_*"))[-1]
     if stage in ("sweep", "source"):
