@@ -97,9 +97,10 @@ def budget(vocab: int) -> dict:
             b4 = load(arm, [])
             f = kind.step_flops(b4, vocab, b4.train.batch_size, key=0)  # equal blocks: the same cost each
             refresh = kind.curve_flops(b4, vocab, b4.train.batch_size)
-            steps = int(total // (f + refresh / b4.diffusion.curve_every))
-            while steps * f + steps // b4.diffusion.curve_every * refresh > total:
-                steps -= 1
+            cost = lambda n: n * f + n // b4.diffusion.curve_every * refresh  # noqa: E731  (refreshes at 100, 200, ...)
+            steps = int(total // (f + refresh / b4.diffusion.curve_every))  # a lower bound: refreshes are floored
+            while cost(steps + 1) <= total:
+                steps += 1
             out["arm_steps"][arm], out[f"{arm}_step_flops"], out[f"{arm}_curve_flops"] = steps, f, refresh
             continue
         else:

@@ -124,9 +124,8 @@ def run_one(arm: str, lr: float, seed: int, steps: int, stage: str) -> dict:
 def score(r: dict, split: str) -> float:
     """The number a run is judged by: exact ppl (gpt, source); DB: ppl@0 on dev (the choice), ppl@2 on test."""
     rep = r[split]
-    if r["arm"] != "db2":
-        return rep["ppl"]
-    return rep["ppl_at_k"]["0" if split == "dev" else "2"]
+    value = rep["ppl"] if r["arm"] != "db2" else rep["ppl_at_k"]["0" if split == "dev" else "2"]
+    return math.nan if value is None else value  # None: eval left the estimate unresolved (reported as nan)
 
 
 def runs(arm: str) -> list[dict]:

@@ -35,17 +35,26 @@ def compile_setting(setting: str, device: torch.device) -> bool:
 class CompiledDecode:
     def __init__(self, model: FixedShapeDecoding, pool, num_slots: int, backend: str | None = None):
         backend = backend or BACKEND
-        self.buckets = buckets(num_slots)
-        cuda = next(model.parameters()).device.type == "cuda"
-        if cuda:  # CUDA graphs replay fixed addresses: the pool's tensors must not be copied in per call
+        self.model, self.pool, self.buckets = model, pool, buckets(num_slots)
+        self.device = next(model.parameters()).device
+        self.cuda = self.device.type == "cuda"
+        if self.cuda:  # CUDA graphs replay fixed addresses: the pool's tensors must not be copied in per call
             for t in _tensors(pool):
                 torch._dynamo.mark_static_address(t)
-        self.cuda = cuda
-        # one graph per bucket must fit dynamo's per-function limit, or the largest buckets would run eager
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(self.buckets) + 1)
-        # fullgraph: a graph break would be a silent fall back to eager for part of every step
+        # fullgraph: a graph break would be a silent fall back to eager for part of every step; isolated, with
+        # room for one graph per bucket: every engine in a process compiles the same method, and a shared
+        # count would make a later engine's steps fail past dynamo's default limit of 8
         self.step = torch.compile(model.decode_fixed, backend=backend, fullgraph=True, dynamic=False,
-                                  mode="reduce-overhead" if cuda and backend == "inductor" else None)
+                                  mode="reduce-overhead" if self.cuda and backend == "inductor" else None,
+                                  recompile_limit=len(self.buckets) + 1, isolate_recompiles=True)
+
+    @torch.no_grad()  # as the engine's steps run: grad mode is part of what a graph is guarded on
+    def warm_up(self) -> None:
+        """Compile every bucket now, on the empty pool (then emptied again), so no request waits for one."""
+        for size in self.buckets:
+            rows = torch.arange(size, device=self.device)
+            self.step(torch.zeros(size, 1, dtype=torch.long, device=self.device), self.pool, rows)
+            self.model.reset_rows(self.pool, rows)
 
     def __call__(self, ids: torch.Tensor, pool, rows: torch.Tensor) -> torch.Tensor:
         """ids (R, 1) of `rows` (R,) -> logits (R, V), run at the smallest bucket that holds R rows."""

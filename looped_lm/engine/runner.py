@@ -61,6 +61,7 @@ class ModelRunner:
             from looped_lm.engine.compiled import CompiledDecode  # imports the compiler: only when asked
 
             self.compiled = CompiledDecode(model, self.pool, num_slots)
+            self.compiled.warm_up()  # as vLLM captures its graphs: at start-up, not in a request's first step
 
     def _rows(self, seqs: list[Sequence]) -> torch.Tensor:
         return torch.tensor([s.slot for s in seqs], device=self.device)
