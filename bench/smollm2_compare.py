@@ -101,7 +101,8 @@ def run_one(arm: str, lr: float, seed: int, steps: int, stage: str) -> dict:
         if done.returncode:
             raise RuntimeError(f"{tag}: training failed: {done.stderr[-2000:]}")
         result = {"arm": arm, "lr": lr, "seed": seed, "steps": steps, "train_s": round(time.time() - t0, 1)}
-        log = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        metrics = out_dir / "metrics.jsonl"  # none for the 0-step source
+        log = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
         keep = ("step", "block", "lr", "loss", "grad_norm")  # the training curve, per step (what limits a run)
         result["train_log"] = [{k: r[k] for k in keep if k in r} for r in log if "loss" in r]
         if db:
