@@ -65,7 +65,7 @@ def final_shares(edges: list, curve: dict) -> dict:
 
 # The studies train configs/quickstart_db.yaml; these pin what the quickstart changed after they ran, so a
 # rerun reproduces them (clean_lm_weight became 1.0 from their own verdict; extra_sets can still set it).
-STUDY_PINS = ["diffusion.clean_lm_weight=0"]
+STUDY_PINS = ["diffusion.clean_lm_weight=0", "train.warmup_steps=50"]  # what its runs used, whatever the quickstart ships
 
 
 PROTOCOL_OUT = OUT / "protocol"
