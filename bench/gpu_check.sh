@@ -49,8 +49,15 @@ for cfg in quickstart_db quickstart_looped quickstart; do
     || status=1
 done
 echo "== train huginn (cuda, bf16)"
-timeout $(left) python3 -m looped_lm.train --config configs/quickstart_looped.yaml $common --set model.kind=huginn \
-  --set model.mean_recurrence=8 --set model.backprop_depth=4 --set train.out_dir=/tmp/runs/huginn \
+# huginn owns no diffusion section: the looped quickstart's shape, without it
+python3 - <<'PY'
+import yaml
+cfg = yaml.safe_load(open("configs/quickstart_looped.yaml"))
+cfg.pop("diffusion")
+cfg["model"].update(kind="huginn", mean_recurrence=8, backprop_depth=4)
+yaml.safe_dump(cfg, open("/tmp/huginn.yaml", "w"))
+PY
+timeout $(left) python3 -m looped_lm.train --config /tmp/huginn.yaml $common --set train.out_dir=/tmp/runs/huginn \
   > "$OUT/train_huginn.log" 2>&1 || { status=1; tail -20 "$OUT/train_huginn.log"; }
 tail -1 /tmp/runs/huginn/metrics.jsonl
 

@@ -13,9 +13,25 @@ graph for the DB kinds and cannot compile huginn's layers apart, so the kinds ow
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 BACKEND = "inductor"  # torch.compile's default (Triton kernels on GPUs, C++ on CPU)
+
+
+def compile_graphs(fn, graphs: int, backend: str | None = None, **kwargs):
+    """torch.compile(fn) that may hold `graphs` graphs (one per DB block, one per decode bucket) plus one, with
+    a count of its own where torch offers one (torch.compile's recompile_limit, 2.12+): dynamo's default of 8
+    per code object would send a 9th graph silently back to eager. Older torch: the process-wide limit is
+    raised to fit instead."""
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:
+        kwargs.update(recompile_limit=graphs + 1, isolate_recompiles=True)
+    else:
+        from torch import _dynamo
+
+        _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, graphs + 1)
+    return torch.compile(fn, backend=backend or BACKEND, dynamic=False, **kwargs)
 
 
 def compile_enabled(setting: str, device: torch.device) -> bool:

@@ -10,10 +10,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # Layers, bottom to top: a module may import its own layer or lower ones, never a higher one, and the
 # import graph (function-level imports included) has no circle. Prefixes are matched longest first.
 LAYERS = [
-    ("looped_lm.errors", "looped_lm.console", "looped_lm.cost"),
+    ("looped_lm.errors", "looped_lm.console", "looped_lm.cost", "looped_lm.compile"),
     ("looped_lm.fields",),
     ("looped_lm.kinds",),  # the kind plugins: their builders and data functions are named, not imported
-    ("looped_lm.config", "looped_lm.sampling", "looped_lm.mfu", "looped_lm.compile"),
+    ("looped_lm.config", "looped_lm.sampling", "looped_lm.mfu"),
     ("looped_lm.settings",),
     ("looped_lm.diffusion",),
     ("looped_lm.models", "looped_lm.data", "looped_lm.lora"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from looped_lm.compile import compile_graphs
 from looped_lm.models.contract import FixedShapeDecoding
 
 BACKEND = "inductor"  # torch.compile's default; tests swap in a counting backend
@@ -44,9 +45,8 @@ class CompiledDecode:
         # fullgraph: a graph break would be a silent fall back to eager for part of every step; isolated, with
         # room for one graph per bucket: every engine in a process compiles the same method, and a shared
         # count would make a later engine's steps fail past dynamo's default limit of 8
-        self.step = torch.compile(model.decode_fixed, backend=backend, fullgraph=True, dynamic=False,
-                                  mode="reduce-overhead" if self.cuda and backend == "inductor" else None,
-                                  recompile_limit=len(self.buckets) + 1, isolate_recompiles=True)
+        self.step = compile_graphs(model.decode_fixed, len(self.buckets), backend, fullgraph=True,
+                                   mode="reduce-overhead" if self.cuda and backend == "inductor" else None)
 
     @torch.no_grad()  # as the engine's steps run: grad mode is part of what a graph is guarded on
     def warm_up(self) -> None:

@@ -172,7 +172,7 @@ class HuginnLM(nn.Module, Trainable, Scorable, CachedDecoding, Iterative):
         caches.lengths[sel] += idx.shape[1]
         cos, sin = self.rope(positions)
         e = self._stack(self.prelude, self.tok_emb(idx), cos, sin, caches.prelude, sel)
-        s = noise
+        s = noise.to(e.dtype)  # drawn in fp32 (the same draws at every precision)
         for it in caches.iterations(K):
             s = self._stack(self.core, self.adapter(torch.cat([s, e], dim=-1)), cos, sin, it, sel)
         h = self._stack(self.coda, s, cos, sin, caches.coda, sel)

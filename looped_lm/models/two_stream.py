@@ -30,8 +30,8 @@ class NoiseEmbedding(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(2 * half, d_model), nn.SiLU(), nn.Linear(d_model, d_model))
 
     def forward(self, c_noise: torch.Tensor) -> torch.Tensor:
-        angles = c_noise.float()[:, None] * self.freqs[None]
-        return self.mlp(torch.cat([angles.cos(), angles.sin()], dim=-1))
+        angles = c_noise.float()[:, None] * self.freqs.float()[None]  # the angles in fp32, the MLP in its dtype
+        return self.mlp(torch.cat([angles.cos(), angles.sin()], dim=-1).to(self.mlp[0].weight.dtype))
 
 
 class TwoStreamLayer(TransformerLayer):
