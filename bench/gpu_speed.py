@@ -9,7 +9,9 @@ does it (looped_lm/compile.py), foreach/fused AdamW as the trainer picks it, bat
   gpt          the end-to-end model
   db_ar B=2    one DiffusionBlocks step (one block of 6 layers, both streams), blocks alternating
   db_ar B=4    the same with blocks of 3 layers
-  gpt ckpt, db_ar B=4 ckpt    the same with `model.activation_checkpointing` (memory: DB below gpt is the target)
+  gpt ckpt, db_ar B=4 ckpt    the same with `model.activation_checkpointing` and the chunked loss
+               (`model.loss_chunk` 128: no T x V tensor is held), as train_memory.py measures memory on CPU
+               (the target: DB below gpt)
 Each: tokens/s (mean over timed steps after warm-up, CUDA-synchronised), MFU (looped_lm/mfu.py: the cost
 model's FLOPs of each step over the device's dense bf16 peak), peak memory (torch.cuda.max_memory_allocated
 over the timed steps, weights and optimizer state included), and the seconds the warm-up took (compiles).
@@ -43,15 +45,16 @@ GPT2 = {"n_layers": 12, "d_model": 768, "n_heads": 12, "seq_len": 1024}
 TINY = {"n_layers": 4, "d_model": 64, "n_heads": 4, "seq_len": 64}
 EXPECTED_MFU = {"gpt": 0.40, "db_ar B=2": 0.25, "db_ar B=4": 0.25, "gpt ckpt": 0.30, "db_ar B=4 ckpt": 0.20}
 B2, B4 = {"num_blocks": 2, "block_sampling": "round_robin"}, {"num_blocks": 4, "block_sampling": "round_robin"}
-ROWS = {"gpt": ("gpt", {}, False), "db_ar B=2": ("db_ar", B2, False), "db_ar B=4": ("db_ar", B4, False),
-        "gpt ckpt": ("gpt", {}, True), "db_ar B=4 ckpt": ("db_ar", B4, True)}
+LEAN = {"activation_checkpointing": True, "loss_chunk": 128}
+ROWS = {"gpt": ("gpt", {}, {}), "db_ar B=2": ("db_ar", B2, {}), "db_ar B=4": ("db_ar", B4, {}),
+        "gpt ckpt": ("gpt", {}, LEAN), "db_ar B=4 ckpt": ("db_ar", B4, LEAN)}
 DEFAULT_ROWS = ["gpt", "db_ar B=2", "db_ar B=4"]
 
 
 def measure(name: str, shape: dict, vocab: int, batch: int, steps: int, warmup: int, device: torch.device,
             compile_: bool) -> dict:
-    kind, diffusion, recompute = ROWS[name]
-    raw = {"model": {"kind": kind, **shape, "activation_checkpointing": recompute}, "train": {"batch_size": batch}}
+    kind, diffusion, lean = ROWS[name]
+    raw = {"model": {"kind": kind, **shape, **lean}, "train": {"batch_size": batch}}
     if diffusion:
         raw["diffusion"] = diffusion
     cfg = config_from_dict(raw)
@@ -138,6 +141,9 @@ def main(argv=None) -> int:
     p.add_argument("--rows", nargs="*", default=DEFAULT_ROWS, choices=list(ROWS), metavar="ROW",
                    help=f"rows to run, in order (default: {', '.join(DEFAULT_ROWS)}; all: {', '.join(ROWS)})")
     p.add_argument("--decode", action="store_true", help="also the engine's gpt decode, eager vs compiled")
+    p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 16],
+                   help="decode batch sizes (each compiles one graph per power-of-two bucket up to it: ~40 s each "
+                        "on an H200)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     shape, vocab = (TINY, 257) if args.tiny else (GPT2, 50257)
@@ -166,7 +172,7 @@ def main(argv=None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if args.decode:
-        for batch in (1, 16):
+        for batch in args.decode_batches:
             try:
                 row = decode_row(shape, vocab, batch, device)
             except Exception as e:  # noqa: BLE001

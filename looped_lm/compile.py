@@ -18,19 +18,23 @@ import inspect
 import torch
 
 BACKEND = "inductor"  # torch.compile's default (Triton kernels on GPUs, C++ on CPU)
+_PROMISED = 0  # graphs promised so far in this process (torch without a per-function recompile limit)
 
 
 def compile_graphs(fn, graphs: int, backend: str | None = None, **kwargs):
     """torch.compile(fn) that may hold `graphs` graphs (one per DB block, one per decode bucket) plus one, with
     a count of its own where torch offers one (torch.compile's recompile_limit, 2.12+): dynamo's default of 8
     per code object would send a 9th graph silently back to eager. Older torch: the process-wide limit is
-    raised to fit instead."""
+    raised by `graphs` at each call instead (its count is per code object, shared by every model a process
+    compiles: on the first H200 run, the third DB model's blocks fell back to eager)."""
+    global _PROMISED
     if "recompile_limit" in inspect.signature(torch.compile).parameters:
         kwargs.update(recompile_limit=graphs + 1, isolate_recompiles=True)
     else:
         from torch import _dynamo
 
-        _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, graphs + 1)
+        _PROMISED += graphs
+        _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, _PROMISED + 1)
     return torch.compile(fn, backend=backend or BACKEND, dynamic=False, **kwargs)
 
 

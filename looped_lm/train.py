@@ -129,6 +129,9 @@ def init_distributed():
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
+        # TF32 for the fp32 matmuls that remain under pure-bf16 weights (the DB kinds' likelihood terms), as
+        # nanoGPT does; torch warned of it on the first H200 run
+        torch.set_float32_matmul_precision("high")
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 

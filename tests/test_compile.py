@@ -127,3 +127,29 @@ def test_inductor_compiles_the_gpt_loss_to_the_eager_value():
     b.backward()
     for p, q in zip(compiled.parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_compile_graphs_gives_each_function_room_for_its_graphs(monkeypatch):
+    """Where torch.compile takes recompile_limit (2.12+), each compiled function gets its own count of graphs + 1;
+    on older torch (the H200 image's 2.11) the process-wide limit grows by each call's graphs, since every model
+    a process compiles shares one count per code object."""
+    seen = []
+
+    def new_compile(fn, *, backend=None, dynamic=None, recompile_limit=None, isolate_recompiles=False, **kw):
+        seen.append((recompile_limit, isolate_recompiles))
+        return fn
+
+    monkeypatch.setattr(torch, "compile", new_compile)
+    lc.compile_graphs(len, 4)
+    assert seen == [(5, True)]
+
+    def old_compile(fn, *, backend=None, dynamic=None, **kw):
+        return fn
+
+    monkeypatch.setattr(torch, "compile", old_compile)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    monkeypatch.setattr(lc, "_PROMISED", 0)
+    lc.compile_graphs(len, 4)
+    lc.compile_graphs(len, 4)
+    lc.compile_graphs(len, 4)
+    assert torch._dynamo.config.recompile_limit == 13
