@@ -65,16 +65,12 @@ def final_shares(edges: list, curve: dict) -> dict:
 
 # The studies train configs/quickstart_db.yaml; these pin what the quickstart changed after they ran, so a
 # rerun reproduces them (clean_lm_weight became 1.0 from their own verdict; extra_sets can still set it).
-STUDY_PINS = ["diffusion.clean_lm_weight=0", "train.warmup_steps=50"]  # what its runs used, whatever the quickstart ships
-
-
+STUDY_PINS = ["diffusion.clean_lm_weight=0", "train.warmup_steps=50"]
 PROTOCOL_OUT = OUT / "protocol"
-def lr_tag(lr: float) -> str:
-    return f"{lr:.0e}"
 
 
 def protocol_name(blocks: int, rule: str, lr: float, seed: int) -> str:
-    return f"B{blocks}_{rule}_lr{lr_tag(lr)}_s{seed}"
+    return f"B{blocks}_{rule}_lr{lr:.0e}_s{seed}"
 
 
 def protocol_split(work: Path, split_seed: int) -> dict:
@@ -172,6 +168,14 @@ def chain_args(blocks: int) -> list[str]:
     return ["--num-iterations", str(blocks), "--max-tokens", "8192", "--draws", str(CHAIN_DRAWS)]
 
 
+def ratio_line(label: str, seeds: list, ratios: list[float], n_note: str) -> str:
+    """- label: per-seed ratios; their geometric mean and t 95 % interval on the logs (common.ratio_ci)."""
+    geo, lo, hi = common.ratio_ci(ratios)
+    per = ", ".join(f"s{s} {x:.3f}" for s, x in zip(seeds, ratios))
+    ci = f"95 % t interval [{lo:.3f}, {hi:.3f}]" if len(ratios) > 1 else "no interval with one seed"
+    return f"- {label}: {per}; geometric mean {geo:.3f}, {ci} ({n_note})"
+
+
 def protocol_runs(out_root: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(out_root.glob("B*_lr*_s*.json"))]
 
@@ -226,17 +230,11 @@ def protocol_report(out_root: Path, sweep_seed: int) -> str:
             pairs = [(s, a, b) for s, a, b in pairs if a is not None and b is not None]
             if not pairs:
                 continue
-            ratios = [a / b for _, a, b in pairs]
-            geo, lo, hi = common.ratio_ci(ratios)
-            per = ", ".join(f"s{s} {x:.3f}" for (s, _, _), x in zip(pairs, ratios))
-            ci = f"95 % t interval [{lo:.3f}, {hi:.3f}]" if len(ratios) > 1 else "no interval with one seed"
-            lines.append(f"- {label}: {per}; geometric mean {geo:.3f}, {ci} (n = {len(ratios)} seeds, t on the log ratios, "
-                         f"{len(ratios) - 1} df)")
+            n = len(pairs)
+            lines.append(ratio_line(label, [s for s, _, _ in pairs], [a / b for _, a, b in pairs],
+                                    f"n = {n} seeds, t on the log ratios, {n - 1} df"))
         lines.append("")
-    text = "\n".join(lines) + "\n"
-    out_root.mkdir(parents=True, exist_ok=True)
-    (out_root / "report.md").write_text(text)
-    return text
+    return _write(out_root / "report.md", lines)
 
 
 CLEAN_LM_RECIPE = {"blocks": 2, "rule": "network_gain", "lr": 1e-3}  # the recipe protocol/plan.md tunes the weight on
@@ -309,10 +307,8 @@ def clean_lm_report(out_root: Path = OUT, protocol_root: Path = PROTOCOL_OUT, sw
         interval = {}  # label -> (geometric mean, lower, upper)
         for label, get in (("ppl@0", lambda r: r["test"]["ppl0"]), (f"ppl@{B}", lambda r: r["test_chain"]["ppl"])):
             ratios = [get(by[chosen][s]) / get(base[s]) for s in paired]
-            geo, lo, hi = interval[label] = common.ratio_ci(ratios)
-            per = ", ".join(f"s{s} {x:.3f}" for s, x in zip(paired, ratios))
-            ci = f"95 % t interval [{lo:.3f}, {hi:.3f}]" if len(paired) > 1 else "no interval with one seed"
-            lines.append(f"- {label}: {per}; geometric mean {geo:.3f}, {ci} (n = {len(paired)} seeds)")
+            interval[label] = common.ratio_ci(ratios)
+            lines.append(ratio_line(label, paired, ratios, f"n = {len(paired)} seeds"))
         if len(paired) > 1:
             verdicts.append(interval["ppl@0"][2] < 1 and interval[f"ppl@{B}"][0] < 1)
     if len(verdicts) == 2:

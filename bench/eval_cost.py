@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -25,24 +26,17 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from looped_lm.config import config_from_dict
-from looped_lm.data.sources import document_split, iter_documents
 from looped_lm.data.tokenizer import get_tokenizer
 from looped_lm.models import build_model
 from looped_lm.pretrained import init_from_pretrained, read_source, smollm2_gguf
 from looped_lm.settings import ScoreSettings
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from smollm2_convert import SMOLLM2, held_out  # noqa: E402  (the same shape and held-out book)
+
 OUT = ROOT / "bench" / "results" / "eval_cost.json"
-SMOLLM2 = {"n_layers": 30, "d_model": 576, "n_heads": 9, "ffn_hidden": 1536, "vocab_size": 49152, "norm_eps": 1e-5,
-           "rope_theta": 100000.0}
 DB = {"num_blocks": 2, "context": "stacked", "stack_order": "low_noise_first", "noisy_input": "clean_state"}
-
-
-def held_out(tok, rows: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows windows of T tokens from the first book the default Bible split holds out."""
-    doc = next(d for i, d in enumerate(iter_documents("bible")) if document_split(i, 0.05, 1337) == "val")
-    ids = torch.tensor(tok.encode(doc[doc.index("\n\n") + 2:])[:rows * T + 1])
-    return ids[:-1].view(rows, T), ids[1:].view(rows, T)
 
 
 def measure(model, x, y, settings: ScoreSettings, repeats: int) -> dict:
@@ -75,7 +69,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)
     path = smollm2_gguf()
     source = read_source(path)
-    x, y = held_out(get_tokenizer(str(path)), args.rows, args.seq)
+    x, y, _ = held_out(get_tokenizer(str(path)), args.rows, args.seq)
     rows = []
     for kind, diffusion, grids in (("gpt", {"num_blocks": 1}, [()]),
                                    ("db_ar", DB, [(), (1,), (2,), (4,)])):

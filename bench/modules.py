@@ -16,22 +16,20 @@ final vit run's K = 2B and block-0-alone accuracy) and the figures came from thi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+import torch
+import torch.nn as nn
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-import dataclasses  # noqa: E402
-import math  # noqa: E402
-
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-
 import common  # noqa: E402  (bench/ is not a package)
 from looped_lm.config import config_from_dict
 from looped_lm.data.images import load_digits
@@ -53,11 +51,7 @@ MODULES = {
 }
 # variants: the end-to-end baseline and DiffusionBlocks with the module's defaults (vit: the official
 # code's recipe, docs/method.md §7)
-VARIANTS = {
-    "vit": {"e2e": {"end_to_end": True}, "db": {}},
-    "dit": {"e2e": {"end_to_end": True}, "db": {}},
-    "mdm": {"e2e": {"end_to_end": True}, "db": {}},
-}
+VARIANTS = {module: {"e2e": {"end_to_end": True}, "db": {}} for module in MODULES}
 # DB recipe options (explicit, never the default unless they win on dev): the official DiffusionBlocks code
 # learns its label embeddings (normalised); its CE weight w(sigma) is per-sample in the paper's text
 OPTION_VARIANTS = {
@@ -224,10 +218,8 @@ def run(module: str, variant: str, seed: int, steps: int, lr: float | None = Non
         opt.step()
         losses.append(float(loss.detach()))
         if step in checkpoints:
-            final = step == steps - 1
-            point = {"step": step + 1, "share_of_flops": (step + 1) / steps,
-                     **evaluate(module, model, data, seed, final, features)}
-            curve.append(point)
+            curve.append({"step": step + 1, "share_of_flops": (step + 1) / steps,
+                          **evaluate(module, model, data, seed, step == steps - 1, features)})
     return {"module": module, "variant": variant, "seed": seed, "steps": steps, "lr": peak, "split": split,
             "overrides": {}, "only_block": None,
             "train_cpu_s": time.process_time() - cpu0, "wall_s": time.perf_counter() - t0,

