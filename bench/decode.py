@@ -30,6 +30,7 @@ PROMPT, NEW = 16, 48
 
 
 def build(kind: str, vocab: int, **extra):
+    """The quickstart's shape of `kind` (untrained), with `extra` model fields on top."""
     model = {"kind": kind, "n_layers": 4, "d_model": 128, "n_heads": 4, "seq_len": 128}
     diffusion = {}
     if kind == "db_ar":
@@ -39,6 +40,7 @@ def build(kind: str, vocab: int, **extra):
         diffusion = {"num_blocks": 1}
     if kind == "huginn":
         model.update(mean_recurrence=8, backprop_depth=4)
+    model.update(extra)
     torch.manual_seed(0)
     return build_model(config_from_dict({"model": model, "diffusion": diffusion}), vocab).eval()
 
@@ -83,10 +85,7 @@ def compiled_vs_eager(repeats: int) -> None:
     out = {"new_tokens": NEW, "prompt": PROMPT, "threads": 1, "torch": torch.__version__, "rows": []}
     for name, vocab, extra in (("quickstart (4 x 128, V 257)", 257, {}),
                                ("6 x 384, V 50257", 50257, {"n_layers": 6, "d_model": 384, "n_heads": 6})):
-        model = build("gpt", vocab)
-        if extra:
-            torch.manual_seed(0)
-            model = build_model(config_from_dict({"model": {"kind": "gpt", "seq_len": 128, **extra}}), vocab).eval()
+        model = build("gpt", vocab, **extra)
         for max_len in (PROMPT + NEW + 1, model.max_positions):
             for batch in (1, 4, 16):
                 eager, eager_tokens = engine_tokens_per_s(model, batch, False, repeats, max_len)

@@ -24,6 +24,7 @@ head alone saves T x V x 4 bytes twice (logits and log-softmax), shown as `*_unc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -51,20 +52,6 @@ CONFIGS = {  # name -> (model overrides, diffusion overrides)
 }
 
 
-def saved_bytes(fn) -> int:
-    params = set()
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        if isinstance(t, torch.nn.Parameter) or t.untyped_storage().data_ptr() in params:
-            return t
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    fn(params, pack)
-    return sum(seen.values())
-
-
 def measure(name: str, T: int) -> dict:
     model_kw, diffusion = CONFIGS[name]
     cfg = config_from_dict({"model": {"n_layers": LAYERS, "d_model": D, "n_heads": HEADS, "seq_len": T,
@@ -75,33 +62,32 @@ def measure(name: str, T: int) -> dict:
     x = torch.randint(0, V, (1, T))
     y = x.roll(-1, 1)
     units = B if model_kw["kind"] == "db_ar" else 1
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     rows = []
     for b in range(units):  # round_robin: step b trains block b
-        def step(params=None, pack=None):
-            if params is not None:
-                params.update(p.untyped_storage().data_ptr() for p in model.parameters())
-            ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if pack else _null()
-            with ctx:
+        def step(pack=None):
+            hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if pack else contextlib.nullcontext()
+            with hooks:
                 loss, _ = model.training_loss(x, y, b, 0)
             loss.backward()
             model.zero_grad(set_to_none=True)
 
+        saved: dict[int, int] = {}  # storage -> bytes, parameters excluded
+
+        def pack(t):
+            if not isinstance(t, torch.nn.Parameter) and t.untyped_storage().data_ptr() not in params:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
         with FlopCounterMode(display=False) as counter:  # the saved bytes and the FLOPs of one step
-            act = saved_bytes(step)
+            step(pack)
         t0 = time.process_time()
         step()
-        rows.append({"block": b, "act_bytes": act, "flops": counter.get_total_flops(), "cpu_s": time.process_time() - t0})
+        rows.append({"block": b, "act_bytes": sum(saved.values()), "flops": counter.get_total_flops(),
+                     "cpu_s": time.process_time() - t0})
     return {"name": name, "T": T, "per_step": rows,
             "mean": {k: sum(r[k] for r in rows) / len(rows) for k in ("act_bytes", "flops", "cpu_s")},
             "max_act_bytes": max(r["act_bytes"] for r in rows)}
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def floors(T: int) -> dict:

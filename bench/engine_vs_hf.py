@@ -189,24 +189,21 @@ def main() -> None:
                         agree.append(same / (batch * NEW))
                 best = {side: {k: max(r[k] for r in v) for k in ("cpu", "wall")} for side, v in runs.items()}
                 mflop = decode_mflop_per_token(native)
+                ours, theirs = best["engine"], best["transformers"]
                 row = {"model": name, "batch": batch, "mflop_per_token": mflop,
-                       "matmul_only_tok_s": best["matmul_only"]["cpu"],
-                       "engine_gflop_s": best["engine"]["cpu"] * mflop / 1e3,
-                       "transformers_gflop_s": best["transformers"]["cpu"] * mflop / 1e3,
-                       "engine_tok_s": best["engine"]["cpu"],
-                       "transformers_tok_s": best["transformers"]["cpu"],
-                       "ratio": best["engine"]["cpu"] / best["transformers"]["cpu"],
-                       "ratio_wall": best["engine"]["wall"] / best["transformers"]["wall"], "runs_tok_s": runs}
-                row["head_ms"] = head_kernels(native, batch, args.vllm)
+                       "matmul_only_tok_s": best["matmul_only"]["cpu"], "engine_gflop_s": ours["cpu"] * mflop / 1e3,
+                       "transformers_gflop_s": theirs["cpu"] * mflop / 1e3, "engine_tok_s": ours["cpu"],
+                       "transformers_tok_s": theirs["cpu"], "ratio": ours["cpu"] / theirs["cpu"],
+                       "ratio_wall": ours["wall"] / theirs["wall"], "runs_tok_s": runs,
+                       "head_ms": head_kernels(native, batch, args.vllm)}
                 if args.compiled:
-                    row.update(compiled_tok_s=best["engine_compiled"]["cpu"],
-                               compiled_over_eager=best["engine_compiled"]["cpu"] / best["engine"]["cpu"])
+                    fast = best["engine_compiled"]["cpu"]
+                    row.update(compiled_tok_s=fast, compiled_over_eager=fast / ours["cpu"])
                     if args.vllm:
-                        row["compiled_over_vllm"] = best["engine_compiled"]["cpu"] / best["vllm"]["cpu"]
+                        row["compiled_over_vllm"] = fast / best["vllm"]["cpu"]
                 if args.vllm:
-                    row.update(vllm_tok_s=best["vllm"]["cpu"], engine_over_vllm=best["engine"]["cpu"] / best["vllm"]["cpu"],
-                               engine_over_vllm_wall=best["engine"]["wall"] / best["vllm"]["wall"],
-                               vllm_token_agreement=min(agree))
+                    row.update(vllm_tok_s=best["vllm"]["cpu"], engine_over_vllm=ours["cpu"] / best["vllm"]["cpu"],
+                               engine_over_vllm_wall=ours["wall"] / best["vllm"]["wall"], vllm_token_agreement=min(agree))
                 rows.append(row)
                 print(f"{name} batch {batch}: engine {row['engine_tok_s']:.0f} tok/s, transformers "
                       f"{row['transformers_tok_s']:.0f} tok/s (CPU time), {row['ratio']:.2f}x "
@@ -240,9 +237,7 @@ def main() -> None:
             "repeats": 1 if args.quick else args.repeats, "anchor": "transformers LlamaForCausalLM (stock export)",
             "torch": torch.__version__, "transformers": transformers.__version__}
     if args.vllm:
-        import vllm
-
-        meta["vllm"] = vllm.__version__
+        meta["vllm"] = __import__("vllm").__version__
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = ("engine_vs_llama_vllm" if args.vllm else "engine_vs_llama") + ("_compiled" if args.compiled else "") + ".json"
     (RESULTS / name).write_text(json.dumps(meta, indent=1))

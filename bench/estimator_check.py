@@ -30,7 +30,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def with_last_call(model, cfg, manifest, last_call):
-    cfg = cfg.model_copy(deep=True) if hasattr(cfg, "model_copy") else cfg
+    cfg = cfg.model_copy(deep=True)
     cfg.diffusion.last_call = last_call
     other = build_model(cfg, manifest["vocab_size"], manifest.get("model_state"))
     other.load_state_dict(model.state_dict())

@@ -129,6 +129,8 @@ def run_lm_eval(args) -> dict:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     name = "m"
+    meta = {"checkpoint": str(args.checkpoint), "kind": cfg.model.kind, "windows": args.windows, "block": BLOCK,
+            "eval_draws": args.eval_draws}
     server = subprocess.Popen([sys.executable, "-m", "looped_lm", "serve", "--checkpoint", str(args.checkpoint),
                                "--port", str(port), "--served-model-name", name, "--threads", "1", "--no-verify"],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -154,28 +156,23 @@ def run_lm_eval(args) -> dict:
                 continue
             result = json.loads(next(out.rglob("results_*.json")).read_text())["results"]["looped_lm_heldout"]
             nll_lm_eval = result["bits_per_byte,none"] * math.log(2)  # byte tokens: bytes = tokens
-            lm_eval_seconds = time.time() - t0
+            t1 = time.time()
             # looped_lm eval's estimate, in process (its report prints "unresolved" where the se is large;
             # the comparison needs the number and its se either way)
-            t1 = time.time()
             sums, variances, tokens = perplexity(model, tokens_file, BLOCK, settings=ScoreSettings(
                 k_grid=(K,), draws=args.eval_draws), progress=False)
             label = K if K in sums else "exact"
             nll_eval, se = sums[label] / tokens, math.sqrt(variances[label] or 0.0) / tokens
-            eval_seconds = time.time() - t1
             rows.append({"K": K, "tokens": BLOCK * args.windows, "nll_lm_eval": nll_lm_eval, "nll_eval": nll_eval,
                          "eval_se": se, "z": None if not se else (nll_lm_eval - nll_eval) / se,
                          "within": bool(se) and abs(nll_lm_eval - nll_eval) <= 2 * math.sqrt(2) * se,
-                         "lm_eval_seconds": round(lm_eval_seconds, 1), "eval_seconds": round(eval_seconds, 1)})
+                         "lm_eval_seconds": round(t1 - t0, 1), "eval_seconds": round(time.time() - t1, 1)})
             print(json.dumps(rows[-1]), flush=True)
-            write(args, {"checkpoint": str(args.checkpoint), "kind": cfg.model.kind, "windows": args.windows,
-                         "block": BLOCK, "eval_draws": args.eval_draws, "rows": rows})  # each K as it lands
+            write(args, {**meta, "rows": rows})  # each K as it lands
     finally:
         server.terminate()
         server.wait(30)
-    return {"checkpoint": str(args.checkpoint), "kind": cfg.model.kind, "windows": args.windows, "block": BLOCK,
-            "eval_draws": args.eval_draws,
-            "rows": rows}
+    return {**meta, "rows": rows}
 
 
 def out_path(args) -> Path:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
+LOOPED_LM = [sys.executable, "-m", "looped_lm"]
 K_OF = {"quickstart_db": "1,2,4", "quickstart_looped": "1,4,16", "quickstart": ""}
 GEN_K = {"quickstart_db": 2, "quickstart_looped": 16}
 
@@ -40,10 +41,9 @@ def run(cmd: list[str]) -> tuple[str, float, float]:
 
 def evaluate(name: str, out_dir: Path) -> dict:
     """`looped_lm eval` of the trained run in out_dir, as the README's table reports it."""
-    looped_lm = [sys.executable, "-m", "looped_lm"]
     run_dir = out_dir / name
     scores = out_dir / f"{name}_eval.json"
-    ev = looped_lm + ["eval", "--checkpoint", str(run_dir), "--max-tokens", "8192", "--json", str(scores),
+    ev = LOOPED_LM + ["eval", "--checkpoint", str(run_dir), "--max-tokens", "8192", "--json", str(scores),
                       "--no-progress", "--seed", "0"]
     if K_OF[name]:
         ev += ["--num-iterations", K_OF[name], "--draws", "16"]
@@ -58,12 +58,11 @@ def rescore(name: str, out_dir: Path, row: dict, why: str) -> dict:
 
 
 def measure(name: str, out_dir: Path) -> dict:
-    looped_lm = [sys.executable, "-m", "looped_lm"]
     run_dir = out_dir / name
     load_before = os.getloadavg()[0]
-    _, train_s, train_cpu = run(looped_lm + ["train", "--config", f"configs/{name}.yaml", "--set", f"train.out_dir={run_dir}"])
+    _, train_s, train_cpu = run(LOOPED_LM + ["train", "--config", f"configs/{name}.yaml", "--set", f"train.out_dir={run_dir}"])
     scores = evaluate(name, out_dir)
-    gen = looped_lm + ["generate", "--checkpoint", str(run_dir), "--prompt", "And God said", "--seed", "0"]
+    gen = LOOPED_LM + ["generate", "--checkpoint", str(run_dir), "--prompt", "And God said", "--seed", "0"]
     if name in GEN_K:
         gen += ["--num-iterations", str(GEN_K[name])]
     text, _, _ = run(gen)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 import time
 
 import torch
@@ -98,8 +99,7 @@ def main(argv=None) -> int:
         print(table)
         result["profile_top"] = table
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
@@ -116,8 +117,7 @@ def main(argv=None) -> int:
     print(f"step peak, db_ar B=4 / gpt, both checkpointed: {result['target_ratio']:.2f}x (target < 1: "
           f"{'met' if result['target_met'] else 'missed'})")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
 
 
