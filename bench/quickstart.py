@@ -8,7 +8,8 @@ Per config: wall time of `looped_lm train` (the launcher, DeepSpeed start-up and
 held-out numbers of `looped_lm eval --max-tokens 8192` (gpt: exact PPL; DiffusionBlocks: ppl@0 and
 ppl@k with the estimator's standard error, 16 draws, seed 0) and the text of `looped_lm generate` from
 "And God said" (seed 0, the generate defaults). Writes bench/results/quickstart.json. Wall times
-depend on the machine's load; the JSON records the load average beside them.
+depend on the machine's load; the JSON records the load average beside them. `--rescore` (score trained
+runs again after an estimator change, keeping the earlier scorings) is this script at commit 4c5951d.
 """
 
 from __future__ import annotations
@@ -39,29 +40,16 @@ def run(cmd: list[str]) -> tuple[str, float, float]:
     return done.stdout, seconds, (c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime)
 
 
-def evaluate(name: str, out_dir: Path) -> dict:
-    """`looped_lm eval` of the trained run in out_dir, as the README's table reports it."""
-    run_dir = out_dir / name
-    scores = out_dir / f"{name}_eval.json"
+def measure(name: str, out_dir: Path) -> dict:
+    """Train configs/<name>.yaml into out_dir, score it with `looped_lm eval`, sample it with `looped_lm generate`."""
+    run_dir, scores = out_dir / name, out_dir / f"{name}_eval.json"
+    load_before = os.getloadavg()[0]
+    _, train_s, train_cpu = run(LOOPED_LM + ["train", "--config", f"configs/{name}.yaml", "--set", f"train.out_dir={run_dir}"])
     ev = LOOPED_LM + ["eval", "--checkpoint", str(run_dir), "--max-tokens", "8192", "--json", str(scores),
                       "--no-progress", "--seed", "0"]
     if K_OF[name]:
         ev += ["--num-iterations", K_OF[name], "--draws", "16"]
     run(ev)
-    return json.loads(scores.read_text())
-
-
-def rescore(name: str, out_dir: Path, row: dict, why: str) -> dict:
-    """Score the same checkpoint again (after an estimator change); the earlier scorings stay in the row."""
-    earlier = {"eval": row["eval"], "why_rescored": why}
-    return {**row, "eval": evaluate(name, out_dir), "earlier_evals": row.get("earlier_evals", []) + [earlier]}
-
-
-def measure(name: str, out_dir: Path) -> dict:
-    run_dir = out_dir / name
-    load_before = os.getloadavg()[0]
-    _, train_s, train_cpu = run(LOOPED_LM + ["train", "--config", f"configs/{name}.yaml", "--set", f"train.out_dir={run_dir}"])
-    scores = evaluate(name, out_dir)
     gen = LOOPED_LM + ["generate", "--checkpoint", str(run_dir), "--prompt", "And God said", "--seed", "0"]
     if name in GEN_K:
         gen += ["--num-iterations", str(GEN_K[name])]
@@ -69,7 +57,7 @@ def measure(name: str, out_dir: Path) -> dict:
     return {"config": f"configs/{name}.yaml", "train_wall_s": round(train_s, 1), "train_cpu_s": round(train_cpu, 1),
             "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),  # set: one thread per process (a shared machine)
-            "eval": scores, "generate_k": GEN_K.get(name), "generated": text.strip()}
+            "eval": json.loads(scores.read_text()), "generate_k": GEN_K.get(name), "generated": text.strip()}
 
 
 def main():
@@ -77,8 +65,6 @@ def main():
     ap.add_argument("--configs", default="quickstart_db,quickstart")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "work" / "quickstart"))
     ap.add_argument("--out", default=str(RESULTS / "quickstart.json"))
-    ap.add_argument("--rescore", metavar="WHY", help="only re-score the runs already trained in --out-dir (after an "
-                    "estimator change, stated as WHY); the row keeps its earlier scorings")
     args = ap.parse_args()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -86,10 +72,7 @@ def main():
     if Path(args.out).is_file():  # re-measuring some configs keeps the others' rows
         results["runs"] = json.loads(Path(args.out).read_text()).get("runs", {})
     for name in args.configs.split(","):
-        if args.rescore:
-            results["runs"][name] = rescore(name, out_dir, results["runs"][name], args.rescore)
-        else:
-            results["runs"][name] = measure(name, out_dir)
+        results["runs"][name] = measure(name, out_dir)
         print(json.dumps({name: results["runs"][name]}, indent=1))
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
 
