@@ -56,10 +56,16 @@ ARMS = {
     "db_b4": {"config": "configs/quickstart_db.yaml", "sets": ["diffusion.num_blocks=4", "diffusion.clean_lm_weight=0"],
               "blocks": 4},
     "gpt_1l": {"config": "configs/quickstart.yaml", "sets": ["model.n_layers=1"], "blocks": 0},
+    # looped_db against huginn (looped_plan.md): the looped quickstart as shipped (scored at ppl@0, its K = 4 chain
+    # on seeds 1-4), and its shape trained by truncated BPTT (r ~ mean 8, the last 4 iterations backpropagated)
+    "looped_db": {"config": "configs/quickstart_looped.yaml", "sets": [], "blocks": 1, "chain_k": 4},
+    "huginn": {"config": "configs/quickstart_looped.yaml", "kind": "huginn", "blocks": 0,
+               "sets": ["model.mean_recurrence=8", "model.backprop_depth=4"]},
 }
 DECISION_ARMS = ["db_b2", "gpt_4l", "gpt_2l"]
 CONTROL_ARMS = ["ctl_clean", "ctl_both"]
 B4_ARMS = ["db_b4", "gpt_1l"]
+LOOPED_ARMS = ["looped_db", "huginn"]
 LRS = [3e-4, 1e-3, 3e-3, 1e-2]
 LR_OUT = {3e-4: 1e-4, 1e-2: 3e-2}  # the next rate out from an edge
 WARMUP0 = 50
@@ -68,10 +74,47 @@ WARMUP_OUT = {20: 5, 200: 500}
 SEEDS = [0, 1, 2, 3, 4]
 
 
+def config_path(arm: str) -> Path:
+    """The arm's YAML; an arm of another kind than its file's (huginn) gets a copy with that kind and without
+    the diffusion section, which that kind does not own."""
+    path, kind = ROOT / ARMS[arm]["config"], ARMS[arm].get("kind")
+    if not kind:
+        return path
+    import yaml
+
+    raw = yaml.safe_load(path.read_text())
+    raw.pop("diffusion", None)
+    raw["model"]["kind"] = kind
+    WORK.mkdir(parents=True, exist_ok=True)
+    derived = WORK / f"{arm}.yaml"
+    derived.write_text(yaml.safe_dump(raw))
+    return derived
+
+
 def load(arm: str, sets: list[str]):
     from looped_lm.config import load_config
 
-    return load_config(str(ROOT / ARMS[arm]["config"]), [*ARMS[arm]["sets"], *sets])
+    return load_config(str(config_path(arm)), [*ARMS[arm]["sets"], *sets])
+
+
+def huginn_steps(arm: str, vocab: int, total: float) -> dict:
+    """{seed: the most steps whose FLOPs, each at the recurrence r the trainer draws for it, fit `total`}."""
+    from looped_lm.kinds import get_kind
+    from looped_lm.models.huginn import sample_recurrence
+    import torch
+
+    cfg, kind = load(arm, []), get_kind("huginn")
+    out = {}
+    for seed in SEEDS:
+        spent, step = 0.0, 0
+        while True:
+            g = torch.Generator().manual_seed(seed * 1_000_003 + step)  # as HuginnLM.training_loss draws r
+            cost = kind.step_flops(cfg, vocab, cfg.train.batch_size, key=sample_recurrence(cfg.model.mean_recurrence, g))
+            if spent + cost > total:
+                break
+            spent, step = spent + cost, step + 1
+        out[str(seed)] = step
+    return out
 
 
 def budget(vocab: int) -> dict:
@@ -93,6 +136,13 @@ def budget(vocab: int) -> dict:
         elif arm in CONTROL_ARMS:  # blocks in turn: the mean of the blocks' steps (block 1 also runs frozen block 0)
             ctl = load(arm, [])
             f = sum(kind.step_flops(ctl, vocab, ctl.train.batch_size, key=b) for b in range(2)) / 2
+        elif arm == "looped_db":  # the looped row's budget: its shipped 1000 steps (one block, no curve)
+            looped = load(arm, [])
+            f = get_kind("looped_db").step_flops(looped, vocab, looped.train.batch_size)
+            out["arm_steps"][arm], out["looped_total_flops"] = looped.train.max_steps, looped.train.max_steps * f
+            out["huginn_steps_by_seed"] = huginn_steps("huginn", vocab, out["looped_total_flops"])
+            out["arm_steps"]["huginn"] = out["huginn_steps_by_seed"]
+            continue
         elif arm == "db_b4":  # the most steps whose cost, curve refreshes included, fits the budget
             b4 = load(arm, [])
             f = kind.step_flops(b4, vocab, b4.train.batch_size, key=0)  # equal blocks: the same cost each
@@ -125,7 +175,7 @@ def run_one(arm: str, lr: float, warmup: int, seed: int, steps: int, split: dict
             f"data.cache_dir={WORK / 'cache'}", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     c0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.time()
-    cmd = [sys.executable, "-m", "looped_lm.train", "--config", str(ROOT / ARMS[arm]["config"])]
+    cmd = [sys.executable, "-m", "looped_lm.train", "--config", str(config_path(arm))]
     done = subprocess.run(cmd + [a for s in [*ARMS[arm]["sets"], *sets] for a in ("--set", s)], env=env, cwd=ROOT,
                           capture_output=True, text=True)
     if done.returncode:
@@ -149,8 +199,9 @@ def run_one(arm: str, lr: float, warmup: int, seed: int, steps: int, split: dict
     if clean:
         result["block_steps"] = allocation.logged_block_steps(out_dir, blocks)
     elif blocks and seed != 0:  # the chain (sensitivity only) on the seed runs; the sweep chooses on exact ppl@0
-        rep = allocation.eval_json(ckpt, split["test"], WORK / f"{tag}_chain.json", env, allocation.chain_args(blocks))
-        result["test_chain"] = allocation.chain_of(rep, blocks)
+        k = ARMS[arm].get("chain_k", blocks)
+        rep = allocation.eval_json(ckpt, split["test"], WORK / f"{tag}_chain.json", env, allocation.chain_args(k))
+        result["test_chain"] = allocation.chain_of(rep, k)
         counts = allocation.logged_block_steps(out_dir, blocks)
         result["block_steps"] = counts
     c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -212,7 +263,9 @@ def run_all(workers: int, arms: list[str], extra: list[str]) -> None:
             for arm, job, stage in queue:
                 if (arm, *job) in running.values() or len(running) >= workers:
                     continue
-                fut = pool.submit(run_one, arm, *job, b["arm_steps"][arm], split, extra)
+                steps = b["arm_steps"][arm]
+                steps = steps[str(job[2])] if isinstance(steps, dict) else steps  # huginn: by seed
+                fut = pool.submit(run_one, arm, *job, steps, split, extra)
                 running[fut] = (arm, *job)
                 print(f"start {arm} lr {job[0]:g} wu {job[1]} s{job[2]} ({stage})", flush=True)
             if not running:
@@ -304,6 +357,28 @@ def report() -> str:
         text += "\n" + controls_report(b)
     if any(runs(arm) for arm in B4_ARMS):
         text += "\n" + b4_report(b)
+    if any(runs(arm) for arm in LOOPED_ARMS):
+        text += "\n" + looped_report(b)
+    return text
+
+
+def looped_report(b: dict) -> str:
+    steps = b["huginn_steps_by_seed"]
+    lines = ["# looped_db against huginn on text at equal training FLOPs", "",
+             "Written by `bench/decision.py report`; plan, statistic and rules: looped_plan.md (written before the runs). "
+             f"Budget: looped_db's {b['arm_steps']['looped_db']} steps = {b['looped_total_flops']:.3e} matmul FLOPs; "
+             "huginn's steps for it, by seed (its r is drawn per step): "
+             + ", ".join(f"s{s} {n}" for s, n in steps.items()) + ".", ""]
+    for arm in LOOPED_ARMS:
+        lines += arm_table(arm)
+    lines += ["## Paired test ratios, looped_db ppl@0 / huginn ppl at K = 8 (same seed)", "",
+              paired_row("looped_db", "huginn", ("looped_db", "huginn"))]
+    chain = [r["test_chain"] for s, r in sorted(at_choice("looped_db").items()) if r.get("test_chain", {}).get("ppl")]
+    if chain:
+        lines.append("- sensitivity, looped_db ppl@4 (its configured K, 16 draws) / its ppl@0 on the same first 8,192 "
+                     "test tokens: " + ", ".join(f"{c['ppl'] / c['ppl0_same_tokens']:.4f}" for c in chain))
+    text = "\n".join(lines) + "\n"
+    (OUT / "looped_report.md").write_text(text)
     return text
 
 
@@ -352,8 +427,8 @@ def main() -> None:
     ap.add_argument("what", choices=["run", "report"])
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--arms", nargs="+", default=DECISION_ARMS, choices=list(ARMS),
-                    help=f"the decision row (default), the control arms (--arms {' '.join(CONTROL_ARMS)}) or the B = 4 row "
-                         f"(--arms {' '.join(B4_ARMS)})")
+                    help=f"the decision row (default), the control arms (--arms {' '.join(CONTROL_ARMS)}), the B = 4 row "
+                         f"(--arms {' '.join(B4_ARMS)}) or looped_db against huginn (--arms {' '.join(LOOPED_ARMS)})")
     ap.add_argument("--set", action="append", default=[], help="extra train overrides (a smoke test)")
     ap.add_argument("--out", type=Path, default=OUT, help="where the JSONs and report.md go")
     args = ap.parse_args()
