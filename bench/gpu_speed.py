@@ -1,5 +1,6 @@
 """How fast a training step runs on this GPU: tokens/s, MFU and peak memory, beside what was expected
-before any run. The first thing `bench/gpu_check.sh` runs (under 4 minutes on one H200).
+before any run. The first thing `bench/gpu_check.sh` runs (about 5 minutes on one H200, most of it compiling:
+bench/results/gpu/README.md).
 
     python bench/gpu_speed.py --json out.json            # GPU: the GPT-2 shape, bf16, compiled
     python bench/gpu_speed.py --tiny --device cpu        # the same code at a toy shape (tests/test_bench.py)
@@ -17,9 +18,9 @@ model's FLOPs of each step over the device's dense bf16 peak), peak memory (torc
 over the timed steps, weights and optimizer state included), and the seconds the warm-up took (compiles).
 A row that fails records its error and the next one runs; the JSON is rewritten after every row, so a run
 stopped by its time limit keeps what it measured. `--decode` adds the engine's greedy decode of gpt at that
-shape, eager vs compiled (CUDA graphs through "reduce-overhead"), batch 1 and 16, the tokens compared.
+shape, eager vs compiled (CUDA graphs through "reduce-overhead"), at `--decode-batches`, the tokens compared.
 
-EXPECTED was written before this script first ran on a GPU: nanoGPT's 124M reaches ~50 % MFU on an A100
+EXPECTED was written before this script first ran on a GPU (the checkpointing rows' too): nanoGPT's 124M reaches ~50 % MFU on an A100
 with compile and flash attention; ours should reach at least 40 % on an H200 at batch 16. A DB step runs
 one block in two streams over 2T tokens, plus the head and the likelihood terms at V = 50257: its MFU is
 expected lower (the vocabulary terms are a larger share of a smaller step), at least 25 %.
