@@ -19,6 +19,10 @@ CASES = {
     "db_ar": ({}, {"num_blocks": 2, "clean_lm_weight": 1.0}),
     "db_ar edm": ({}, {"num_blocks": 2, "parameterization": "edm"}),
     "db_ar noisy_self": ({}, {"num_blocks": 2, "noisy_self": True}),
+    "db_ar stacked clean_state cosine": ({"loss_chunk": 8}, {"num_blocks": 2, "context": "stacked",
+                                                             "noisy_input": "clean_state", "head": "cosine"}),
+    "db_ar topk posterior": ({"n_prelude": 1}, {"num_blocks": 2, "posterior_input": "topk", "posterior_topk": 8,
+                                                "noisy_input": "noise", "target_fraction": 0.5}),
     "looped_db": ({"n_prelude": 1, "n_coda": 1}, {"num_blocks": 1}),
     "huginn": ({"n_prelude": 1, "n_coda": 1, "mean_recurrence": 3, "backprop_depth": 2}, None),
 }
