@@ -21,7 +21,8 @@ python3 -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspee
 # compiled training row spends 35-60 s compiling, each decode bucket ~40 s).
 echo "== bench/gpu_speed.py (speed first: training rows in 5 minutes, then the compiled decode in 150 s)"
 timeout 300 python3 bench/gpu_speed.py --json "$OUT/gpu_speed.json" \
-  --rows gpt "db_ar B=2" "db_ar B=4" "gpt ckpt" "db_ar B=4 ckpt" || echo "gpu_speed.py failed (exit $?)"
+  --rows gpt "db_ar B=2" "db_ar B=4" "gpt ckpt" "db_ar B=4 ckpt" --profile gpt "db_ar B=4" \
+  || echo "gpu_speed.py failed (exit $?)"
 timeout 150 python3 bench/gpu_speed.py --json "$OUT/gpu_decode.json" --rows --decode --decode-batches 1 4 \
   || echo "decode failed (exit $?)"
 

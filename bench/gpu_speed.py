@@ -53,7 +53,7 @@ DEFAULT_ROWS = ["gpt", "db_ar B=2", "db_ar B=4"]
 
 
 def measure(name: str, shape: dict, vocab: int, batch: int, steps: int, warmup: int, device: torch.device,
-            compile_: bool) -> dict:
+            compile_: bool, profile: bool = False) -> dict:
     kind, diffusion, lean = ROWS[name]
     raw = {"model": {"kind": kind, **shape, **lean}, "train": {"batch_size": batch}}
     if diffusion:
@@ -90,7 +90,31 @@ def measure(name: str, shape: dict, vocab: int, batch: int, steps: int, warmup: 
            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else None,
            "loss": float(result.loss), "warmup_s": warmup_s}
     row["met"] = None if row["mfu"] is None else row["mfu"] >= row["expected_mfu"]
+    if profile:
+        row["profile"] = top_ops(lambda s: train_step(model, opt, runner, [(x, y)], s, 0), warmup + steps, device)
     return row
+
+
+def top_ops(step_fn, first_step: int, device: torch.device, steps: int = 3, top: int = 15) -> list[dict]:
+    """Where a step's time goes: the `top` operators by self time on the device (CPU time on a CPU) over
+    `steps` profiled steps, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        for s in range(first_step, first_step + steps):
+            step_fn(s)
+        if cuda:
+            torch.cuda.synchronize()
+
+    def self_us(e) -> float:  # the device-time attribute was renamed across torch versions
+        if not cuda:
+            return e.self_cpu_time_total
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+
+    events = sorted(prof.key_averages(), key=self_us, reverse=True)[:top]
+    return [{"op": e.key, "ms_per_step": self_us(e) / 1000 / steps, "calls_per_step": e.count / steps}
+            for e in events]
 
 
 def decode_row(shape: dict, vocab: int, batch: int, device: torch.device, prompt: int = 16, new: int = 48) -> dict:
@@ -141,6 +165,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--rows", nargs="*", default=DEFAULT_ROWS, choices=list(ROWS), metavar="ROW",
                    help=f"rows to run, in order (default: {', '.join(DEFAULT_ROWS)}; all: {', '.join(ROWS)})")
+    p.add_argument("--profile", nargs="*", default=[], choices=list(ROWS), metavar="ROW",
+                   help="rows whose top operators by device time (3 steps, torch.profiler) go into their JSON row")
     p.add_argument("--decode", action="store_true", help="also the engine's gpt decode, eager vs compiled")
     p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 16],
                    help="decode batch sizes (each compiles one graph per power-of-two bucket up to it: ~40 s each "
@@ -159,7 +185,8 @@ def main(argv=None) -> int:
 
     for name in args.rows:
         try:
-            row = measure(name, shape, vocab, args.batch, args.steps, args.warmup, device, not args.no_compile)
+            row = measure(name, shape, vocab, args.batch, args.steps, args.warmup, device, not args.no_compile,
+                          profile=name in args.profile)
         except Exception as e:  # noqa: BLE001 - a GPU check reports every row it can
             row = {"row": name, "error": f"{type(e).__name__}: {e}"[:2000]}
             print(f"| {name} | failed: {row['error'][:300]} |", flush=True)

@@ -269,9 +269,12 @@ def test_the_gpu_speed_check_runs_its_rows_at_a_toy_shape(tmp_path, one_thread):
         sys.path.pop(0)
     out = tmp_path / "speed.json"
     assert gpu_speed.main(["--tiny", "--device", "cpu", "--no-compile", "--steps", "2", "--warmup", "2",
-                           "--batch", "2", "--json", str(out)]) == 0
+                           "--batch", "2", "--json", str(out), "--profile", "gpt"]) == 0
     rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
     assert list(rows) == ["gpt", "db_ar B=2", "db_ar B=4"]
+    ops = rows["gpt"]["profile"]  # where the step's time goes: matmuls must be among the top operators
+    assert len(ops) == 15 and all(o["ms_per_step"] >= 0 for o in ops) and any("mm" in o["op"] for o in ops)
+    assert "profile" not in rows["db_ar B=2"]
     for r in rows.values():
         assert r["tokens_per_s"] > 0 and r["flops_per_s"] > 0 and 0 < r["mfu"] < 1 and r["expected_mfu"] > 0
         assert r["met"] == (r["mfu"] >= r["expected_mfu"])
