@@ -55,3 +55,18 @@ def test_a_bf16_model_trains_a_step_and_generates(case, one_thread):
     engine = Engine(model, num_slots=2, max_len=16)  # the server's path: batched rows, KV pool, scoring
     outs = engine.run([Request(prompt=x[i, :4].tolist(), max_tokens=3, seed=0, sampling=GREEDY) for i in range(2)])
     assert [len(o.token_ids) for o in outs] == [3, 3]
+
+
+def test_the_noise_embeddings_keep_fp32_frequencies_under_bf16_weights():
+    """Fourier frequencies up to 1000 (two_stream) rounded to bf16 would move the angles by radians, and a model
+    trained with bf16 weights would then read different features when evaluated in fp32."""
+    from looped_lm.models.adaln import TimestepEmbedding
+    from looped_lm.models.two_stream import NoiseEmbedding
+
+    for module in (NoiseEmbedding(32), TimestepEmbedding(32)):
+        fp32 = module.freqs.clone()
+        module.to(torch.bfloat16)
+        assert module.freqs.dtype == torch.float32 and torch.equal(module.freqs, fp32)
+        c = torch.linspace(-2, 2, 5)
+        ref = module.float()(c)  # the same weights in fp32
+        assert torch.allclose(module.to(torch.bfloat16)(c).float(), ref, atol=0.05)

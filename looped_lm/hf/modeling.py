@@ -96,8 +96,8 @@ class LoopedLMForCausalLM(PreTrainedModel, GenerationMixin):
 
     @torch.no_grad()
     def _init_weights(self, module):
-        """Every weight comes from the checkpoint; only the non-persistent tables (RoPE cos/sin, the noise
-        embedding's Fourier frequencies), which from_pretrained leaves uninitialised, are recomputed."""
+        """Every weight comes from the checkpoint; only the non-persistent tables (RoPE cos/sin), which
+        from_pretrained leaves uninitialised, are recomputed."""
         from looped_lm.models.layers import RotaryEmbedding
 
         with torch.device("cpu"):
@@ -105,8 +105,6 @@ class LoopedLMForCausalLM(PreTrainedModel, GenerationMixin):
                 fresh = RotaryEmbedding(2 * module.cos.shape[1], module.cos.shape[0], self.native_config.model.rope_theta)
                 module.cos.copy_(fresh.cos)
                 module.sin.copy_(fresh.sin)
-            elif type(module).__name__ == "NoiseEmbedding":  # looped_lm.models.two_stream
-                module.freqs.copy_(type(module)(self.native_config.model.d_model).freqs)
 
     def get_input_embeddings(self):
         return self.model.tok_emb

@@ -37,13 +37,18 @@ class TimestepEmbedding(nn.Module):
 
     def __init__(self, d_model: int, frequencies: int = 256, max_period: float = 10_000.0):
         super().__init__()
-        half = frequencies // 2
-        self.register_buffer("freqs", torch.exp(-math.log(max_period) * torch.arange(half) / half), persistent=False)
-        self.mlp = nn.Sequential(nn.Linear(2 * half, d_model), nn.SiLU(), nn.Linear(d_model, d_model))
+        self.n_freqs, self.max_period = frequencies // 2, max_period
+        self.mlp = nn.Sequential(nn.Linear(2 * self.n_freqs, d_model), nn.SiLU(), nn.Linear(d_model, d_model))
+
+    @property
+    def freqs(self) -> torch.Tensor:
+        """Computed in fp32 whatever the module's dtype (as the noise embedding of models/two_stream.py)."""
+        half = self.n_freqs
+        return torch.exp(-math.log(self.max_period) * torch.arange(half, device=self.mlp[0].weight.device) / half)
 
     def forward(self, c_noise: torch.Tensor) -> torch.Tensor:
         angles = c_noise.float()[:, None] * self.freqs[None]
-        return self.mlp(torch.cat([angles.cos(), angles.sin()], dim=-1))
+        return self.mlp(torch.cat([angles.cos(), angles.sin()], dim=-1).to(self.mlp[0].weight.dtype))
 
 
 class AdaLNLayer(TransformerLayer):

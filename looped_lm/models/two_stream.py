@@ -25,12 +25,17 @@ class NoiseEmbedding(nn.Module):
 
     def __init__(self, d_model: int):
         super().__init__()
-        half = d_model // 2
-        self.register_buffer("freqs", torch.exp(torch.linspace(0, math.log(1000.0), half)), persistent=False)
-        self.mlp = nn.Sequential(nn.Linear(2 * half, d_model), nn.SiLU(), nn.Linear(d_model, d_model))
+        self.n_freqs = d_model // 2
+        self.mlp = nn.Sequential(nn.Linear(2 * self.n_freqs, d_model), nn.SiLU(), nn.Linear(d_model, d_model))
+
+    @property
+    def freqs(self) -> torch.Tensor:
+        """Computed, not a buffer: in fp32 whatever the module's dtype (bf16 frequencies up to 1000 would move the
+        angles by radians)."""
+        return torch.exp(torch.linspace(0, math.log(1000.0), self.n_freqs, device=self.mlp[0].weight.device))
 
     def forward(self, c_noise: torch.Tensor) -> torch.Tensor:
-        angles = c_noise.float()[:, None] * self.freqs.float()[None]  # the angles in fp32, the MLP in its dtype
+        angles = c_noise.float()[:, None] * self.freqs[None]  # the angles in fp32, the MLP in its dtype
         return self.mlp(torch.cat([angles.cos(), angles.sin()], dim=-1).to(self.mlp[0].weight.dtype))
 
 
