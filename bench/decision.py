@@ -86,8 +86,11 @@ def config_path(arm: str) -> Path:
     raw.pop("diffusion", None)
     raw["model"]["kind"] = kind
     WORK.mkdir(parents=True, exist_ok=True)
-    derived = WORK / f"{arm}.yaml"
-    derived.write_text(yaml.safe_dump(raw))
+    derived, text = WORK / f"{arm}.yaml", yaml.safe_dump(raw)
+    if not derived.exists() or derived.read_text() != text:  # atomically: a run in another worker may be reading it
+        tmp = derived.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, derived)
     return derived
 
 

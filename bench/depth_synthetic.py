@@ -447,7 +447,7 @@ def table() -> None:
                                                  else "" for lr in lrs)
                      + f" | {best[name]:g} | {len(v)} | {k}/{len(v)} [{lo:.2f}, {hi:.2f}] | {statistics.median(v):.3f} "
                      f"[{min(v):.3f}, {max(v):.3f}] | {m:.3f}" + ("" if math.isnan(h) else f" ± {h:.3f}") + " |")
-    dbs = [n for n in RUNS if n.startswith("db_") and n in best]
+    dbs = [n for n in RUNS if n.startswith("db_") and n not in WARMUP and n in best]  # gpt_L2 is at warm-up 5 % too
     if "gpt_L2" in best and dbs:
         top, g = best_recipe(by, best, dbs), by["gpt_L2"][best["gpt_L2"]]
         d = by[top][best[top]]

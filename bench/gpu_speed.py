@@ -208,7 +208,7 @@ def main(argv=None) -> int:
             print("decode", row, flush=True)
             result["decode"].append(row)
             save()
-    return 0
+    return 1 if any("error" in r for r in result["rows"] + result["decode"]) else 0
 
 
 if __name__ == "__main__":

@@ -28,13 +28,14 @@ def compile_graphs(fn, graphs: int, backend: str | None = None, **kwargs):
     raised by `graphs` at each call instead (its count is per code object, shared by every model a process
     compiles: on the first H200 run, the third DB model's blocks fell back to eager)."""
     global _PROMISED
-    if "recompile_limit" in inspect.signature(torch.compile).parameters:
+    if {"recompile_limit", "isolate_recompiles"} <= set(inspect.signature(torch.compile).parameters):
         kwargs.update(recompile_limit=graphs + 1, isolate_recompiles=True)
-    else:
+    else:  # every function compiled in this process shares the raised limit (gpt's loss too)
         from torch import _dynamo
 
+        name = "recompile_limit" if hasattr(_dynamo.config, "recompile_limit") else "cache_size_limit"  # torch < 2.7
         _PROMISED += graphs
-        _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, _PROMISED + 1)
+        setattr(_dynamo.config, name, max(getattr(_dynamo.config, name), _PROMISED + 1))
     return torch.compile(fn, backend=backend or BACKEND, dynamic=False, **kwargs)
 
 

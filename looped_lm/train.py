@@ -129,9 +129,6 @@ def init_distributed():
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
-        # TF32 for the fp32 matmuls that remain under pure-bf16 weights (the DB kinds' likelihood terms), as
-        # nanoGPT does; torch warned of it on the first H200 run
-        torch.set_float32_matmul_precision("high")
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
@@ -314,6 +311,8 @@ def train(cfg: Config, stop_after: int = 0, verify: bool = True) -> Path | None:
     device = init_distributed()
     import deepspeed.comm as dist
 
+    if device.type == "cuda" and cfg.deepspeed.bf16:  # the fp32 matmuls left beside bf16 ones (the DB kinds'
+        torch.set_float32_matmul_precision("high")    # likelihood terms) on TF32, as nanoGPT does; fp32 runs stay fp32
     try:
         result = _train(cfg, device, stop_after, verify)
         dist.barrier()  # before teardown: avoids a rare abort of gloo ranks at exit

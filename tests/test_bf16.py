@@ -47,6 +47,9 @@ def test_a_bf16_model_trains_a_step_and_generates(case, one_thread):
         loss.backward()
         assert torch.isfinite(loss.float())
     assert all(p.grad is None or p.grad.dtype == torch.bfloat16 for p in model.parameters())
+    assert torch.isfinite(model.validation_loss(x, y, seed=0).float())  # what the trainer's eval runs
+    if hasattr(model, "uses_curve") and model.uses_curve():  # network_gain's CE(sigma) curve
+        assert model.measure_curve(x, y, seed=0)
     model.eval()
     limits = model.iteration_limits() if isinstance(model, Iterative) else None
     settings = resolve_settings(limits, num_iterations=2 if limits else None, sampling=GREEDY)
@@ -57,16 +60,33 @@ def test_a_bf16_model_trains_a_step_and_generates(case, one_thread):
     assert [len(o.token_ids) for o in outs] == [3, 3]
 
 
+@pytest.mark.parametrize("case", ["db_ar", "looped_db"])
+def test_a_compiled_bf16_db_step_runs(case, one_thread):
+    """The trainer's CUDA default: pure-bf16 weights and train.compile (aot_eager: the graphs inductor gets)."""
+    from looped_lm.compile import compile_for_training
+    from looped_lm.kinds import get_kind
+
+    model = build(case).train()
+    assert compile_for_training(model, get_kind(case), backend="aot_eager")
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 257, (2, 16), generator=g), torch.randint(0, 257, (2, 16), generator=g)
+    loss, _ = model.training_loss(x, y, step=0, seed=0)
+    loss.backward()
+    assert torch.isfinite(loss.float())
+
+
 def test_the_noise_embeddings_keep_fp32_frequencies_under_bf16_weights():
     """Fourier frequencies up to 1000 (two_stream) rounded to bf16 would move the angles by radians, and a model
     trained with bf16 weights would then read different features when evaluated in fp32."""
     from looped_lm.models.adaln import TimestepEmbedding
     from looped_lm.models.two_stream import NoiseEmbedding
 
-    for module in (NoiseEmbedding(32), TimestepEmbedding(32)):
+    for make in (lambda: NoiseEmbedding(32), lambda: TimestepEmbedding(32)):
+        module = make()
         fp32 = module.freqs.clone()
         module.to(torch.bfloat16)
         assert module.freqs.dtype == torch.float32 and torch.equal(module.freqs, fp32)
+        ref = make()  # a fresh fp32 module with the same (bf16-rounded) weights: only the arithmetic differs
+        ref.load_state_dict({k: v.float() for k, v in module.state_dict().items()})
         c = torch.linspace(-2, 2, 5)
-        ref = module.float()(c)  # the same weights in fp32
-        assert torch.allclose(module.to(torch.bfloat16)(c).float(), ref, atol=0.05)
+        assert torch.allclose(module(c).float(), ref(c), atol=0.05)

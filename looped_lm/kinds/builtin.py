@@ -49,11 +49,11 @@ def _stack_order(cfg, blocks: int) -> tuple[int, ...]:
 
 
 def _compile_block_loss(model, backend: str) -> bool:
-    """DB kinds: the loss of the block the host chose (`BlockObjective.block_loss`): one graph per block (two
-    where the last batch of an epoch is short), and the step number never enters it."""
+    """DB kinds: the loss of the block the host chose (`BlockObjective.block_loss`): one graph per block, and
+    the step number never enters it."""
     from looped_lm.compile import compile_graphs
 
-    model.objective.block_loss = compile_graphs(model.objective.block_loss, 2 * len(model.objective.net.train_ranges), backend)
+    model.objective.block_loss = compile_graphs(model.objective.block_loss, len(model.objective.net.train_ranges), backend)
     return True
 
 

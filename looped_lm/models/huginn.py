@@ -73,7 +73,8 @@ class HuginnLM(nn.Module, Trainable, Scorable, CachedDecoding, Iterative):
         return x
 
     def initial_state(self, e: torch.Tensor, generator=None) -> torch.Tensor:
-        return self.init_scale * torch.randn(e.shape, device=e.device, dtype=e.dtype, generator=generator)
+        # drawn in fp32 and cast, as the cached decode's: the same draws at every precision
+        return (self.init_scale * torch.randn(e.shape, device=e.device, generator=generator)).to(e.dtype)
 
     def iterate(self, s, e, cos, sin, caches=None):
         """One recurrence: s <- core(adapter(cat[s, e]))."""

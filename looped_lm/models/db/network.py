@@ -194,8 +194,8 @@ class DBNetwork(nn.Module):
             return self.tied_head(h_noisy).float() + loglik
         c_skip, c_out, _, _ = (c.to(z.dtype)[:, None, None] for c in dm.edm_scalings(sigma, self.sched.sigma_data))
         h = c_out * self.target_scale * F.normalize(h_noisy, dim=-1) + c_skip * z
-        if self.cosine_head:
-            return self.cosine_state(h) @ self.unit_table().T
+        if self.cosine_head:  # h is fp32 (the scalings): into the norm at the weights' dtype
+            return self.cosine_state(h.to(self.tok_emb.weight.dtype)) @ self.unit_table().T
         return self.tied_head(h.to(self.tok_emb.weight.dtype))
 
     def tied_head(self, h):
