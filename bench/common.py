@@ -1,6 +1,6 @@
 """What the bench scripts share (bench/ is not a package: a script puts bench/ on sys.path and imports this):
-counted FLOPs and saved-for-backward bytes of one training step, the git commit, subprocess lanes and 95 %
-intervals.
+counted FLOPs and saved-for-backward bytes of one training step, the git commit, `python -m` runs, a server
+process's port and start, JSON files, subprocess lanes and 95 % intervals.
 
 The equal-FLOPs training loop that was here (`plan_steps`, `train`, `train_bible_db`; bench/scaleout.py's
 `split` and the retired quality study's, bench/quality.py at commit a2d4a89) is this file at commit daf8543.
@@ -8,12 +8,15 @@ The equal-FLOPs training loop that was here (`plan_steps`, `train`, `train_bible
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import socket
 import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +58,40 @@ def git_commit() -> str:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     except OSError:
         return ""
+
+
+def python(*args, threads: int | None = 1) -> str:
+    """Run `python ARGS` (e.g. "-m", "looped_lm", "eval", ...) from the repository root with `threads` OpenMP
+    threads (None: the caller's environment); -> its stdout. A failure raises with the tail of its stderr."""
+    env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+    done = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(map(str, args[:3]))} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return done.stdout
+
+
+def write_json(path: Path, data) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_server(url: str, proc: subprocess.Popen, seconds: float = 120) -> None:
+    """Poll `url` (a /health route) until it answers; raise if `proc` exits first or time runs out."""
+    deadline = time.monotonic() + seconds
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except OSError:  # not listening yet
+            time.sleep(0.2)
+    raise RuntimeError(f"the server at {url} did not start (exit code {proc.poll()})")
 
 
 def run_lanes(jobs: list[tuple[list[str], Path | None]], lanes: int, env: dict | None = None) -> list[str]:

@@ -3,7 +3,9 @@
 CPU time of 48 new tokens (prefill excluded), interleaved repeats, the fastest kept.
 
     python bench/decode.py [--quick]     # -> bench/results/decode.json
-    python bench/decode.py --compiled    # the engine's decode step compiled vs eager -> decode_compiled.json
+
+`--compiled` (the engine's gpt decode step compiled vs eager, no committed JSON) is this script at commit
+cafa2ef; the compiled decode's GPU numbers are bench/gpu_speed.py's.
 """
 
 from __future__ import annotations
@@ -25,22 +27,18 @@ from looped_lm.sampling import GREEDY
 from looped_lm.settings import resolve_settings
 
 HERE = Path(__file__).resolve().parent
-
 PROMPT, NEW = 16, 48
 
 
-def build(kind: str, vocab: int, **extra):
-    """The quickstart's shape of `kind` (untrained), with `extra` model fields on top."""
+def build(kind: str, vocab: int):
+    """The quickstart's shape of `kind`, untrained."""
     model = {"kind": kind, "n_layers": 4, "d_model": 128, "n_heads": 4, "seq_len": 128}
-    diffusion = {}
-    if kind == "db_ar":
-        diffusion = {"num_blocks": 2}
+    diffusion = {"num_blocks": 2} if kind == "db_ar" else {}
     if kind in ("looped_db", "huginn"):
         model.update(n_layers=2, n_prelude=1, n_coda=1)
         diffusion = {"num_blocks": 1}
     if kind == "huginn":
         model.update(mean_recurrence=8, backprop_depth=4)
-    model.update(extra)
     torch.manual_seed(0)
     return build_model(config_from_dict({"model": model, "diffusion": diffusion}), vocab).eval()
 
@@ -57,58 +55,12 @@ def tokens_per_s(model, batch: int, K: int | None) -> float:
     return batch * NEW / max(time.process_time() - t - one, 1e-9)
 
 
-def engine_tokens_per_s(model, batch: int, compile_decode: bool, repeats: int, max_len: int) -> tuple[float, list]:
-    """The engine's decode rate: `batch` greedy requests at once, 48 new tokens after a 16-token prompt,
-    wall time minus a 1-token run's (the prefill), in a pool of `max_len` positions per slot (the compiled step
-    attends over all of them); -> (tokens/s, the tokens). The engine compiles every bucket when it is built."""
-    from looped_lm.engine.engine import Engine, Request
-
-    engine = Engine(model, num_slots=batch, max_len=max_len, compile_decode=compile_decode)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, model.vocab_size, (PROMPT,), generator=g).tolist() for _ in range(batch)]
-
-    def timed(new: int) -> tuple[float, list]:
-        t = time.perf_counter()
-        outs = engine.run([Request(prompt=p, max_tokens=new, seed=0, sampling=GREEDY) for p in prompts])
-        if any(o.finish_reason != "length" for o in outs):  # a failed step would look infinitely fast
-            raise SystemExit(f"batch {batch}: a request ended with {[o.finish_reason for o in outs]}")
-        return time.perf_counter() - t, [o.token_ids for o in outs]
-
-    _, tokens = timed(NEW)  # warm-up
-    best = min(timed(NEW)[0] - timed(1)[0] for _ in range(repeats))
-    return batch * (NEW - 1) / max(best, 1e-9), tokens
-
-
-def compiled_vs_eager(repeats: int) -> None:
-    """gpt's engine decode, torch.compile (inductor) against eager, one thread, at three batch sizes, in a pool
-    sized to the requests (65 positions) and in one of the model's full context."""
-    out = {"new_tokens": NEW, "prompt": PROMPT, "threads": 1, "torch": torch.__version__, "rows": []}
-    for name, vocab, extra in (("quickstart (4 x 128, V 257)", 257, {}),
-                               ("6 x 384, V 50257", 50257, {"n_layers": 6, "d_model": 384, "n_heads": 6})):
-        model = build("gpt", vocab, **extra)
-        for max_len in (PROMPT + NEW + 1, model.max_positions):
-            for batch in (1, 4, 16):
-                eager, eager_tokens = engine_tokens_per_s(model, batch, False, repeats, max_len)
-                fast, fast_tokens = engine_tokens_per_s(model, batch, True, repeats, max_len)
-                if fast_tokens != eager_tokens:
-                    raise SystemExit(f"{name} batch {batch}: the compiled step's greedy tokens differ from eager's")
-                row = {"shape": name, "pool_positions": max_len, "batch": batch, "eager_tokens_per_s": eager,
-                       "compiled_tokens_per_s": fast, "compiled_vs_eager": fast / eager}
-                out["rows"].append(row)
-                print(row, flush=True)
-    out["load_average"] = list(__import__("os").getloadavg())
-    (HERE / "results" / "decode_compiled.json").write_text(json.dumps(out, indent=1))
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one repeat, one vocabulary")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--compiled", action="store_true", help="the engine's gpt decode step compiled vs eager instead")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    if args.compiled:
-        return compiled_vs_eager(args.repeats)
     repeats = 1 if args.quick else args.repeats
     out = {"new_tokens": NEW, "prompt": PROMPT, "speed": [], "kv": []}
     for vocab in ((257,) if args.quick else (257, 50257)):

@@ -1,19 +1,19 @@
-"""Scale-out (bench/README.md "scaleout.py", which describes both measurements): memory, step time and traffic
-per rank of data parallel (ZeRO 0, 1), block parallel and independent block jobs on 2 gloo ranks, beside
-`analytic`'s model; the table of ppl@0 of layers_per_block [3, 1] vs [2, 2] at equal counted FLOPs.
+"""Scale-out (bench/README.md "scaleout.py"): memory, step time and traffic per rank of data parallel (ZeRO 0,
+1), block parallel and independent block jobs on 2 gloo ranks, beside `analytic`'s model.
 
     python bench/scaleout.py memory [SETUP ...]  # the real trainer under the DeepSpeed launcher, each rank instrumented
-    python bench/scaleout.py table     # the markdown tables, from bench/results/scaleout.json
+    python bench/scaleout.py table     # the markdown table, from bench/results/scaleout.json
 
-The split runs in scaleout.json came from `split` at commit 96d80fb (its own equal-FLOPs loop); the mode, later
-on bench/common.py's shared loop (a rerun differed slightly), is this script at commit daf8543.
+The ppl@0 of layers_per_block [3, 1] vs [2, 2] at equal counted FLOPs (scaleout.json's `split`) came from
+`split` at commit 96d80fb (its own equal-FLOPs loop); the mode, later on bench/common.py's shared loop (a
+rerun differed slightly), is this script at commit daf8543, and the `table` that printed those runs at
+commit cafa2ef.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import resource
 import shutil
@@ -23,6 +23,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (bench/ is not a package)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "scaleout.json"
@@ -281,42 +284,6 @@ def memory_table(mem: dict) -> str:
     return "\n".join(lines)
 
 
-# ------------------------------------------------------------------------------------------------
-# split: the table of ppl@0 of an uneven layer split at equal FLOPs (the runs of commit 96d80fb)
-
-
-SPLIT_SEEDS = (0, 1)
-
-
-def split_table(split: dict) -> str:
-    lines = ["| split | seed | steps (block 0 / block 1) | counted GFLOPs | ppl@0 ± estimate SE |", "|---|---:|---:|---:|---:|"]
-    for r in split["runs"].values():
-        lines.append(f"| {r['split']} | {r['seed']} | {r['steps']} ({r['block_steps'][0]} / {r['block_steps'][1]}) | "
-                     f"{r['flops'] / 1e9:.0f} | {r['ppl0']:.3f} ± {r['ppl0_se']:.3f} |")
-    diffs = []
-    for seed in SPLIT_SEEDS:
-        even, uneven = split["runs"][f"[2, 2] seed {seed}"], split["runs"][f"[3, 1] seed {seed}"]
-        diffs += [(u - e) / 128 for u, e in zip(uneven["window_nll"], even["window_nll"])]
-    n = len(diffs)
-    mean = sum(diffs) / n
-    se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n)
-    lines += ["", f"[3, 1] - [2, 2], paired over {n} (window, seed) pairs: {mean:+.4f} ± {se:.4f} nats per token "
-                  f"(ppl@0 x{math.exp(mean):.3f})"]
-    return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------------------------------
-
-
-def _save(key: str, value) -> None:
-    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    data[key] = value
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    tmp = RESULTS.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, RESULTS)
-
-
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "worker" in argv[:2]:  # the DeepSpeed launcher puts --local_rank=N first
@@ -325,18 +292,16 @@ def main(argv=None) -> int:
     p.add_argument("what", choices=("memory", "table"))
     p.add_argument("setups", nargs="*", help="memory: rerun only these set-ups (the others stay as measured)")
     args = p.parse_args(argv)
+    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}  # its `split` runs stay
     if args.what == "memory":
         fresh = run_memory(args.setups)
-        if args.setups and RESULTS.exists():  # keep the other set-ups, re-model every one
-            old = json.loads(RESULTS.read_text())["memory"]
-            fresh["setups"] = {s: {**old["setups"].get(s, {}), **fresh["setups"].get(s, {})} for s in SETUPS}
+        if args.setups and "memory" in data:  # keep the other set-ups, re-model every one
+            old = data["memory"]["setups"]
+            fresh["setups"] = {s: {**old.get(s, {}), **fresh["setups"].get(s, {})} for s in SETUPS}
             fresh["setups"] = {s: {**v, "analytic": analytic(s, fresh["counts"])} for s, v in fresh["setups"].items()}
-        _save("memory", fresh)
-    data = json.loads(RESULTS.read_text())
-    if "memory" in data:
-        print(memory_table(data["memory"]))
-    if "split" in data:
-        print(split_table(data["split"]))
+        data["memory"] = fresh
+        common.write_json(RESULTS, data)
+    print(memory_table(data["memory"]))
     return 0
 
 
