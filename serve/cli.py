@@ -51,7 +51,8 @@ def add_arguments(p) -> None:
                         "chat_template.jinja beside it, or the GGUF's), else a plain `Role: content` one")
     p.add_argument("--compile-decode", choices=("auto", "on", "off"), default="auto",
                    help="torch.compile the one-token decode step, rows padded to power-of-two buckets (CUDA graphs "
-                        "on a GPU), for models with a fixed-shape step (gpt; others decode eagerly): auto = on CUDA")
+                        "on a GPU): gpt's whole step, db_ar's and looped_db's block calls (huginn decodes eagerly): "
+                        "auto = on CUDA")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))

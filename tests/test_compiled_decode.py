@@ -1,7 +1,8 @@
-"""The engine's compiled decode step (looped_lm/engine/compiled.py): gpt's fixed-shape step computes what its
-eager cached step computes, for ragged rows, row subsets and padded (repeated) rows; the engine with
-`compile_decode` returns the eager engine's tokens; one graph per bucket, with no graph break and no
-recompilation as requests come and go. Dynamo runs with a counting backend (the graphs inductor would get,
+"""The engine's compiled decode steps (looped_lm/engine/compiled.py): gpt's fixed-shape step and a DB model's
+fixed-shape block call compute what their eager cached calls compute, for ragged rows, row subsets and padded
+(repeated) rows; the engine with `compile_decode` returns the eager engine's tokens (DB models at K below, at
+and above B, looped_db with adaptive exit); one graph per bucket (and per block and call), with no graph break
+and no recompilation as requests come and go. Dynamo runs with a counting backend (the graphs inductor would get,
 without its code generation: tens of seconds per graph on this CPU); bench/decode.py runs inductor."""
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from torch._dynamo.testing import CompileCounter
 
 from looped_lm.engine import compiled
 from looped_lm.engine.engine import Engine, Request
-from looped_lm.sampling import GREEDY, SamplingParams
-from tiny_models import V, build_tiny
+from looped_lm.models.db.contexts import CachedContext
+from looped_lm.sampling import GREEDY, SamplingParams, SharedGenerator
+from looped_lm.settings import ExitRule, RowBatch, resolve_settings
+from tiny_models import D, V, build_tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -103,5 +106,86 @@ def test_several_engines_in_one_process_each_get_their_graphs(monkeypatch):
 
 
 def test_models_without_a_fixed_shape_step_decode_eagerly():
-    engine = Engine(build_tiny("db_ar").eval(), num_slots=2, max_len=32, compile_decode=True)
-    assert engine.runner.compiled is None
+    engine = Engine(build_tiny("huginn").eval(), num_slots=2, max_len=32, compile_decode=True)
+    assert engine.runner.compiled is None and engine.runner.compiled_blocks is None
+
+
+# --- DiffusionBlocks: each block call of the chain compiled ---------------------------------------------------
+
+DB_LAYOUTS = {  # the paper's layout (edm, self key), the product's (likelihood, no self key), stacked + clean_state
+    "paper": {},
+    "product": {"parameterization": "likelihood", "noisy_self": False, "noisy_input": "prev_token", "bridge": "sample"},
+    "stacked": {"context": "stacked", "noisy_input": "clean_state", "parameterization": "likelihood"},
+}
+
+
+@torch.no_grad()
+def db_cache(model, lengths):
+    """A 5-row decode state whose rows hold `lengths` tokens (ragged), every block caught up (K = B), then one
+    more token in each row's history that no block has cached yet."""
+    g = torch.Generator().manual_seed(3)
+    cache = model.new_cache(5, 32)
+    settings = resolve_settings(model.iteration_limits(), num_iterations=len(model.blocks), sampling=GREEDY)
+    for row, n in enumerate(lengths):
+        ids = torch.randint(0, V, (1, n), generator=g)
+        model.forward_cached(ids, cache, torch.tensor([row]), RowBatch([settings], SharedGenerator(None)))
+    cache.append(model, torch.randint(0, V, (5, 1), generator=g), None)
+    return cache
+
+
+@pytest.mark.parametrize("layout", DB_LAYOUTS)
+@torch.no_grad()  # as the engine decodes
+def test_the_fixed_block_step_equals_the_eager_block_call_on_ragged_padded_rows(layout):
+    """Both calls: the pending token with the slot (the fused pass), then the block's second call at the same
+    token (the slot against the cache); each block; logits, and every key, value and handed state written."""
+    model = build_tiny("db_ar", **DB_LAYOUTS[layout])
+    base = db_cache(model, [3, 7, 1, 5, 2])
+    rows = torch.tensor([4, 1, 3])
+    pad = torch.cat([rows, rows[-1:].expand(2)])
+    eager_cache, fixed_cache = clone(base), clone(base)
+    g = torch.Generator().manual_seed(5)
+    for b in model.stack_order if model.stacked else range(len(model.blocks)):
+        for append in (True, False):
+            z = torch.randn(3, 1, D, generator=g) * 3
+            sigma = torch.tensor([4.0, 1.5, 0.3])
+            eager = CachedContext(model, eager_cache, rows).denoise(b, z, sigma)
+            fixed = model.decode_block_fixed(b, fixed_cache, pad, torch.cat([z, z[-1:].expand(2, -1, -1)]),
+                                             torch.cat([sigma, sigma[-1:].expand(2)]), append)
+            torch.testing.assert_close(fixed[:3], eager, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(fixed[3:], eager[2:].expand(2, -1, -1), atol=1e-4, rtol=1e-4)
+            for a, c in zip(eager_cache.blocks[b], fixed_cache.blocks[b]):
+                assert torch.equal(a.lengths, c.lengths), (b, append)
+                torch.testing.assert_close(a.k, c.k, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(a.v, c.v, atol=1e-5, rtol=1e-5)
+            for h in eager_cache.handed:
+                torch.testing.assert_close(eager_cache.handed[h], fixed_cache.handed[h], atol=1e-5, rtol=1e-5)
+
+
+def db_requests(K, exit_rule=None):
+    sampled = SamplingParams(temperature=0.9, top_k=20)
+    return [Request(prompt=list(range(1, 3 + 4 * i)), max_tokens=6 + 3 * i, seed=i, num_iterations=K,
+                    exit_rule=exit_rule, sampling=GREEDY if i % 2 else sampled) for i in range(4)]
+
+
+@pytest.mark.parametrize("kind,layout,K,exit_kl", [
+    ("db_ar", "paper", 1, None), ("db_ar", "paper", 2, None), ("db_ar", "product", 4, None),
+    ("db_ar", "stacked", 2, None), ("looped_db", "paper", 4, None), ("looped_db", "paper", 8, 1e-2)])
+def test_the_compiled_db_engine_returns_the_eager_engines_tokens(monkeypatch, kind, layout, K, exit_kl):
+    """Greedy and sampled rows, at K below, at and above B, looped_db with adaptive exit: the eager engine's
+    tokens; every (block, bucket, call) compiled at start-up and none after; the compiled step ran."""
+    counter = CompileCounter()
+    monkeypatch.setattr(compiled, "BACKEND", counter)
+    model = build_tiny(kind, **DB_LAYOUTS[layout])
+    rule = ExitRule(kl_threshold=exit_kl) if exit_kl else None
+    eager = [o.token_ids for o in Engine(model, num_slots=4, max_len=64).run(db_requests(K, rule))]
+    engine = Engine(model, num_slots=4, max_len=64, compile_decode=True)
+    graphs = 2 * len(model.blocks) * len(compiled.buckets(4))
+    assert counter.frame_count == graphs
+    blocks, calls = engine.runner.compiled_blocks, []
+    step = blocks.step
+    monkeypatch.setattr(blocks, "step", lambda *args: calls.append(args[0]) or step(*args))
+    outs = engine.run(db_requests(K, rule))
+    assert [o.token_ids for o in outs] == eager
+    assert counter.frame_count == graphs  # no recompilation as rows come and go
+    decode_steps = sum(len(o.token_ids) for o in outs) - len(outs)  # tokens after each request's first
+    assert len(calls) >= decode_steps // 4  # every decode step of the full batch at least (4 rows a step)

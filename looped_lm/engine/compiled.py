@@ -1,4 +1,6 @@
-"""The engine's compiled decode step: `FixedShapeDecoding.decode_fixed` through torch.compile.
+"""The engine's compiled decode steps: gpt's `FixedShapeDecoding.decode_fixed` (a whole step), and the DB kinds'
+`FixedShapeBlocks.decode_block_fixed` (each block call of the K-step chain: the chain's control, its bridges
+and per-row draws stay eager), through torch.compile.
 
 A decode step's shapes depend on how many rows run, so the rows are padded to a few bucket sizes (powers of
 two up to the slot count; the padding repeats the last row with its own token, which writes the same key and
@@ -13,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from looped_lm.compile import compile_graphs
-from looped_lm.models.contract import FixedShapeDecoding
+from looped_lm.models.contract import FixedShapeBlocks, FixedShapeDecoding
 
 BACKEND = "inductor"  # torch.compile's default; tests swap in a counting backend
 
@@ -33,8 +35,10 @@ def compile_setting(setting: str, device: torch.device) -> bool:
     return setting == "on" or (setting == "auto" and device.type == "cuda")
 
 
-class CompiledDecode:
-    def __init__(self, model: FixedShapeDecoding, pool, num_slots: int, backend: str | None = None):
+class _Bucketed:
+    """`fn` compiled with room for `graphs_per_bucket` graphs per bucket; calls padded to the buckets."""
+
+    def __init__(self, fn, model, pool, num_slots: int, graphs_per_bucket: int, backend: str | None):
         backend = backend or BACKEND
         self.model, self.pool, self.buckets = model, pool, buckets(num_slots)
         self.device = next(model.parameters()).device
@@ -43,10 +47,26 @@ class CompiledDecode:
             for t in _tensors(pool):
                 torch._dynamo.mark_static_address(t)
         # fullgraph: a graph break would be a silent fall back to eager for part of every step; isolated, with
-        # room for one graph per bucket: every engine in a process compiles the same method, and a shared
-        # count would make a later engine's steps fail past dynamo's default limit of 8
-        self.step = compile_graphs(model.decode_fixed, len(self.buckets), backend, fullgraph=True,
+        # room for its graphs: every engine in a process compiles the same method, and a shared count would
+        # make a later engine's steps fail past dynamo's default limit of 8
+        self.step = compile_graphs(fn, graphs_per_bucket * len(self.buckets), backend, fullgraph=True,
                                    mode="reduce-overhead" if self.cuda and backend == "inductor" else None)
+
+    def padded(self, rows: torch.Tensor, *per_row: torch.Tensor) -> tuple[int, list[torch.Tensor]]:
+        """(R, the tensors padded to the smallest bucket that holds R rows, by repeating the last row)."""
+        R = rows.shape[0]
+        pad = next(b for b in self.buckets if b >= R) - R
+        return R, [t if not pad else torch.cat([t, t[-1:].expand(pad, *t.shape[1:])]) for t in (rows, *per_row)]
+
+    def output(self, out: torch.Tensor, R: int) -> torch.Tensor:
+        return out[:R].clone() if self.cuda else out[:R]  # a CUDA graph's output is overwritten by its next replay
+
+
+class CompiledDecode(_Bucketed):
+    """gpt: one graph per bucket for the whole one-token step."""
+
+    def __init__(self, model: FixedShapeDecoding, pool, num_slots: int, backend: str | None = None):
+        super().__init__(model.decode_fixed, model, pool, num_slots, 1, backend)
 
     @torch.no_grad()  # as the engine's steps run: grad mode is part of what a graph is guarded on
     def warm_up(self) -> None:
@@ -58,21 +78,48 @@ class CompiledDecode:
 
     def __call__(self, ids: torch.Tensor, pool, rows: torch.Tensor) -> torch.Tensor:
         """ids (R, 1) of `rows` (R,) -> logits (R, V), run at the smallest bucket that holds R rows."""
-        R = rows.shape[0]
-        size = next(b for b in self.buckets if b >= R)
-        if size > R:
-            pad = size - R
-            rows = torch.cat([rows, rows[-1:].expand(pad)])
-            ids = torch.cat([ids, ids[-1:].expand(pad, -1)])
-        logits = self.step(ids, pool, rows)[:R]
-        return logits.clone() if self.cuda else logits  # a CUDA graph's output is overwritten by its next replay
+        R, (rows, ids) = self.padded(rows, ids)
+        return self.output(self.step(ids, pool, rows), R)
+
+
+class CompiledBlocks(_Bucketed):
+    """db_ar / looped_db: a graph per block, per bucket and per kind of call (with the pending token, or a
+    block's second call at the same token); installed in the pool, where the model's chain finds it."""
+
+    def __init__(self, model: FixedShapeBlocks, pool, num_slots: int, num_blocks: int, backend: str | None = None):
+        super().__init__(model.decode_block_fixed, model, pool, num_slots, 2 * num_blocks, backend)
+        self.num_blocks = num_blocks
+        model.use_block_step(pool, self)
+
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """Compile every (block, bucket, call) now on rows given one token of history (then emptied again)."""
+        d = self.model.tok_emb.weight.shape[1]
+        for size in self.buckets:
+            rows = torch.arange(size, device=self.device)
+            for b in range(self.num_blocks):
+                for append in (True, False):
+                    self.model.reset_rows(self.pool, rows)
+                    self.pool.lengths[rows] = 1
+                    z = torch.zeros(size, 1, d, device=self.device, dtype=self.model.tok_emb.weight.dtype)
+                    self.step(b, self.pool, rows, z, torch.ones(size, device=self.device), append)
+            self.model.reset_rows(self.pool, rows)
+
+    def __call__(self, b: int, pool, rows: torch.Tensor, z: torch.Tensor, sigma: torch.Tensor,
+                 append: bool) -> torch.Tensor:
+        """`decode_block_fixed` at the smallest bucket that holds the rows."""
+        R, (rows, z, sigma) = self.padded(rows, z, sigma)
+        return self.output(self.step(b, pool, rows, z, sigma, append), R)
 
 
 def _tensors(obj) -> list[torch.Tensor]:
+    """Every tensor of a pool (lists, dicts, attributes; not what a callable holds)."""
     if isinstance(obj, torch.Tensor):
         return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
     if isinstance(obj, (list, tuple)):
         return [t for x in obj for t in _tensors(x)]
-    if hasattr(obj, "__dict__"):
+    if hasattr(obj, "__dict__") and not callable(obj):
         return [t for x in vars(obj).values() for t in _tensors(x)]
     return []

@@ -16,7 +16,7 @@ import torch
 from looped_lm.engine.requests import TokenLogprob
 from looped_lm.engine.scheduler import Sequence
 from looped_lm.errors import UserError
-from looped_lm.models.contract import CachedDecoding, FixedShapeDecoding, Scorable, split_logprobs
+from looped_lm.models.contract import CachedDecoding, FixedShapeBlocks, FixedShapeDecoding, Scorable, split_logprobs
 from looped_lm.sampling import RowGenerators, sample
 from looped_lm.settings import RowBatch, ScoreSettings
 
@@ -51,17 +51,23 @@ class ModelRunner:
     def __init__(self, model, num_slots: int, max_len: int, vocab_size: int, max_iterations: int | None,
                  score_settings: ScoreSettings, compile_decode: bool = False):
         """compile_decode: run one-token steps through `CompiledDecode` where the model offers
-        `FixedShapeDecoding` (others decode eagerly)."""
+        `FixedShapeDecoding`, or its chain's block calls through `CompiledBlocks` (`FixedShapeBlocks`);
+        others decode eagerly."""
         self.model, self.vocab_size, self.score_settings = model, vocab_size, score_settings
         self.device = next(model.parameters()).device
         self.pool = model.new_cache(num_slots, max_len)
         model.reserve(self.pool, max_iterations)
-        self.compiled = None
-        if compile_decode and isinstance(model, FixedShapeDecoding):
-            from looped_lm.engine.compiled import CompiledDecode  # imports the compiler: only when asked
+        self.compiled = self.compiled_blocks = None
+        if compile_decode and isinstance(model, (FixedShapeDecoding, FixedShapeBlocks)):
+            from looped_lm.engine import compiled  # imports the compiler: only when asked
 
-            self.compiled = CompiledDecode(model, self.pool, num_slots)
-            self.compiled.warm_up()  # as vLLM captures its graphs: at start-up, not in a request's first step
+            if isinstance(model, FixedShapeDecoding):
+                self.compiled = compiled.CompiledDecode(model, self.pool, num_slots)
+                self.compiled.warm_up()  # as vLLM captures its graphs: at start-up, not in a request's first step
+            else:  # the model's chain calls it (the pool holds it)
+                limits = model.iteration_limits()
+                self.compiled_blocks = compiled.CompiledBlocks(model, self.pool, num_slots, limits.num_blocks)
+                self.compiled_blocks.warm_up()
 
     def _rows(self, seqs: list[Sequence]) -> torch.Tensor:
         return torch.tensor([s.slot for s in seqs], device=self.device)

@@ -7,6 +7,8 @@ A model kind is a `torch.nn.Module` that subclasses the capabilities it offers; 
     Scorable         score(x, y, ScoreSettings, generator) -> {label: TokenScores}      (eval, echo log-probs)
     CachedDecoding   new_cache / forward_cached(idx, cache, rows, RowBatch) -> next-token logits
     FixedShapeDecoding decode_fixed(idx, cache, rows) -> logits: one token per row, static shapes (compiled)
+    FixedShapeBlocks decode_block_fixed(b, cache, rows, z, sigma) -> logits: one block call of a K-step
+                     chain, static shapes (compiled); use_block_step(cache, step) routes the chain's calls
     Iterative        iteration_limits() -> IterationLimits: the model has a K (DiffusionBlocks, looped)
 
 The supporting modules (vit, dit, mdm) are Trainable, and offer what `eval` / `generate` ask of them:
@@ -165,6 +167,26 @@ class FixedShapeDecoding(ABC):
     def decode_fixed(self, idx: torch.Tensor, cache, rows: torch.Tensor) -> torch.Tensor:
         """Append one token per row, idx (R, 1), to the histories of `rows` (R,) -> next-token logits (R, V),
         equal to `forward_cached`'s. A row may be listed more than once with the same token (padding)."""
+
+
+class FixedShapeBlocks(ABC):
+    """DiffusionBlocks decoding whose block calls can be compiled: the K-step chain's control (routing,
+    bridges, per-row draws, exit rules) stays eager, and each block call for rows that have exactly one
+    token that block has not cached (every decode step once a request's blocks run at each token) is a
+    static-shape step (looped_lm/engine/compiled.py), rows padded to a few bucket sizes."""
+
+    @abstractmethod
+    def decode_block_fixed(self, b: int, cache, rows: torch.Tensor, z: torch.Tensor, sigma: torch.Tensor,
+                           append: bool = True) -> torch.Tensor:
+        """Block b's call for `rows` (R,) of `cache`, noisy slots z (R, 1, d) at sigma (R,) -> logits (R, 1, V),
+        equal to the eager call's; with `append`, each row has one token block b has not cached, which it
+        appends (without: none). No host reads. A row may be listed more than once (padding) with the same z
+        and sigma."""
+
+    @abstractmethod
+    def use_block_step(self, cache, step) -> None:
+        """Run the eligible block calls of chains decoding from `cache` through `step` (`decode_block_fixed`'s
+        signature: a compiled copy of it); None: eager again."""
 
 
 class Iterative(ABC):

@@ -150,6 +150,13 @@ class FixedShapeRows:
     def append(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor):
         return self.cache.append_fixed(k, v, rows)
 
+    def view(self, rows: torch.Tensor):
+        """(keys, values, valid) over the cache's whole length M: (R, H, M, D) twice and (R, 1, 1, M), True
+        over each row's filled positions."""
+        c = self.cache
+        valid = torch.arange(c.k.shape[2], device=c.lengths.device)[None, :] < c.lengths[rows][:, None]
+        return c.k[rows], c.v[rows], valid[:, None, None, :]
+
 
 def positions_after(lengths: torch.Tensor, rows, n: int, device) -> torch.Tensor:
     """Positions of n new tokens after each row's `lengths`: (n,) when the rows are aligned, else (R, n)."""
@@ -248,6 +255,8 @@ class TransposedCopy:
         self.fn, self.key, self.value = fn, None, None
 
     def __call__(self, table: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # a compiled graph holds no Python cache: the product reads table.T
+            return (table if self.fn is None else self.fn(table)).T
         key = (table.data_ptr(), table._version, table.dtype, table.device)
         if key != self.key:
             with torch.no_grad():

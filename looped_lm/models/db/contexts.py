@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from looped_lm.models.layers import KVCache
+from looped_lm.models.layers import FixedShapeRows, KVCache
 from looped_lm.models.two_stream import slot_mask
 
 
@@ -116,6 +116,7 @@ class DecodeState:
         self.handed = {b: torch.zeros_like(self.history) for b in range(len(net.blocks)) if net.feeder(b) is not None}
         self.lengths = torch.zeros(batch, dtype=torch.long, device=p.device)
         self.last = torch.zeros(batch, dtype=torch.long, device=p.device)
+        self.block_step = None  # a compiled `block_fixed` the engine installs (FixedShapeBlocks.use_block_step)
 
     def rows(self, rows):
         return torch.arange(self.lengths.shape[0], device=self.lengths.device) if rows is None else rows
@@ -215,9 +216,46 @@ class CachedContext:
             if handed is not None:
                 state.handed[net.fed(b)][rows[:, None], span] = handed
 
+    def block_fixed(self, b: int, z, sigma, append: bool):
+        """Block b's call for every row of sel with static shapes and no host reads (what the engine compiles):
+        with `append`, each row's one pending token and its slot in one pass (`_fused`), else the slot against
+        the cache (`denoise`'s noisy pass); every cache read over its whole length, masked by its lengths."""
+        state, sel, net = self.state, self.sel, self.net
+        ends = state.lengths[sel]
+        last = ends - 1  # the row's last token: the pending one with `append`
+        inputs = state.inputs(b)[sel, last][:, None]
+        slot_clean = inputs if net.clean_state else None
+        prev = state.last[sel][:, None]
+        caches = [FixedShapeRows(c) for c in state.blocks[b]]
+        if append:
+            logits, handed = net.fused_pass(b, inputs, last[:, None], caches, sel, z, sigma, prev, ends[:, None],
+                                            hand_on=self._hands_on(b), slot_clean=slot_clean)
+            if handed is not None:
+                state.handed[net.fed(b)][sel, last] = handed[:, 0]
+            return logits
+        kv, valid = [], None
+        for cache in caches:
+            k, v, valid = cache.view(sel)
+            kv.append((k, v))
+        mask = torch.cat([valid, valid.new_ones(*valid.shape[:-1], 1)], -1) if net.noisy_self else valid
+        return net.noisy_pass(b, z, sigma, prev, ends[:, None], kv, mask, clean=slot_clean)
+
+    def _compiled(self, b: int, z, sigma):
+        """The engine's compiled `block_fixed` where it applies (every row has 0 or 1 pending tokens for block
+        b, the same count): every decode step of a request whose blocks run at each token. Else None."""
+        pending = self.state.lengths[self.sel] - self.state.blocks[b][0].lengths[self.sel]
+        n = int(pending[0])
+        if n > 1 or not bool((pending == n).all()):
+            return None
+        return self.state.block_step(b, self.state, self.sel, z, sigma, n == 1)
+
     def denoise(self, b: int, z, sigma, rows: torch.Tensor | None = None):
         if self.net.feeder(b) is not None:
             self.catch_up(self.net.feeder(b))
+        if self.state.block_step is not None and z.shape[1] == 1 and (rows is None or self._all(rows)):
+            compiled = self._compiled(b, z, sigma)
+            if compiled is not None:
+                return compiled
         if rows is None or self._all(rows):
             fused = self._fused(b, z, sigma)
             if fused is not None:

@@ -20,8 +20,8 @@ from looped_lm.diffusion.chain import ChainGrid, run_chain, top_of_block0
 from looped_lm.diffusion.estimator import jackknife_nll, sampler_probs
 from looped_lm.errors import UserError
 from looped_lm.kinds import kind_of
-from looped_lm.models.contract import (CachedDecoding, EstimatedLogprobs, Iterative, Scorable, TokenScores,
-                                       Trainable)
+from looped_lm.models.contract import (CachedDecoding, EstimatedLogprobs, FixedShapeBlocks, Iterative, Scorable,
+                                       TokenScores, Trainable)
 from looped_lm.models.db.contexts import CachedContext, DecodeState, WindowContext
 from looped_lm.models.db.network import DBNetwork
 from looped_lm.models.db.objective import BlockObjective
@@ -32,7 +32,7 @@ from looped_lm.settings import IterationLimits, RowBatch, ScoreSettings
 TILT_BELOW = 0.5  # the estimator tilts its starting noise only toward targets a pilot call finds rarer than this
 
 
-class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, Iterative):
+class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, FixedShapeBlocks, Iterative):
     def __init__(self, cfg: Config, vocab_size: int, state: dict | None = None):
         state = state or {}
         super().__init__(cfg, vocab_size, state.get("edges"))
@@ -236,6 +236,15 @@ class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, Iterativ
                            self.target_table)
         batch.iterations = result.iterations[:, 0]
         return result.logits[:, 0]
+
+    # --- FixedShapeBlocks -----------------------------------------------------------------------------
+
+    def decode_block_fixed(self, b: int, cache: DecodeState, rows, z, sigma, append: bool = True):
+        """append False: block b has cached every token of these rows already (a second call at this token)."""
+        return CachedContext(self, cache, rows).block_fixed(b, z, sigma, append)
+
+    def use_block_step(self, cache: DecodeState, step) -> None:
+        cache.block_step = step
 
     @torch.no_grad()
     def next_token_logprobs(self, cache: DecodeState, rows, logits, tokens, batch: RowBatch,
