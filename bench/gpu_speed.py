@@ -17,7 +17,7 @@ Each: tokens/s (mean over timed steps after warm-up, CUDA-synchronised), MFU (lo
 model's FLOPs of each step over the device's dense bf16 peak), peak memory (torch.cuda.max_memory_allocated
 over the timed steps, weights and optimizer state included), and the seconds the warm-up took (compiles).
 A row that fails records its error and the next one runs; the JSON is rewritten after every row, so a run
-stopped by its time limit keeps what it measured. `--decode` adds the engine's greedy decode of gpt at that
+stopped by its time limit keeps what it measured. `--decode` adds the engine's greedy decode of gpt (and db_ar, `--decode-kinds`) at that
 shape, eager vs compiled (CUDA graphs through "reduce-overhead"), at `--decode-batches`, the tokens compared.
 
 EXPECTED was written before this script first ran on a GPU (the checkpointing rows' too): nanoGPT's 124M reaches ~50 % MFU on an A100
@@ -117,20 +117,29 @@ def top_ops(step_fn, first_step: int, device: torch.device, steps: int = 3, top:
             for e in events]
 
 
-def decode_row(shape: dict, vocab: int, batch: int, device: torch.device, prompt: int = 16, new: int = 48) -> dict:
-    """The engine's greedy decode of an untrained gpt (bf16 weights on CUDA), eager then compiled, in a pool of
+DECODE_KINDS = {  # the decoded model: gpt, or db_ar with B = 2 at K = 2 (each block call compiled)
+    "gpt": ({"kind": "gpt"}, None, None),
+    "db_ar": ({"kind": "db_ar"}, {"num_blocks": 2}, 2),
+}
+
+
+def decode_row(shape: dict, vocab: int, batch: int, device: torch.device, prompt: int = 16, new: int = 48,
+               kind: str = "gpt") -> dict:
+    """The engine's greedy decode of an untrained `kind` (bf16 weights on CUDA), eager then compiled, in a pool of
     prompt + new + 1 positions: tokens/s of the new tokens (a 1-token run's time, the prefill, subtracted)."""
     from looped_lm.engine.engine import Engine, Request
     from looped_lm.sampling import GREEDY
 
     torch.manual_seed(0)
-    model = build_model(config_from_dict({"model": {"kind": "gpt", **shape}}), vocab).to(device).eval()
+    model_section, diffusion, K = DECODE_KINDS[kind]
+    sections = {"model": {**model_section, **shape}, **({"diffusion": diffusion} if diffusion else {})}
+    model = build_model(config_from_dict(sections), vocab).to(device).eval()
     if device.type == "cuda":
         model = model.to(torch.bfloat16)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, vocab, (prompt,), generator=g).tolist() for _ in range(batch)]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    row = {"batch": batch, "new_tokens": new}
+    row = {"kind": kind, "batch": batch, "new_tokens": new, "num_iterations": K}
     tokens = {}
     for name, compiled in (("eager", False), ("compiled", True)):
         start = time.perf_counter()
@@ -139,7 +148,8 @@ def decode_row(shape: dict, vocab: int, batch: int, device: torch.device, prompt
         def timed(n):
             sync()
             t = time.perf_counter()
-            outs = engine.run([Request(prompt=p, max_tokens=n, seed=0, sampling=GREEDY) for p in prompts])
+            outs = engine.run([Request(prompt=p, max_tokens=n, seed=0, sampling=GREEDY, num_iterations=K)
+                               for p in prompts])
             sync()
             return time.perf_counter() - t, [o.token_ids for o in outs]
 
@@ -167,7 +177,9 @@ def main(argv=None) -> int:
                    help=f"rows to run, in order (default: {', '.join(DEFAULT_ROWS)}; all: {', '.join(ROWS)})")
     p.add_argument("--profile", nargs="*", default=[], choices=list(ROWS), metavar="ROW",
                    help="rows whose top operators by device time (3 steps, torch.profiler) go into their JSON row")
-    p.add_argument("--decode", action="store_true", help="also the engine's gpt decode, eager vs compiled")
+    p.add_argument("--decode", action="store_true", help="also the engine's decode, eager vs compiled")
+    p.add_argument("--decode-kinds", nargs="+", default=["gpt"], choices=list(DECODE_KINDS),
+                   help="models decoded (db_ar: B = 2 at K = 2; 4 graphs per bucket)")
     p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 16],
                    help="decode batch sizes (each compiles one graph per power-of-two bucket up to it: ~40 s each "
                         "on an H200)")
@@ -200,11 +212,11 @@ def main(argv=None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if args.decode:
-        for batch in args.decode_batches:
+        for kind, batch in ((k, b) for k in args.decode_kinds for b in args.decode_batches):
             try:
-                row = decode_row(shape, vocab, batch, device)
+                row = decode_row(shape, vocab, batch, device, kind=kind)
             except Exception as e:  # noqa: BLE001
-                row = {"batch": batch, "error": f"{type(e).__name__}: {e}"[:2000]}
+                row = {"kind": kind, "batch": batch, "error": f"{type(e).__name__}: {e}"[:2000]}
             print("decode", row, flush=True)
             result["decode"].append(row)
             save()

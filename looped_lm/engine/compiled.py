@@ -4,8 +4,8 @@ and per-row draws stay eager), through torch.compile.
 
 A decode step's shapes depend on how many rows run, so the rows are padded to a few bucket sizes (powers of
 two up to the slot count; the padding repeats the last row with its own token, which writes the same key and
-value again) and each bucket compiles once: a graph per bucket, none per step or per position, since the
-step attends over the cache's whole length under a mask. On a GPU the graphs are captured as CUDA graphs
+value again), with the row count marked dynamic: two graphs (one row, and any other count), none per step or
+per position, since the step attends over the cache's whole length under a mask. On a GPU the graphs are captured as CUDA graphs
 (torch.compile's "reduce-overhead" mode, the cache tensors marked as static addresses); on a CPU inductor
 compiles them to C++. Prefill (several tokens per row) stays eager: its shapes change with every prompt.
 """
@@ -49,21 +49,26 @@ class _Bucketed:
         # fullgraph: a graph break would be a silent fall back to eager for part of every step; isolated, with
         # room for its graphs: every engine in a process compiles the same method, and a shared count would
         # make a later engine's steps fail past dynamo's default limit of 8
-        self.step = compile_graphs(fn, graphs_per_bucket * len(self.buckets), backend, fullgraph=True,
+        self.step = compile_graphs(fn, graphs_per_bucket * min(2, len(self.buckets)), backend, fullgraph=True,
                                    mode="reduce-overhead" if self.cuda and backend == "inductor" else None)
 
     def padded(self, rows: torch.Tensor, *per_row: torch.Tensor) -> tuple[int, list[torch.Tensor]]:
-        """(R, the tensors padded to the smallest bucket that holds R rows, by repeating the last row)."""
+        """(R, the tensors padded to the smallest bucket that holds R rows, by repeating the last row), their row
+        count marked dynamic: one graph serves every bucket above 1 (dynamo specialises a size of 1), and on a
+        GPU each bucket is captured as a CUDA graph of its own from it (the compile is the slow part)."""
         R = rows.shape[0]
         pad = next(b for b in self.buckets if b >= R) - R
-        return R, [t if not pad else torch.cat([t, t[-1:].expand(pad, *t.shape[1:])]) for t in (rows, *per_row)]
+        out = [t if not pad else torch.cat([t, t[-1:].expand(pad, *t.shape[1:])]) for t in (rows, *per_row)]
+        for t in out:
+            torch._dynamo.mark_dynamic(t, 0)
+        return R, out
 
     def output(self, out: torch.Tensor, R: int) -> torch.Tensor:
         return out[:R].clone() if self.cuda else out[:R]  # a CUDA graph's output is overwritten by its next replay
 
 
 class CompiledDecode(_Bucketed):
-    """gpt: one graph per bucket for the whole one-token step."""
+    """gpt: the whole one-token step (two graphs: one row, and any other bucket)."""
 
     def __init__(self, model: FixedShapeDecoding, pool, num_slots: int, backend: str | None = None):
         super().__init__(model.decode_fixed, model, pool, num_slots, 1, backend)
@@ -72,8 +77,9 @@ class CompiledDecode(_Bucketed):
     def warm_up(self) -> None:
         """Compile every bucket now, on the empty pool (then emptied again), so no request waits for one."""
         for size in self.buckets:
-            rows = torch.arange(size, device=self.device)
-            self.step(torch.zeros(size, 1, dtype=torch.long, device=self.device), self.pool, rows)
+            _, (rows, ids) = self.padded(torch.arange(size, device=self.device),
+                                         torch.zeros(size, 1, dtype=torch.long, device=self.device))
+            self.step(ids, self.pool, rows)
             self.model.reset_rows(self.pool, rows)
 
     def __call__(self, ids: torch.Tensor, pool, rows: torch.Tensor) -> torch.Tensor:
@@ -83,7 +89,7 @@ class CompiledDecode(_Bucketed):
 
 
 class CompiledBlocks(_Bucketed):
-    """db_ar / looped_db: a graph per block, per bucket and per kind of call (with the pending token, or a
+    """db_ar / looped_db: graphs per block and per kind of call (with the pending token, or a
     block's second call at the same token); installed in the pool, where the model's chain finds it."""
 
     def __init__(self, model: FixedShapeBlocks, pool, num_slots: int, num_blocks: int, backend: str | None = None):
@@ -102,7 +108,8 @@ class CompiledBlocks(_Bucketed):
                     self.model.reset_rows(self.pool, rows)
                     self.pool.lengths[rows] = 1
                     z = torch.zeros(size, 1, d, device=self.device, dtype=self.model.tok_emb.weight.dtype)
-                    self.step(b, self.pool, rows, z, torch.ones(size, device=self.device), append)
+                    _, args = self.padded(rows, z, torch.ones(size, device=self.device))
+                    self.step(b, self.pool, *args, append)
             self.model.reset_rows(self.pool, rows)
 
     def __call__(self, b: int, pool, rows: torch.Tensor, z: torch.Tensor, sigma: torch.Tensor,
