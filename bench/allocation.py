@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,25 +40,6 @@ import common  # noqa: E402  (bench/ is not a package)
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "allocation"
 RULES = ("loss_share", "network_gain")
-
-
-def logged_block_steps(out_dir: Path, blocks: int) -> list[int]:
-    """How many steps trained each block, from the run's metrics.jsonl (one line per step names its block)."""
-    counts = [0] * blocks
-    for line in (out_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if "block" in row:
-            counts[int(row["block"])] += 1
-    return counts
-
-
-def final_shares(edges: list, curve: dict) -> dict:
-    """Both rules' block shares under the run's last measured CE curve (None where it lacks what a rule reads)."""
-    from looped_lm.diffusion import ce_curve
-
-    return {"loss_share": ce_curve.block_shares(edges, curve["sigmas"], curve["ce"]) if curve else None,
-            "network_gain": ce_curve.gain_shares(edges, curve["sigmas"], curve["ce"], curve["ce_z"])
-            if curve.get("ce_z") else None}
 
 
 # The studies train configs/quickstart_db.yaml; these pin what the quickstart changed after they ran, so a
@@ -105,9 +84,8 @@ def protocol_split(work: Path, split_seed: int) -> dict:
     return info
 
 
-def eval_json(ckpt: Path, data: str, out: Path, env: dict, extra: list[str]) -> dict:
-    subprocess.run([sys.executable, "-m", "looped_lm", "eval", "--checkpoint", str(ckpt), "--data", data,
-                    "--json", str(out), "--no-progress", *extra], check=True, env=env, cwd=ROOT, capture_output=True)
+def eval_json(ckpt: Path, data: str, out: Path, extra: list[str]) -> dict:
+    common.python("-m", "looped_lm", "eval", "--checkpoint", ckpt, "--data", data, "--json", out, "--no-progress", *extra)
     return json.loads(out.read_text())
 
 
@@ -119,25 +97,22 @@ def protocol_run(blocks: int, rule: str, lr: float, seed: int, work: Path, split
             f"train.lr={lr}", f"train.min_lr={lr / 10}", f"data.split_seed={split['split_seed']}",
             f"train.out_dir={out_dir}", "train.save_every=0", "train.progress=false", "train.eval_every=0",
             "train.log_every=1", f"data.cache_dir={work / 'cache'}", *extra_sets]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     c0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.time()
-    cmd = [sys.executable, "-m", "looped_lm.train", "--config", str(ROOT / "configs/quickstart_db.yaml")]
-    subprocess.run(cmd + [a for s in sets for a in ("--set", s)], check=True, env=env, cwd=ROOT,
-                   capture_output=True, text=True)
+    common.python("-m", "looped_lm.train", "--config", ROOT / "configs/quickstart_db.yaml",
+                  *[a for s in sets for a in ("--set", s)])
     ckpt = sorted(out_dir.glob("step_*"))[-1]
     manifest = json.loads((ckpt / "manifest.json").read_text())
     run_val = Path(manifest["data"]["dir"]).resolve() / "val.bin"
     if run_val != Path(split["val"]):
         raise SystemExit(f"{name}: the run's val.bin {run_val} is not the one split into dev/test {split['val']}")
     t_train = time.time()
-    dev = eval_json(ckpt, split["dev"], work / f"{name}_dev.json", env, ["--num-iterations", "0"])
-    test = eval_json(ckpt, split["test"], work / f"{name}_test.json", env, ["--num-iterations", "0"])
-    rep = eval_json(ckpt, split["test"], work / f"{name}_test_chain.json", env, chain_args(blocks))
+    dev = eval_json(ckpt, split["dev"], work / f"{name}_dev.json", ["--num-iterations", "0"])
+    test = eval_json(ckpt, split["test"], work / f"{name}_test.json", ["--num-iterations", "0"])
+    rep = eval_json(ckpt, split["test"], work / f"{name}_test_chain.json", chain_args(blocks))
     c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     chain = {**chain_of(rep, blocks), "tilt_gate": True}
-    curve = manifest["model_state"].get("curve") or {}
-    edges = manifest["model_state"]["edges"]
-    counts = logged_block_steps(out_dir, blocks)
+    log = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    counts = [sum(1 for r in log if r.get("block") == b) for b in range(blocks)]  # one line per step names its block
     result = {
         "protocol": "dev/test halves of the held-out split; lr chosen on dev ppl@0", "blocks": blocks, "rule": rule,
         "lr": lr, "min_lr": lr / 10, "seed": seed, "split_seed": split["split_seed"], "steps": int(ckpt.name.split("_")[1]),
@@ -145,13 +120,11 @@ def protocol_run(blocks: int, rule: str, lr: float, seed: int, work: Path, split
         "dev": {"ppl0": dev["ppl"], "nll0": dev["nll"], "tokens_scored": dev["tokens"]},
         "test": {"ppl0": test["ppl"], "nll0": test["nll"], "tokens_scored": test["tokens"]},
         "test_chain": chain, "logged_block_share": [c / max(sum(counts), 1) for c in counts], "logged_block_steps": counts,
-        "final_shares": final_shares(edges, curve),
-        "curve": curve, "cpu_s": round((c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime), 1),
+        "curve": manifest["model_state"].get("curve") or {}, "cpu_s": round((c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime), 1),
         "wall_s": round(time.time() - t0, 1), "train_wall_s": round(t_train - t0, 1), "load": os.getloadavg()[0],
         "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    out_root.mkdir(parents=True, exist_ok=True)
-    (out_root / f"{name}.json").write_text(json.dumps(result, indent=1))
+    common.write_json(out_root / f"{name}.json", result)
     return result
 
 
@@ -182,17 +155,13 @@ def protocol_runs(out_root: Path) -> list[dict]:
 
 def chosen_lrs(runs: list[dict], blocks: int, sweep_seed: int) -> dict:
     """Each rule's learning rate: the lowest dev ppl@0 among its sweep runs (seed sweep_seed) at this B."""
-    best = {}
-    for r in runs:
-        if r["blocks"] == blocks and r["seed"] == sweep_seed:
-            if r["rule"] not in best or r["dev"]["ppl0"] < best[r["rule"]]["dev"]["ppl0"]:
-                best[r["rule"]] = r
-    return {rule: r["lr"] for rule, r in best.items()}
+    sweep = [r for r in runs if r["blocks"] == blocks and r["seed"] == sweep_seed]
+    return {rule: min((r for r in sweep if r["rule"] == rule), key=lambda r: r["dev"]["ppl0"])["lr"]
+            for rule in {r["rule"] for r in sweep}}
 
 
 def protocol_report(out_root: Path, sweep_seed: int) -> str:
     runs = protocol_runs(out_root)
-    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     lines = ["# block_sampling: loss_share vs network_gain, learning rate tuned per rule on dev, scored on test",
              "", "bench/allocation.py --protocol: DB quickstart layout (4 layers, d 128, the Bible in bytes, 1000 steps "
              "of 16 x 128 tokens, warmup 50, train.min_lr = lr / 10). Held-out books fixed across seeds "

@@ -84,10 +84,10 @@ def free_port() -> int:
 
 def wait_for_server(url: str, proc: subprocess.Popen, seconds: float = 120) -> None:
     """Poll `url` (a /health route) until it answers; raise if `proc` exits first or time runs out."""
-    deadline = time.monotonic() + seconds
+    deadline, direct = time.monotonic() + seconds, urllib.request.build_opener(urllib.request.ProxyHandler({}))
     while proc.poll() is None and time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(url, timeout=1):
+            with direct.open(url, timeout=1):
                 return
         except OSError:  # not listening yet
             time.sleep(0.2)

