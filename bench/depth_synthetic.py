@@ -471,6 +471,56 @@ def table() -> None:
     print("\n".join(lines))
 
 
+CIRCUIT_BUDGETS = (3e12, 4e12, 5e12, 6e12)
+
+
+def circuit() -> str:
+    """circuit/plan.md's report: each recipe (its lr and warm-up chosen on dev at 6e12, seed 0), the seeds that copy
+    at each budget, the verdict (the smallest budget where >= 4 of 5 seeds copy), and the later-part copy NLL."""
+    pick = {}
+    for base in ("gpt_L2", "db_L4_B2_gain"):
+        runs = [(n, lr) for n in (base, base + "_wu1", base + "_wu20") for lr, s in load(OUT).get(n, {}).items() if 0 in s]
+        pick[base] = min(runs, key=lambda job: load(OUT)[job[0]][job[1]][0]["dev"]["copy_nll"])
+    lines = ["# Compute to circuit: results", "", "Written by `DEPTH_SYNTHETIC_DIR=circuit python bench/depth_synthetic.py "
+             "circuit` from the JSON here; plan, statistics and rules: plan.md (written before the runs).", ""]
+    for base, (name, lr) in pick.items():
+        lines.append(f"- {base}: chosen on dev at 6e12 (seed 0): {name} (warm-up share {WARMUP.get(name, 0.05):g}), "
+                     f"lr {lr:g}")
+    lines += ["", "| budget | " + " | ".join(f"{b}: seeds copying (95 % CI) | copy NLL by seed" for b in pick)
+              + " | later-part copy NLL, DB / gpt (pairs) |", "|---|" + "---|---|" * len(pick) + "---|"]
+    first = {}
+    for budget in CIRCUIT_BUDGETS:
+        runs = {b: load(results_dir(budget)).get(n, {}).get(lr, {}) for b, (n, lr) in pick.items()}
+        runs = {b: {s: r for s, r in seeds.items() if s < 5} for b, seeds in runs.items()}
+        cells = []
+        for b, seeds in runs.items():
+            k = sum(r["test"]["copy_nll"] < COPIES for r in seeds.values())
+            lo, hi = share_ci(k, len(seeds)) if seeds else (float("nan"), float("nan"))
+            if len(seeds) == 5 and k >= 4:
+                first.setdefault(b, budget)
+            cells.append(f"{k}/{len(seeds)} [{lo:.2f}, {hi:.2f}] | "
+                         + ", ".join(f"s{s} {r['test']['copy_nll']:.3f}" for s, r in sorted(seeds.items())))
+        g, d = runs["gpt_L2"], runs["db_L4_B2_gain"]
+        both = [s for s in sorted(set(g) & set(d)) if max(g[s]["test"]["copy_nll"], d[s]["test"]["copy_nll"]) < COPIES
+                and "copy_nll_later_part" in g[s]["test"] and "copy_nll_later_part" in d[s]["test"]]
+        ratios = [d[s]["test"]["copy_nll_later_part"] / g[s]["test"]["copy_nll_later_part"] for s in both]
+        later = "no pair" if not ratios else f"{common.ratio_ci(ratios)[0]:.3f}" + (
+            f" [{common.ratio_ci(ratios)[1]:.3f}, {common.ratio_ci(ratios)[2]:.3f}]" if len(ratios) >= 3 else " (no interval)")
+        lines.append(f"| {budget:g} | " + " | ".join(cells) + f" | {later} ({len(ratios)}) |")
+    at = {b: first.get(b) for b in pick}
+    text = {b: f"{v:g}" if v else "> 6e12" for b, v in at.items()}
+    if at["db_L4_B2_gain"] and (not at["gpt_L2"] or at["db_L4_B2_gain"] <= at["gpt_L2"]):
+        call = "DB no later than gpt"
+    elif at["gpt_L2"] or at["db_L4_B2_gain"]:
+        call = "gpt earlier"
+    else:
+        call = "neither copies on 4 of 5 seeds by 6e12"
+    lines += ["", f"**Verdict (the plan's statistic): compute to circuit gpt_L2 {text['gpt_L2']}, db_L4_B2_gain "
+              f"{text['db_L4_B2_gain']} FLOPs: {call}** (resolution: the 1e12 budget grid; a budget counts once all 5 "
+              "seeds ran)."]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -484,6 +534,7 @@ def main() -> None:
     o.add_argument("seed", type=int)
     o.add_argument("--smoke", action="store_true")
     sub.add_parser("table", help="the headline tables of a round (DEPTH_SYNTHETIC_DIR), from its JSON")
+    sub.add_parser("circuit", help="circuit/plan.md's report (DEPTH_SYNTHETIC_DIR=circuit): written to report.md there")
     a = p.parse_args()
     if a.cmd == "jobs":
         todo = [(name, float(lr), int(seed)) for name, lr, seed in (job.split(":") for job in a.job)]
@@ -493,6 +544,10 @@ def main() -> None:
         run_jobs(todo, a.lanes)
     elif a.cmd == "one":
         one(a.name, a.lr, a.seed, a.smoke)
+    elif a.cmd == "circuit":
+        report = circuit()
+        (OUT / "report.md").write_text(report)
+        print(report)
     else:
         table()
 
