@@ -88,7 +88,8 @@ LOOPED_KS = {"huginn": (1, 2, 4, 8, 16), "looped_db": (0, 1, 2, 4, 8)}  # 0: ppl
 RUNS["looped_db_sigma_up"] = ({"kind": "looped_db", **LOOPED}, {"num_blocks": 1, "p_mean": 1.0})
 # the warm-up sweep (a share of the steps; every other row warms up over 5 %)
 WARMUP = {"huginn_wu1": 0.01, "huginn_wu20": 0.20, "looped_db_wu1": 0.01, "looped_db_wu20": 0.20,
-          "gpt_L2_wu1": 0.01, "gpt_L2_wu20": 0.20, "db_L4_B2_gain_wu1": 0.01, "db_L4_B2_gain_wu20": 0.20}  # circuit/plan.md
+          "gpt_L2_wu1": 0.01, "gpt_L2_wu20": 0.20, "db_L4_B2_gain_wu1": 0.01, "db_L4_B2_gain_wu20": 0.20,  # circuit/plan.md
+          "looped_db_sigma_up_wu1": 0.01, "looped_db_sigma_up_wu20": 0.20}  # plan.md item 17
 for _name in WARMUP:
     RUNS[_name] = RUNS[_name.rsplit("_wu", 1)[0]]
 CURVE_EVERY = 200  # network_gain / loss_share: re-measure CE(sigma) on a fixed training batch this often (the product's default)
