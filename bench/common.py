@@ -70,10 +70,10 @@ def python(*args, threads: int | None = 1) -> str:
     return done.stdout
 
 
-def write_json(path: Path, data) -> None:
+def write_json(path: Path, data, indent: int = 1) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1) + "\n")
+    path.write_text(json.dumps(data, indent=indent) + "\n")
 
 
 def free_port() -> int:

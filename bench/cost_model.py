@@ -19,7 +19,6 @@ from looped_lm.cost import DBLayout, Shape, decode_ratio, train_ratio
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 
-# --- the CLI table -------------------------------------------------------------------------------
 
 SHAPES = {
     "d256 x8 (bench)": Shape(d=256, layers=8, heads=4, vocab=50257, seq=1024, batch=4),

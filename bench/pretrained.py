@@ -68,20 +68,19 @@ def hf_dir() -> Path:
     return WORK / "source_hf"
 
 
-def kinds() -> dict:
-    """name -> (model, diffusion): the networks (without init_from)."""
-    db2 = {"num_blocks": 2, "context": "stacked"}
-    return {"db2": ({"kind": "db_ar"}, db2),
-            "db4": ({"kind": "db_ar"}, {"num_blocks": 4, "context": "stacked"}),
-            "lnf": ({"kind": "db_ar"}, {**db2, "stack_order": "low_noise_first"}),
-            "looped_db": ({"kind": "looped_db", **LOOPED}, {"num_blocks": 1}),
-            "huginn": ({"kind": "huginn", **HUGINN}, {}),
-            # block 0 = source layer 0, block 1 = layer 1, a shared coda = layers 2-3: block 0's noisy path
-            # (its layers, then the coda) is 3 of the source's 4 layers in order
-            "db2c": ({"kind": "db_ar", "n_layers": 2, "n_coda": 2}, {**db2, "layers_per_block": [1, 1]}),
-            # the control: one block owning every layer, whose noisy path is the source's whole forward
-            "db1": ({"kind": "db_ar"}, {"num_blocks": 1}),
-            "gpt": ({"kind": "gpt"}, {})}
+DB2 = {"num_blocks": 2, "context": "stacked"}
+KINDS = {  # name -> (model, diffusion): the networks (without init_from)
+    "db2": ({"kind": "db_ar"}, DB2),
+    "db4": ({"kind": "db_ar"}, {"num_blocks": 4, "context": "stacked"}),
+    "lnf": ({"kind": "db_ar"}, {**DB2, "stack_order": "low_noise_first"}),
+    "looped_db": ({"kind": "looped_db", **LOOPED}, {"num_blocks": 1}),
+    "huginn": ({"kind": "huginn", **HUGINN}, {}),
+    # block 0 = source layer 0, block 1 = layer 1, a shared coda = layers 2-3: block 0's noisy path
+    # (its layers, then the coda) is 3 of the source's 4 layers in order
+    "db2c": ({"kind": "db_ar", "n_layers": 2, "n_coda": 2}, {**DB2, "layers_per_block": [1, 1]}),
+    # the control: one block owning every layer, whose noisy path is the source's whole forward
+    "db1": ({"kind": "db_ar"}, {"num_blocks": 1}),
+    "gpt": ({"kind": "gpt"}, {})}
 
 
 def runs(ft_steps: int) -> dict:
@@ -132,7 +131,7 @@ def split_dir() -> Path:
 
 def config_of(name: str, seed: int, spec) -> dict:
     net, converted, tr, dif, steps = spec
-    model, diffusion = kinds()[net]
+    model, diffusion = KINDS[net]
     model = {**model, **({"init_from": str(hf_dir())} if converted else {})}
     raw = run_config(name, seed, model, {**diffusion, **dif}, tr, steps)
     if seed != 0:  # seed 0 ran with source bible, whose seed-0 split is these same files
@@ -162,23 +161,14 @@ def evaluate(name: str, ckpt: Path, kind: str, seed: int) -> dict:
     return json.loads(out.read_text())
 
 
-# ---------------------------------------------------------------------------------------------
-# memory and FLOPs per step, exact
-
-
-def build(raw: dict, init: bool):
+def measure(raw: dict, init: bool = True) -> dict:
+    """One configuration: per-step activation bytes and FLOPs (per block), AdamW state bytes after every
+    unit stepped, trainable elements."""
     cfg = config_from_dict({k: v for k, v in raw.items() if k in ("model", "diffusion", "train")})
     torch.manual_seed(raw["train"].get("seed", 0))
     model = build_model(cfg, 257)
     if init:
         init_from_pretrained(model, cfg)
-    return model, cfg
-
-
-def measure(raw: dict, init: bool = True) -> dict:
-    """One configuration: per-step activation bytes and FLOPs (per block), AdamW state bytes after every
-    unit stepped, trainable elements."""
-    model, cfg = build(raw, init)
     model.train()
     g = torch.Generator().manual_seed(0)
     B, T = raw["train"]["batch_size"], raw["model"]["seq_len"]
@@ -227,15 +217,11 @@ def memory_table() -> dict:
                              {"num_blocks": B, "blocks_to_train": [0]}, tr, 1)  # a one-block job (independent)
             out[f"db{B}_{tuning}_block0_job"] = measure(job)
     for net in ("looped_db", "huginn"):
-        model, diffusion = kinds()[net]
+        model, diffusion = KINDS[net]
         for tuning, tr in (("full", FT), ("lora", LORA)):
             raw = run_config("m", 0, {**model, "init_from": str(hf_dir())}, diffusion, tr, 1)
             out[f"{net}_{tuning}"] = measure(raw)
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# summary
 
 
 def _mean_se(values: list[float]) -> tuple[float, float | None]:
@@ -322,9 +308,6 @@ def table(summary: dict, memory: dict | None) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------------------
-
-
 def main() -> int:
     global SOURCE_STEPS, FT_STEPS, EVAL_TOKENS, WORK, RESULTS, SEEDS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -345,7 +328,7 @@ def main() -> int:
     torch.set_num_threads(1)
     if args.summary:
         summary = summarize()
-        (RESULTS / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        common.write_json(RESULTS / "summary.json", summary, indent=2)
         memory = json.loads((RESULTS / "memory.json").read_text()) if (RESULTS / "memory.json").is_file() else None
         text = table(summary, memory)
         print(text)
@@ -369,7 +352,7 @@ def main() -> int:
              "eval": rep}, indent=2) + "\n")
     if args.phase in ("all", "memory"):
         memory = memory_table()
-        (RESULTS / "memory.json").write_text(json.dumps(memory, indent=2) + "\n")
+        common.write_json(RESULTS / "memory.json", memory, indent=2)
         print(json.dumps({k: {kk: v[kk] for kk in ("activation_bytes_max", "optimizer_state_bytes", "flops_per_step")}
                           for k, v in memory.items()}, indent=1))
     if args.phase in ("all", "runs"):
@@ -401,8 +384,7 @@ def main() -> int:
                                        "noisy_gates": "open" if "_open" in name else "closed",
                                        "train_cpu_seconds": round(secs, 1), "eval": rep}, indent=2) + "\n")
             print(f"{name} seed {seed}: {primary(rep)[0]} {primary(rep)[1]} ({secs:.0f} CPU-s)", flush=True)
-    summary = summarize()
-    (RESULTS / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    common.write_json(RESULTS / "summary.json", summarize(), indent=2)
     return 0
 
 

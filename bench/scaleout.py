@@ -47,10 +47,6 @@ def _status(key: str) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-# ------------------------------------------------------------------------------------------------
-# memory: one rank, instrumented (runs under the DeepSpeed launcher, or alone as an independent job)
-
-
 def _payload(name: str, args, kwargs) -> int:
     def nbytes(t):
         return t.numel() * t.element_size()
@@ -127,10 +123,6 @@ def worker(argv) -> int:
         "optimizer_state_bytes": state, "grad_bytes": seen.get("grad_bytes", 0),
         "weight_bytes": sum(q.numel() * q.element_size() for q in model.parameters())}))
     return code
-
-
-# ------------------------------------------------------------------------------------------------
-# memory: the parent (configs, launches, the analytic model, the table)
 
 
 def _memory_config(path: Path, out_dir: Path, cache: str, setup: str, blocks=()) -> Path:

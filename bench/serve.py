@@ -43,9 +43,6 @@ SHAPES = {  # configs/quickstart.yaml and configs/quickstart_db.yaml
 }
 
 
-# --- the server process ----------------------------------------------------------------------------
-
-
 def build_untrained(kind: str):
     raw = {"model": SHAPES[kind], "data": {"tokenizer": "byte"}}
     if kind == "db_ar":  # the project's DB defaults otherwise (sample bridge, K = B)
@@ -87,9 +84,6 @@ class ServerProcess:
     def __exit__(self, *exc):
         self.proc.terminate()
         self.proc.wait(timeout=30)
-
-
-# --- the load generator ----------------------------------------------------------------------------
 
 
 async def stream_one(client: httpx.AsyncClient, prompt: list[int]) -> int:

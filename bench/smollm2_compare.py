@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
-import subprocess
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -27,25 +25,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (bench/ is not a package)
+from smollm2_convert import LAYOUT_CONFIGS, SMOLLM2, V  # noqa: E402  (the same source and recipe)
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "smollm2" / "compare"
 WORK = ROOT / "bench" / "work" / "smollm2_compare"
-V = 49152
 SEQ, BATCH, WARMUP, DB_STEPS, TOKENS, DRAWS = 64, 2, 10, 100, 577, 2  # 577 tokens: 9 windows of 64 scored
 LRS = [3e-4, 1e-3, 3e-3]
 SEEDS = [0, 1, 2]
-DB = {"num_blocks": 2, "context": "stacked", "stack_order": "low_noise_first", "noisy_input": "clean_state",
-      "block_sampling": "round_robin"}
+DB = {**LAYOUT_CONFIGS["db2_clean_state"]["diffusion"], "block_sampling": "round_robin"}
 
 
 def config(arm: str, lr: float, seed: int, steps: int, out_dir: Path) -> dict:
     from looped_lm.pretrained import smollm2_gguf
 
     db = arm == "db2"
-    return {"model": {"kind": "db_ar" if db else "gpt", "n_layers": 30, "d_model": 576, "n_heads": 9,
-                      "ffn_hidden": 1536, "vocab_size": V, "norm_eps": 1e-5, "rope_theta": 100000.0, "seq_len": SEQ,
-                      "init_from": str(smollm2_gguf())},
+    return {"model": {"kind": "db_ar" if db else "gpt", **SMOLLM2, "seq_len": SEQ, "init_from": str(smollm2_gguf())},
             **({"diffusion": dict(DB)} if db else {}),
             "data": {"source": "bible", "val_fraction": 0.05, "test_fraction": 0.05, "split_seed": 1337,
                      "cache_dir": str(WORK / "cache")},
@@ -69,12 +64,11 @@ def budget() -> dict:
             "steps": {"db2": DB_STEPS, "gpt": round(total / gpt_step), "source": 0}}
 
 
-def evaluate(ckpt: Path, split: str, k: int | None, tag: str, env: dict) -> dict:
-    args = ["--num-iterations", str(k), "--draws", str(DRAWS)] if k is not None else []
+def evaluate(ckpt: Path, split: str, k: int | None, tag: str) -> dict:
+    args = ["--num-iterations", k, "--draws", DRAWS] if k is not None else []
     out = WORK / f"{tag}_{split}.json"
-    subprocess.run([sys.executable, "-m", "looped_lm", "eval", "--checkpoint", str(ckpt), "--split", split,
-                    "--max-tokens", str(TOKENS), "--no-verify", "--no-progress", "--json", str(out), *args],
-                   check=True, env=env, cwd=ROOT, capture_output=True)
+    common.python("-m", "looped_lm", "eval", "--checkpoint", ckpt, "--split", split, "--max-tokens", TOKENS,
+                  "--no-verify", "--no-progress", "--json", out, *args)
     rep = json.loads(out.read_text())
     keep = ("ppl", "nll", "tokens", "ppl_at_k", "ppl_se", "unresolved")
     return {key: rep[key] for key in keep if key in rep}
@@ -87,7 +81,7 @@ def run_one(arm: str, lr: float, seed: int, steps: int, stage: str) -> dict:
     import yaml
 
     tag, db = f"{arm}_lr{lr:.0e}_s{seed}", arm == "db2"
-    out_dir, path, env = WORK / tag, OUT / f"{tag}.json", {**os.environ, "OMP_NUM_THREADS": "1"}
+    out_dir, path = WORK / tag, OUT / f"{tag}.json"
     t0 = time.time()
     if stage == "test":
         result = json.loads(path.read_text())
@@ -96,10 +90,7 @@ def run_one(arm: str, lr: float, seed: int, steps: int, stage: str) -> dict:
         cfg_path = WORK / f"{tag}.yaml"
         cfg_path.parent.mkdir(parents=True, exist_ok=True)
         cfg_path.write_text(yaml.safe_dump(config(arm, lr, seed, steps, out_dir), sort_keys=False))
-        done = subprocess.run([sys.executable, "-m", "looped_lm", "train", "--config", str(cfg_path)], env=env,
-                              cwd=ROOT, capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"{tag}: training failed: {done.stderr[-2000:]}")
+        common.python("-m", "looped_lm", "train", "--config", cfg_path)
         result = {"arm": arm, "lr": lr, "seed": seed, "steps": steps, "train_s": round(time.time() - t0, 1)}
         metrics = out_dir / "metrics.jsonl"  # none for the 0-step source
         log = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
@@ -109,13 +100,12 @@ def run_one(arm: str, lr: float, seed: int, steps: int, stage: str) -> dict:
             result["block_steps"] = [sum(1 for r in log if r.get("block") == b) for b in range(2)]
     ckpt = sorted(out_dir.glob("step_*"))[-1]
     if stage in ("sweep", "source"):
-        result["dev"] = evaluate(ckpt, "val", 0 if db else None, tag, env)
+        result["dev"] = evaluate(ckpt, "val", 0 if db else None, tag)
     if stage in ("test", "seed", "source"):
-        result["test"] = evaluate(ckpt, "test", 2 if db else None, tag, env)
+        result["test"] = evaluate(ckpt, "test", 2 if db else None, tag)
     result.update(commit=common.git_commit(), finished_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     result[f"{stage}_wall_s"] = round(time.time() - t0, 1)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    common.write_json(path, result)
     if stage != "sweep":  # hundreds of MB per checkpoint; the JSON is the record
         for d in [out_dir] + ([WORK / f"{arm}_lr{x:.0e}_s0" for x in LRS] if stage == "test" else []):
             shutil.rmtree(d, ignore_errors=True)
@@ -154,8 +144,7 @@ def next_jobs(arm: str) -> list[tuple]:
 
 def run_all(workers: int) -> None:
     b = budget()
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "budget.json").write_text(json.dumps(b, indent=1) + "\n")
+    common.write_json(OUT / "budget.json", b)
     print(f"budget: {b}", flush=True)
     running: dict = {}
     with ProcessPoolExecutor(workers) as pool:

@@ -64,10 +64,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-# ---------------------------------------------------------------------------------------------------
-# building
-
-
 SMOLLM2 = {"n_layers": 30, "d_model": 576, "n_heads": 9, "ffn_hidden": 1536, "vocab_size": V, "norm_eps": 1e-5,
            "rope_theta": 100000.0}
 
@@ -106,10 +102,6 @@ def held_out(tok, windows: int, seq: int):
             ids = torch.tensor(ids[:need])
             return ids[:-1].view(windows, seq), ids[1:].view(windows, seq), title
     raise SystemExit("no held-out book is long enough")
-
-
-# ---------------------------------------------------------------------------------------------------
-# measuring
 
 
 def ce(logits, y) -> float:
