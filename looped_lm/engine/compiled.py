@@ -99,14 +99,13 @@ class CompiledBlocks(_Bucketed):
 
     @torch.no_grad()
     def warm_up(self) -> None:
-        """Compile every (block, bucket, call) now on rows given one token of history (then emptied again)."""
+        """Compile every (block, call) and capture every bucket now, on the empty pool (then emptied again: the
+        calls read and write garbage there, which the lengths mask)."""
         d = self.model.tok_emb.weight.shape[1]
         for size in self.buckets:
             rows = torch.arange(size, device=self.device)
             for b in range(self.num_blocks):
                 for append in (True, False):
-                    self.model.reset_rows(self.pool, rows)
-                    self.pool.lengths[rows] = 1
                     z = torch.zeros(size, 1, d, device=self.device, dtype=self.model.tok_emb.weight.dtype)
                     _, args = self.padded(rows, z, torch.ones(size, device=self.device))
                     self.step(b, self.pool, *args, append)
