@@ -13,7 +13,7 @@ with its decode step compiled (`Engine(compile_decode=True)`; its tokens must eq
 from __future__ import annotations
 
 import argparse
-import sys
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -30,9 +30,6 @@ from looped_lm.models import build_model
 from looped_lm.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-import common  # noqa: E402  (bench/ is not a package)
-
 RESULTS = ROOT / "bench" / "results"
 PROMPT, NEW = 32, 64
 SHAPES = {
@@ -241,7 +238,7 @@ def main() -> None:
     if args.vllm:
         meta["vllm"] = __import__("vllm").__version__
     name = ("engine_vs_llama_vllm" if args.vllm else "engine_vs_llama") + ("_compiled" if args.compiled else "") + ".json"
-    common.write_json(RESULTS / name, meta)
+    (RESULTS / name).write_text(json.dumps(meta, indent=1))
 
 
 if __name__ == "__main__":
