@@ -167,25 +167,66 @@ def db_requests(K, exit_rule=None):
                     exit_rule=exit_rule, sampling=GREEDY if i % 2 else sampled) for i in range(4)]
 
 
-@pytest.mark.parametrize("kind,layout,K,exit_kl", [
-    ("db_ar", "paper", 1, None), ("db_ar", "paper", 2, None), ("db_ar", "product", 4, None),
-    ("db_ar", "stacked", 2, None), ("looped_db", "paper", 4, None), ("looped_db", "paper", 8, 1e-2)])
-def test_the_compiled_db_engine_returns_the_eager_engines_tokens(monkeypatch, kind, layout, K, exit_kl):
+@pytest.mark.parametrize("kind,layout,K,exit_kl,backend", [
+    ("db_ar", "paper", 1, None, "counter"), ("db_ar", "paper", 2, None, "counter"),
+    ("db_ar", "product", 4, None, "counter"), ("db_ar", "product", 4, None, "aot_eager"),
+    ("db_ar", "stacked", 2, None, "counter"), ("looped_db", "paper", 4, None, "counter"),
+    ("looped_db", "paper", 8, 1e-2, "counter"), ("db_ar", "product", 2, None, "bf16")])
+def test_the_compiled_db_engine_returns_the_eager_engines_tokens(monkeypatch, kind, layout, K, exit_kl, backend):
     """Greedy and sampled rows, at K below, at and above B, looped_db with adaptive exit: the eager engine's
-    tokens; every (block, bucket, call) compiled at start-up and none after; the compiled step ran."""
+    tokens; every (block, call) compiled at start-up and none after; the compiled step ran. aot_eager adds
+    the functionalisation of the cache, length and handed-state writes (what inductor receives); bf16: the
+    weights a GPU serves with (the chain still hands fp32 slots: a graph built for bf16 ones would recompile)."""
     counter = CompileCounter()
-    monkeypatch.setattr(compiled, "BACKEND", counter)
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager" if backend == "aot_eager" else counter)
     model = build_tiny(kind, **DB_LAYOUTS[layout])
+    if backend == "bf16":
+        model = model.to(torch.bfloat16)
     rule = ExitRule(kl_threshold=exit_kl) if exit_kl else None
     eager = [o.token_ids for o in Engine(model, num_slots=4, max_len=64).run(db_requests(K, rule))]
     engine = Engine(model, num_slots=4, max_len=64, compile_decode=True)
-    graphs = 2 * len(model.blocks) * 2  # per block and call: one row, and any other bucket
+    graphs = 2 * len(model.blocks) * 2 if backend != "aot_eager" else 0  # per block and call: one row, any other
     assert counter.frame_count == graphs
     blocks, calls = engine.runner.compiled_blocks, []
     step = blocks.step
     monkeypatch.setattr(blocks, "step", lambda *args: calls.append(args[0]) or step(*args))
     outs = engine.run(db_requests(K, rule))
+    assert [o.finish_reason for o in outs] == ["length"] * 4
     assert [o.token_ids for o in outs] == eager
     assert counter.frame_count == graphs  # no recompilation as rows come and go
     decode_steps = sum(len(o.token_ids) for o in outs) - len(outs)  # tokens after each request's first
     assert len(calls) >= decode_steps // 4  # every decode step of the full batch at least (4 rows a step)
+
+
+@torch.no_grad()
+def test_rows_with_different_pending_counts_run_eagerly():
+    """The compiled block call assumes one pending token per row (or none, for all): a batch that mixes them
+    (a row whose last chain skipped the block beside rows that ran it) must take the eager path."""
+    model = build_tiny("db_ar", **DB_LAYOUTS["product"])
+    cache = db_cache(model, [3, 7, 1, 5, 2])  # every row: one token pending for every block
+    rows = torch.tensor([0, 1, 2])
+    called = []
+    model.use_block_step(cache, lambda *args: called.append(args) or torch.zeros(3, 1, V))
+    z, sigma = model.example_slots(3, "cpu")
+    assert CachedContext(model, cache, rows)._compiled(0, z, sigma) is not None and called[-1][-1] is True
+    model.decode_block_fixed(0, cache, torch.tensor([1]), z[:1], sigma[:1])  # row 1 catches up on block 0
+    assert CachedContext(model, cache, rows)._compiled(0, z, sigma) is None  # pending 1, 0, 1
+    assert CachedContext(model, cache, torch.tensor([1]))._compiled(0, z[:1], sigma[:1]) is not None
+    assert called[-1][-1] is False  # its second call at this token: no token to append
+    model.use_block_step(cache, None)
+
+
+def test_the_engine_freezes_the_inference_tables_a_compiled_graph_reads(monkeypatch):
+    """A compiled graph cannot check a TransposedCopy against its table; frozen, it reads the copy made
+    before (instead of recomputing the V x d table per call), and the copy is among the pool's tensors."""
+    monkeypatch.setattr(compiled, "BACKEND", CompileCounter())
+    model = build_tiny("db_ar", **DB_LAYOUTS["product"])
+    engine = Engine(model, num_slots=2, max_len=32, compile_decode=True)
+    pool = engine.runner.pool
+    assert model.targets_t.frozen and any(t is model.targets_t.value for t in compiled._tensors(pool))
+    table = torch.zeros_like(model.tok_emb.weight)
+    read = torch.compile(lambda w: model.targets_t(w), backend="eager", fullgraph=True)
+    assert torch.equal(read(table), model.targets_t.value)  # the frozen copy, not the zeros' table
+    model.use_block_step(pool, None)
+    torch._dynamo.reset()
+    assert not model.targets_t.frozen and torch.equal(read(table), model._normalized(table).T)

@@ -75,12 +75,14 @@ class CompiledDecode(_Bucketed):
 
     @torch.no_grad()  # as the engine's steps run: grad mode is part of what a graph is guarded on
     def warm_up(self) -> None:
-        """Compile every bucket now, on the empty pool (then emptied again), so no request waits for one."""
+        """Compile and run every bucket now (twice on CUDA: reduce-overhead records a bucket's CUDA graph on its
+        second call), on the empty pool (then emptied again), so no request waits for one."""
         for size in self.buckets:
-            _, (rows, ids) = self.padded(torch.arange(size, device=self.device),
-                                         torch.zeros(size, 1, dtype=torch.long, device=self.device))
-            self.step(ids, self.pool, rows)
-            self.model.reset_rows(self.pool, rows)
+            for _ in range(2 if self.cuda else 1):
+                _, (rows, ids) = self.padded(torch.arange(size, device=self.device),
+                                             torch.zeros(size, 1, dtype=torch.long, device=self.device))
+                self.step(ids, self.pool, rows)
+                self.model.reset_rows(self.pool, rows)
 
     def __call__(self, ids: torch.Tensor, pool, rows: torch.Tensor) -> torch.Tensor:
         """ids (R, 1) of `rows` (R,) -> logits (R, V), run at the smallest bucket that holds R rows."""
@@ -93,22 +95,22 @@ class CompiledBlocks(_Bucketed):
     block's second call at the same token); installed in the pool, where the model's chain finds it."""
 
     def __init__(self, model: FixedShapeBlocks, pool, num_slots: int, num_blocks: int, backend: str | None = None):
+        model.use_block_step(pool, self)  # first: the tables it freezes into the pool are marked static with it
         super().__init__(model.decode_block_fixed, model, pool, num_slots, 2 * num_blocks, backend)
         self.num_blocks = num_blocks
-        model.use_block_step(pool, self)
 
     @torch.no_grad()
     def warm_up(self) -> None:
-        """Compile every (block, call) and capture every bucket now, on the empty pool (then emptied again: the
-        calls read and write garbage there, which the lengths mask)."""
-        d = self.model.tok_emb.weight.shape[1]
+        """Compile every (block, call) and run every bucket now (twice on CUDA: reduce-overhead records a bucket's
+        CUDA graph on its second call), on the empty pool, emptied again after: the calls read and write
+        garbage there, which the lengths mask."""
         for size in self.buckets:
             rows = torch.arange(size, device=self.device)
             for b in range(self.num_blocks):
                 for append in (True, False):
-                    z = torch.zeros(size, 1, d, device=self.device, dtype=self.model.tok_emb.weight.dtype)
-                    _, args = self.padded(rows, z, torch.ones(size, device=self.device))
-                    self.step(b, self.pool, *args, append)
+                    for _ in range(2 if self.cuda else 1):
+                        _, args = self.padded(rows, *self.model.example_slots(size, self.device))
+                        self.step(b, self.pool, *args, append)
             self.model.reset_rows(self.pool, rows)
 
     def __call__(self, b: int, pool, rows: torch.Tensor, z: torch.Tensor, sigma: torch.Tensor,

@@ -184,6 +184,11 @@ class FixedShapeBlocks(ABC):
         and sigma."""
 
     @abstractmethod
+    def example_slots(self, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(z, sigma) of `rows` rows as the chain passes them to `decode_block_fixed` (shapes and dtypes: what
+        the engine compiles for)."""
+
+    @abstractmethod
     def use_block_step(self, cache, step) -> None:
         """Run the eligible block calls of chains decoding from `cache` through `step` (`decode_block_fixed`'s
         signature: a compiled copy of it); None: eager again."""

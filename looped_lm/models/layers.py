@@ -249,14 +249,27 @@ class TransposedCopy:
     """A contiguous (d, V) copy of a (V, d) table (or of `fn(table)`), for inference products `x @ table.T`:
     on CPU they run up to ~2.5x faster from a contiguous transpose than through F.linear at decode sizes
     (bench/README.md). Rebuilt whenever the table changes (its storage or in-place version); costs one
-    extra copy of the table. Not a buffer: checkpoints never see it."""
+    extra copy of the table. Not a buffer: checkpoints never see it.
+
+    Inside a compiled graph the copy cannot be checked against the table (that reads pointers), so a graph
+    recomputes fn(table).T on every call, unless the copy is `frozen`: the engine's compiled decode freezes it
+    (the weights do not change while it serves), and the graph reads the frozen copy."""
 
     def __init__(self, fn=None):
-        self.fn, self.key, self.value = fn, None, None
+        self.fn, self.key, self.value, self.frozen = fn, None, None, False
+
+    def freeze(self, table: torch.Tensor) -> torch.Tensor:
+        """Make the copy of `table` now and let compiled graphs read it (until `thaw`) -> the copy."""
+        self.frozen = False
+        self.frozen = self(table) is not None
+        return self.value
+
+    def thaw(self) -> None:
+        self.frozen = False
 
     def __call__(self, table: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # a compiled graph holds no Python cache: the product reads table.T
-            return (table if self.fn is None else self.fn(table)).T
+        if torch.compiler.is_compiling():
+            return self.value if self.frozen else (table if self.fn is None else self.fn(table)).T
         key = (table.data_ptr(), table._version, table.dtype, table.device)
         if key != self.key:
             with torch.no_grad():

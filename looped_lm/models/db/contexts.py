@@ -117,6 +117,7 @@ class DecodeState:
         self.lengths = torch.zeros(batch, dtype=torch.long, device=p.device)
         self.last = torch.zeros(batch, dtype=torch.long, device=p.device)
         self.block_step = None  # a compiled `block_fixed` the engine installs (FixedShapeBlocks.use_block_step)
+        self.frozen_tables: list[torch.Tensor] = []  # the inference tables it reads (use_block_step)
 
     def rows(self, rows):
         return torch.arange(self.lengths.shape[0], device=self.lengths.device) if rows is None else rows

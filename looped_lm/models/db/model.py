@@ -243,8 +243,20 @@ class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, FixedSha
         """append False: block b has cached every token of these rows already (a second call at this token)."""
         return CachedContext(self, cache, rows).block_fixed(b, z, sigma, append)
 
+    def example_slots(self, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(z, sigma) as the chain hands them to a block: fp32 (R, 1, d) and (R,)."""
+        return torch.zeros(rows, 1, self.tok_emb.weight.shape[1], device=device), torch.ones(rows, device=device)
+
     def use_block_step(self, cache: DecodeState, step) -> None:
+        """Also freezes the inference tables' copies (the head, the targets, the mean row) and keeps them in the
+        cache, so a compiled step reads them instead of recomputing them per call (and, among the cache's
+        tensors, a CUDA graph finds them at fixed addresses); None thaws them."""
+        copies = (self.head_t, self.targets_t, self.mean_row_t)
         cache.block_step = step
+        cache.frozen_tables = [] if step is None else [c.freeze(self.tok_emb.weight) for c in copies]
+        if step is None:
+            for c in copies:
+                c.thaw()
 
     @torch.no_grad()
     def next_token_logprobs(self, cache: DecodeState, rows, logits, tokens, batch: RowBatch,
