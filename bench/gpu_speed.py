@@ -44,11 +44,15 @@ from looped_lm.training import TorchRunner, train_step
 
 GPT2 = {"n_layers": 12, "d_model": 768, "n_heads": 12, "seq_len": 1024}
 TINY = {"n_layers": 4, "d_model": 64, "n_heads": 4, "seq_len": 64}
-EXPECTED_MFU = {"gpt": 0.40, "db_ar B=2": 0.25, "db_ar B=4": 0.25, "gpt ckpt": 0.30, "db_ar B=4 ckpt": 0.20}
+SMALL = {"n_layers": 6, "d_model": 384, "n_heads": 6, "seq_len": 256}  # the CPU's comparison shape (step_vs_llama)
+# looped_db's expectation written 2026-12-04, before any run of the row: a DB step's (its core is one block)
+EXPECTED_MFU = {"gpt": 0.40, "db_ar B=2": 0.25, "db_ar B=4": 0.25, "gpt ckpt": 0.30, "db_ar B=4 ckpt": 0.20,
+                "looped_db": 0.25}
 B2, B4 = {"num_blocks": 2, "block_sampling": "round_robin"}, {"num_blocks": 4, "block_sampling": "round_robin"}
 LEAN = {"activation_checkpointing": True, "loss_chunk": 128}
 ROWS = {"gpt": ("gpt", {}, {}), "db_ar B=2": ("db_ar", B2, {}), "db_ar B=4": ("db_ar", B4, {}),
-        "gpt ckpt": ("gpt", {}, LEAN), "db_ar B=4 ckpt": ("db_ar", B4, LEAN)}
+        "gpt ckpt": ("gpt", {}, LEAN), "db_ar B=4 ckpt": ("db_ar", B4, LEAN),
+        "looped_db": ("looped_db", {"num_blocks": 1}, {"n_prelude": 1, "n_coda": 1})}
 DEFAULT_ROWS = ["gpt", "db_ar B=2", "db_ar B=4"]
 
 
@@ -168,6 +172,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="a toy shape (the code path on CPU, no claim)")
+    p.add_argument("--small", action="store_true", help="6 x 384, T 256, V 50257: the shape CPU comparisons use")
+    p.add_argument("--compile-vs-eager", action="store_true",
+                   help="each row eager, then compiled: compiled_vs_eager, the speed ratio (the rows' MFU: compiled)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=8, help="steps before timing (compiles each DB block's graph)")
@@ -185,7 +192,7 @@ def main(argv=None) -> int:
                         "on an H200)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
-    shape, vocab = (TINY, 257) if args.tiny else (GPT2, 50257)
+    shape, vocab = (TINY, 257) if args.tiny else (SMALL, 50257) if args.small else (GPT2, 50257)
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "shape": shape, "vocab": vocab, "batch": args.batch, "compiled": not args.no_compile,
               "torch": torch.__version__, "rows": [], "decode": []}
@@ -197,8 +204,13 @@ def main(argv=None) -> int:
 
     for name in args.rows:
         try:
+            eager = measure(name, shape, vocab, args.batch, args.steps, args.warmup, device, False) \
+                if args.compile_vs_eager else None
             row = measure(name, shape, vocab, args.batch, args.steps, args.warmup, device, not args.no_compile,
                           profile=name in args.profile)
+            if eager:
+                row.update(eager_tokens_per_s=eager["tokens_per_s"],
+                           compiled_vs_eager=row["tokens_per_s"] / eager["tokens_per_s"])
         except Exception as e:  # noqa: BLE001 - a GPU check reports every row it can
             row = {"row": name, "error": f"{type(e).__name__}: {e}"[:2000]}
             print(f"| {name} | failed: {row['error'][:300]} |", flush=True)

@@ -278,3 +278,7 @@ def test_the_gpu_speed_check_runs_its_rows_at_a_toy_shape(tmp_path, one_thread):
     for r in rows.values():
         assert r["tokens_per_s"] > 0 and r["flops_per_s"] > 0 and 0 < r["mfu"] < 1 and r["expected_mfu"] > 0
         assert r["met"] == (r["mfu"] >= r["expected_mfu"])
+    assert gpu_speed.main(["--tiny", "--device", "cpu", "--no-compile", "--steps", "2", "--warmup", "1", "--batch", "2",
+                           "--json", str(out), "--rows", "looped_db", "--compile-vs-eager"]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["row"] == "looped_db" and row["tokens_per_s"] > 0 and row["compiled_vs_eager"] > 0
