@@ -5,9 +5,9 @@ and per-row draws stay eager), through torch.compile.
 A decode step's shapes depend on how many rows run, so the rows are padded to a few bucket sizes (powers of
 two up to the slot count; the padding repeats the last row with its own token, which writes the same key and
 value again), with the row count marked dynamic: two graphs (one row, and any other count), none per step or
-per position, since the step attends over the cache's whole length under a mask. On a GPU the graphs are captured as CUDA graphs
-(torch.compile's "reduce-overhead" mode, the cache tensors marked as static addresses); on a CPU inductor
-compiles them to C++. Prefill (several tokens per row) stays eager: its shapes change with every prompt.
+per position, since the step attends over the cache's whole length under a mask. On a GPU each bucket is
+captured as a CUDA graph (torch.compile's "reduce-overhead" mode, the cache tensors marked as static
+addresses); on a CPU inductor compiles the graphs to C++. Prefill (several tokens per row) stays eager: its shapes change with every prompt.
 """
 
 from __future__ import annotations

@@ -260,8 +260,9 @@ class TransposedCopy:
 
     def freeze(self, table: torch.Tensor) -> torch.Tensor:
         """Make the copy of `table` now and let compiled graphs read it (until `thaw`) -> the copy."""
-        self.frozen = False
-        self.frozen = self(table) is not None
+        self.frozen = False  # the eager path below: it rebuilds the copy if the table changed
+        self(table)
+        self.frozen = True
         return self.value
 
     def thaw(self) -> None:
