@@ -168,6 +168,37 @@ def test_b4_and_the_denoising_off_arm_convert_and_train(smollm2):
         del net
 
 
+def test_the_converted_db_ar_decodes_compiled_as_eager(smollm2, monkeypatch):
+    """The recipe's conversion (B = 2, stacked, low_noise_first, clean_state) served with --compile-decode: the
+    eager engine's greedy tokens at K = 2 and 4, every graph built at start-up and none after (dynamo with a
+    counting backend: the graphs inductor would get)."""
+    from torch._dynamo.testing import CompileCounter
+
+    from looped_lm.engine import compiled
+    from looped_lm.engine.engine import Engine, Request
+    from looped_lm.sampling import GREEDY
+
+    cfg = smollm2_config("db_ar", smollm2.path, diffusion={"num_blocks": 2, "context": "stacked",
+                                                            "stack_order": "low_noise_first",
+                                                            "noisy_input": "clean_state"})
+    net = build_model(cfg, 49152).eval()
+    init_from_pretrained(net, cfg, smollm2.source)
+    prompts = [smollm2.tok.encode("In the beginning God created"), smollm2.tok.encode("The quick brown fox")]
+    for K in (2, 4):
+        requests = lambda: [Request(prompt=p, max_tokens=4, seed=0, sampling=GREEDY, num_iterations=K)  # noqa: E731
+                            for p in prompts]
+        eager = [o.token_ids for o in Engine(net, num_slots=2, max_len=32).run(requests())]
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        monkeypatch.setattr(compiled, "BACKEND", counter)
+        engine = Engine(net, num_slots=2, max_len=32, compile_decode=True)
+        assert counter.frame_count == 8  # 2 blocks x 2 calls x (one row, any other)
+        assert [o.token_ids for o in engine.run(requests())] == eager
+        assert counter.frame_count == 8
+        net.use_block_step(engine.runner.pool, None)
+    torch._dynamo.reset()
+
+
 def test_huginn_is_the_source(smollm2):
     """prelude 2, core 26, coda 2: nothing dropped, the adapter [0 | I]: at K = 2 the source exactly."""
     cfg = smollm2_config("huginn", smollm2.path, n_layers=26, n_prelude=2, n_coda=2, mean_recurrence=2,
