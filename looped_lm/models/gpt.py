@@ -39,7 +39,7 @@ class GPT(nn.Module, Trainable, Scorable, CachedDecoding, FixedShapeDecoding):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():
             return F.linear(self.norm(h), self.tok_emb.weight)
-        return self.norm(h) @ self.head_t(self.tok_emb.weight)
+        return self.head_t.product(self.norm(h), self.tok_emb.weight)
 
     def hidden(self, idx: torch.Tensor) -> torch.Tensor:
         """idx (B, T) -> the last layer's output (B, T, C), before the final norm."""
@@ -94,12 +94,15 @@ class GPT(nn.Module, Trainable, Scorable, CachedDecoding, FixedShapeDecoding):
     def decode(self, idx: torch.Tensor, cache: "GPTCache", rows=None) -> torch.Tensor:
         """Run new tokens idx (R, n) after what the caches hold (for `rows`, default all); return their
         logits (R, n, V)."""
+        return self.logits(self._decode_hidden(idx, cache, rows))
+
+    def _decode_hidden(self, idx: torch.Tensor, cache: "GPTCache", rows) -> torch.Tensor:
         caches = cache.layers
         cos, sin = self.rope(positions_after(caches[0].lengths, rows, idx.shape[1], idx.device))
         h = self.tok_emb(idx)
         for layer, c in zip(self.layers, caches):
             h = layer(h, cos, sin, c, rows)
-        return self.logits(h)
+        return h
 
     @torch.no_grad()
     def decode_fixed(self, idx: torch.Tensor, cache: "GPTCache", rows: torch.Tensor) -> torch.Tensor:
@@ -111,10 +114,13 @@ class GPT(nn.Module, Trainable, Scorable, CachedDecoding, FixedShapeDecoding):
             h = layer(h, cos, sin, FixedShapeRows(c), rows)
         return F.linear(self.norm(h[:, -1]), self.tok_emb.weight)  # not head_t: its cache key reads pointers
 
+    @torch.no_grad()
     def forward_cached(self, idx: torch.Tensor, cache: "GPTCache", rows=None, batch=None,
                        want_logits: bool = True) -> torch.Tensor:
-        """`decode`, keeping the logits (R, V) after the last new token."""
-        return self.decode(idx, cache, rows)[:, -1]
+        """`decode`, keeping the logits (R, V) after the last new token (a prompt's earlier positions never
+        pass through the head: at V 50257 that product is most of a prefill)."""
+        h = self._decode_hidden(idx, cache, rows)
+        return self.logits(h[:, -1]) if want_logits else None
 
     def reset_rows(self, cache: "GPTCache", rows) -> None:
         for c in cache.layers:

@@ -25,7 +25,7 @@ from looped_lm.errors import UserError
 from looped_lm.kinds import kind_of
 from looped_lm.models.contract import CachedDecoding, Iterative, Scorable, TokenScores, Trainable
 from looped_lm.settings import IterationLimits, RowBatch
-from looped_lm.models.layers import (KVCache, RotaryEmbedding, TransformerLayer, ffn_width, init_weights,
+from looped_lm.models.layers import (KVCache, RotaryEmbedding, TransformerLayer, TransposedCopy, ffn_width, init_weights,
                                      positions_after, token_cross_entropy)
 
 
@@ -59,6 +59,7 @@ class HuginnLM(nn.Module, Trainable, Scorable, CachedDecoding, Iterative):
         self.adapter = nn.Linear(2 * m.d_model, m.d_model, bias=False)
         self.norm = nn.RMSNorm(m.d_model, eps=m.norm_eps)
         self.rope = RotaryEmbedding(m.d_model // m.n_heads, self.max_positions, m.rope_theta)
+        self.head_t = TransposedCopy()  # inference only
         init_weights(self, m.init_std, m.n_prelude + m.n_layers * m.mean_recurrence + m.n_coda)
 
     # --- the network --------------------------------------------------------------------------
@@ -157,14 +158,16 @@ class HuginnLM(nn.Module, Trainable, Scorable, CachedDecoding, Iterative):
             idx_k = torch.tensor(members, device=idx.device)
             every = len(members) == R
             logits = self._decode(idx if every else idx[idx_k], caches, sel if every else sel[idx_k], K,
-                                  noise if every else noise[idx_k])
+                                  noise if every else noise[idx_k], want_logits)
             if every:
                 return logits
+            if logits is None:  # a prompt chunk that is not the last: the caches only
+                continue
             out = logits.new_empty(R, logits.shape[-1]) if out is None else out
             out[idx_k] = logits
         return out
 
-    def _decode(self, idx, caches: "HuginnCache", sel, K: int, noise):
+    def _decode(self, idx, caches: "HuginnCache", sel, K: int, noise, want_logits: bool = True):
         for i, it in enumerate(caches.iterations(K)):
             if not torch.equal(it[0].lengths[sel], caches.lengths[sel]):
                 raise UserError(f"num_iterations changed within a sequence (iteration {i + 1} of {K} has "
@@ -177,7 +180,7 @@ class HuginnLM(nn.Module, Trainable, Scorable, CachedDecoding, Iterative):
         for it in caches.iterations(K):
             s = self._stack(self.core, self.adapter(torch.cat([s, e], dim=-1)), cos, sin, it, sel)
         h = self._stack(self.coda, s, cos, sin, caches.coda, sel)
-        return F.linear(self.norm(h[:, -1]), self.tok_emb.weight)
+        return self.head_t.product(self.norm(h[:, -1]), self.tok_emb.weight) if want_logits else None
 
     def reset_rows(self, caches: "HuginnCache", rows) -> None:
         caches.reset(rows)

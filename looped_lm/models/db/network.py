@@ -125,8 +125,11 @@ class DBNetwork(nn.Module):
         """log p(z | token v) up to a constant, for every v: <z, y_v> / sigma^2 (B, n, V), exact because
         every target has the same norm. Added to the logits with parameterization: likelihood (Bayes:
         posterior = context prior x likelihood), so no block has to read the token back from z."""
-        table_t = self.targets_t(self.tok_emb.weight) if not torch.is_grad_enabled() else self.target_table().T
-        return (z.float() @ table_t) / sigma.float()[:, None, None] ** 2
+        if torch.is_grad_enabled():
+            dots = z.float() @ self.target_table().T
+        else:
+            dots = self.targets_t.product(z.float(), self.tok_emb.weight)
+        return dots / sigma.float()[:, None, None] ** 2
 
     def posterior_embedding(self, loglik):
         """The embedding expected under z's likelihood: softmax(loglik) @ E, exactly (posterior_input full /
@@ -199,10 +202,10 @@ class DBNetwork(nn.Module):
         return self.tied_head(h.to(self.tok_emb.weight.dtype))
 
     def tied_head(self, h):
-        """norm(h) @ E^T: through a cached contiguous transpose at inference."""
+        """norm(h) @ E^T: through a cached inference copy of E (TransposedCopy) at inference."""
         if torch.is_grad_enabled():
             return F.linear(self.norm(h), self.tok_emb.weight)
-        return self.norm(h) @ self.head_t(self.tok_emb.weight)
+        return self.head_t.product(self.norm(h), self.tok_emb.weight)
 
     def cosine_state(self, h):
         """The cosine head's side: exp(log_scale) * normalize(norm(h))."""

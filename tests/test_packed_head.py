@@ -1,0 +1,96 @@
+"""The inference head product (TransposedCopy.product, looped_lm/models/layers.py): on CPU, for a large fp32 table
+and more than one row, it runs through oneDNN's prepacked weight; it computes x @ table.T, follows the table
+when it changes, and the engine returns the same greedy tokens with it as without it for every LM kind. A
+prompt's earlier positions never reach the head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from looped_lm.engine.engine import Engine, Request
+from looped_lm.models.layers import TransposedCopy
+from looped_lm.sampling import GREEDY
+from looped_lm.sampling import SharedGenerator
+from looped_lm.settings import RowBatch, resolve_settings
+from tiny_models import V, build_tiny
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")]
+
+
+@pytest.fixture
+def pack_every_table(monkeypatch):
+    """The tiny models' tables are below the packing threshold: lower it so they take the packed path."""
+    monkeypatch.setattr(TransposedCopy, "PACK_MIN_ELEMENTS", 0)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 16])
+def test_the_product_is_x_times_the_table_transposed(pack_every_table, rows):
+    g = torch.Generator().manual_seed(0)
+    table, x = torch.randn(300, 24, generator=g), torch.randn(rows, 3, 24, generator=g)
+    copy = TransposedCopy()
+    torch.testing.assert_close(copy.product(x, table), x @ table.T, atol=1e-5, rtol=1e-5)
+    assert (copy.packed is not None) == (rows * 3 >= 2)  # several rows: the packed weight; one row: not built
+
+
+def test_one_row_takes_the_transposed_copy(pack_every_table):
+    copy, table, x = TransposedCopy(), torch.randn(300, 24), torch.randn(1, 24)
+    torch.testing.assert_close(copy.product(x, table), x @ table.T, atol=1e-5, rtol=1e-5)
+    assert copy.packed is None and copy.value is not None
+
+
+def test_the_packed_weight_follows_the_table(pack_every_table):
+    copy, table, x = TransposedCopy(lambda t: 2 * t), torch.randn(300, 24), torch.randn(4, 24)
+    torch.testing.assert_close(copy.product(x, table), x @ (2 * table).T, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        table.mul_(-1)  # in place: the same storage, a new version
+    torch.testing.assert_close(copy.product(x, table), x @ (2 * table).T, atol=1e-5, rtol=1e-5)
+
+
+def test_small_or_low_precision_tables_are_not_packed():
+    copy = TransposedCopy()
+    copy.product(torch.randn(8, 24), torch.randn(300, 24))  # below PACK_MIN_ELEMENTS
+    assert copy.packed is None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(TransposedCopy, "PACK_MIN_ELEMENTS", 0)
+        copy.product(torch.randn(8, 24, dtype=torch.bfloat16), torch.randn(300, 24, dtype=torch.bfloat16))
+        assert copy.packed is None
+
+
+def greedy_tokens(model, k=None):
+    engine = Engine(model, 4, max_len=32)
+    prompts = [[1 + i, 5, 9 + 2 * i][: 1 + i % 3] for i in range(4)]
+    return [o.token_ids for o in engine.run([Request(p, 6, GREEDY, num_iterations=k) for p in prompts])]
+
+
+@pytest.mark.parametrize("kind,k", [("gpt", None), ("db_ar", 2), ("db_ar", 4), ("looped_db", 4), ("huginn", 3)])
+def test_the_engine_decodes_the_same_tokens_packed_or_not(monkeypatch, kind, k):
+    model = build_tiny(kind)
+    plain = greedy_tokens(model, k)
+    monkeypatch.setattr(TransposedCopy, "PACK_MIN_ELEMENTS", 0)
+    assert greedy_tokens(model, k) == plain
+    heads = [c for c in vars(model).values() if isinstance(c, TransposedCopy)]
+    assert any(c.packed is not None for c in heads), "the packed path was not taken"
+
+
+@pytest.mark.parametrize("kind", ["gpt", "huginn", "db_ar"])
+def test_a_prompt_reaches_the_head_at_its_last_position_only(monkeypatch, kind):
+    """Prefilling 3 rows of 9 tokens runs the head on 3 rows, not 27 (at V 50257 the head product of every
+    position would be most of the prefill), and a chunk that is not the prompt's last runs no head."""
+    model, rows_seen = build_tiny(kind), []
+    product = TransposedCopy.product
+
+    def counting(self, x, table):
+        rows_seen.append(x.numel() // x.shape[-1])
+        return product(self, x, table)
+
+    monkeypatch.setattr(TransposedCopy, "product", counting)
+    settings = resolve_settings(model.iteration_limits() if kind != "gpt" else None, sampling=GREEDY,
+                                num_iterations=2 if kind == "db_ar" else None)
+    batch = RowBatch([settings] * 3, SharedGenerator(None))
+    cache, rows, ids = model.new_cache(3, 32), torch.arange(3), torch.randint(0, V, (3, 9))
+    assert model.forward_cached(ids, cache, rows, batch, want_logits=False) is None
+    assert rows_seen == []
+    assert model.forward_cached(ids, cache, rows, batch).shape == (3, V)
+    assert rows_seen and max(rows_seen) == 3, rows_seen
