@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (bench/ is not a package)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = common.ROOT
 OUT = ROOT / "bench" / "results" / "allocation"
 RULES = ("loss_share", "network_gain")
 
@@ -89,40 +88,56 @@ def eval_json(ckpt: Path, data: str, out: Path, extra: list[str]) -> dict:
     return json.loads(out.read_text())
 
 
+def run_sets(lr: float, seed: int, split: dict, out_dir: Path, work: Path) -> list[str]:
+    """The train overrides every protocol run shares (bench/decision.py's too): seed, lr (min_lr = lr / 10), the
+    held-out split, its own output folder, one log line per step and no checkpoints or evals on the way."""
+    return [f"train.seed={seed}", f"train.lr={lr}", f"train.min_lr={lr / 10}", f"data.split_seed={split['split_seed']}",
+            f"train.out_dir={out_dir}", "train.save_every=0", "train.progress=false", "train.eval_every=0",
+            "train.log_every=1", f"data.cache_dir={work / 'cache'}"]
+
+
+def train_on_split(config: Path, sets: list[str], out_dir: Path, split: dict, name: str) -> Path:
+    """Train one run (`looped_lm.train`, one thread) -> its last checkpoint, once its val.bin is known to be
+    the one `split` cut into dev and test."""
+    common.python("-m", "looped_lm.train", "--config", config, *[a for s in sets for a in ("--set", s)])
+    ckpt = sorted(out_dir.glob("step_*"))[-1]
+    run_val = Path(json.loads((ckpt / "manifest.json").read_text())["data"]["dir"]).resolve() / "val.bin"
+    if run_val != Path(split["val"]):
+        raise SystemExit(f"{name}: the run's val.bin {run_val} is not the one split into dev/test {split['val']}")
+    return ckpt
+
+
+def block_steps(out_dir: Path, blocks: int) -> list[int]:
+    """How many steps trained each block, from the run's metrics.jsonl (one line per step names its block)."""
+    log = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [sum(1 for r in log if r.get("block") == b) for b in range(blocks)]
+
+
 def protocol_run(blocks: int, rule: str, lr: float, seed: int, work: Path, split: dict, out_root: Path,
                  extra_sets: list[str]) -> dict:
     name = protocol_name(blocks, rule, lr, seed)
     out_dir = work / name
-    sets = [*STUDY_PINS, f"diffusion.num_blocks={blocks}", f"diffusion.block_sampling={rule}", f"train.seed={seed}",
-            f"train.lr={lr}", f"train.min_lr={lr / 10}", f"data.split_seed={split['split_seed']}",
-            f"train.out_dir={out_dir}", "train.save_every=0", "train.progress=false", "train.eval_every=0",
-            "train.log_every=1", f"data.cache_dir={work / 'cache'}", *extra_sets]
-    c0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.time()
-    common.python("-m", "looped_lm.train", "--config", ROOT / "configs/quickstart_db.yaml",
-                  *[a for s in sets for a in ("--set", s)])
-    ckpt = sorted(out_dir.glob("step_*"))[-1]
-    manifest = json.loads((ckpt / "manifest.json").read_text())
-    run_val = Path(manifest["data"]["dir"]).resolve() / "val.bin"
-    if run_val != Path(split["val"]):
-        raise SystemExit(f"{name}: the run's val.bin {run_val} is not the one split into dev/test {split['val']}")
+    sets = [*STUDY_PINS, f"diffusion.num_blocks={blocks}", f"diffusion.block_sampling={rule}",
+            *run_sets(lr, seed, split, out_dir, work), *extra_sets]
+    c0, t0 = common.children_cpu_s(), time.time()
+    ckpt = train_on_split(ROOT / "configs/quickstart_db.yaml", sets, out_dir, split, name)
     t_train = time.time()
     dev = eval_json(ckpt, split["dev"], work / f"{name}_dev.json", ["--num-iterations", "0"])
     test = eval_json(ckpt, split["test"], work / f"{name}_test.json", ["--num-iterations", "0"])
     rep = eval_json(ckpt, split["test"], work / f"{name}_test_chain.json", chain_args(blocks))
-    c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    chain = {**chain_of(rep, blocks), "tilt_gate": True}
-    log = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    counts = [sum(1 for r in log if r.get("block") == b) for b in range(blocks)]  # one line per step names its block
+    cpu_s = round(common.children_cpu_s() - c0, 1)
+    counts = block_steps(out_dir, blocks)
     result = {
         "protocol": "dev/test halves of the held-out split; lr chosen on dev ppl@0", "blocks": blocks, "rule": rule,
         "lr": lr, "min_lr": lr / 10, "seed": seed, "split_seed": split["split_seed"], "steps": int(ckpt.name.split("_")[1]),
         "extra_sets": extra_sets, "split": {key: split[key] for key in ("val_tokens", "dev_tokens", "test_tokens", "dtype")},
         "dev": {"ppl0": dev["ppl"], "nll0": dev["nll"], "tokens_scored": dev["tokens"]},
         "test": {"ppl0": test["ppl"], "nll0": test["nll"], "tokens_scored": test["tokens"]},
-        "test_chain": chain, "logged_block_share": [c / max(sum(counts), 1) for c in counts], "logged_block_steps": counts,
-        "curve": manifest["model_state"].get("curve") or {}, "cpu_s": round((c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime), 1),
+        "test_chain": {**chain_of(rep, blocks), "tilt_gate": True},
+        "logged_block_share": [c / max(sum(counts), 1) for c in counts], "logged_block_steps": counts,
+        "curve": json.loads((ckpt / "manifest.json").read_text())["model_state"].get("curve") or {}, "cpu_s": cpu_s,
         "wall_s": round(time.time() - t0, 1), "train_wall_s": round(t_train - t0, 1), "load": os.getloadavg()[0],
-        "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "finished_utc": common.utc_now(),
     }
     common.write_json(out_root / f"{name}.json", result)
     return result
@@ -141,16 +156,8 @@ def chain_args(blocks: int) -> list[str]:
     return ["--num-iterations", str(blocks), "--max-tokens", "8192", "--draws", str(CHAIN_DRAWS)]
 
 
-def ratio_line(label: str, seeds: list, ratios: list[float], n_note: str) -> str:
-    """- label: per-seed ratios; their geometric mean and t 95 % interval on the logs (common.ratio_ci)."""
-    geo, lo, hi = common.ratio_ci(ratios)
-    per = ", ".join(f"s{s} {x:.3f}" for s, x in zip(seeds, ratios))
-    ci = f"95 % t interval [{lo:.3f}, {hi:.3f}]" if len(ratios) > 1 else "no interval with one seed"
-    return f"- {label}: {per}; geometric mean {geo:.3f}, {ci} ({n_note})"
-
-
 def protocol_runs(out_root: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(out_root.glob("B*_lr*_s*.json"))]
+    return common.read_jsons(out_root, "B*_lr*_s*.json")
 
 
 def chosen_lrs(runs: list[dict], blocks: int, sweep_seed: int) -> dict:
@@ -199,11 +206,10 @@ def protocol_report(out_root: Path, sweep_seed: int) -> str:
             pairs = [(s, a, b) for s, a, b in pairs if a is not None and b is not None]
             if not pairs:
                 continue
-            n = len(pairs)
-            lines.append(ratio_line(label, [s for s, _, _ in pairs], [a / b for _, a, b in pairs],
-                                    f"n = {n} seeds, t on the log ratios, {n - 1} df"))
+            lines.append(f"- {label}: {common.paired([s for s, _, _ in pairs], [a / b for _, a, b in pairs])} "
+                         f"(n = {len(pairs)} seeds, t on the log ratios, {len(pairs) - 1} df)")
         lines.append("")
-    return _write(out_root / "report.md", lines)
+    return common.write_lines(out_root / "report.md", lines)
 
 
 CLEAN_LM_RECIPE = {"blocks": 2, "rule": "network_gain", "lr": 1e-3}  # the recipe protocol/plan.md tunes the weight on
@@ -253,7 +259,7 @@ def clean_lm_report(out_root: Path = OUT, protocol_root: Path = PROTOCOL_OUT, sw
         lines.append(f"| {w:g}{' (chosen)' if w == chosen else ''} | {swept[w]['dev']['ppl0']:.3f} | {extra} |")
     if chosen is None or chosen == 0:
         lines += ["", "Weight 0 is chosen: nothing to pair." if chosen == 0 else "No sweep run yet."]
-        return _write(out_root / "clean_lm_report.md", lines)
+        return common.write_lines(out_root / "clean_lm_report.md", lines)
     edge = " (the grid's top edge)" if chosen == max(swept) else ""
     lines += ["", f"Chosen weight: {chosen:g}{edge}.", "", f"## Test, weight {chosen:g} against weight 0", "",
               f"| seed | weight | steps | test ppl@0 | test ppl@{B} (se) |", "|---|---|---|---|---|"]
@@ -277,21 +283,14 @@ def clean_lm_report(out_root: Path = OUT, protocol_root: Path = PROTOCOL_OUT, sw
         for label, get in (("ppl@0", lambda r: r["test"]["ppl0"]), (f"ppl@{B}", lambda r: r["test_chain"]["ppl"])):
             ratios = [get(by[chosen][s]) / get(base[s]) for s in paired]
             interval[label] = common.ratio_ci(ratios)
-            lines.append(ratio_line(label, paired, ratios, f"n = {len(paired)} seeds"))
+            lines.append(f"- {label}: {common.paired(paired, ratios)} (n = {len(paired)} seeds)")
         if len(paired) > 1:
             verdicts.append(interval["ppl@0"][2] < 1 and interval[f"ppl@{B}"][0] < 1)
     if len(verdicts) == 2:
         met = all(verdicts)
         lines += ["", f"Plan's rule (ppl@0's upper bound < 1 and ppl@{B}'s geometric mean < 1, at equal steps and "
                   f"against the equal-FLOPs control): **{'met: the weight becomes the DB quickstart default' if met else 'not met: the default stays 0'}**."]
-    return _write(out_root / "clean_lm_report.md", lines)
-
-
-def _write(path: Path, lines: list[str]) -> str:
-    text = "\n".join(lines) + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    return text
+    return common.write_lines(out_root / "clean_lm_report.md", lines)
 
 
 def protocol_main(args) -> None:

@@ -1,6 +1,7 @@
 """What the bench scripts share (bench/ is not a package: a script puts bench/ on sys.path and imports this):
 counted FLOPs and saved-for-backward bytes of one training step, the git commit, `python -m` runs, a server
-process's port and start, JSON files, subprocess lanes and 95 % intervals.
+process's port and start, JSON and markdown files, subprocess lanes, a process pool that runs a study's stages,
+95 % intervals and paired ratios.
 
 The equal-FLOPs training loop that was here (`plan_steps`, `train`, `train_bible_db`; bench/scaleout.py's
 `split` and the retired quality study's, bench/quality.py at commit a2d4a89) is this file at commit daf8543.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -71,9 +73,35 @@ def python(*args, threads: int | None = 1) -> str:
 
 
 def write_json(path: Path, data, indent: int = 1) -> None:
+    """Write `data` as JSON, atomically (a reader never sees half a file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=indent) + "\n")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=indent) + "\n")
+    tmp.replace(path)
+
+
+def read_jsons(folder: Path, pattern: str = "*.json") -> list[dict]:
+    """Every JSON in `folder` matching `pattern`, in file-name order."""
+    return [json.loads(p.read_text()) for p in sorted(Path(folder).glob(pattern))]
+
+
+def write_lines(path: Path, lines: list[str]) -> str:
+    """A markdown report: `lines` joined, a final newline; written to `path` and returned."""
+    text = "\n".join(lines) + "\n"
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(text)
+    return text
+
+
+def utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def children_cpu_s() -> float:
+    """CPU seconds (user + system) of this process's finished child processes."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def free_port() -> int:
@@ -115,6 +143,26 @@ def run_lanes(jobs: list[tuple[list[str], Path | None]], lanes: int, env: dict |
     return failed
 
 
+def run_pool(workers: int, ready, done) -> None:
+    """A study's stages, `workers` processes at a time: ready() -> the jobs that can start now, as (key, fn,
+    args) (a key already running is not started twice); done(key, result) as each finishes; until ready()
+    offers nothing and nothing runs."""
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    running: dict = {}
+    with ProcessPoolExecutor(workers) as pool:
+        while True:
+            for key, fn, args in ready():
+                if len(running) < workers and key not in running.values():
+                    running[pool.submit(fn, *args)] = key
+                    print(f"start {key}", flush=True)
+            if not running:
+                return
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                done(running.pop(fut), fut.result())
+
+
 def ci(values: list[float]) -> tuple[float, float]:
     """(mean, half-width of the Student-t 95 % interval; nan for one value)."""
     from scipy.stats import t
@@ -129,3 +177,11 @@ def ratio_ci(ratios: list[float]) -> tuple[float, float, float]:
     """(geometric mean, 95 % low, 95 % high) of ratios: a Student-t interval on their logs (nan bounds for one)."""
     m, h = ci([math.log(x) for x in ratios])
     return math.exp(m), math.exp(m - h), math.exp(m + h)
+
+
+def paired(seeds: list, ratios: list[float]) -> str:
+    """Per-seed ratios and their geometric mean with its t 95 % interval on the logs: "s0 0.912, s1 0.934;
+    geometric mean 0.923, 95 % t interval [0.812, 1.049]"."""
+    geo, lo, hi = ratio_ci(ratios)
+    return (", ".join(f"s{s} {x:.3f}" for s, x in zip(seeds, ratios)) + f"; geometric mean {geo:.3f}, "
+            + (f"95 % t interval [{lo:.3f}, {hi:.3f}]" if len(ratios) > 1 else "no interval with one seed"))

@@ -23,19 +23,16 @@ import argparse
 import json
 import math
 import os
-import resource
 import shutil
-import subprocess
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, wait, FIRST_COMPLETED
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import allocation  # noqa: E402  (bench/ is not a package)
 import common  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = common.ROOT
 OUT = ROOT / "bench" / "results" / "decision"
 WORK = Path("/tmp/looped_lm_decision")
 DB_STEPS = 1000
@@ -94,19 +91,20 @@ def config_path(arm: str) -> Path:
     return derived
 
 
-def load(arm: str, sets: list[str]):
+def load(arm: str):
     from looped_lm.config import load_config
 
-    return load_config(str(config_path(arm)), [*ARMS[arm]["sets"], *sets])
+    return load_config(str(config_path(arm)), ARMS[arm]["sets"])
 
 
 def huginn_steps(arm: str, vocab: int, total: float) -> dict:
     """{seed: the most steps whose FLOPs, each at the recurrence r the trainer draws for it, fit `total`}."""
-    from looped_lm.kinds import get_kind
-    from looped_lm.models.huginn import sample_recurrence
     import torch
 
-    cfg, kind = load(arm, []), get_kind("huginn")
+    from looped_lm.kinds import get_kind
+    from looped_lm.models.huginn import sample_recurrence
+
+    cfg, kind = load(arm), get_kind("huginn")
     out = {}
     for seed in SEEDS:
         spent, step = 0.0, 0
@@ -121,40 +119,33 @@ def huginn_steps(arm: str, vocab: int, total: float) -> dict:
 
 
 def budget(vocab: int) -> dict:
-    """The DB recipe's training FLOPs (matmuls, looped_lm.cost) and the steps each gpt arm gets for them."""
+    """The DB recipe's training FLOPs (matmuls, looped_lm.cost) and the steps each other arm gets for them."""
     from looped_lm.kinds import get_kind
 
-    db = load("db_b2", [])
-    kind, batch = get_kind("db_ar"), db.train.batch_size
-    steps = sum(kind.step_flops(db, vocab, batch, key=b) for b in range(2)) / 2  # independent: equal blocks
-    refreshes = DB_STEPS // db.diffusion.curve_every
-    curve = kind.curve_flops(db, vocab, batch)
+    db, kind = load("db_b2"), get_kind("db_ar")
+    block_mean = lambda cfg: sum(kind.step_flops(cfg, vocab, cfg.train.batch_size, key=b) for b in range(2)) / 2  # noqa: E731
+    steps, curve, refreshes = block_mean(db), kind.curve_flops(db, vocab, db.train.batch_size), DB_STEPS // db.diffusion.curve_every
     total = DB_STEPS * steps + refreshes * curve
     out = {"vocab": vocab, "db_step_flops": steps, "db_curve_flops": curve, "db_refreshes": refreshes,
            "db_total_flops": total, "arm_steps": {"db_b2": DB_STEPS}}
     for arm in ARMS:
+        cfg = load(arm)
         if arm.startswith("gpt"):
-            gpt = load(arm, [])
-            f = get_kind("gpt").step_flops(gpt, vocab, gpt.train.batch_size)
+            f = get_kind("gpt").step_flops(cfg, vocab, cfg.train.batch_size)
         elif arm in CONTROL_ARMS:  # blocks in turn: the mean of the blocks' steps (block 1 also runs frozen block 0)
-            ctl = load(arm, [])
-            f = sum(kind.step_flops(ctl, vocab, ctl.train.batch_size, key=b) for b in range(2)) / 2
+            f = block_mean(cfg)
         elif arm == "looped_db":  # the looped row's budget: its shipped 1000 steps (one block, no curve)
-            looped = load(arm, [])
-            f = get_kind("looped_db").step_flops(looped, vocab, looped.train.batch_size)
-            out["arm_steps"][arm], out["looped_total_flops"] = looped.train.max_steps, looped.train.max_steps * f
-            out["huginn_steps_by_seed"] = huginn_steps("huginn", vocab, out["looped_total_flops"])
-            out["arm_steps"]["huginn"] = out["huginn_steps_by_seed"]
+            f = get_kind("looped_db").step_flops(cfg, vocab, cfg.train.batch_size)
+            out["arm_steps"][arm], out["looped_total_flops"] = cfg.train.max_steps, cfg.train.max_steps * f
+            out["huginn_steps_by_seed"] = out["arm_steps"]["huginn"] = huginn_steps("huginn", vocab, out["looped_total_flops"])
             continue
         elif arm == "db_b4":  # the most steps whose cost, curve refreshes included, fits the budget
-            b4 = load(arm, [])
-            f = kind.step_flops(b4, vocab, b4.train.batch_size, key=0)  # equal blocks: the same cost each
-            refresh = kind.curve_flops(b4, vocab, b4.train.batch_size)
-            cost = lambda n: n * f + n // b4.diffusion.curve_every * refresh  # noqa: E731  (refreshes at 100, 200, ...)
-            steps = int(total // (f + refresh / b4.diffusion.curve_every))  # a lower bound: refreshes are floored
-            while cost(steps + 1) <= total:
-                steps += 1
-            out["arm_steps"][arm], out[f"{arm}_step_flops"], out[f"{arm}_curve_flops"] = steps, f, refresh
+            f = kind.step_flops(cfg, vocab, cfg.train.batch_size, key=0)  # equal blocks: the same cost each
+            refresh, every = kind.curve_flops(cfg, vocab, cfg.train.batch_size), cfg.diffusion.curve_every
+            n = int(total // (f + refresh / every))  # a lower bound: refreshes (at 100, 200, ...) are floored
+            while (n + 1) * f + (n + 1) // every * refresh <= total:
+                n += 1
+            out["arm_steps"][arm], out[f"{arm}_step_flops"], out[f"{arm}_curve_flops"] = n, f, refresh
             continue
         else:
             continue
@@ -172,56 +163,42 @@ def run_one(arm: str, lr: float, warmup: int, seed: int, steps: int, split: dict
     tag = name(arm, lr, warmup, seed)
     out_dir = WORK / tag
     shutil.rmtree(out_dir, ignore_errors=True)  # a run without its JSON starts fresh (train.resume is auto)
-    sets = [f"train.max_steps={steps}", f"train.seed={seed}", f"train.lr={lr}", f"train.min_lr={lr / 10}",
-            f"train.warmup_steps={warmup}", f"data.split_seed={split['split_seed']}", f"train.out_dir={out_dir}",
-            "train.save_every=0", "train.progress=false", "train.eval_every=0", "train.log_every=1",
-            f"data.cache_dir={WORK / 'cache'}", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    c0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.time()
-    cmd = [sys.executable, "-m", "looped_lm.train", "--config", str(config_path(arm))]
-    done = subprocess.run(cmd + [a for s in [*ARMS[arm]["sets"], *sets] for a in ("--set", s)], env=env, cwd=ROOT,
-                          capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"{tag}: training failed: {done.stderr[-2000:]}")
-    ckpt = sorted(out_dir.glob("step_*"))[-1]
-    manifest = json.loads((ckpt / "manifest.json").read_text())
-    if (Path(manifest["data"]["dir"]).resolve() / "val.bin") != Path(split["val"]):
-        raise RuntimeError(f"{tag}: its val.bin is not the one split into dev/test ({split['val']})")
+    c0, t0 = common.children_cpu_s(), time.time()
+    sets = [*ARMS[arm]["sets"], f"train.max_steps={steps}", f"train.warmup_steps={warmup}",
+            *allocation.run_sets(lr, seed, split, out_dir, WORK), *extra]
+    ckpt = allocation.train_on_split(config_path(arm), sets, out_dir, split, tag)
     blocks, clean = ARMS[arm]["blocks"], ARMS[arm].get("clean", False)
     exact = ["--num-iterations", "0"] if blocks else []
-    dev = allocation.eval_json(ckpt, split["dev"], WORK / f"{tag}_dev.json", env, exact)
-    test = allocation.eval_json(ckpt, split["test"], WORK / f"{tag}_test.json", env, exact)
-    # an arm's score ("ppl", what the sweep chooses on and the ratios use): ppl@0 for the DB recipe, the
-    # clean readout for a control arm (ctl_both's ppl@0 is kept beside it as "ppl0"), ppl for gpt
-    score = (lambda rep: {"ppl": rep["ppl_clean"], "nll": rep["nll_clean"], "tokens": rep["tokens"],
-                          **({"ppl0": rep["ppl"]} if rep.get("primary") != "clean" else {})}) if clean else \
-        (lambda rep: {"ppl": rep["ppl"], "nll": rep["nll"], "tokens": rep["tokens"]})
+
+    def score(split_name: str) -> dict:
+        """An arm's score ("ppl", what the sweep chooses on and the ratios use): ppl@0 for the DB recipe, the
+        clean readout for a control arm (ctl_both's ppl@0 is kept beside it as "ppl0"), ppl for gpt."""
+        rep = allocation.eval_json(ckpt, split[split_name], WORK / f"{tag}_{split_name}.json", exact)
+        if not clean:
+            return {"ppl": rep["ppl"], "nll": rep["nll"], "tokens": rep["tokens"]}
+        return {"ppl": rep["ppl_clean"], "nll": rep["nll_clean"], "tokens": rep["tokens"],
+                **({"ppl0": rep["ppl"]} if rep.get("primary") != "clean" else {})}
+
     result = {"arm": arm, "lr": lr, "min_lr": lr / 10, "warmup": warmup, "seed": seed, "steps": int(ckpt.name[5:]),
               "extra_sets": extra, "split": {k: split[k] for k in ("split_seed", "val_tokens", "dev_tokens", "test_tokens")},
-              "dev": score(dev), "test": score(test)}
-    if clean:
-        result["block_steps"] = allocation.logged_block_steps(out_dir, blocks)
-    elif blocks and seed != 0:  # the chain (sensitivity only) on the seed runs; the sweep chooses on exact ppl@0
-        k = ARMS[arm].get("chain_k", blocks)
-        rep = allocation.eval_json(ckpt, split["test"], WORK / f"{tag}_chain.json", env, allocation.chain_args(k))
-        result["test_chain"] = allocation.chain_of(rep, k)
-        counts = allocation.logged_block_steps(out_dir, blocks)
-        result["block_steps"] = counts
-    c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    result.update(cpu_s=round((c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime), 1),
-                  wall_s=round(time.time() - t0, 1), commit=common.git_commit(),
-                  finished_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    path = OUT / arm / f"{tag}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
+              "dev": score("dev"), "test": score("test")}
+    if blocks and (clean or seed != 0):
+        if not clean:  # the chain (sensitivity only) on the seed runs; the sweep chooses on exact ppl@0
+            k = ARMS[arm].get("chain_k", blocks)
+            rep = allocation.eval_json(ckpt, split["test"], WORK / f"{tag}_chain.json", allocation.chain_args(k))
+            result["test_chain"] = allocation.chain_of(rep, k)
+        result["block_steps"] = allocation.block_steps(out_dir, blocks)
+    result.update(cpu_s=round(common.children_cpu_s() - c0, 1), wall_s=round(time.time() - t0, 1),
+                  commit=common.git_commit(), finished_utc=common.utc_now())
+    common.write_json(OUT / arm / f"{tag}.json", result)
     return result
 
 
 def runs(arm: str) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted((OUT / arm).glob("*.json"))]
+    return common.read_jsons(OUT / arm)
 
 
-def best(rows: list[dict], key: str) -> dict | None:
+def best(rows: list[dict]) -> dict | None:
     return min(rows, key=lambda r: r["dev"]["ppl"]) if rows else None
 
 
@@ -233,7 +210,7 @@ def next_jobs(arm: str, have: list[dict]) -> tuple[list[tuple], str]:
     missing = [(lr, WARMUP0, 0) for lr in LRS if not any(math.isclose(r["lr"], lr) for r in lr_rows)]
     if missing:
         return missing, "lr"
-    lr = best(lr_rows, "lr")["lr"]
+    lr = best(lr_rows)["lr"]
     for edge, out in LR_OUT.items():  # an edge optimum adds the next rate out, once
         if math.isclose(lr, edge) and edge == (lrs[0] if out < edge else lrs[-1]):
             return [(out, WARMUP0, 0)], "lr edge"
@@ -242,7 +219,7 @@ def next_jobs(arm: str, have: list[dict]) -> tuple[list[tuple], str]:
     missing = [(lr, w, 0) for w in WARMUPS if w not in wus]
     if missing:
         return missing, "warm-up"
-    wu = best(wu_rows, "warmup")["warmup"]
+    wu = best(wu_rows)["warmup"]
     if wu in WARMUP_OUT and wu == (wus[0] if WARMUP_OUT[wu] < wu else wus[-1]):
         return [(lr, WARMUP_OUT[wu], 0)], "warm-up edge"
     done = {r["seed"] for r in have if math.isclose(r["lr"], lr) and r["warmup"] == wu}
@@ -251,44 +228,33 @@ def next_jobs(arm: str, have: list[dict]) -> tuple[list[tuple], str]:
 
 def run_all(workers: int, arms: list[str], extra: list[str]) -> None:
     split = allocation.protocol_split(WORK, 0)
-    vocab = json.loads((Path(split["val"]).parent / "meta.json").read_text())["vocab_size"]
-    b = budget(vocab)
-    (OUT / "budget.json").parent.mkdir(parents=True, exist_ok=True)
-    (OUT / "budget.json").write_text(json.dumps(b, indent=1))
+    b = budget(json.loads((Path(split["val"]).parent / "meta.json").read_text())["vocab_size"])
+    common.write_json(OUT / "budget.json", b)
     print(f"budget: {b}", flush=True)
-    running: dict = {}
-    with ProcessPoolExecutor(workers) as pool:
-        while True:
-            # one job per arm in turn, the arm with the fewest finished runs first, so every arm advances
-            ready = {arm: next_jobs(arm, runs(arm)) for arm in sorted(arms, key=lambda a: len(runs(a)))}
-            queue = [(arm, job, stage) for i in range(len(LRS) + len(SEEDS))
-                     for arm, (jobs, stage) in ready.items() if i < len(jobs) for job in [jobs[i]]]
-            for arm, job, stage in queue:
-                if (arm, *job) in running.values() or len(running) >= workers:
-                    continue
-                steps = b["arm_steps"][arm]
-                steps = steps[str(job[2])] if isinstance(steps, dict) else steps  # huginn: by seed
-                fut = pool.submit(run_one, arm, *job, steps, split, extra)
-                running[fut] = (arm, *job)
-                print(f"start {arm} lr {job[0]:g} wu {job[1]} s{job[2]} ({stage})", flush=True)
-            if not running:
-                break
-            finished, _ = wait(running, return_when=FIRST_COMPLETED)
-            for fut in finished:
-                key = running.pop(fut)
-                r = fut.result()
-                print(f"done {key}: dev {r['dev']['ppl']:.3f} test {r['test']['ppl']:.3f} ({r['cpu_s']} CPU-s)", flush=True)
+
+    def ready() -> list[tuple]:
+        """One job per arm in turn, the arm with the fewest finished runs first, so every arm advances."""
+        jobs = {arm: next_jobs(arm, runs(arm)) for arm in sorted(arms, key=lambda a: len(runs(a)))}
+        queue = [(arm, job, stage) for i in range(len(LRS) + len(SEEDS))
+                 for arm, (todo, stage) in jobs.items() if i < len(todo) for job in [todo[i]]]
+        return [((arm, *job), run_one, (arm, *job, steps(arm, job[2]), split, extra)) for arm, job, _ in queue]
+
+    def steps(arm: str, seed: int) -> int:
+        n = b["arm_steps"][arm]
+        return n[str(seed)] if isinstance(n, dict) else n  # huginn's: by seed
+
+    common.run_pool(workers, ready, lambda key, r: print(f"done {key}: dev {r['dev']['ppl']:.3f} test "
+                                                         f"{r['test']['ppl']:.3f} ({r['cpu_s']} CPU-s)", flush=True))
     print(report())
 
 
 def chosen(arm: str) -> tuple[float, int] | None:
     have = runs(arm)
-    jobs, stage = next_jobs(arm, have)
-    if stage != "seeds":
+    if next_jobs(arm, have)[1] != "seeds":
         return None
-    lr_rows = [r for r in have if r["seed"] == 0 and r["warmup"] == WARMUP0]
-    lr = best(lr_rows, "lr")["lr"]
-    return lr, best([r for r in have if r["seed"] == 0 and math.isclose(r["lr"], lr)], "warmup")["warmup"]
+    sweep = [r for r in have if r["seed"] == 0]
+    lr = best([r for r in sweep if r["warmup"] == WARMUP0])["lr"]
+    return lr, best([r for r in sweep if math.isclose(r["lr"], lr)])["warmup"]
 
 
 def arm_table(arm: str) -> list[str]:
@@ -320,107 +286,83 @@ def at_choice(arm: str) -> dict:
     return {r["seed"]: r for r in runs(arm) if c and math.isclose(r["lr"], c[0]) and r["warmup"] == c[1]}
 
 
-def paired_row(num: str, den: str, lower: tuple[str, str], key=lambda r: r["test"]["ppl"]) -> str:
+def paired_row(num: str, den: str, lower: tuple[str, str]) -> str:
     """The plan's statistic: paired per-seed test ratios num / den, geometric mean and t 95 % interval."""
     a, b = at_choice(num), at_choice(den)
     seeds = sorted(set(a) & set(b))
     if len(seeds) < 2:
         return f"- {num} / {den}: {len(seeds)} paired seed(s); no interval yet"
-    ratios = [key(a[s]) / key(b[s]) for s in seeds]
-    geo, lo, hi = common.ratio_ci(ratios)
+    ratios = [a[s]["test"]["ppl"] / b[s]["test"]["ppl"] for s in seeds]
+    _, lo, hi = common.ratio_ci(ratios)
     verdict = f"{lower[0]} lower" if hi < 1 else f"{lower[1]} lower" if lo > 1 else "not separated"
-    return (f"- {num} / {den}: " + ", ".join(f"s{s} {x:.3f}" for s, x in zip(seeds, ratios))
-            + f"; geometric mean {geo:.3f}, 95 % t interval [{lo:.3f}, {hi:.3f}] (n = {len(seeds)}): **{verdict}**"
+    return (f"- {num} / {den}: {common.paired(seeds, ratios)} (n = {len(seeds)}): **{verdict}**"
             + ("" if len(seeds) == len(SEEDS) else " (fewer seeds than planned: no verdict)"))
+
+
+def sensitivity(arm: str, what: str, tail=lambda chain: "") -> list[str]:
+    """The arm's served chain against its ppl@0 on the chain's own first 8,192 test tokens, per seed (gpt was not
+    scored on those tokens, so the chain enters through this ratio, not through a mixed one)."""
+    chain = [r["test_chain"] for _, r in sorted(at_choice(arm).items()) if r.get("test_chain", {}).get("ppl")]
+    return [f"- sensitivity, {what} on the same first 8,192 test tokens: "
+            + ", ".join(f"{c['ppl'] / c['ppl0_same_tokens']:.4f}" for c in chain) + tail(chain)] if chain else []
+
+
+def write_report(file: str, title: str, intro: list[str], arms: list[str], ratios: str, rows: list[str]) -> str:
+    lines = [f"# {title}", "", *intro, ""]
+    for arm in arms:
+        lines += arm_table(arm)
+    return common.write_lines(OUT / file, [*lines, f"## {ratios}", "", *rows])
+
+
+def written(plan: str, s: str = "") -> str:
+    return f"Written by `bench/decision.py report`; plan, statistic{s} and rules: {plan} (written before the runs)."
+
+
+def steps_of(b: dict, arms: list[str]) -> str:
+    return ", ".join(f"{a} {b['arm_steps'][a]}" for a in arms)
 
 
 def report() -> str:
     b = json.loads((OUT / "budget.json").read_text())
-    lines = ["# The decision row: the DB recipe against tuned end-to-end gpt at equal training FLOPs", "",
-             "Written by `bench/decision.py report`; plan, statistic and rules: plan.md (written before the runs).",
-             f"Budget: DB {b['arm_steps']['db_b2']} steps + {b['db_refreshes']} curve refreshes = "
-             f"{b['db_total_flops']:.3e} matmul FLOPs; gpt steps for it: "
-             + ", ".join(f"{a} {b['arm_steps'][a]}" for a in DECISION_ARMS if a != "db_b2") + ".", ""]
-    for arm in DECISION_ARMS:
-        lines += arm_table(arm)
-    lines += ["## Paired test ratios, DB recipe ppl@0 / gpt ppl (same seed)", ""]
-    lines += [paired_row("db_b2", gpt, ("DB", "gpt")) for gpt in ("gpt_4l", "gpt_2l")]
-    # sensitivity: the served K = B chain scores what ppl@0 scores (on the chain's own 8,192 tokens); gpt was not
-    # scored on those tokens, so the chain enters through its ratio to ppl@0 there, not through a mixed ratio
-    chain = [r["test_chain"] for s, r in sorted(at_choice("db_b2").items()) if r.get("test_chain", {}).get("ppl")]
-    if chain:
-        ratios = [c["ppl"] / c["ppl0_same_tokens"] for c in chain]
-        lines.append(f"- sensitivity, DB ppl@2 (the K = B chain, 16 draws) / DB ppl@0 on the same first 8,192 test "
-                     f"tokens: " + ", ".join(f"{x:.4f}" for x in ratios) + f" ({len(chain)} seeds; se of ppl@2 "
-                     f"{max(c['se'] for c in chain):.4f} at most): the chain scores ppl@0, so the rows above hold for the "
-                     "served model")
-    text = "\n".join(lines) + "\n"
-    (OUT / "report.md").write_text(text)
+    served = lambda chain: (f" ({len(chain)} seeds; se of ppl@2 {max(c['se'] for c in chain):.4f} at most): the "  # noqa: E731
+                            "chain scores ppl@0, so the rows above hold for the served model")
+    text = write_report(
+        "report.md", "The decision row: the DB recipe against tuned end-to-end gpt at equal training FLOPs",
+        [written("plan.md"), f"Budget: DB {b['arm_steps']['db_b2']} steps + {b['db_refreshes']} curve "
+         f"refreshes = {b['db_total_flops']:.3e} matmul FLOPs; gpt steps for it: {steps_of(b, DECISION_ARMS[1:])}."],
+        DECISION_ARMS, "Paired test ratios, DB recipe ppl@0 / gpt ppl (same seed)",
+        [*(paired_row("db_b2", gpt, ("DB", "gpt")) for gpt in ("gpt_4l", "gpt_2l")),
+         *sensitivity("db_b2", "DB ppl@2 (the K = B chain, 16 draws) / DB ppl@0", served)])
     if any(runs(arm) for arm in CONTROL_ARMS):
-        text += "\n" + controls_report(b)
+        text += "\n" + write_report(
+            "controls_report.md", "The control arms: what the denoising term adds, at equal training FLOPs",
+            [written("controls_plan.md", "s") + f" Budget: the DB recipe's "
+             f"{b['db_total_flops']:.3e} matmul FLOPs; steps for it: {steps_of(b, CONTROL_ARMS)}. Each control arm's "
+             "score is its clean readout (eval's ppl_clean, exact); ctl_both's ppl@0 is shown beside it."],
+            CONTROL_ARMS, "Paired test ratios (same seed)",
+            [paired_row("ctl_both", "ctl_clean", ("with denoising", "without denoising")),
+             paired_row("db_b2", "ctl_clean", ("DB recipe", "ctl_clean")),
+             *(paired_row(ctl, gpt, (ctl, gpt)) for ctl in CONTROL_ARMS for gpt in ("gpt_4l", "gpt_2l")),
+             *(["- sensitivity, ctl_both's ppl@0 (its denoiser's one call) / its ppl_clean on test: " + ", ".join(
+                 f"s{s} {r['test']['ppl0'] / r['test']['ppl']:.3f}" for s, r in sorted(at_choice("ctl_both").items()))]
+               if at_choice("ctl_both") else [])])
     if any(runs(arm) for arm in B4_ARMS):
-        text += "\n" + b4_report(b)
+        text += "\n" + write_report(
+            "b4_report.md", "The decision row at B = 4: 4 blocks of 1 layer against gpt 4L and gpt 1L at equal training "
+            "FLOPs", [written("b4_plan.md") + f" Budget: {b['db_total_flops']:.3e} matmul FLOPs (the "
+                      f"B = 2 row's); steps for it: {steps_of(b, [*B4_ARMS, 'gpt_4l'])} (gpt_4l: the B = 2 row's runs)."],
+            B4_ARMS, "Paired test ratios, DB B = 4 ppl@0 / gpt ppl (same seed)",
+            [*(paired_row("db_b4", gpt, ("DB", "gpt")) for gpt in ("gpt_4l", "gpt_1l")),
+             *sensitivity("db_b4", "DB ppl@4 (the K = B chain, 16 draws) / DB ppl@0")])
     if any(runs(arm) for arm in LOOPED_ARMS):
-        text += "\n" + looped_report(b)
-    return text
-
-
-def looped_report(b: dict) -> str:
-    steps = b["huginn_steps_by_seed"]
-    lines = ["# looped_db against huginn on text at equal training FLOPs", "",
-             "Written by `bench/decision.py report`; plan, statistic and rules: looped_plan.md (written before the runs). "
-             f"Budget: looped_db's {b['arm_steps']['looped_db']} steps = {b['looped_total_flops']:.3e} matmul FLOPs; "
-             "huginn's steps for it, by seed (its r is drawn per step): "
-             + ", ".join(f"s{s} {n}" for s, n in steps.items()) + ".", ""]
-    for arm in LOOPED_ARMS:
-        lines += arm_table(arm)
-    lines += ["## Paired test ratios, looped_db ppl@0 / huginn ppl at K = 8 (same seed)", "",
-              paired_row("looped_db", "huginn", ("looped_db", "huginn"))]
-    chain = [r["test_chain"] for s, r in sorted(at_choice("looped_db").items()) if r.get("test_chain", {}).get("ppl")]
-    if chain:
-        lines.append("- sensitivity, looped_db ppl@4 (its configured K, 16 draws) / its ppl@0 on the same first 8,192 "
-                     "test tokens: " + ", ".join(f"{c['ppl'] / c['ppl0_same_tokens']:.4f}" for c in chain))
-    text = "\n".join(lines) + "\n"
-    (OUT / "looped_report.md").write_text(text)
-    return text
-
-
-def b4_report(b: dict) -> str:
-    lines = ["# The decision row at B = 4: 4 blocks of 1 layer against gpt 4L and gpt 1L at equal training FLOPs", "",
-             "Written by `bench/decision.py report`; plan, statistic and rules: b4_plan.md (written before the runs). "
-             f"Budget: {b['db_total_flops']:.3e} matmul FLOPs (the B = 2 row's); steps for it: "
-             + ", ".join(f"{a} {b['arm_steps'][a]}" for a in [*B4_ARMS, "gpt_4l"]) + " (gpt_4l: the B = 2 row's runs).", ""]
-    for arm in B4_ARMS:
-        lines += arm_table(arm)
-    lines += ["## Paired test ratios, DB B = 4 ppl@0 / gpt ppl (same seed)", "",
-              *(paired_row("db_b4", gpt, ("DB", "gpt")) for gpt in ("gpt_4l", "gpt_1l"))]
-    chain = [r["test_chain"] for s, r in sorted(at_choice("db_b4").items()) if r.get("test_chain", {}).get("ppl")]
-    if chain:
-        lines.append("- sensitivity, DB ppl@4 (the K = B chain, 16 draws) / DB ppl@0 on the same first 8,192 test tokens: "
-                     + ", ".join(f"{c['ppl'] / c['ppl0_same_tokens']:.4f}" for c in chain))
-    text = "\n".join(lines) + "\n"
-    (OUT / "b4_report.md").write_text(text)
-    return text
-
-
-def controls_report(b: dict) -> str:
-    lines = ["# The control arms: what the denoising term adds, at equal training FLOPs", "",
-             "Written by `bench/decision.py report`; plan, statistics and rules: controls_plan.md (written before the "
-             f"runs). Budget: the DB recipe's {b['db_total_flops']:.3e} matmul FLOPs; steps for it: "
-             + ", ".join(f"{a} {b['arm_steps'][a]}" for a in CONTROL_ARMS) + ". Each control arm's score is its "
-             "clean readout (eval's ppl_clean, exact); ctl_both's ppl@0 is shown beside it.", ""]
-    for arm in CONTROL_ARMS:
-        lines += arm_table(arm)
-    lines += ["## Paired test ratios (same seed)", "",
-              paired_row("ctl_both", "ctl_clean", ("with denoising", "without denoising")),
-              paired_row("db_b2", "ctl_clean", ("DB recipe", "ctl_clean")),
-              *(paired_row(ctl, gpt, (ctl, gpt)) for ctl in CONTROL_ARMS for gpt in ("gpt_4l", "gpt_2l"))]
-    both = at_choice("ctl_both")
-    if both:
-        lines.append("- sensitivity, ctl_both's ppl@0 (its denoiser's one call) / its ppl_clean on test: "
-                     + ", ".join(f"s{s} {r['test']['ppl0'] / r['test']['ppl']:.3f}" for s, r in sorted(both.items())))
-    text = "\n".join(lines) + "\n"
-    (OUT / "controls_report.md").write_text(text)
+        text += "\n" + write_report(
+            "looped_report.md", "looped_db against huginn on text at equal training FLOPs",
+            [written("looped_plan.md") + f" Budget: looped_db's {b['arm_steps']['looped_db']} steps = "
+             f"{b['looped_total_flops']:.3e} matmul FLOPs; huginn's steps for it, by seed (its r is drawn per step): "
+             + ", ".join(f"s{s} {n}" for s, n in b["huginn_steps_by_seed"].items()) + "."],
+            LOOPED_ARMS, "Paired test ratios, looped_db ppl@0 / huginn ppl at K = 8 (same seed)",
+            [paired_row("looped_db", "huginn", ("looped_db", "huginn")),
+             *sensitivity("looped_db", "looped_db ppl@4 (its configured K, 16 draws) / its ppl@0")])
     return text
 
 
