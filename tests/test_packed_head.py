@@ -94,3 +94,20 @@ def test_a_prompt_reaches_the_head_at_its_last_position_only(monkeypatch, kind):
     assert rows_seen == []
     assert model.forward_cached(ids, cache, rows, batch).shape == (3, V)
     assert rows_seen and max(rows_seen) == 3, rows_seen
+
+
+def test_a_model_holding_packed_copies_can_be_copied_and_saved(pack_every_table, tmp_path):
+    """Checkpointing deep-copies a model with partly tied weights, after evaluation may have built the packed
+    copies: oneDNN's packed tensors cannot be copied or saved, so the copies start empty."""
+    import copy
+
+    model = build_tiny("gpt")
+    with torch.no_grad():
+        model.logits(torch.randn(2, 3, model.tok_emb.weight.shape[1]))
+    assert model.head_t.packed is not None
+    twin = copy.deepcopy(model)
+    assert twin.head_t.packed is None and twin.head_t is not model.head_t
+    torch.save(model, tmp_path / "model.pt")
+    with torch.no_grad():
+        x = torch.randn(2, 3, model.tok_emb.weight.shape[1])
+        torch.testing.assert_close(twin.logits(x), model.logits(x), atol=1e-5, rtol=1e-5)

@@ -267,6 +267,15 @@ class TransposedCopy:
         self.fn, self.key, self.value, self.frozen = fn, None, None, False
         self.packed_key, self.packed = None, None
 
+    def __deepcopy__(self, memo) -> "TransposedCopy":
+        return TransposedCopy(self.fn)  # a cache: a copy starts empty (oneDNN's packed tensors cannot be copied)
+
+    def __getstate__(self) -> dict:
+        return {"fn": self.fn}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["fn"])
+
     def freeze(self, table: torch.Tensor) -> torch.Tensor:
         """Make the copy of `table` now and let compiled graphs read it (until `thaw`) -> the copy."""
         self.frozen = False  # the eager path below: it rebuilds the copy if the table changed
