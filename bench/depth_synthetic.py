@@ -53,27 +53,31 @@ DEV_SEED, TEST_SEED = 1, 2  # the held-out data: 512 dev sequences pick each row
 COPIES = 1.0  # a run "learns to copy" when its test copy NLL is below this (stated before the 5-seed runs)
 DB = {"parameterization": "likelihood", "noisy_input": "prev_token", "noisy_self": False, "bridge": "sample",
       "block_sampling": "uniform", "last_call": "sigma_min"}
+
+
+def db(layers: int, **diffusion) -> tuple[dict, dict]:
+    """A db_ar row: `layers` layers in B = 2 blocks, DB's settings otherwise."""
+    return {"kind": "db_ar", "n_layers": layers}, {"num_blocks": 2, **diffusion}
+
+
+LOW_FIRST = {"context": "stacked", "stack_order": "low_noise_first"}
 RUNS = {
     "gpt_L1": ({"kind": "gpt", "n_layers": 1}, {}),
     "gpt_L2": ({"kind": "gpt", "n_layers": 2}, {}),
     "gpt_L4": ({"kind": "gpt", "n_layers": 4}, {}),
-    "db_L2_B2_independent": ({"kind": "db_ar", "n_layers": 2}, {"num_blocks": 2}),
-    "db_L2_B2_stacked": ({"kind": "db_ar", "n_layers": 2}, {"num_blocks": 2, "context": "stacked"}),
-    "db_L2_B2_stacked_low_first": ({"kind": "db_ar", "n_layers": 2},
-                                   {"num_blocks": 2, "context": "stacked", "stack_order": "low_noise_first"}),
-    "db_L2_B2_stacked_low_first_clean_lm": ({"kind": "db_ar", "n_layers": 2},
-                                            {"num_blocks": 2, "context": "stacked", "stack_order": "low_noise_first",
-                                             "clean_lm_weight": 0.5}),
-    "db_L4_B2_independent": ({"kind": "db_ar", "n_layers": 4}, {"num_blocks": 2}),
-    "db_L4_B2_stacked_low_first": ({"kind": "db_ar", "n_layers": 4},
-                                   {"num_blocks": 2, "context": "stacked", "stack_order": "low_noise_first"}),
+    "db_L2_B2_independent": db(2),
+    "db_L2_B2_stacked": db(2, context="stacked"),
+    "db_L2_B2_stacked_low_first": db(2, **LOW_FIRST),
+    "db_L2_B2_stacked_low_first_clean_lm": db(2, **LOW_FIRST, clean_lm_weight=0.5),
+    "db_L4_B2_independent": db(4),
+    "db_L4_B2_stacked_low_first": db(4, **LOW_FIRST),
     # block 0 (whose call ppl@0 scores) gets the steps in proportion to what the network adds there
-    "db_L4_B2_gain": ({"kind": "db_ar", "n_layers": 4}, {"num_blocks": 2, "block_sampling": "network_gain"}),
+    "db_L4_B2_gain": db(4, block_sampling="network_gain"),
+    # Does block 0 lose by spreading its capacity over noise levels where z already tells the token? Move the
+    # sigma law up (ln-sigma mean +2 instead of -1.2, so the B = 2 edge sits at e^2 = 7.4 instead of 0.30):
+    # block 0 then trains only where z says almost nothing, i.e. on the context prior that ppl@0 scores.
+    "db_L4_B2_prior_block0": db(4, p_mean=2.0),
 }
-# Does block 0 lose by spreading its capacity over noise levels where z already tells the token? Move the
-# sigma law up (ln-sigma mean +2 instead of -1.2, so the B = 2 edge sits at e^2 = 7.4 instead of 0.30):
-# block 0 then trains only where z says almost nothing, i.e. on the context prior that ppl@0 scores.
-RUNS["db_L4_B2_prior_block0"] = ({"kind": "db_ar", "n_layers": 4}, {"num_blocks": 2, "p_mean": 2.0})
 # Looped models (round 3, plan.md item 8): prelude 1 + weight-tied core 2 + coda 1, the text study's shape.
 # huginn: recurrence r ~ Huginn's law with mean 8, backprop through the last 4 iterations (truncated BPTT);
 # looped_db: one DiffusionBlocks block (the core), ONE forward pass per step. Each is scored at every K of
@@ -95,24 +99,21 @@ for _name in WARMUP:
 CURVE_EVERY = 200  # network_gain / loss_share: re-measure CE(sigma) on a fixed training batch this often (the product's default)
 
 
+def segments(n: int, seed: int):
+    """Each sequence's segment: its length L (8..24) and its L distinct symbols, as the generator draws them."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        L = int(torch.randint(*SEG, (1,), generator=g))
+        yield L, torch.randperm(V, generator=g)[:L]
+
+
 def sequences(n: int, seed: int) -> torch.Tensor:
     """(n, T + 1) tokens: one random segment of 8..24 distinct symbols, repeated."""
-    g = torch.Generator().manual_seed(seed)
-    out = torch.empty(n, T + 1, dtype=torch.long)
-    for i in range(n):
-        L = int(torch.randint(*SEG, (1,), generator=g))
-        seg = torch.randperm(V, generator=g)[:L]
-        out[i] = seg.repeat(T // L + 2)[:T + 1]
-    return out
+    return torch.stack([seg.repeat(T // L + 2)[:T + 1] for L, seg in segments(n, seed)])
 
 
 def lengths(n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    out = torch.empty(n, dtype=torch.long)
-    for i in range(n):
-        out[i] = int(torch.randint(*SEG, (1,), generator=g))
-        torch.randperm(V, generator=g)
-    return out
+    return torch.tensor([L for L, _ in segments(n, seed)])
 
 
 def copy_mask(n: int, seed: int) -> torch.Tensor:
@@ -127,18 +128,15 @@ def config(name: str):
                              "diffusion": {**DB, **diffusion} if model["kind"] in ("db_ar", "looped_db") else {}})
 
 
-def huginn_costs(model, x, y, seed: int, steps: int = 100_000):
+def huginn_costs(model, x, y, seed: int):
     """huginn's step cost depends on its recurrence r (drawn per step from seed and step, as training_loss
     draws it): the counted FLOPs of one real step per distinct r, -> (cost_at(step), {r: FLOPs})."""
     from looped_lm.models.huginn import sample_recurrence
 
-    def r_at(step: int) -> int:
-        return sample_recurrence(model.mean_recurrence, torch.Generator().manual_seed(seed * 1_000_003 + step))
-
     by_r: dict = {}
 
     def cost_at(step: int) -> float:
-        r = r_at(step)
+        r = sample_recurrence(model.mean_recurrence, torch.Generator().manual_seed(seed * 1_000_003 + step))
         if r not in by_r:
             by_r[r] = float(common.step_flops(model, x, y, step, seed))
         return by_r[r]
@@ -185,6 +183,12 @@ def oracle_copy_nll(n: int, seed: int) -> float:
     return float(torch.log(SEG[1] - L).sum() / copy_mask(n, seed).sum())
 
 
+def copy_scores(nll: torch.Tensor, n: int, seed: int) -> dict:
+    """A split's copy NLL, first-period NLL and the copy NLL's parts, from its per-token NLL (n, T)."""
+    mask = copy_mask(n, seed)
+    return {"copy_nll": float(nll[mask].mean()), "first_period_nll": float(nll[~mask].mean()), **copy_parts(nll, n, seed)}
+
+
 def copy_parts(nll: torch.Tensor, n: int, seed: int) -> dict:
     """Copy NLL split into the first repeat token (hazard: ambiguous even to the Bayes predictor) and the later
     copy tokens (determined: induction), each as its share of the copy NLL's numerator, so they add up."""
@@ -223,39 +227,25 @@ def looped_scores(model, name: str, smoke: bool) -> dict:
         out[split]["nll"] = nll
     k = min(ks, key=lambda k: out["dev"][f"copy_nll_at_K{k}"])
     for split, split_seed in (("dev", DEV_SEED), ("test", TEST_SEED)):
-        nll, mask = out[split].pop("nll")[k], copy_mask(n, split_seed)
-        out[split] |= {"K": k, "copy_nll": float(nll[mask].mean()), "first_period_nll": float(nll[~mask].mean()),
-                       **copy_parts(nll, n, split_seed)}
+        out[split] |= {"K": k, **copy_scores(out[split].pop("nll")[k], n, split_seed)}
     return out
 
 
 @torch.no_grad()
 def score(model, split_seed: int, smoke: bool) -> dict:
+    """gpt: exact; db_ar: ppl@0 (the headline copy NLL) and the K = B chain with the estimator's standard error."""
     n = 64 if smoke else 512
     seq, mask = sequences(n, split_seed), copy_mask(n, split_seed)
     x, y = seq[:, :-1], seq[:, 1:]
-    g = torch.Generator().manual_seed(7)
-    out = {}
     if not hasattr(model, "objective"):
-        nll = torch.cat([model.score(x[i:i + 64], y[i:i + 64], ScoreSettings())["exact"].nll for i in range(0, n, 64)])
-        out["copy_nll"] = float(nll[mask].mean())
-        out["first_period_nll"] = float(nll[~mask].mean())
-        out.update(copy_parts(nll, n, split_seed))
-        return out
-    B = len(model.blocks)
-    at0, chain, var = [], [], []
-    for i in range(0, n, 64):
-        s = model.score(x[i:i + 64], y[i:i + 64], ScoreSettings(k_grid=(B,), draws=2 if smoke else 4), g)
-        at0.append(s[0].nll)
-        chain.append(s[B].nll)
-        var.append(s[B].nll_var)
-    at0, chain, var = torch.cat(at0), torch.cat(chain), torch.cat(var)
-    out["copy_nll"] = float(at0[mask].mean())  # ppl@0
-    out["first_period_nll"] = float(at0[~mask].mean())
-    out.update(copy_parts(at0, n, split_seed))
-    out[f"copy_nll_K{B}"] = float(chain[mask].mean())
-    out[f"copy_nll_K{B}_est_se"] = float(var[mask].sum().sqrt() / mask.sum())
-    return out
+        nll = [model.score(x[i:i + 64], y[i:i + 64], ScoreSettings())["exact"].nll for i in range(0, n, 64)]
+        return copy_scores(torch.cat(nll), n, split_seed)
+    B, g = len(model.blocks), torch.Generator().manual_seed(7)
+    parts = [model.score(x[i:i + 64], y[i:i + 64], ScoreSettings(k_grid=(B,), draws=2 if smoke else 4), g)
+             for i in range(0, n, 64)]
+    chain, var = torch.cat([s[B].nll for s in parts]), torch.cat([s[B].nll_var for s in parts])
+    return {**copy_scores(torch.cat([s[0].nll for s in parts]), n, split_seed),
+            f"copy_nll_K{B}": float(chain[mask].mean()), f"copy_nll_K{B}_est_se": float(var[mask].sum().sqrt() / mask.sum())}
 
 
 # A later round writes to its own folder (DEPTH_SYNTHETIC_DIR, under RESULTS), so a change of scoring never
@@ -335,12 +325,9 @@ def one(name: str, lr: float, seed: int, smoke: bool) -> None:
     keep: dict = {}
     out = run_one(name, lr, seed, smoke, keep)
     path = path_of(name, lr, seed, smoke)
-    weights = weights_of(path)
-    weights.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(keep["model"].state_dict(), weights)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(".tmp").write_text(json.dumps(out, indent=1))
-    path.with_suffix(".tmp").replace(path)
+    weights_of(path).parent.mkdir(parents=True, exist_ok=True)
+    torch.save(keep["model"].state_dict(), weights_of(path))
+    common.write_json(path, out)
     print(f"{path.name}: test copy NLL {out['test']['copy_nll']:.4f} ({out['steps']} steps, {out['train_cpu_s']} CPU-s)",
           flush=True)
 
@@ -424,9 +411,9 @@ def best_recipe(by: dict, best: dict, rows: list) -> str:
     return min(rows, key=lambda n: by[n][best[n]][0]["dev"]["copy_nll"])
 
 
-def looped_recipe(by: dict, kind: str):
-    """A looped kind's (row, lr) with the lowest dev copy NLL at seed 0 over its lr and warm-up rows."""
-    runs = [(n, lr) for n in RUNS if RUNS[n][0]["kind"] == kind and n in by for lr, s in by[n].items() if 0 in s]
+def recipe(by: dict, rows) -> tuple[str, float] | None:
+    """The (row, lr) among `rows`' runs at seed 0 with the lowest dev copy NLL (its lr and warm-up rows)."""
+    runs = [(n, lr) for n in rows if n in by for lr, s in by[n].items() if 0 in s]
     return min(runs, key=lambda job: by[job[0]][job[1]][0]["dev"]["copy_nll"]) if runs else None
 
 
@@ -459,7 +446,7 @@ def table() -> None:
                   f"NLL {gm:.2f} [{lo:.2f}, {hi:.2f}] (target <= 1.10: {verdict(lo, hi)}), all-token NLL {gm2:.2f} "
                   f"[{lo2:.2f}, {hi2:.2f}] ({verdict(lo2, hi2)}); median copy NLL ratio {med:.2f} [{mlo:.2f}, {mhi:.2f}] "
                   f"(sign test, coverage {cover:.1%}: {verdict(mlo, mhi)})."]
-    picked = {kind: looped_recipe(by, kind) for kind in ("huginn", "looped_db")}
+    picked = {kind: recipe(by, [n for n in RUNS if RUNS[n][0]["kind"] == kind]) for kind in ("huginn", "looped_db")}
     if all(picked.values()):
         (hr, hlr), (dr, dlr) = picked["huginn"], picked["looped_db"]
         n, gm, lo, hi = paired_ratio(by[dr][dlr], by[hr][hlr], copy)
@@ -478,10 +465,7 @@ CIRCUIT_BUDGETS = (3e12, 4e12, 5e12, 6e12)
 def circuit() -> str:
     """circuit/plan.md's report: each recipe (its lr and warm-up chosen on dev at 6e12, seed 0), the seeds that copy
     at each budget, the verdict (the smallest budget where >= 4 of 5 seeds copy), and the later-part copy NLL."""
-    pick = {}
-    for base in ("gpt_L2", "db_L4_B2_gain"):
-        runs = [(n, lr) for n in (base, base + "_wu1", base + "_wu20") for lr, s in load(OUT).get(n, {}).items() if 0 in s]
-        pick[base] = min(runs, key=lambda job: load(OUT)[job[0]][job[1]][0]["dev"]["copy_nll"])
+    pick = {base: recipe(load(OUT), (base, base + "_wu1", base + "_wu20")) for base in ("gpt_L2", "db_L4_B2_gain")}
     lines = ["# Compute to circuit: results", "", "Written by `DEPTH_SYNTHETIC_DIR=circuit python bench/depth_synthetic.py "
              "circuit` from the JSON here; plan, statistics and rules: plan.md (written before the runs).", ""]
     for base, (name, lr) in pick.items():
@@ -505,8 +489,8 @@ def circuit() -> str:
         both = [s for s in sorted(set(g) & set(d)) if max(g[s]["test"]["copy_nll"], d[s]["test"]["copy_nll"]) < COPIES
                 and "copy_nll_later_part" in g[s]["test"] and "copy_nll_later_part" in d[s]["test"]]
         ratios = [d[s]["test"]["copy_nll_later_part"] / g[s]["test"]["copy_nll_later_part"] for s in both]
-        later = "no pair" if not ratios else f"{common.ratio_ci(ratios)[0]:.3f}" + (
-            f" [{common.ratio_ci(ratios)[1]:.3f}, {common.ratio_ci(ratios)[2]:.3f}]" if len(ratios) >= 3 else " (no interval)")
+        geo, lo, hi = common.ratio_ci(ratios) if ratios else (0, 0, 0)
+        later = "no pair" if not ratios else f"{geo:.3f}" + (f" [{lo:.3f}, {hi:.3f}]" if len(ratios) >= 3 else " (no interval)")
         lines.append(f"| {budget:g} | " + " | ".join(cells) + f" | {later} ({len(ratios)}) |")
     at = {b: first.get(b) for b in pick}
     text = {b: f"{v:g}" if v else "> 6e12" for b, v in at.items()}

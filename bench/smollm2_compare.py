@@ -20,14 +20,13 @@ import math
 import shutil
 import sys
 import time
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (bench/ is not a package)
 from smollm2_convert import LAYOUT_CONFIGS, SMOLLM2, V  # noqa: E402  (the same source and recipe)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = common.ROOT
 OUT = ROOT / "bench" / "results" / "smollm2" / "compare"
 WORK = ROOT / "bench" / "work" / "smollm2_compare"
 SEQ, BATCH, WARMUP, DB_STEPS, TOKENS, DRAWS = 64, 2, 10, 100, 577, 2  # 577 tokens: 9 windows of 64 scored
@@ -103,7 +102,7 @@ def run_one(arm: str, lr: float, seed: int, steps: int, stage: str) -> dict:
         result["dev"] = evaluate(ckpt, "val", 0 if db else None, tag)
     if stage in ("test", "seed", "source"):
         result["test"] = evaluate(ckpt, "test", 2 if db else None, tag)
-    result.update(commit=common.git_commit(), finished_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    result.update(commit=common.git_commit(), finished_utc=common.utc_now())
     result[f"{stage}_wall_s"] = round(time.time() - t0, 1)
     common.write_json(path, result)
     if stage != "sweep":  # hundreds of MB per checkpoint; the JSON is the record
@@ -120,7 +119,7 @@ def score(r: dict, split: str) -> float:
 
 
 def runs(arm: str) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(OUT.glob(f"{arm}_lr*_s*.json"))]
+    return common.read_jsons(OUT, f"{arm}_lr*_s*.json")
 
 
 def chosen_lr(arm: str) -> float | None:
@@ -146,20 +145,10 @@ def run_all(workers: int) -> None:
     b = budget()
     common.write_json(OUT / "budget.json", b)
     print(f"budget: {b}", flush=True)
-    running: dict = {}
-    with ProcessPoolExecutor(workers) as pool:
-        while True:
-            for arm in ("source", "db2", "gpt"):
-                for job in next_jobs(arm):
-                    if len(running) < workers and (arm, *job) not in running.values():
-                        running[pool.submit(run_one, arm, job[0], job[1], b["steps"][arm], job[2])] = (arm, *job)
-                        print(f"start {arm} lr {job[0]:g} s{job[1]} ({job[2]})", flush=True)
-            if not running:
-                break
-            finished, _ = wait(running, return_when=FIRST_COMPLETED)
-            for fut in finished:
-                key, r = running.pop(fut), fut.result()
-                print(f"done {key}: " + ", ".join(f"{sp} {score(r, sp):.3f}" for sp in ("dev", "test") if sp in r), flush=True)
+    common.run_pool(workers, lambda: [((arm, *job), run_one, (arm, job[0], job[1], b["steps"][arm], job[2]))
+                                      for arm in ("source", "db2", "gpt") for job in next_jobs(arm)],
+                    lambda key, r: print(f"done {key}: " + ", ".join(f"{sp} {score(r, sp):.3f}" for sp in ("dev", "test")
+                                                                     if sp in r), flush=True))
     print(report())
 
 
@@ -189,20 +178,17 @@ def report() -> str:
     seeds = sorted(set(at["gpt"]) & set(at["db2"]))
     if len(seeds) >= 2:
         ratios = [score(at["db2"][s], "test") / score(at["gpt"][s], "test") for s in seeds]
-        geo, lo, hi = common.ratio_ci(ratios)
+        _, lo, hi = common.ratio_ci(ratios)
         verdict = "met" if hi < 1.2 else "missed" if lo > 1.2 else "not separated from 1.2"
-        lines.append("- db2 test ppl@2 / gpt test ppl (same seed): " + ", ".join(f"s{s} {x:.3f}" for s, x in zip(seeds, ratios))
-                     + f"; geometric mean {geo:.3f}, 95 % t interval [{lo:.3f}, {hi:.3f}] (n = {len(seeds)}): target "
-                     f"1.2x **{verdict}**" + ("" if len(seeds) == len(SEEDS) else " (fewer seeds than planned: no verdict)"))
+        lines.append(f"- db2 test ppl@2 / gpt test ppl (same seed): {common.paired(seeds, ratios)} (n = {len(seeds)}): "
+                     f"target 1.2x **{verdict}**" + ("" if len(seeds) == len(SEEDS) else " (fewer seeds than planned: no verdict)"))
     src = [r for r in runs("source") if "test" in r]
     if src and seeds:
         s0 = src[0]["test"]["ppl"]
         lines.append(f"- the untouched source: test ppl {s0:.3f}; gpt fine-tuned / source "
                      + ", ".join(f"s{s} {score(at['gpt'][s], 'test') / s0:.3f}" for s in seeds)
                      + "; db2 / source " + ", ".join(f"s{s} {score(at['db2'][s], 'test') / s0:.3f}" for s in seeds))
-    text = "\n".join(lines) + "\n"
-    (OUT / "report.md").write_text(text)
-    return text
+    return common.write_lines(OUT / "report.md", lines)
 
 
 def main() -> None:
