@@ -215,12 +215,11 @@ def run(module: str, variant: str, seed: int, steps: int, lr: float | None = Non
             "curve": curve, "final": curve[-1]}
 
 
-def run_job(args):
-    module, variant, seed, steps, lr, split = args
-    return run(module, variant, seed, steps, lr=lr, split=split)
-
-
 DEV_FILE = RESULTS / "modules_dev.json"
+
+
+def read(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {"modules": {}}
 
 
 def dev_lr(module: str, variant: str, dev: dict) -> tuple[float, str]:
@@ -252,6 +251,11 @@ def mean_spread(values):
     return sum(values) / len(values), (max(values) - min(values)) / 2
 
 
+def cell(values) -> str:
+    """mean ± spread (n) of one variant's results."""
+    return f"{mean_spread(values)[0]:.2f} ± {mean_spread(values)[1]:.2f} ({len(values)})"
+
+
 def run_lr(entry: dict, r: dict, module: str) -> float:
     """A run's peak LR (runs written before the LR was recorded ran at the module's base)."""
     return r.get("lr", entry.get("base_lr", entry.get("lr", MODULES[module]["lr"])))
@@ -266,8 +270,7 @@ def finals_of(entry: dict, module: str) -> dict[str, list[float]]:
 
 
 def summarise(results: dict, dev: dict | None = None) -> str:
-    if dev is None:
-        dev = json.loads(DEV_FILE.read_text()) if DEV_FILE.exists() else {"modules": {}}
+    dev = read(DEV_FILE) if dev is None else dev
     lines = ["DiffusionBlocks (DB) vs end-to-end (e2e) at equal training FLOPs (torch.utils.flop_counter: the DB run "
              "gets round(600 x e2e FLOPs/step / DB FLOPs/step) steps), written by `python bench/modules.py`: vit / dit "
              "on scikit-learn's 8x8 digits (6 layers, d 64, B = 3; test = the held-out 20% of the digits), mdm on "
@@ -283,7 +286,7 @@ def summarise(results: dict, dev: dict | None = None) -> str:
             continue
         e2e_mean, _ = mean_spread(finals["e2e"])
         for variant in [v for v in variants_of(module) if v in finals]:
-            mean, spread = mean_spread(finals[variant])
+            mean, _ = mean_spread(finals[variant])
             cost = res["cost"][variant]
             memory = cost["act_bytes"] / res["cost"]["e2e"]["act_bytes"]
             lrs = sorted({run_lr(res, r, module) for r in res["runs"] if r["variant"] == variant})
@@ -291,7 +294,7 @@ def summarise(results: dict, dev: dict | None = None) -> str:
             lr_cell = "/".join(f"{lr:g}" for lr in lrs) + (" (dev-chosen)" if source.startswith(("dev", "db's"))
                                                           else " (base, not swept)")
             name = variant if variant in VARIANTS[module] else f"{variant} (option)"
-            row = [module, label, name, lr_cell, f"{mean:.2f} ± {spread:.2f} ({len(finals[variant])})"]
+            row = [module, label, name, lr_cell, cell(finals[variant])]
             if variant == "e2e":
                 row += ["", "", "", str(res["steps"][variant]), "1.00"]
             else:
@@ -302,13 +305,11 @@ def summarise(results: dict, dev: dict | None = None) -> str:
             lines.append("| " + " | ".join(row) + " |")
     vit = [r for r in results.get("modules", {}).get("vit", {}).get("runs", []) if "accuracy_start_sigma_max" in r["final"]]
     if vit:  # runs made when vit's chain started at sigma_top, which also scored the official start
-        by = {}
-        for r in vit:
-            by.setdefault(r["variant"], []).append(100 * r["final"]["accuracy_start_sigma_max"])
+        by = {v: [100 * r["final"]["accuracy_start_sigma_max"] for r in vit if r["variant"] == v]
+              for v in dict.fromkeys(r["variant"] for r in vit)}
         lines += ["", "The vit DB rows above ran when the chain started at sigma_top (the 0.999 quantile of block 0's "
                   "law); the recipe now starts at sigma_max, as the official code (chosen on dev, docs/method.md §7). The "
-                  "same trained blocks started at sigma_max score " + ", ".join(
-                      f"{v} {mean_spread(a)[0]:.2f} ± {mean_spread(a)[1]:.2f} ({len(a)})" for v, a in by.items())
+                  "same trained blocks started at sigma_max score " + ", ".join(f"{v} {cell(a)}" for v, a in by.items())
                   + " on test (`accuracy_start_sigma_max` in modules.json)."]
     dev_lines = summarise_dev(dev)
     if dev_lines:
@@ -329,8 +330,7 @@ def summarise_dev(dev: dict) -> str:
             cells.setdefault((r["variant"], r["lr"]), []).append(r["final"][key] * scale)
         for variant in [v for v in variants_of(module) if any(c[0] == v for c in cells)]:
             chosen, _ = dev_lr(module, variant, dev)
-            parts = [f"lr {lr:g}: {mean_spread(vals)[0]:.2f} ± {mean_spread(vals)[1]:.2f} ({len(vals)})"
-                     + (" <- chosen" if lr == chosen else "")
+            parts = [f"lr {lr:g}: {cell(vals)}" + (" <- chosen" if lr == chosen else "")
                      for (v, lr), vals in sorted(cells.items()) if v == variant]
             lines.append(f"- {module} {variant}, dev {label}: " + "; ".join(parts))
     return "\n".join(lines)
@@ -354,11 +354,11 @@ def main() -> None:
     out = args.out or (DEV_FILE if args.split == "dev" else RESULTS / "modules.json")
     if args.lr_mults and args.split != "dev":
         raise SystemExit("--lr-mults is a dev sweep: settings are chosen on dev (--split dev)")
-    results = json.loads(out.read_text()) if out.exists() else {"modules": {}}
+    results = read(out)
     if args.retable:
         print(summarise(results) if args.split == "test" else summarise_dev(results))
         return
-    dev = json.loads(DEV_FILE.read_text()) if DEV_FILE.exists() else {"modules": {}}
+    dev = read(DEV_FILE)
     torch.set_num_threads(1)
     jobs = []
     for module in args.modules:
@@ -393,21 +393,18 @@ def main() -> None:
             entry["feature_net_test_accuracy"] = accuracy
             entry["real_test_vs_train_frechet"] = frechet_distance(features(data.test_x), features(data.train_x))
         jobs += [(module, v, s, steps[v], lr, args.split) for s in args.seeds for v in variants for lr in lrs[v]]
-    out.parent.mkdir(parents=True, exist_ok=True)
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        for res in pool.map(run_job, jobs):
+        for res in pool.map(run, *zip(*jobs)) if jobs else []:  # run(module, variant, seed, steps, lr, split)
             results["modules"][res["module"]]["runs"].append(res)
             key = METRIC[res["module"]][0]
             print(f"{res['module']} {res['variant']} seed {res['seed']} lr {res['lr']:g} ({res['split']}): {key} "
                   f"{res['final'][key]:.4f} ({res['train_cpu_s']:.0f} s CPU)", flush=True)
-            out.write_text(json.dumps(results, indent=1))
-    out.write_text(json.dumps(results, indent=1))
+            common.write_json(out, results)
+    common.write_json(out, results)
     if args.split == "dev":
         print(summarise_dev(results))
         return
-    table = summarise(results)
-    out.with_suffix(".md").write_text(table + "\n")
-    print(table)
+    print(common.write_lines(out.with_suffix(".md"), [summarise(results)]), end="")
 
 
 if __name__ == "__main__":

@@ -47,23 +47,18 @@ def _status(key: str) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _payload(name: str, args, kwargs) -> int:
-    def nbytes(t):
-        return t.numel() * t.element_size()
+# the collectives counted: name -> (the position and keywords of the tensor (or list of tensors) whose bytes it sends)
+COLLECTIVES = {"all_reduce": (0, "tensor"), "broadcast": (0, "tensor"), "reduce": (0, "tensor"),
+               "all_reduce_coalesced": (0, "tensors"), "reduce_scatter_tensor": (1, "input", "input_tensor"),
+               "_reduce_scatter_base": (1, "input", "input_tensor"), "reduce_scatter": (1, "input_list"),
+               "all_gather_into_tensor": (0, "output_tensor"), "_all_gather_base": (0, "output_tensor"),
+               "all_gather": (0, "tensor_list")}
 
-    if name in ("all_reduce", "broadcast", "reduce"):
-        return nbytes(args[0] if args else kwargs["tensor"])
-    if name == "all_reduce_coalesced":
-        return sum(nbytes(t) for t in (args[0] if args else kwargs["tensors"]))
-    if name in ("reduce_scatter_tensor", "_reduce_scatter_base"):
-        return nbytes(args[1] if len(args) > 1 else kwargs.get("input", kwargs.get("input_tensor")))
-    if name == "reduce_scatter":
-        return sum(nbytes(t) for t in (args[1] if len(args) > 1 else kwargs["input_list"]))
-    if name in ("all_gather_into_tensor", "_all_gather_base"):
-        return nbytes(args[0] if args else kwargs.get("output_tensor"))
-    if name == "all_gather":
-        return sum(nbytes(t) for t in (args[0] if args else kwargs["tensor_list"]))
-    return 0
+
+def _payload(name: str, args, kwargs) -> int:
+    at, *keys = COLLECTIVES[name]
+    t = args[at] if len(args) > at else next((kwargs[k] for k in keys if k in kwargs), None)
+    return sum(x.numel() * x.element_size() for x in (t if isinstance(t, (list, tuple)) else [t]))
 
 
 def worker(argv) -> int:
@@ -83,8 +78,7 @@ def worker(argv) -> int:
 
     baseline = _status("VmRSS")
     sent = {"bytes": 0}
-    for name in ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
-                 "_reduce_scatter_base", "all_gather", "all_gather_into_tensor", "_all_gather_base", "broadcast"):
+    for name in COLLECTIVES:
         if hasattr(tdist, name):
             def counting(*a, _fn=getattr(tdist, name), _name=name, **k):
                 if tdist.get_world_size(k.get("group")) > 1:  # a group of one sends nothing
