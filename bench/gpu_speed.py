@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -59,10 +60,8 @@ DEFAULT_ROWS = ["gpt", "db_ar B=2", "db_ar B=4"]
 def measure(name: str, shape: dict, vocab: int, batch: int, steps: int, warmup: int, device: torch.device,
             compile_: bool, profile: bool = False) -> dict:
     kind, diffusion, lean = ROWS[name]
-    raw = {"model": {"kind": kind, **shape, **lean}, "train": {"batch_size": batch}}
-    if diffusion:
-        raw["diffusion"] = diffusion
-    cfg = config_from_dict(raw)
+    cfg = config_from_dict({"model": {"kind": kind, **shape, **lean}, "train": {"batch_size": batch},
+                            **({"diffusion": diffusion} if diffusion else {})})
     torch.manual_seed(0)
     model = build_model(cfg, vocab).to(device).train()
     if compile_:
@@ -199,8 +198,7 @@ def main(argv=None) -> int:
 
     def save():
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
+            Path(args.json).write_text(json.dumps(result, indent=1))
 
     for name in args.rows:
         try:

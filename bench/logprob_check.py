@@ -112,9 +112,7 @@ def run_lm_eval(args) -> dict:
         "task: looped_lm_heldout\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
         f"    test: {work / 'doc.jsonl'}\ntest_split: test\noutput_type: loglikelihood_rolling\n"
         "doc_to_text: ''\ndoc_to_target: '{{text}}'\nmetric_list:\n  - metric: bits_per_byte\n")
-    port = common.free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    name = "m"
+    port, name, env = common.free_port(), "m", {**os.environ, "OMP_NUM_THREADS": "1"}
     meta = {"checkpoint": str(args.checkpoint), "kind": cfg.model.kind, "windows": args.windows, "block": BLOCK,
             "eval_draws": args.eval_draws}
     server = subprocess.Popen([sys.executable, "-m", "looped_lm", "serve", "--checkpoint", str(args.checkpoint),
@@ -149,7 +147,7 @@ def run_lm_eval(args) -> dict:
                          "within": bool(se) and abs(nll_lm_eval - nll_eval) <= 2 * math.sqrt(2) * se,
                          "lm_eval_seconds": round(t1 - t0, 1), "eval_seconds": round(time.time() - t1, 1)})
             print(json.dumps(rows[-1]), flush=True)
-            write(args, {**meta, "rows": rows})  # each K as it lands
+            common.write_json(out_path(args), {**meta, "rows": rows})  # each K as it lands
     finally:
         server.terminate()
         server.wait(30)
@@ -158,10 +156,6 @@ def run_lm_eval(args) -> dict:
 
 def out_path(args) -> Path:
     return args.out or RESULTS / f"{args.mode.replace('-', '_')}_{args.checkpoint.resolve().parent.name}.json"
-
-
-def write(args, result: dict) -> None:
-    common.write_json(out_path(args), result)
 
 
 def report() -> str:
@@ -208,8 +202,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.ks = [int(k) for k in args.ks.split(",")]
     torch.set_num_threads(1)
-    result = run_mc(args) if args.mode == "mc" else run_lm_eval(args)
-    write(args, result)
+    common.write_json(out_path(args), run_mc(args) if args.mode == "mc" else run_lm_eval(args))
     print(f"wrote {out_path(args)}")
     return 0
 

@@ -84,11 +84,11 @@ LAYOUT_CONFIGS = {
 }
 
 
-def convert(source, layout: str):
-    cfg = run_config(source.path, **LAYOUT_CONFIGS[layout])
+def converted(source, kind="db_ar", diffusion=None, **model):
+    """The source converted by `model.init_from` into a model of `kind` -> (model, its layer plan)."""
+    cfg = run_config(source.path, kind, diffusion, **model)
     net = build_model(cfg, V).eval()
-    record = init_from_pretrained(net, cfg, source)
-    return net, record["layers"]
+    return net, init_from_pretrained(net, cfg, source)["layers"]
 
 
 def held_out(tok, windows: int, seq: int):
@@ -102,10 +102,6 @@ def held_out(tok, windows: int, seq: int):
             ids = torch.tensor(ids[:need])
             return ids[:-1].view(windows, seq), ids[1:].view(windows, seq), title
     raise SystemExit("no held-out book is long enough")
-
-
-def ce(logits, y) -> float:
-    return float(F.cross_entropy(logits.float().flatten(0, 1), y.flatten()))
 
 
 def ppl(net, x, y, ks, draws: int, seed: int) -> dict:
@@ -148,9 +144,7 @@ def eval_cost(source, x, y, args) -> dict:
     db = LAYOUT_CONFIGS["db2_clean_state"]["diffusion"]
     rows = []
     for kind, diffusion, grids in (("gpt", {"num_blocks": 1}, [()]), ("db_ar", db, [(), (1,), (2,), (4,)])):
-        cfg = run_config(source.path, kind, diffusion, seq_len=args.seq)
-        model = build_model(cfg, V).eval()
-        init_from_pretrained(model, cfg, source)
+        model, _ = converted(source, kind, diffusion, seq_len=args.seq)
         for grid in grids:
             r = {"kind": kind, **score_cost(model, x, y, ScoreSettings(k_grid=grid, draws=args.draws), args.repeats)}
             rows.append(r)
@@ -189,14 +183,12 @@ def main(argv=None) -> int:
                               "python": platform.python_version()}}
     print(f"loaded {path.name} and {y.numel()} held-out tokens of {book} in {time.time() - t0:.0f}s", flush=True)
     with torch.no_grad():
-        cfg = run_config(path, kind="gpt")  # the source itself (= transformers: tests/test_smollm2.py)
-        net = build_model(cfg, V).eval()
-        init_from_pretrained(net, cfg, source)
-        result["source"]["nll"] = ce(net(x)[0], y)
+        net, _ = converted(source, "gpt")  # the source itself (= transformers: tests/test_smollm2.py)
+        result["source"]["nll"] = float(F.cross_entropy(net(x)[0].float().flatten(0, 1), y.flatten()))
         print(f"source: NLL {result['source']['nll']:.3f}", flush=True)
         for layout in args.layouts:
             t1 = time.time()
-            net, plan = convert(source, layout)
+            net, plan = converted(source, **LAYOUT_CONFIGS[layout])
             entry = {"layers": plan, "edges": net.edges, "train_ranges": [list(r) for r in net.train_ranges],
                      "sigma_top": net.sigma_top(), "stack_order": net.stack_order, "stacked": net.stacked}
             entry.update(ppl(net, x, y, (0, 1, 2) if layout == "db2_stacked" else (0,), args.draws, args.seed))
