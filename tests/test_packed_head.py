@@ -1,15 +1,17 @@
-"""The inference head product (TransposedCopy.product, looped_lm/models/layers.py): on CPU, for a large fp32 table
-and more than one row, it runs through oneDNN's prepacked weight; it computes x @ table.T, follows the table
-when it changes, and the engine returns the same greedy tokens with it as without it for every LM kind. A
-prompt's earlier positions never reach the head."""
+"""Inference products through oneDNN's prepacked weights (looped_lm/models/layers.py): the head
+(TransposedCopy.product) and the layers' Linear, on CPU for large fp32 weights and more than one row. They compute
+x @ weight.T, follow the weight when it changes, survive copying and saving, and the engine returns the same
+greedy tokens with them as without them for every LM kind. A prompt's earlier positions never reach the head."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from looped_lm.engine.engine import Engine, Request
-from looped_lm.models.layers import TransposedCopy
+from looped_lm.models import layers
+from looped_lm.models.layers import Linear, TransposedCopy
 from looped_lm.sampling import GREEDY
 from looped_lm.sampling import SharedGenerator
 from looped_lm.settings import RowBatch, resolve_settings
@@ -21,8 +23,9 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),
 
 @pytest.fixture
 def pack_every_table(monkeypatch):
-    """The tiny models' tables are below the packing threshold: lower it so they take the packed path."""
+    """The tiny models' weights are below the packing thresholds: lower them so they take the packed path."""
     monkeypatch.setattr(TransposedCopy, "PACK_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(Linear, "PACK_MIN_ELEMENTS", 0)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 16])
@@ -68,10 +71,13 @@ def greedy_tokens(model, k=None):
 def test_the_engine_decodes_the_same_tokens_packed_or_not(monkeypatch, kind, k):
     model = build_tiny(kind)
     plain = greedy_tokens(model, k)
+    assert not any(m in layers._PACKED for m in model.modules())
     monkeypatch.setattr(TransposedCopy, "PACK_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(Linear, "PACK_MIN_ELEMENTS", 0)
     assert greedy_tokens(model, k) == plain
     heads = [c for c in vars(model).values() if isinstance(c, TransposedCopy)]
-    assert any(c.packed is not None for c in heads), "the packed path was not taken"
+    assert any(c.packed is not None for c in heads), "the head's packed path was not taken"
+    assert any(m in layers._PACKED for m in model.modules()), "no layer's packed path was taken"
 
 
 @pytest.mark.parametrize("kind", ["gpt", "huginn", "db_ar"])
@@ -111,3 +117,29 @@ def test_a_model_holding_packed_copies_can_be_copied_and_saved(pack_every_table,
     with torch.no_grad():
         x = torch.randn(2, 3, model.tok_emb.weight.shape[1])
         torch.testing.assert_close(twin.logits(x), model.logits(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_packed_linear_equals_f_linear_and_follows_its_weight(pack_every_table, bias):
+    lin, x = Linear(24, 40, bias=bias), torch.randn(2, 5, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+        assert lin in layers._PACKED
+        lin.weight.mul_(-2)  # in place, as an optimizer step
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+
+
+def test_the_linear_packs_only_at_inference_with_several_rows(pack_every_table):
+    lin = Linear(24, 40, bias=False)
+    lin(torch.randn(4, 24)).sum().backward()  # training: F.linear, gradients flow
+    assert lin.weight.grad is not None and lin not in layers._PACKED
+    with torch.no_grad():
+        lin(torch.randn(1, 1, 24))
+        assert lin not in layers._PACKED
+        lin(torch.randn(3, 24))
+    assert lin in layers._PACKED
+    import copy
+
+    twin = copy.deepcopy(lin)  # the packed copy lives beside the module, not in it
+    assert twin not in layers._PACKED
+    torch.testing.assert_close(twin.weight, lin.weight)
