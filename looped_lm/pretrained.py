@@ -64,9 +64,10 @@ REFUSED = {
 }
 # the noisy stream's adaLN gates at conversion: "open" (gate biases 1: its layers start as the source's;
 # the default since bench/results/pretrained/study: lower PPL after fine-tuning at every B, 3 seeds) or
-# "closed" (adaLN-Zero as in a fresh model: the noisy stream starts as identity). A module switch for
-# bench/pretrained.py, not a config field: a load of a full-weight checkpoint never reads it, and an
-# adapter checkpoint stores its `ada` (lora.NEW), which overwrites what the base load set.
+# "closed" (adaLN-Zero as in a fresh model: the noisy stream starts as identity). A module switch for the
+# pretrained study (bench/pretrained.py at commit 45d8e7b), not a config field: a load of a full-weight
+# checkpoint never reads it, and an adapter checkpoint stores its `ada` (lora.NEW), which overwrites what
+# the base load set.
 NOISY_GATES = "open"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
