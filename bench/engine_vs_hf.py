@@ -71,27 +71,28 @@ def hf_run(model, ids: torch.Tensor) -> tuple[float, list]:
 
 @torch.no_grad()
 def matmul_only(model, batch: int) -> dict:
-    """tok/s of the weight matmuls of a decode step alone (every layer's qkv, proj, gate_up, down, and the
-    head, on (batch, d) rows; no attention, norms or sampling): a ceiling for any loop built on F.linear."""
-    weights = [w for layer in model.layers for w in (layer.attn.qkv.weight, layer.attn.proj.weight,
-                                                     layer.mlp.gate_up.weight, layer.mlp.down.weight)]
-    weights.append(model.tok_emb.weight)
-    xs = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in weights}
+    """tok/s of the weight matmuls of a decode step alone, through the engine's own products (every layer's
+    qkv, proj, gate_up, down, and the head, on (batch, d) rows; no attention, norms or sampling)."""
+    linears = [m for layer in model.layers for m in (layer.attn.qkv, layer.attn.proj, layer.mlp.gate_up, layer.mlp.down)]
+    xs = {m.in_features: torch.randn(batch, m.in_features) for m in linears}
     start, cpu = time.perf_counter(), time.process_time()
     for _ in range(NEW):
-        for w in weights:
-            torch.nn.functional.linear(xs[w.shape[1]], w)
+        for m in linears:
+            m(xs[m.in_features])
+        model.head_t.product(xs[model.tok_emb.weight.shape[1]], model.tok_emb.weight)
     return _rates(torch.zeros(batch, 1), start, cpu)
 
 
 @torch.no_grad()
 def head_kernels(model, batch: int, vllm: bool, n: int = 20) -> dict:
-    """ms per call of the tied head's product (batch, d) x (d, V) three ways: torch's F.linear against the
-    (V, d) embedding (what the engine and transformers run), a matmul against a contiguous (d, V) copy, and
-    (with vllm) vLLM's prepacked oneDNN kernel, which its CPU backend uses for every fp32 linear."""
+    """ms per call of the tied head's product (batch, d) x (d, V): torch's F.linear against the (V, d)
+    embedding (what transformers runs), a matmul against a contiguous (d, V) copy, the engine's own product
+    (TransposedCopy.product: that copy for one row, oneDNN's prepacked weight for more) and (with vllm) vLLM's
+    prepacked oneDNN kernel, which its CPU backend uses for every fp32 linear."""
     w = model.tok_emb.weight.detach()
     x, wt = torch.randn(batch, w.shape[1]), w.t().contiguous()
-    calls = {"F.linear": lambda: torch.nn.functional.linear(x, w), "x @ (d, V) copy": lambda: x @ wt}
+    calls = {"F.linear": lambda: torch.nn.functional.linear(x, w), "x @ (d, V) copy": lambda: x @ wt,
+             "engine": lambda: model.head_t.product(x, w)}
     if vllm:
         from vllm import _custom_ops as ops
 
