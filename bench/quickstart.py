@@ -17,43 +17,36 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (bench/ is not a package)
+
+ROOT = common.ROOT
 RESULTS = ROOT / "bench" / "results"
-LOOPED_LM = [sys.executable, "-m", "looped_lm"]
 K_OF = {"quickstart_db": "1,2,4", "quickstart_looped": "1,4,16", "quickstart": ""}
 GEN_K = {"quickstart_db": 2, "quickstart_looped": 16}
 
 
-def run(cmd: list[str]) -> tuple[str, float, float]:
-    """(stdout, wall seconds, CPU seconds of the command and every process it started)."""
-    t0, c0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    seconds, c1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
-    if done.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return done.stdout, seconds, (c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime)
+def run(*args: str) -> tuple[str, float, float]:
+    """`looped_lm ARGS` in the caller's environment -> (stdout, wall seconds, CPU seconds of the command and
+    every process it started)."""
+    t0, c0 = time.perf_counter(), common.children_cpu_s()
+    out = common.python("-m", "looped_lm", *args, threads=None)
+    return out, time.perf_counter() - t0, common.children_cpu_s() - c0
 
 
 def measure(name: str, out_dir: Path) -> dict:
     """Train configs/<name>.yaml into out_dir, score it with `looped_lm eval`, sample it with `looped_lm generate`."""
     run_dir, scores = out_dir / name, out_dir / f"{name}_eval.json"
     load_before = os.getloadavg()[0]
-    _, train_s, train_cpu = run(LOOPED_LM + ["train", "--config", f"configs/{name}.yaml", "--set", f"train.out_dir={run_dir}"])
-    ev = LOOPED_LM + ["eval", "--checkpoint", str(run_dir), "--max-tokens", "8192", "--json", str(scores),
-                      "--no-progress", "--seed", "0"]
-    if K_OF[name]:
-        ev += ["--num-iterations", K_OF[name], "--draws", "16"]
-    run(ev)
-    gen = LOOPED_LM + ["generate", "--checkpoint", str(run_dir), "--prompt", "And God said", "--seed", "0"]
-    if name in GEN_K:
-        gen += ["--num-iterations", str(GEN_K[name])]
-    text, _, _ = run(gen)
+    _, train_s, train_cpu = run("train", "--config", f"configs/{name}.yaml", "--set", f"train.out_dir={run_dir}")
+    run("eval", "--checkpoint", str(run_dir), "--max-tokens", "8192", "--json", str(scores), "--no-progress", "--seed",
+        "0", *(["--num-iterations", K_OF[name], "--draws", "16"] if K_OF[name] else []))
+    text, _, _ = run("generate", "--checkpoint", str(run_dir), "--prompt", "And God said", "--seed", "0",
+                     *(["--num-iterations", str(GEN_K[name])] if name in GEN_K else []))
     return {"config": f"configs/{name}.yaml", "train_wall_s": round(train_s, 1), "train_cpu_s": round(train_cpu, 1),
             "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),  # set: one thread per process (a shared machine)
