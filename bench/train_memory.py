@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (bench/ is not a package)
 
 GPT2 = {"n_layers": 12, "d_model": 768, "n_heads": 12}
 VOCAB = 50257
@@ -22,25 +26,6 @@ ROWS = {
     "db_ar B=4": ({"kind": "db_ar"}, {"num_blocks": 4, "block_sampling": "round_robin"}),
     "looped_db": ({"kind": "looped_db", "n_prelude": 2, "n_layers": 8, "n_coda": 2}, {"num_blocks": 1}),
 }
-
-
-def saved_bytes(model, x, y) -> int:
-    """Bytes of the distinct storages autograd saves during the forward, parameters left out (a linear
-    layer saves its weight: memory the model holds anyway)."""
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen, total = set(), [0]
-
-    def pack(t):
-        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        if key[0] not in weights and key not in seen:
-            seen.add(key)
-            total[0] += t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss, _ = model.training_loss(x, y, 0, 0)
-    del loss
-    return total[0]
 
 
 def step_peak_bytes(model, x, y) -> int:
@@ -99,7 +84,7 @@ def main(argv=None) -> int:
             model = build_model(config_from_dict(raw), VOCAB).train()
             params = sum(p.numel() for p in model.parameters())
             row = {"row": name, "activation_checkpointing": checkpointing,
-                   "activation_mib": saved_bytes(model, x, y) / 2 ** 20,
+                   "activation_mib": common.saved_bytes(model, x, y, 0) / 2 ** 20,
                    "step_peak_mib": step_peak_bytes(model, x, y) / 2 ** 20,
                    "floor_mib": floor_bytes(name, raw["model"], args.batch, args.seq) / 2 ** 20 if checkpointing else None,
                    "params_m": params / 1e6, "weights_grads_adamw_mib": 16 * params / 2 ** 20}
