@@ -8,8 +8,9 @@ layout, end-to-end gpt and gpt with activation checkpointing, at T = 1024 and V 
 configuration and block:
 
   act_bytes   the bytes autograd saves for backward (torch.autograd.graph.saved_tensors_hooks),
-              deduplicated by storage, parameters excluded: exact, whatever else runs on the machine.
-  flops       forward + backward matmul and attention FLOPs of the real step (FlopCounterMode).
+              deduplicated by storage, parameters and buffers excluded (common.saved_bytes): exact,
+              whatever else runs on the machine.
+  flops       forward + backward matmul and attention FLOPs of the real step (FlopCounterMode, common.step_flops).
   cpu_s       process CPU seconds of one step (noisy on a shared machine; FLOPs and bytes are not).
 
 Beside each ratio, its analytic floor: a DB step keeps the activations of ONE block over 2T tokens (the
@@ -24,18 +25,20 @@ head alone saves T x V x 4 bytes twice (logits and log-softmax), shown as `*_unc
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from looped_lm.config import config_from_dict
 from looped_lm.models import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import common  # noqa: E402  (bench/ is not a package)
+
 LAYERS, D, HEADS, B, V = 8, 256, 4, 4, 50257
 DB = {"parameterization": "likelihood", "noisy_input": "prev_token", "noisy_self": False, "num_blocks": B,
       "block_sampling": "round_robin"}
@@ -61,30 +64,13 @@ def measure(name: str, T: int) -> dict:
     model = build_model(cfg, V).train()
     x = torch.randint(0, V, (1, T))
     y = x.roll(-1, 1)
-    units = B if model_kw["kind"] == "db_ar" else 1
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     rows = []
-    for b in range(units):  # round_robin: step b trains block b
-        def step(pack=None):
-            hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if pack else contextlib.nullcontext()
-            with hooks:
-                loss, _ = model.training_loss(x, y, b, 0)
-            loss.backward()
-            model.zero_grad(set_to_none=True)
-
-        saved: dict[int, int] = {}  # storage -> bytes, parameters excluded
-
-        def pack(t):
-            if not isinstance(t, torch.nn.Parameter) and t.untyped_storage().data_ptr() not in params:
-                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with FlopCounterMode(display=False) as counter:  # the saved bytes and the FLOPs of one step
-            step(pack)
+    for b in range(B if model_kw["kind"] == "db_ar" else 1):  # round_robin: step b trains block b
+        act_bytes, flops = common.saved_bytes(model, x, y, b), common.step_flops(model, x, y, b)
         t0 = time.process_time()
-        step()
-        rows.append({"block": b, "act_bytes": sum(saved.values()), "flops": counter.get_total_flops(),
-                     "cpu_s": time.process_time() - t0})
+        model.training_loss(x, y, b, 0)[0].backward()
+        model.zero_grad(set_to_none=True)
+        rows.append({"block": b, "act_bytes": act_bytes, "flops": flops, "cpu_s": time.process_time() - t0})
     return {"name": name, "T": T, "per_step": rows,
             "mean": {k: sum(r[k] for r in rows) / len(rows) for k in ("act_bytes", "flops", "cpu_s")},
             "max_act_bytes": max(r["act_bytes"] for r in rows)}
