@@ -121,7 +121,7 @@ def test_a_model_holding_packed_copies_can_be_copied_and_saved(pack_every_table,
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_packed_linear_equals_f_linear_and_follows_its_weight(pack_every_table, bias):
-    lin, x = Linear(24, 40, bias=bias), torch.randn(2, 5, 24)
+    lin, x = Linear(24, 40, bias=bias).eval(), torch.randn(2, 5, 24)
     with torch.no_grad():
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
         assert lin in layers._PACKED
@@ -134,6 +134,9 @@ def test_the_linear_packs_only_at_inference_with_several_rows(pack_every_table):
     lin(torch.randn(4, 24)).sum().backward()  # training: F.linear, gradients flow
     assert lin.weight.grad is not None and lin not in layers._PACKED
     with torch.no_grad():
+        lin(torch.randn(3, 24))  # training mode without a gradient (a stacked block's feeders): not packed
+        assert lin not in layers._PACKED
+        lin.eval()
         lin(torch.randn(1, 1, 24))
         assert lin not in layers._PACKED
         lin(torch.randn(3, 24))

@@ -189,13 +189,15 @@ class Linear(nn.Linear):
     """nn.Linear whose inference product on CPU runs through oneDNN's prepacked weight layout (fp32, no
     gradient, 2+ rows, a weight of PACK_MIN_ELEMENTS or more), as vLLM's CPU build does: the engine's decode of
     a 6 x 256 model at batch 16 runs ~1.2x faster with the layers' weights packed (bench/README.md). The packed
-    copy is a cache beside the module (made on first use, rebuilt when the weight changes), never in its state;
-    training, compiled graphs and one-row products take F.linear."""
+    copy is a cache beside the module (made on first use, rebuilt when the weight changes), never in its state.
+    A module in training mode takes F.linear even without a gradient (a stacked DB block's feeders run so every
+    step: packing weights that change each step would cost a reorder per step, and FlopCounterMode does not
+    count oneDNN's op); so do compiled graphs and one-row products."""
 
     PACK_MIN_ELEMENTS = 1 << 17  # smaller weights (d 256 -> 256) gain nothing
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (torch.is_grad_enabled() or torch.compiler.is_compiling() or x.numel() < 2 * x.shape[-1]
+        if (self.training or torch.is_grad_enabled() or torch.compiler.is_compiling() or x.numel() < 2 * x.shape[-1]
                 or not packable(self.weight, x, self.PACK_MIN_ELEMENTS)):
             return F.linear(x, self.weight, self.bias)
         key = table_key(self.weight)
