@@ -136,11 +136,27 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.minimum(ids, last)
 
 
+def argmax(x: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+    """x.argmax(-1), the first index of the largest (or of a NaN) value. On CPU torch's argmax is not
+    vectorised (~1.3 ms for 16 rows of 50257 logits, 5 % of a decode step): there the blocks' maxima
+    (`amax`, vectorised) pick the first block holding the largest value, and argmax runs within it only."""
+    V = x.shape[-1]
+    n = V // chunk
+    if x.device.type != "cpu" or n < 4:
+        return x.argmax(-1)
+    maxima = x[..., :n * chunk].unflatten(-1, (n, chunk)).amax(-1)
+    if n * chunk < V:
+        maxima = torch.cat([maxima, x[..., n * chunk:].amax(-1, keepdim=True)], dim=-1)
+    start = maxima.argmax(-1) * chunk  # argmax: the first block holding the largest value
+    window = (start[..., None] + torch.arange(chunk, device=x.device)).clamp(max=V - 1)  # the last block: repeats V - 1
+    return start + x.gather(-1, window).argmax(-1)
+
+
 def draw_rows(logits: torch.Tensor, params: list[SamplingParams], random: RandomSource, rows: torch.Tensor,
               n: int) -> torch.Tensor:
     """logits (R, n, V) or (R, V) with n = 1 -> token ids (R, n) / (R,). Greedy rows take their argmax and
     draw nothing, so a row's stream advances the same whatever rows share its batch."""
-    ids = logits.argmax(-1)
+    ids = argmax(logits)
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if drawn:
         idx = torch.tensor(drawn, device=logits.device)

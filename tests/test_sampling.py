@@ -122,3 +122,24 @@ def test_bad_sampling_params_raise_user_error(params, needle):
         params.validate()
     with pytest.raises(UserError, match=needle):
         generate(tiny_gpt(0.1, n_layers=1), prompt_batch(), 3, S(params), seed=0)
+
+
+def test_the_cpu_argmax_is_torch_argmax_first_index_included():
+    """sampling.argmax (blocks' maxima, then argmax within the first block holding the largest value) returns
+    torch's argmax: the first index of the largest value, a NaN's index, a maximum in the short last block,
+    ties across blocks, rows of -inf, any leading shape, and small vocabularies (plain argmax)."""
+    from looped_lm.sampling import argmax
+
+    g = torch.Generator().manual_seed(0)
+    for shape in [(16, 50257), (1, 50257), (3, 2, 50257), (4, 2048), (5, 2047), (2, 257)]:
+        x = torch.randn(*shape, generator=g)
+        assert torch.equal(argmax(x), x.argmax(-1)), shape
+    x = torch.randn(8, 5000, generator=g)
+    x[0, [100, 4999]] = 9.0  # a tie across blocks: the first
+    x[1, 4999] = 9.0  # in the last, short block (5000 = 9 x 512 + 392)
+    x[2, [4700, 4990]] = 9.0  # a tie inside the last block
+    x[3, 30] = float("nan")
+    x[4] = float("-inf")
+    x[5] = 0.0
+    x[6, [511, 512]] = 9.0  # a block boundary
+    assert torch.equal(argmax(x), x.argmax(-1)), (argmax(x), x.argmax(-1))
