@@ -17,6 +17,8 @@ import inspect
 
 import torch
 
+from looped_lm import devices
+
 BACKEND = "inductor"  # torch.compile's default (Triton kernels on GPUs, C++ on CPU)
 _PROMISED = 0  # graphs promised so far in this process (torch without a per-function recompile limit)
 
@@ -40,13 +42,12 @@ def compile_graphs(fn, graphs: int, backend: str | None = None, **kwargs):
 
 
 def compile_enabled(setting: str, device: torch.device) -> bool:
-    """train.compile: "on", "off", or "auto" (on for CUDA, off elsewhere: on CPU inductor needs a C++
-    compiler and tens of seconds per graph, which the quickstart does not repay)."""
-    return setting == "on" or (setting == "auto" and device.type == "cuda")
+    """train.compile on `device` (devices.compile_enabled)."""
+    return devices.compile_enabled(setting, device.type)
 
 
 def compile_for_training(model, kind, backend: str | None = None) -> bool:
     """Compile what `kind` (a looped_lm.kinds.Kind) trains through, in place; -> whether anything was."""
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):  # importing the compiler draws from the global RNG: the noise
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.random.fork_rng(devices=devices.rng_devices(device_type)):  # importing the compiler draws from the global RNG: the noise
         return kind.compile_for_training(model, backend or BACKEND)  # draws of a compiled run must be an eager run's

@@ -29,7 +29,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError
 
 from looped_lm.errors import UserError
-from looped_lm.fields import Float, Str
+from looped_lm.fields import Float, Str, Switch
 from looped_lm.fields import Section as _Section
 from looped_lm.fields import field as _f
 from looped_lm.kinds import (BlockDiffusion, DiffusionSection, LanguageModelSection, ModelSection, ensure, get_kind,
@@ -38,7 +38,6 @@ from looped_lm.kinds.builtin import BUILTIN
 
 LORA_TARGETS = ("qkv", "proj", "gate_up", "down")  # the Linears of a layer that train.lora_targets may name
 # the choices of each choice field (the diffusion: section's are its kind's: looped_lm/kinds/sections.py)
-CompileSetting = Literal["auto", "on", "off"]
 Tokenizer = Literal["gpt2", "byte"]
 ResumeChanges = Literal["refuse", "allow"]
 TrainMode = Literal["data_parallel", "block_parallel"]
@@ -112,8 +111,8 @@ class TrainConfig(_Section):
     eval_batches: int = _f(8, "validation micro-batches per evaluation")
     log_every: int = _f(10, "metrics.jsonl / TensorBoard / the progress bar's loss every N steps (the only steps that "
                                "read the loss back from the device)")
-    compile: CompileSetting = _f("auto", "torch.compile the training loss (gpt, db_ar, looped_db) or huginn's layers: "
-                                         "auto = on CUDA, off elsewhere (looped_lm/compile.py)")
+    compile: Switch = _f("auto", "torch.compile the training loss (gpt, db_ar, looped_db) or huginn's layers: "
+                                         "auto = on CUDA, off elsewhere (looped_lm/devices.py); on / off also as true / false, yes / no")
     peak_tflops: float = _f(0.0, "the hardware's dense matmul peak per device for MFU; 0 = known GPUs' table (A100, "
                                  "H100, H200), a measured fp32 matmul on CPU, none elsewhere")
     resume: Str = _f("auto", "auto (latest complete checkpoint in out_dir), never, or a checkpoint dir")
@@ -548,12 +547,18 @@ def describe_fields(builtin_only: bool = False, kind: str | None = None) -> str:
                 if isinstance(cls, type) and issubclass(cls, base) and cls is not base:
                     users.setdefault(cls, []).append(k.name)
         lines += [f"{section}:"] + _describe(base, base.model_fields)
+        listed: dict[str, int] = {}  # one kind: a field a subclass redefines is listed once, as the kind has it
         for cls, names in sorted(users.items(), key=lambda item: len(item[0].__mro__)):
             own = [n for n in cls.__annotations__ if n != "kind" and n in cls.model_fields]
             if own:
                 if kind is None:
                     lines.append(f"  # model.kind {' / '.join(names)}:")
-                lines += _describe(cls, own)
+                for name, line in zip(own, _describe(cls, own)):
+                    if kind is not None and name in listed:
+                        lines[listed[name]] = line
+                    else:
+                        listed[name] = len(lines)
+                        lines.append(line)
         if section == "diffusion" and not users:
             lines.append(f"  # (none: model.kind {kinds[0].name} trains end to end)")
     for section, typ in SECTIONS.items():

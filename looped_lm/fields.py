@@ -7,7 +7,7 @@ one-line reason (its pydantic `description`), which `looped_lm train --help-conf
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
@@ -27,8 +27,22 @@ def _text_from_number(value):
     return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
 
+# what a user types for a switch: YAML 1.1 reads on/off, yes/no and true/false as booleans, in a file and after --set
+SWITCH_WORDS = {"on": "on", "true": "on", "yes": "on", "off": "off", "false": "off", "no": "off", "auto": "auto"}
+
+
+def switch_word(value):
+    """An auto / on / off switch from what a user typed: a YAML boolean or any of SWITCH_WORDS, in any case."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, str):
+        return SWITCH_WORDS.get(value.strip().lower(), value)
+    return value
+
+
 Float = Annotated[float, BeforeValidator(_number_from_text)]
 Str = Annotated[str, BeforeValidator(_text_from_number)]
+Switch = Annotated[Literal["auto", "on", "off"], BeforeValidator(switch_word)]
 
 
 def field(default, doc: str):
@@ -64,6 +78,16 @@ def finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
     return value
+
+
+def switch(text: str) -> str:
+    """An auto / on / off flag, which takes the same words as a switch field of the config."""
+    import argparse
+
+    word = switch_word(text)
+    if word not in ("auto", "on", "off"):
+        raise argparse.ArgumentTypeError(f"must be one of auto, on, off (or true / false, yes / no), got {text!r}")
+    return word
 
 
 def seed(text: str) -> int:

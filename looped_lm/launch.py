@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from looped_lm import devices
 from looped_lm.errors import UserError
 
 # DeepSpeed's log format: "[2026-01-01 12:00:00,123] [INFO] [launch.py:152:main] ..."
@@ -101,6 +102,12 @@ def add_arguments(p) -> None:
                         "(README: multi-node)")
     p.add_argument("--master-port", type=int, default=0, help="rendezvous port (default: a free one; 29500 "
                    "with --hostfile)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the config, build the model on the meta device, print its parameters, FLOPs per step, "
+                        "memory per rank, the decisions taken on --device-type and the launcher command for --nproc "
+                        "processes; train nothing, read no data")
+    p.add_argument("--device-type", choices=("cuda", "cpu"), default="cuda",
+                   help="the device a --dry-run plans for (default cuda)")
 
 
 def run(args) -> int:
@@ -126,6 +133,12 @@ def run(args) -> int:
         nproc, world = args.nproc, hostfile_slots(args.hostfile, args.nproc)
     else:
         nproc = world = args.nproc or (torch.cuda.device_count() or 1)
+    if args.dry_run:
+        from looped_lm import dryrun
+
+        print("\n".join(dryrun.report(cfg, args.config or "--set overrides", trainer.forward_args(args), world,
+                                       args.device_type)))
+        return 0
     # config, world size, data, out_dir and the checkpoint to resume: checked here, before the launcher starts
     plan = preflight.preflight(cfg, verify=not args.no_verify, world_size=world)
     for note in plan.notes:
@@ -138,6 +151,7 @@ def run(args) -> int:
     env = {**os.environ, trainer.PREFLIGHT_DONE: "1", "PYTHONUNBUFFERED": "1"}
     if not torch.cuda.is_available():
         env.setdefault("DS_ACCELERATOR", "cpu")
+        env.update(devices.cpu_thread_env(env, len(os.sched_getaffinity(0)), nproc or 1))
     if args.hostfile:
         return killed_rank(run_launcher(cmd, env, verbose=args.verbose))
     import tempfile

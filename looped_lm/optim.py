@@ -14,14 +14,10 @@ import math
 
 import torch
 
+from looped_lm.devices import adamw_implementation  # noqa: F401  (re-exported: callers pick a path by device)
+
 
 ADAMW_IMPLEMENTATIONS = ("for-loop", "foreach", "fused")
-
-
-def adamw_implementation(device_type: str) -> str:
-    """fused on CUDA (one kernel for every tensor), foreach elsewhere (a few multi-tensor ops instead of
-    about ten kernels per parameter tensor; the plain for-loop is the reference the tests compare)."""
-    return "fused" if device_type == "cuda" else "foreach"
 
 
 class BlockwiseAdamW(torch.optim.AdamW):

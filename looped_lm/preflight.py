@@ -20,7 +20,7 @@ from pathlib import Path
 
 from looped_lm import checkpoint as ckpt_io
 from looped_lm.config import Config, block_layers, init_source
-from looped_lm.data.batches import data_source_string, prepare_data
+from looped_lm.data.batches import prepare_data
 from looped_lm.errors import UserError
 from looped_lm.parallel import check_world
 

@@ -32,12 +32,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from looped_lm import checkpoint as ckpt_io
+from looped_lm import devices
 from looped_lm import parallel
 from looped_lm.config import Config, describe_fields, init_source, load_config
 from looped_lm.kinds import kind_of
 from looped_lm.errors import UserError
-from looped_lm.preflight import Plan, data_source_string, describe_os_error, nothing_to_train, preflight
+from looped_lm.data.batches import data_source_string
+from looped_lm.preflight import Plan, describe_os_error, nothing_to_train, preflight
 
 __all__ = ["Plan", "data_source_string", "main", "preflight", "train"]
 
@@ -104,9 +108,8 @@ def _free_port() -> int:
 
 def init_distributed():
     """Set up torch.distributed through DeepSpeed: NCCL on GPUs, gloo on CPU; one process works too."""
-    import torch
-
-    if not torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if "RANK" not in os.environ:  # launched without the deepspeed launcher: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
@@ -116,7 +119,7 @@ def init_distributed():
 
     # init_distributed otherwise JIT-compiles a shared-memory comm op with g++ (~1 min, needs a compiler)
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = devices.dist_backend("cuda" if cuda else "cpu")
     store = os.environ.get(RENDEZVOUS_FILE)
     if store:  # one node: a file rendezvous, and gloo's and NCCL's own sockets on loopback
         if Path("/sys/class/net/lo").exists():
@@ -126,11 +129,10 @@ def init_distributed():
                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     else:
         deepspeed.init_distributed(dist_backend=backend)
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+    device = devices.rank_device(cuda, int(os.environ.get("LOCAL_RANK", 0)))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # no CPU meaning: NCCL and every later allocation use this GPU
+    return device
 
 
 def on_rank0(fn):
@@ -311,8 +313,7 @@ def train(cfg: Config, stop_after: int = 0, verify: bool = True) -> Path | None:
     device = init_distributed()
     import deepspeed.comm as dist
 
-    if device.type == "cuda" and cfg.deepspeed.bf16:  # the fp32 matmuls left beside bf16 ones (the DB kinds'
-        torch.set_float32_matmul_precision("high")    # likelihood terms) on TF32, as nanoGPT does; fp32 runs stay fp32
+    torch.set_float32_matmul_precision(devices.fp32_matmul_precision(device.type, cfg.deepspeed.bf16))
     try:
         result = _train(cfg, device, stop_after, verify)
         dist.barrier()  # before teardown: avoids a rare abort of gloo ranks at exit
@@ -469,14 +470,14 @@ def _start_engine(run: _Run) -> None:
     import deepspeed.comm as dist
     import torch
 
-    from looped_lm.compile import compile_enabled, compile_for_training
-    from looped_lm.optim import BlockwiseAdamW, adamw_implementation, cosine_with_warmup, param_groups
+    from looped_lm.compile import compile_for_training
+    from looped_lm.optim import BlockwiseAdamW, cosine_with_warmup, param_groups
     from looped_lm.training import TrainingModule
 
     cfg, t, model = run.cfg, run.cfg.train, run.model
-    if compile_enabled(t.compile, run.device):
+    if devices.compile_enabled(t.compile, run.device.type):
         compile_for_training(model, kind_of(cfg))
-    optimizer = BlockwiseAdamW(param_groups(model, t.weight_decay), adamw_implementation(run.device.type), lr=t.lr,
+    optimizer = BlockwiseAdamW(param_groups(model, t.weight_decay), devices.adamw_implementation(run.device.type), lr=t.lr,
                                betas=(t.beta1, t.beta2), eps=1e-8)
     for group in optimizer.param_groups:
         group["initial_lr"] = t.lr

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from looped_lm.checkpoint import NO_VERIFY_HELP
+from looped_lm import fields
 from looped_lm.errors import UserError
 
 
@@ -49,7 +50,7 @@ def add_arguments(p) -> None:
                    help="the Jinja chat template for /v1/chat/completions, a file or the template itself (as "
                         "vLLM's flag); default: the model's (tokenizer_config.json's chat_template, a "
                         "chat_template.jinja beside it, or the GGUF's), else a plain `Role: content` one")
-    p.add_argument("--compile-decode", choices=("auto", "on", "off"), default="auto",
+    p.add_argument("--compile-decode", type=fields.switch, default="auto",
                    help="torch.compile the one-token decode step, rows padded to power-of-two buckets (CUDA graphs "
                         "on a GPU): gpt's whole step, db_ar's and looped_db's block calls (huginn decodes eagerly): "
                         "auto = on CUDA")

@@ -92,7 +92,7 @@ def test_clean_lm_weight_adds_a_clean_stream_loss():
     extra = make(clean_lm_weight=0.5).train()
     torch.manual_seed(5)
     loss, metrics = extra.training_loss(x, y, step=0, seed=0)
-    assert loss.item() == pytest.approx(base.item() + 0.5 * metrics["clean_lm_loss"], rel=1e-5)
+    assert loss.item() == pytest.approx(base.item() + 0.5 * float(metrics["clean_lm_loss"]), rel=1e-5)
     loss.backward()
     block = extra.choose_block(0, 0)
     # the clean loss reaches the last clean layer's MLP, which the DB loss alone never uses
@@ -158,4 +158,4 @@ def test_clean_lm_weight_adds_the_clean_stream_loss_on_looped_db_too():
     torch.manual_seed(5)
     loss, metrics = looped(0.5).training_loss(x, y, step=0, seed=0)
     assert metrics["clean_lm_loss"] > 0
-    assert loss.item() == pytest.approx(base.item() + 0.5 * metrics["clean_lm_loss"], rel=1e-5)
+    assert loss.item() == pytest.approx(base.item() + 0.5 * float(metrics["clean_lm_loss"]), rel=1e-5)

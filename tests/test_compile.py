@@ -147,9 +147,11 @@ def test_compile_graphs_gives_each_function_room_for_its_graphs(monkeypatch):
         return fn
 
     monkeypatch.setattr(torch, "compile", old_compile)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
     monkeypatch.setattr(lc, "_PROMISED", 0)
-    lc.compile_graphs(len, 4)
-    lc.compile_graphs(len, 4)
-    lc.compile_graphs(len, 4)
-    assert torch._dynamo.config.recompile_limit == 13
+    # dynamo's own patch restores the key on exit; pytest 9.2's monkeypatch.undo hides it (every later
+    # torch.compile in the process then fails)
+    with torch._dynamo.config.patch(recompile_limit=8):
+        lc.compile_graphs(len, 4)
+        lc.compile_graphs(len, 4)
+        lc.compile_graphs(len, 4)
+        assert torch._dynamo.config.recompile_limit == 13

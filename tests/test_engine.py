@@ -21,7 +21,7 @@ from looped_lm.engine.runner import kv_bytes_per_token
 from looped_lm.models.contract import split_logprobs
 from looped_lm.errors import UserError
 from looped_lm.sampling import GREEDY, SamplingParams
-from looped_lm.settings import ScoreSettings, resolve_settings
+from looped_lm.settings import resolve_settings
 from tiny_models import D, V, build_tiny
 
 

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 
 from looped_lm.config import config_from_dict
 from looped_lm.data.tokenizer import get_tokenizer
-from looped_lm.errors import UserError
 from looped_lm.models import build_model
 from looped_lm.pretrained import init_from_pretrained, read_source
 

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Layers, bottom to top: a module may import its own layer or lower ones, never a higher one, and the
 # import graph (function-level imports included) has no circle. Prefixes are matched longest first.
 LAYERS = [
-    ("looped_lm.errors", "looped_lm.console", "looped_lm.cost", "looped_lm.compile"),
+    ("looped_lm.errors", "looped_lm.console", "looped_lm.cost", "looped_lm.devices", "looped_lm.compile"),
     ("looped_lm.fields",),
     ("looped_lm.kinds",),  # the kind plugins: their builders and data functions are named, not imported
     ("looped_lm.config", "looped_lm.sampling", "looped_lm.mfu"),
@@ -20,7 +20,7 @@ LAYERS = [
     ("looped_lm.checkpoint", "looped_lm.engine", "looped_lm.optim", "looped_lm.training", "looped_lm.parallel",
      "looped_lm.pretrained"),
     ("looped_lm.eval", "looped_lm.export", "looped_lm.hf", "looped_lm.train", "looped_lm.preflight",
-     "looped_lm.launch", "looped_lm.merge", "looped_lm.supporting", "looped_lm.generate", "looped_lm.verify"),
+     "looped_lm.launch", "looped_lm.dryrun", "looped_lm.merge", "looped_lm.supporting", "looped_lm.generate", "looped_lm.verify"),
     ("looped_lm.serve", "serve"),
     ("looped_lm.cli", "looped_lm.__main__"),  # entry points route to everything
 ]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from looped_lm import devices
 from looped_lm.compile import compile_graphs
 from looped_lm.models.contract import FixedShapeBlocks, FixedShapeDecoding
 
@@ -30,9 +31,9 @@ def buckets(num_slots: int) -> list[int]:
 
 
 def compile_setting(setting: str, device: torch.device) -> bool:
-    """--compile-decode: "on", "off", or "auto" (on for CUDA; off on CPU, where each bucket's first step
-    waits tens of seconds for the C++ compiler)."""
-    return setting == "on" or (setting == "auto" and device.type == "cuda")
+    """--compile-decode: "on", "off", or "auto" (devices.compile_enabled: on for CUDA; off on CPU, where each
+    bucket's first step waits tens of seconds for the C++ compiler)."""
+    return devices.compile_enabled(setting, device.type)
 
 
 class _Bucketed:
@@ -42,15 +43,15 @@ class _Bucketed:
         backend = backend or BACKEND
         self.model, self.pool, self.buckets = model, pool, buckets(num_slots)
         self.device = next(model.parameters()).device
-        self.cuda = self.device.type == "cuda"
-        if self.cuda:  # CUDA graphs replay fixed addresses: the pool's tensors must not be copied in per call
+        self.cuda_graphs = devices.uses_cuda_graphs(self.device.type, backend)
+        if self.cuda_graphs:  # CUDA graphs replay fixed addresses: the pool's tensors must not be copied in per call
             for t in _tensors(pool):
                 torch._dynamo.mark_static_address(t)
         # fullgraph: a graph break would be a silent fall back to eager for part of every step; isolated, with
         # room for its graphs: every engine in a process compiles the same method, and a shared count would
         # make a later engine's steps fail past dynamo's default limit of 8
         self.step = compile_graphs(fn, graphs_per_bucket * min(2, len(self.buckets)), backend, fullgraph=True,
-                                   mode="reduce-overhead" if self.cuda and backend == "inductor" else None)
+                                   mode=devices.decode_compile_mode(self.device.type, backend))
 
     def padded(self, rows: torch.Tensor, *per_row: torch.Tensor) -> tuple[int, list[torch.Tensor]]:
         """(R, the tensors padded to the smallest bucket that holds R rows, by repeating the last row), their row
@@ -64,7 +65,7 @@ class _Bucketed:
         return R, out
 
     def output(self, out: torch.Tensor, R: int) -> torch.Tensor:
-        return out[:R].clone() if self.cuda else out[:R]  # a CUDA graph's output is overwritten by its next replay
+        return out[:R].clone() if self.cuda_graphs else out[:R]  # a CUDA graph's output is overwritten by its next replay
 
 
 class CompiledDecode(_Bucketed):
@@ -78,7 +79,7 @@ class CompiledDecode(_Bucketed):
         """Compile and run every bucket now (twice on CUDA: reduce-overhead records a bucket's CUDA graph on its
         second call), on the empty pool (then emptied again), so no request waits for one."""
         for size in self.buckets:
-            for _ in range(2 if self.cuda else 1):
+            for _ in range(2 if self.cuda_graphs else 1):
                 _, (rows, ids) = self.padded(torch.arange(size, device=self.device),
                                              torch.zeros(size, 1, dtype=torch.long, device=self.device))
                 self.step(ids, self.pool, rows)
@@ -108,7 +109,7 @@ class CompiledBlocks(_Bucketed):
             rows = torch.arange(size, device=self.device)
             for b in range(self.num_blocks):
                 for append in (True, False):
-                    for _ in range(2 if self.cuda else 1):
+                    for _ in range(2 if self.cuda_graphs else 1):
                         _, args = self.padded(rows, *self.model.example_slots(size, self.device))
                         self.step(b, self.pool, *args, append)
             self.model.reset_rows(self.pool, rows)
