@@ -74,7 +74,7 @@ def worker(argv) -> int:
     import deepspeed  # noqa: F401  (its import-time RSS belongs to the baseline)
 
     from looped_lm import optim, training
-    from looped_lm import train as trainer
+    from looped_lm import trainer
 
     baseline = _status("VmRSS")
     sent = {"bytes": 0}

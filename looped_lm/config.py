@@ -213,8 +213,10 @@ KIND_SECTIONS = ("model", "diffusion")  # the sections whose class the kind choo
 # loading
 
 
-def load_config(path: str | None, overrides: list[str] = ()) -> Config:
-    """Read YAML at `path` (None = defaults), apply `section.key=value` overrides, validate."""
+def load_config(path: str | None, overrides: list[str] = (), source_shape=None) -> Config:
+    """Read YAML at `path` (None = defaults), apply `section.key=value` overrides, take the shape fields left
+    unset from model.init_from's source (`source_shape(path) -> {field: value, "n_source_layers": n}`, given by
+    the verbs that start runs: looped_lm/pretrained.py's), validate."""
     raw: dict = {}
     if path is not None:
         p = Path(path)
@@ -236,7 +238,47 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
             raise UserError(f"config file {path} must hold a mapping of sections, got {type(raw).__name__}")
     for item in overrides:
         _apply_override(raw, item)
+    if source_shape is not None:
+        raw = with_source_shape(raw, source_shape)
     return config_from_dict(raw, flat_era=False)
+
+
+SOURCE_SHAPE_FIELDS = ("d_model", "n_heads", "ffn_hidden", "norm_eps", "rope_theta", "vocab_size")
+
+
+def with_source_shape(raw: dict, source_shape) -> dict:
+    """`raw` with the model fields a pretrained source decides (SOURCE_SHAPE_FIELDS, and n_layers where the kind
+    maps every source layer) taken from the source where the user left them unset; a field the user set to
+    another value is refused in one line (numbers compare as float32, as the GGUF stores them)."""
+    model = raw.get("model")
+    if not isinstance(model, dict) or not model.get("init_from"):
+        return raw
+    shape = dict(source_shape(str(model["init_from"])))
+    n_source = shape.pop("n_source_layers")
+    kind = model.get("kind", DEFAULT_KIND)
+    if isinstance(kind, str) and kind in registered():
+        n_layers = get_kind(kind).source_n_layers(model, n_source)
+        if n_layers is not None:
+            shape["n_layers"] = n_layers
+    filled = dict(model)
+    for key, value in shape.items():
+        if key not in model:
+            filled[key] = value
+        elif not _same_number(model[key], value):
+            raise UserError(f"model.{key} is {model[key]!r} but model.init_from {model['init_from']} has {value!r}: "
+                            f"leave model.{key} unset to take the source's")
+    return {**raw, "model": filled}
+
+
+def _same_number(a, b) -> bool:
+    """Equal as float32 (the GGUF's 9.999999747378752e-06 is 1e-5); a YAML string such as '1e-5' is read as a number."""
+    import numpy as np
+
+    try:
+        a, b = float(a), float(b)
+    except (TypeError, ValueError):
+        return a == b
+    return bool(np.float32(a) == np.float32(b))
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:

@@ -66,6 +66,30 @@ def cpu_thread_env(env: dict, cores: int, nproc: int) -> dict:
     return out
 
 
+def available_memory(device: torch.device) -> int:
+    """Bytes free for new tensors on `device`: the GPU's free memory, or the RAM the kernel can give without
+    swapping (MemAvailable; this process's cgroup limit, if lower)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import os
+
+    free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                free = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        used = int(open("/sys/fs/cgroup/memory.current").read().strip())
+        if limit != "max":
+            free = min(free, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return max(0, free)
+
+
 def rng_devices(device_type: str) -> list:
     """The devices whose generators torch.random.fork_rng must save and restore around a compile."""
     return [torch.cuda.current_device()] if device_type == "cuda" else []

@@ -5,7 +5,7 @@ The config is loaded and checked (the kind's checks, the world size), the model 
 (nothing allocated: a paper-scale model on a laptop), its parameters, one optimizer step's FLOPs (the kind's cost
 model) and the bytes its weights, gradients and AdamW state need per rank are counted, the decisions the trainer
 takes on the target device are printed (looped_lm/devices.py: dist backend, matmul precision, compile, AdamW
-kernel, DeepSpeed's bf16 mode), and so is the launcher command it would run on N processes.
+kernel, DeepSpeed's bf16 mode), and so is the launcher command it would run on N processes (looped_lm/launch.py builds it).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from looped_lm import devices, launch
-from looped_lm import train as trainer
+from looped_lm import devices
+from looped_lm.trainer.distributed import deepspeed_config
 from looped_lm.checkpoint import run_vocab
 from looped_lm.config import Config, init_source
 from looped_lm.kinds import kind_of
@@ -56,7 +56,7 @@ def state_bytes(cfg: Config, trained: int, frozen: int, world: int, bf16_weights
     return int(trained * per_trained + frozen * FROZEN_BYTES)
 
 
-def report(cfg: Config, config_name: str, trainer_argv: list[str], nproc: int, device_type: str = "cuda") -> list[str]:
+def report(cfg: Config, config_name: str, launcher_cmd: list[str], nproc: int, device_type: str = "cuda") -> list[str]:
     """The dry run's lines (raises UserError where the run would be refused)."""
     kind = kind_of(cfg)
     check_world(cfg, nproc)
@@ -65,7 +65,7 @@ def report(cfg: Config, config_name: str, trainer_argv: list[str], nproc: int, d
     t = cfg.train
     flops = StepFlops(cfg, vocab_size)
     step = flops()
-    ds = trainer.deepspeed_config(cfg, nproc)
+    ds = deepspeed_config(cfg, nproc)
     bf16 = "off" if not cfg.deepspeed.bf16 else ("autocast over fp32 weights" if ds["torch_autocast"]["enabled"]
                                                   else "DeepSpeed's bf16 weights")
     data = Path(cfg.data.path) if cfg.data.path else None
@@ -90,6 +90,5 @@ def report(cfg: Config, config_name: str, trainer_argv: list[str], nproc: int, d
     ]
     if init_source(cfg):
         lines.append(f"  from: {init_source(cfg)} (model.init_from, converted at launch)")
-    cmd = launch.command(nproc, 29500, trainer_argv, verbose=False)
-    lines.append("  launch: " + shlex.join(["deepspeed", *cmd[1:]]))
+    lines.append("  launch: " + shlex.join(["deepspeed", *launcher_cmd[1:]]))
     return lines

@@ -16,8 +16,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from looped_lm import devices
+from looped_lm import checkpoint as ckpt_io
+from looped_lm import preflight
+from looped_lm.config import describe_fields
 from looped_lm.errors import UserError
+from looped_lm.trainer import args as trainer
 
 # DeepSpeed's log format: "[2026-01-01 12:00:00,123] [INFO] [launch.py:152:main] ..."
 _DS_LOG = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,]+\] \[(?P<level>[A-Z]+)\] \[(?P<file>[\w.]+):\d+:")
@@ -91,8 +94,6 @@ def run_launcher(cmd: list[str], env: dict, verbose: bool = False) -> int:
 
 def add_arguments(p) -> None:
     """`looped_lm train`'s flags: the trainer's own (train.add_arguments) and the launcher's."""
-    from looped_lm import train as trainer
-
     trainer.add_arguments(p)
     p.add_argument("--nproc", type=int, default=0,
                    help="processes on this node (GPUs; on CPU, gloo ranks); 0 = all GPUs, or 1 on CPU; with "
@@ -112,11 +113,6 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     """`looped_lm train`: check the config and the run (preflight) here, then start the launcher."""
-    from looped_lm import checkpoint as ckpt_io
-    from looped_lm import preflight
-    from looped_lm import train as trainer
-    from looped_lm.config import describe_fields
-
     if args.help_config is not None:
         print(describe_fields(kind=args.help_config or None))
         return 0
@@ -127,7 +123,9 @@ def run(args) -> int:
         raise UserError(f"--master-port must be in 1..65535, or 0 for a free one (got {args.master_port})")
     if args.no_verify:
         print(ckpt_io.no_verify_note(), file=sys.stderr)
-    import torch
+    import torch  # here, not at the top: `looped_lm train --help` and a bad flag import no torch
+
+    from looped_lm import devices
 
     if args.hostfile:  # every node's slots, capped by --nproc
         nproc, world = args.nproc, hostfile_slots(args.hostfile, args.nproc)
@@ -136,8 +134,8 @@ def run(args) -> int:
     if args.dry_run:
         from looped_lm import dryrun
 
-        print("\n".join(dryrun.report(cfg, args.config or "--set overrides", trainer.forward_args(args), world,
-                                       args.device_type)))
+        cmd = command(world, 29500, trainer.forward_args(args), verbose=False)
+        print("\n".join(dryrun.report(cfg, args.config or "--set overrides", cmd, world, args.device_type)))
         return 0
     # config, world size, data, out_dir and the checkpoint to resume: checked here, before the launcher starts
     plan = preflight.preflight(cfg, verify=not args.no_verify, world_size=world)
@@ -146,7 +144,7 @@ def run(args) -> int:
     if preflight.nothing_to_train(plan, cfg):
         print(preflight.nothing_to_train(plan, cfg))
         return 0
-    port = args.master_port or (29500 if args.hostfile else trainer._free_port())
+    port = args.master_port or (29500 if args.hostfile else trainer.free_port())
     cmd = command(nproc, port, trainer.forward_args(args), args.verbose, args.hostfile)
     env = {**os.environ, trainer.PREFLIGHT_DONE: "1", "PYTHONUNBUFFERED": "1"}
     if not torch.cuda.is_available():

@@ -42,6 +42,7 @@ The embedding and the final norm are the source's; the head is the embedding, tr
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from dataclasses import dataclass
@@ -210,6 +211,27 @@ def _float32_decimal(x: float) -> float:
     return float(str(np.float32(x)))
 
 
+@contextlib.contextmanager
+def _no_progress_bars():
+    """transformers' loading bars off for one load: every verb that reads a GGUF base (train, eval, serve, merge)
+    would print its dequantisation bar, which says nothing the verb's own lines do not (its GGUF reader uses
+    tqdm directly, so its module's tqdm is swapped for a pass-through while the load runs)."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    was_on, bar = hf_logging.is_progress_bar_enabled(), getattr(gguf_utils, "tqdm", None)
+    hf_logging.disable_progress_bar()
+    if bar is not None:
+        gguf_utils.tqdm = lambda iterable=None, *args, **kwargs: iterable
+    try:
+        yield
+    finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
 def gguf_state_dict(source: Source) -> dict:
     """The GGUF's tensors dequantised to float32 by transformers, under LlamaForCausalLM's names (held by
     `source`: a second call is free)."""
@@ -219,9 +241,10 @@ def gguf_state_dict(source: Source) -> dict:
 
         need_gguf_package(f"model.init_from {source.path}")
         try:  # the config read_source took from the file: passing it saves transformers a second parse
-            model = AutoModelForCausalLM.from_pretrained(str(source.path.parent), gguf_file=source.path.name,
-                                                         config=AutoConfig.for_model(**source.config),
-                                                         dtype=torch.float32, local_files_only=True)
+            with _no_progress_bars():
+                model = AutoModelForCausalLM.from_pretrained(str(source.path.parent), gguf_file=source.path.name,
+                                                             config=AutoConfig.for_model(**source.config),
+                                                             dtype=torch.float32, local_files_only=True)
         except (ValueError, OSError, KeyError, RuntimeError) as e:
             raise _fail(source.path, f"transformers cannot dequantise it ({str(e).splitlines()[0]})") from None
         source.state = {name: t.detach() for name, t in model.state_dict().items()}
@@ -322,7 +345,7 @@ def _check_tensors(source: Source) -> None:
         raise _fail(source.files[biases[0]], f"holds {biases[0]}: the project's layers have no biases")
     tied = source.config.get("tie_word_embeddings", True)
     if "lm_head.weight" in source.files and not tied:
-        raise _fail(source.path / "config.json", "tie_word_embeddings is false (a separate lm_head): the "
+        raise _fail(source.path if source.gguf else source.path / "config.json", "tie_word_embeddings is false (a separate lm_head): the "
                     "project's head is the embedding, transposed; untied heads are not supported")
 
 
@@ -336,6 +359,14 @@ def expected_model_fields(source: Source, vocab_rows: int) -> dict:
     return {"d_model": int(c["hidden_size"]), "n_heads": int(c["num_attention_heads"]),
             "ffn_hidden": int(c["intermediate_size"]), "norm_eps": float(c.get("rms_norm_eps", 1e-6)),
             "rope_theta": float(rope_theta), "vocab_size": vocab_rows}
+
+
+def source_shape(path: str) -> dict:
+    """The model fields a source decides, read from its config.json or GGUF metadata (no tensor data), for
+    config.with_source_shape: d_model, n_heads, ffn_hidden, norm_eps, rope_theta, vocab_size (its embedding's
+    rows) and "n_source_layers"."""
+    source = read_source(path)
+    return {**expected_model_fields(source, source.rows or _embedding_rows(source)), "n_source_layers": source.n_layers}
 
 
 def check_run(cfg: Config, source: Source, vocab_size: int, tokenizer_size: int | None = None) -> None:

@@ -29,7 +29,11 @@ def add_arguments(p) -> None:
                         "diffusion.num_iterations or B; huginn: model.num_iterations or its mean recurrence)")
     p.add_argument("--max-iterations", type=int, default=None,
                    help="largest K a request may ask for (default: model.max_iterations)")
-    p.add_argument("--kv-memory-gb", type=float, default=1.0, help="KV cache budget in GiB: sets the slot count")
+    p.add_argument("--kv-memory-gb", type=float, default=None,
+                   help="KV cache budget in GiB: sets the slot count (default: KV_MEMORY_FRACTION, a quarter, of "
+                        "the memory free on --device once the model is loaded, as vLLM sizes its cache from the "
+                        "memory it has; a context that one slot of it cannot hold is lowered to what fits, with a "
+                        "note, unless --max-model-len asks for it)")
     p.add_argument("--max-slots", type=int, default=64, help="at most this many concurrent sequences")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="tokens per sequence, prompt + completion (default: the trained context, model.seq_len; "
@@ -57,6 +61,9 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+
+
+KV_MEMORY_FRACTION = 0.25  # of the memory free once the model is loaded: the default KV budget
 
 
 def default_name(checkpoint: Path) -> str:
@@ -112,6 +119,7 @@ def run(args) -> int:
     from looped_lm.data.tokenizer import get_tokenizer
     import torch
 
+    from looped_lm import devices  # torch: imported when the verb runs, so `looped_lm --help` stays fast
     from looped_lm.engine.compiled import compile_setting
     from looped_lm.engine.engine import Engine
     from looped_lm.models.contract import CachedDecoding
@@ -132,7 +140,7 @@ def run(args) -> int:
                         f"{MAX_DRAWS} (got {args.logprob_draws} and {args.logprob_max_draws})")
     if args.max_request_work < 1:
         raise UserError(f"--max-request-work must be >= 1 (got {args.max_request_work})")
-    if args.max_slots < 1 or args.prefill_chunk < 1 or not args.kv_memory_gb > 0:
+    if args.max_slots < 1 or args.prefill_chunk < 1 or (args.kv_memory_gb is not None and not args.kv_memory_gb > 0):
         raise UserError("--max-slots and --prefill-chunk must be >= 1 and --kv-memory-gb > 0")
     for flag, value in (("--default-iterations", args.default_iterations), ("--max-iterations", args.max_iterations)):
         if value is not None and value < 1:
@@ -160,7 +168,16 @@ def run(args) -> int:
     from looped_lm.settings import LOGPROB_RESOLVE_SE, ScoreSettings
 
     max_len = served_context(cfg.model.positions(), model.max_positions, args.max_model_len)
-    engine = Engine.from_memory_budget(model, args.kv_memory_gb, max_slots=args.max_slots, max_len=max_len,
+    budget = args.kv_memory_gb
+    if budget is None:
+        budget = KV_MEMORY_FRACTION * devices.available_memory(torch.device(args.device)) / 2 ** 30
+    fits = Engine.context_that_fits(model, budget, max_len, args.max_iterations)
+    if fits < max_len and args.max_model_len is None and fits >= 1:  # asked for explicitly: refused below instead
+        print(f"note: a KV budget of {budget:.2f} GiB holds one sequence of {fits} tokens, not the model's "
+              f"{max_len}: serving {fits} tokens per sequence (--kv-memory-gb or --max-model-len to choose)",
+              file=sys.stderr)
+        max_len = fits
+    engine = Engine.from_memory_budget(model, budget, max_slots=args.max_slots, max_len=max_len,
                                        max_iterations=args.max_iterations, default_iterations=args.default_iterations,
                                        prefill_chunk=args.prefill_chunk, vocab_size=tok.vocab_size,
                                        score_settings=ScoreSettings(draws=args.logprob_draws,

@@ -89,7 +89,7 @@ def write_config(data_cache):
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory, write_config):
     """A 30-step byte-level GPT run on the Bible: (config path, checkpoint dir, out dir)."""
-    from looped_lm import train as trainer
+    from looped_lm import trainer
 
     root = tmp_path_factory.mktemp("tiny_run")
     out = root / "out"

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from looped_lm import checkpoint as ckpt_io
 from looped_lm import cli
-from looped_lm import train as trainer
+from looped_lm import trainer
 from looped_lm.config import load_config
 from looped_lm.errors import UserError
 

@@ -239,7 +239,7 @@ def test_generate_errors_are_one_line(tiny_run, tmp_path, capsys, one_line_error
 def test_eval_finds_the_run_data_from_another_directory(tmp_path, write_config, monkeypatch, capsys):
     """With the default relative `data.cache_dir` ("data_cache"), the manifest must still locate val.bin
     when `looped_lm eval` runs from another working directory (the checkpoint is given by absolute path)."""
-    from looped_lm import train as trainer
+    from looped_lm import trainer
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("The quick brown fox jumps over the lazy dog. " * 40)
@@ -437,7 +437,7 @@ def test_eval_scores_the_test_split_of_a_run_prepared_with_one(kind, tmp_path, w
     """data.test_fraction holds out a test split that training never reads; `eval --split test` scores it
     (gpt: recomputed by hand on test.bin; db_ar at K = 2 through the same path), and a run without one,
     or --split with --data, is one line."""
-    from looped_lm import train as trainer
+    from looped_lm import trainer
 
     model = {"kind": kind, "n_layers": 2} if kind == "db_ar" else {}
     cfg = write_config(tmp_path / "run.yaml", {

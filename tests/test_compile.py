@@ -10,7 +10,7 @@ import torch
 import torch._dynamo
 
 from looped_lm import compile as lc
-from looped_lm import train as trainer
+from looped_lm import trainer
 from looped_lm.config import config_from_dict
 from looped_lm.kinds import get_kind
 from looped_lm.models import build_model

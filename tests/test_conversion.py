@@ -17,7 +17,7 @@ DB = {"model": {"kind": "db_ar", "n_layers": 2, "d_model": 32, "n_heads": 2, "se
 
 
 def run(write_config, root, name, **train):
-    from looped_lm import train as trainer
+    from looped_lm import trainer
 
     cfg = write_config(root / f"{name}.yaml", {**DB, "train": {"out_dir": str(root / name), **train}})
     before = {k: os.environ.get(k) for k in DIST_VARS}

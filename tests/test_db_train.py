@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from looped_lm import checkpoint as ckpt_io
 from looped_lm import cli
-from looped_lm import train as trainer
+from looped_lm import trainer
 
 DB = {"model": {"kind": "db_ar", "n_layers": 2, "d_model": 32, "n_heads": 2, "seq_len": 16},
       "diffusion": {"num_blocks": 2}}

@@ -11,7 +11,7 @@ from torch._dynamo.testing import CompileCounter
 
 from looped_lm import compile as lc
 from looped_lm import devices
-from looped_lm import train as trainer
+from looped_lm import trainer
 from looped_lm.engine import compiled
 from looped_lm.engine.engine import Engine, Request
 from looped_lm.sampling import GREEDY, SamplingParams

@@ -20,7 +20,7 @@ DB = {"model": {"kind": "db_ar", "n_layers": 2, "d_model": 32, "n_heads": 2, "se
 @pytest.fixture(scope="module")
 def db_ckpt(tmp_path_factory, write_config):
     """A 2-step DB-AR checkpoint (B = 2, K up to model.max_iterations = 64)."""
-    from looped_lm import train as trainer
+    from looped_lm import trainer
 
     root = tmp_path_factory.mktemp("edges_db")
     cfg = write_config(root / "run.yaml", {**DB, "train": {"out_dir": str(root / "out")}})
@@ -279,7 +279,7 @@ def test_block_parallel_on_the_quickstart_when_each_rank_owns_one_block():
 
 def test_a_killed_rank_and_a_lost_peer_are_one_line(capsys):
     from looped_lm.launch import killed_rank
-    from looped_lm.train import lost_peer
+    from looped_lm.trainer import lost_peer
 
     assert killed_rank(256 - 9) == 1  # the launcher's exit status for a rank killed by SIGKILL
     err = capsys.readouterr().err
@@ -297,7 +297,7 @@ def test_a_full_disk_under_tensorboard_is_one_error_naming_the_directory(tmp_pat
     import errno
     import time
 
-    from looped_lm.train import MetricsLogger
+    from looped_lm.trainer import MetricsLogger
 
     log = MetricsLogger(tmp_path, 0, 0)
     writer = log.tb._get_file_writer().event_writer._async_writer._writer

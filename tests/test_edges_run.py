@@ -15,7 +15,7 @@ import torch
 
 from looped_lm import checkpoint as ckpt_io
 from looped_lm import cli
-from looped_lm import train as trainer
+from looped_lm import trainer
 from looped_lm.training import TrainingModule
 from test_manifest_agreement import _verbs
 

@@ -39,7 +39,7 @@ N = 10
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory, write_config):
     """kind -> (checkpoint dir, exported HF dir): 3-step runs of each kind, exported through the CLI."""
-    from looped_lm import train as trainer
+    from looped_lm import trainer
 
     root = tmp_path_factory.mktemp("export")
     out = {}

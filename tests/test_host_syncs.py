@@ -18,7 +18,7 @@ from collections import Counter
 import pytest
 import torch
 
-from looped_lm import train as trainer
+from looped_lm import trainer
 
 READS = ("item", "__float__", "__int__", "__bool__", "tolist", "cpu", "numpy")
 HOST_BY_DESIGN_FILES = ("torch/optim/", "looped_lm/data/")

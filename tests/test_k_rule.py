@@ -23,7 +23,7 @@ RUNS = {  # kind -> (its config beyond the base, the configured default K, the s
 
 @pytest.fixture(scope="module", params=list(RUNS))
 def run(request, tmp_path_factory, write_config):
-    from looped_lm import train as trainer
+    from looped_lm import trainer
 
     overrides, want, structural = RUNS[request.param]
     root = tmp_path_factory.mktemp(f"k_rule_{request.param}")

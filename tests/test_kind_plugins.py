@@ -128,7 +128,7 @@ def test_plugin_lacking_a_capability_is_refused_in_one_line(tmp_path, sets, need
 
 @pytest.fixture(scope="module")
 def bigram_run(tmp_path_factory, write_config):
-    from looped_lm import train as trainer
+    from looped_lm import trainer
 
     root = tmp_path_factory.mktemp("bigram")
     cfg = write_config(root / "run.yaml", {**BIGRAM, "train": {

@@ -16,7 +16,7 @@ from PIL import Image
 from safetensors.numpy import save_file
 
 from looped_lm import cli
-from looped_lm import train as trainer
+from looped_lm import trainer
 from looped_lm.data.latents import load_latents
 from looped_lm.errors import UserError
 

@@ -100,7 +100,7 @@ def test_lora_needs_a_base():
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory, llama, write_config):
-    from looped_lm import train as trainer
+    from looped_lm import trainer
 
     root, _ = llama
     tmp = tmp_path_factory.mktemp("lora_run")
@@ -168,7 +168,7 @@ def test_adapters_on_a_different_base_are_refused(lora_run, llama, tmp_path, cap
 def test_adapter_run_resumes(lora_run, tmp_path):
     import yaml
 
-    from looped_lm import train as trainer
+    from looped_lm import trainer
 
     ckpt, path = lora_run
     raw = yaml.safe_load(path.read_text())
@@ -193,7 +193,7 @@ def test_a_block_job_checkpoints_its_blocks_adapters_and_state_only(tmp_path, ll
     """db_ar LoRA job for block 1: its weights file and optimizer state name block 1 only."""
     from safetensors import safe_open
 
-    from looped_lm import train as trainer
+    from looped_lm import trainer
 
     root, _ = llama
     path = write_config(tmp_path / "run.yaml", {
@@ -325,7 +325,7 @@ def test_an_older_adapter_file_with_zero_ada_weights_still_loads(llama, tmp_path
 def ada_runs(tmp_path_factory, llama, write_config):
     """db_ar LoRA runs over the base, 4 steps with a checkpoint every 2: lora_ada lora straight through, the same
     stopped after 2 and resumed, and lora_ada full."""
-    from looped_lm import train as trainer
+    from looped_lm import trainer
 
     root, _ = llama
     tmp = tmp_path_factory.mktemp("lora_ada")
@@ -382,7 +382,7 @@ def test_a_resume_that_changes_lora_ada_is_refused(ada_runs, write_config, tmp_p
 
     import yaml
 
-    from looped_lm import train as trainer
+    from looped_lm import trainer
 
     raw = yaml.safe_load((ada_runs / "lora.yaml").read_text())
     shutil.copytree(ada_runs / "lora" / "step_0000002", tmp_path / "out" / "step_0000002")

@@ -26,7 +26,7 @@ SPLIT = {"kind": "db_ar", "n_layers": 2, "n_prelude": 1, "n_coda": 1, "d_model":
 def _job(write_config, root, base, name: str, blocks: list[int] | None, seed: int = 0, **train):
     """A 3-step LoRA db_ar job (B = 2, context independent) over `base` training `blocks` -> its checkpoint
     (adaLN by its adapter, train.lora_ada lora, unless `train` says otherwise)."""
-    from looped_lm import train as trainer
+    from looped_lm import trainer
 
     train = {"lora_ada": "lora", **train}
 
@@ -168,7 +168,7 @@ def test_merge_refuses_lora_jobs_that_disagree(case, jobs, base, tmp_path, write
 
 
 def _full_job(write_config, root, base):
-    from looped_lm import train as trainer
+    from looped_lm import trainer
 
     path = write_config(root / "full.yaml", {
         "model": {**SPLIT, "init_from": str(base)}, "diffusion": {"num_blocks": 2, "blocks_to_train": [1]},
@@ -183,7 +183,7 @@ def _full_job(write_config, root, base):
 
 @pytest.fixture(scope="module")
 def gpt_adapters(tmp_path_factory, write_config, base):
-    from looped_lm import train as trainer
+    from looped_lm import trainer
 
     root = tmp_path_factory.mktemp("lora_gpt")
     path = write_config(root / "run.yaml", {

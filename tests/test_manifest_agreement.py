@@ -20,7 +20,7 @@ DB = {"model": {"kind": "db_ar", "n_layers": 2, "d_model": 32, "n_heads": 2, "se
 @pytest.fixture(scope="module")
 def db_run(tmp_path_factory, write_config):
     """A 2-step DB-AR run (B = 2, both blocks trained): (its config, its checkpoint)."""
-    from looped_lm import train as trainer
+    from looped_lm import trainer
 
     root = tmp_path_factory.mktemp("agreement")
     cfg = write_config(root / "run.yaml", {**DB, "train": {"out_dir": str(root / "out")}})

@@ -67,7 +67,7 @@ def test_a_curve_refresh_is_charged_once_whatever_the_world():
     """network_gain re-measures CE(sigma) on rank 0 every curve_every steps: the meter adds the cost model's
     refresh FLOPs once (not per rank), and kinds without a curve add nothing."""
     from looped_lm import cost
-    from looped_lm.train import FlopsMeter
+    from looped_lm.trainer import FlopsMeter
 
     cfg = config_from_dict({"model": {"kind": "db_ar", "n_layers": 4, "d_model": 32, "n_heads": 2, "seq_len": 16},
                             "diffusion": {"num_blocks": 2, "block_sampling": "network_gain"}})

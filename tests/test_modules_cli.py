@@ -17,7 +17,7 @@ import yaml
 from PIL import Image
 
 from looped_lm import cli
-from looped_lm import train as trainer
+from looped_lm import trainer
 from looped_lm.data.text8 import ALPHABET
 
 from conftest import DIST_VARS

@@ -13,7 +13,7 @@ import pytest
 
 from looped_lm import checkpoint as ckpt_io
 from looped_lm import cli
-from looped_lm import train as trainer
+from looped_lm import trainer
 
 
 def metrics(out: Path, key: str) -> list:

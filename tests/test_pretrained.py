@@ -193,7 +193,7 @@ def _train_config(write_config, tmp_path, source, **model):
 
 
 def test_a_run_starts_from_the_source_and_records_it(tmp_path, write_config, llama):
-    from looped_lm import train as trainer
+    from looped_lm import trainer
     from looped_lm.checkpoint import load_checkpoint
 
     root, hf = llama

@@ -26,8 +26,9 @@ from safetensors.torch import load_file
 
 from looped_lm import checkpoint as ckpt_io
 from looped_lm import cli, parallel
-from looped_lm import train as trainer
+from looped_lm import trainer
 from looped_lm.config import config_from_dict, load_config
+from looped_lm.data.batches import data_source_string
 from looped_lm.data.bin_dataset import TokenStream
 from looped_lm.data.prepare import ensure_prepared
 from looped_lm.models import build_model
@@ -69,7 +70,7 @@ class Replay:
 
     def __init__(self, cfg, world: int, ckpt: Path | None = None):
         self.cfg, self.world, t = cfg, world, cfg.train
-        data = ensure_prepared(trainer.data_source_string(cfg), cfg.data.cache_dir, cfg.data.tokenizer,
+        data = ensure_prepared(data_source_string(cfg), cfg.data.cache_dir, cfg.data.tokenizer,
                                cfg.data.val_fraction, t.seed, progress=False)
         self.stream = TokenStream(str(Path(data) / "train.bin"), cfg.model.seq_len)
         torch.manual_seed(t.seed)

@@ -43,7 +43,7 @@ DB_MODEL = {"kind": "db_ar", "n_layers": 2, "d_model": 32, "n_heads": 2, "seq_le
 
 def train_tiny_db(tmp_path_factory, write_config) -> Path:
     """A 30-step byte-level DB-AR run (B = 2), trained once per session (the load test reuses it)."""
-    from looped_lm import train as trainer
+    from looped_lm import trainer
 
     root = tmp_path_factory.getbasetemp() / "serve_tiny_db"
     ckpt = root / "out" / "step_0000030"

@@ -230,7 +230,7 @@ def test_the_loss_share_curve_is_measured_on_training_data(monkeypatch):
     training split (a fixed batch the loop never draws), never from validation data."""
     import deepspeed.comm
 
-    from looped_lm import train as trainer
+    from looped_lm import trainer
 
     monkeypatch.setattr(deepspeed.comm, "get_world_size", lambda: 1)
     asked = []
@@ -250,14 +250,16 @@ def test_the_loss_share_curve_is_measured_on_training_data(monkeypatch):
     curve = trainer.refresh_curve(model, Stream("train"), cfg, "cpu", 0, 10)
     assert asked == [("train", -2)] and len(curve["ce"]) == len(curve["sigmas"])
     import inspect  # and the loop hands it the training stream
-    assert "refresh_curve(run.model, run.train_stream," in inspect.getsource(trainer._refresh_curve)
+
+    from looped_lm.trainer import run as trainer_run
+    assert "refresh_curve(run.model, run.train_stream," in inspect.getsource(trainer_run._refresh_curve)
 
 
 def test_a_stacked_run_trains_evaluates_and_refuses_merge(tmp_path, write_config, capsys, one_line_error):
     """The trainer runs a stacked db_ar end to end; `eval` scores its checkpoint; `merge` refuses it in one
     line (its blocks were not trained apart), exit 2, nothing written."""
     from looped_lm import cli
-    from looped_lm import train as trainer
+    from looped_lm import trainer
 
     cfg = write_config(tmp_path / "s.yaml", {"model": {"kind": "db_ar", "n_layers": 2, "n_prelude": 1},
                                              "diffusion": {"num_blocks": 2, "context": "stacked"},

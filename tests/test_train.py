@@ -22,8 +22,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from looped_lm import checkpoint as ckpt_io
-from looped_lm import train as trainer
+from looped_lm import trainer
 from looped_lm.config import load_config
+from looped_lm.data.batches import data_source_string
 from looped_lm.data.bin_dataset import TokenStream
 from looped_lm.data.prepare import ensure_prepared
 from looped_lm.models import build_model
@@ -68,7 +69,7 @@ def _adamw(cfg, model):
 
 def _replay(cfg, model, opt, start: int, end: int, world: int):
     t = cfg.train
-    data_dir = Path(ensure_prepared(trainer.data_source_string(cfg), cfg.data.cache_dir, cfg.data.tokenizer,
+    data_dir = Path(ensure_prepared(data_source_string(cfg), cfg.data.cache_dir, cfg.data.tokenizer,
                                     cfg.data.val_fraction, t.seed, progress=False))
     stream = TokenStream(str(data_dir / "train.bin"), cfg.model.seq_len)
     losses = []

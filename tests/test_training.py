@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from looped_lm import train as trainer
+from looped_lm import trainer
 from looped_lm.config import load_config
 from looped_lm.data.bin_dataset import TokenStream
 from looped_lm.models import build_model

@@ -111,9 +111,16 @@ class Engine:
         # by max_slots alone
         slots = min(max_slots, int(kv_memory_gb * 2 ** 30 // per_slot)) if per_slot else max_slots
         if slots < 1:
-            raise UserError(f"a KV budget of {kv_memory_gb} GiB holds no sequence: one slot of {max_len} tokens "
+            raise UserError(f"a KV budget of {kv_memory_gb:.4g} GiB holds no sequence: one slot of {max_len} tokens "
                             f"needs {per_slot / 2 ** 30:.4f} GiB (raise --kv-memory-gb or lower --max-model-len)")
         return cls(model, slots, max_len=max_len, max_iterations=max_iterations, **kwargs)
+
+    @staticmethod
+    def context_that_fits(model, kv_memory_gb: float, max_len: int, max_iterations: int | None = None) -> int:
+        """The longest sequence (at most `max_len`) one slot of a `kv_memory_gb` GiB KV budget holds."""
+        limits = served_limits(model, None, max_iterations)
+        per_token = kv_bytes_per_token(model, limits and limits.max_iterations)
+        return max_len if not per_token else min(max_len, int(kv_memory_gb * 2 ** 30 // per_token))
 
     @property
     def pool(self):

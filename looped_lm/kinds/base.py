@@ -97,7 +97,9 @@ class LanguageModelSection(SequenceSection):
     init_from: Str = field("", "a local Hugging Face directory (config.json + safetensors) of LlamaForCausalLM / "
                                "MistralForCausalLM, a GGUF file of one (dequantised by transformers), or a "
                                "`looped_lm export` of a gpt: a fresh run starts from its weights "
-                               "(docs/pretrained.md); '' = random init")
+                               "(docs/pretrained.md); '' = random init. The shape fields left unset (d_model, n_heads, "
+                               "ffn_hidden, norm_eps, rope_theta, vocab_size; n_layers for gpt and db_ar) are read "
+                               "from it; one set to another value is refused")
 
     max_positions: int = field(0, "the context the model serves by default (and is built for: RoPE up to the larger of "
                                   "this and 4 x seq_len); 0 = model.seq_len, its training context; model.init_from "
@@ -226,6 +228,11 @@ class Kind:
     def vocab(self, cfg) -> tuple[int, str] | None:
         """(output vocabulary, tokenizer name for the manifest) when the config alone fixes them (a
         module's classes or characters); None: the tokenizer's (data.tokenizer, model.vocab_size)."""
+        return None
+
+    def source_n_layers(self, model: dict, n_source: int) -> int | None:
+        """model.init_from with model.n_layers unset: the n_layers that takes every source layer, given the
+        user's raw `model:` section; None where n_layers is a layout choice the user must make (a looped core)."""
         return None
 
     def source_layers(self, cfg, n_source: int) -> dict[str, list]:

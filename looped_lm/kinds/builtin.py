@@ -66,6 +66,9 @@ class Gpt(Kind):
     summary = "Llama-style decoder (RMSNorm, RoPE, SwiGLU, tied head), end-to-end next-token CE"
     capabilities = _LM | {"activation_checkpointing", "export_llama", "export_native", "vllm"}
 
+    def source_n_layers(self, model: dict, n_source: int) -> int | None:
+        return n_source
+
     def source_layers(self, cfg, n_source: int) -> dict[str, list]:
         if cfg.model.n_layers != n_source:
             raise UserError(f"model.n_layers is {cfg.model.n_layers} but model.init_from has {n_source} layers (gpt "
@@ -118,6 +121,9 @@ class DbAr(Kind):
                "diffusion.context stacked cannot train independent block jobs (diffusion.blocks_to_train): block "
                "b's clean stream runs blocks < b's current weights, so a block trained apart would read stale "
                "ones; train every block in one run (train.mode data_parallel or block_parallel)")
+
+    def source_n_layers(self, model: dict, n_source: int) -> int | None:
+        return n_source - int(model.get("n_prelude") or 0) - int(model.get("n_coda") or 0)
 
     def source_layers(self, cfg, n_source: int) -> dict[str, list]:
         m, d = cfg.model, cfg.diffusion
