@@ -178,6 +178,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=8, help="steps before timing (compiles each DB block's graph)")
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--backend", default=None,
+                   help="torch.compile backend for the rows and the compiled decode (default inductor; the CPU dry "
+                        "run of bench/gpu_check.sh takes aot_eager: the same graphs, no code generation)")
     p.add_argument("--json", default=None)
     p.add_argument("--rows", nargs="*", default=DEFAULT_ROWS, choices=list(ROWS), metavar="ROW",
                    help=f"rows to run, in order (default: {', '.join(DEFAULT_ROWS)}; all: {', '.join(ROWS)})")
@@ -190,6 +193,11 @@ def main(argv=None) -> int:
                    help="decode batch sizes (each compiles one graph per power-of-two bucket up to it: ~40 s each "
                         "on an H200)")
     args = p.parse_args(argv)
+    if args.backend:
+        import looped_lm.compile
+        import looped_lm.engine.compiled
+
+        looped_lm.compile.BACKEND = looped_lm.engine.compiled.BACKEND = args.backend
     device = torch.device(args.device)
     shape, vocab = (TINY, 257) if args.tiny else (SMALL, 50257) if args.small else (GPT2, 50257)
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -243,7 +243,9 @@ def load_config(path: str | None, overrides: list[str] = (), source_shape=None) 
     return config_from_dict(raw, flat_era=False)
 
 
-SOURCE_SHAPE_FIELDS = ("d_model", "n_heads", "ffn_hidden", "norm_eps", "rope_theta", "vocab_size")
+SOURCE_SHAPE_FIELDS = ("d_model", "n_heads", "ffn_hidden", "norm_eps", "rope_theta", "vocab_size", "head_dim",
+                       "qkv_bias", "qk_norm")
+SOURCE_AUTO_ZERO = ("vocab_size", "ffn_hidden", "head_dim")  # 0 means "work it out": with a source, the source's
 
 
 def with_source_shape(raw: dict, source_shape) -> dict:
@@ -262,10 +264,12 @@ def with_source_shape(raw: dict, source_shape) -> dict:
             shape["n_layers"] = n_layers
     filled = dict(model)
     for key, value in shape.items():
-        if key not in model:
+        if key not in model or (key in SOURCE_AUTO_ZERO and model[key] == 0):
             filled[key] = value
         elif not _same_number(model[key], value):
-            raise UserError(f"model.{key} is {model[key]!r} but model.init_from {model['init_from']} has {value!r}: "
+            has = f"{value!r}" if key != "n_layers" else \
+                f"{n_source} layers ({value} for model.n_layers beside model.n_prelude and model.n_coda)"
+            raise UserError(f"model.{key} is {model[key]!r} but model.init_from {model['init_from']} has {has}: "
                             f"leave model.{key} unset to take the source's")
     return {**raw, "model": filled}
 

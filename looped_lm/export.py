@@ -2,7 +2,8 @@
 
 Two formats (`--format`; `auto`, the default, picks `llama` for gpt and `looped_lm` for the DB kinds):
 
-`llama` (gpt only): a stock `LlamaForCausalLM`, loaded with no project code. The gpt is Llama weight for
+`llama` (gpt only): a stock `LlamaForCausalLM` (`Qwen2ForCausalLM` / `Qwen3ForCausalLM` for a gpt converted
+from one: q/k/v biases, per-head q/k norms), loaded with no project code. The gpt is Llama weight for
 weight (pre-norm RMSNorm, RoPE with Llama's rotate-half pairs (x[:D/2], x[D/2:]), SwiGLU, tied head); the
 fused qkv and gate_up Linears are split into q/k/v_proj and gate_proj/up_proj.
 
@@ -64,16 +65,33 @@ def run(args) -> int:
     return 0
 
 
+def stock_family(cfg) -> tuple[str, str]:
+    """(architecture, model_type) of the stock transformers model a gpt is, weight for weight: Llama, or the
+    Qwen family its attention options come from (Qwen2: q/k/v biases; Qwen3: per-head q/k norms)."""
+    m = cfg.model
+    if m.qkv_bias and m.qk_norm:
+        raise UserError("--format llama: a gpt with both model.qkv_bias and model.qk_norm is no stock transformers "
+                        "architecture; export it with --format looped_lm")
+    if m.qk_norm:
+        return "Qwen3ForCausalLM", "qwen3"
+    if m.qkv_bias:
+        return "Qwen2ForCausalLM", "qwen2"
+    return "LlamaForCausalLM", "llama"
+
+
 def llama_config_dict(model, cfg, eot_id: int, bos_id: int | None = None, pad_id: int | None = None) -> dict:
-    """The fields of a transformers LlamaConfig for a native GPT (bos / pad default to eot_id). rope_theta
-    is written both at the top level (transformers 4.x, llama.cpp, older tools) and in rope_parameters
-    (transformers 5)."""
+    """The fields of a transformers LlamaConfig (Qwen2Config / Qwen3Config: `stock_family`) for a native GPT
+    (bos / pad default to eot_id). rope_theta is written both at the top level (transformers 4.x, llama.cpp,
+    older tools) and in rope_parameters (transformers 5)."""
     m = cfg.model
     vocab, d = model.tok_emb.weight.shape
     ffn = model.layers[0].mlp.down.weight.shape[1]
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+    arch, model_type = stock_family(cfg)
+    family = {} if model_type == "llama" else {"use_sliding_window": False, "sliding_window": None,
+                                               "max_window_layers": len(model.layers)}
+    return {"architectures": [arch], "model_type": model_type, "vocab_size": vocab, **family,
             "hidden_size": d, "intermediate_size": ffn, "num_hidden_layers": len(model.layers),
-            "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_heads, "head_dim": d // m.n_heads,
+            "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_heads, "head_dim": model.head_dim,
             "hidden_act": "silu", "max_position_embeddings": model.max_positions, "rms_norm_eps": m.norm_eps,
             "rope_theta": m.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
             "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
@@ -90,6 +108,11 @@ def llama_state_dict(model) -> dict:
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         q, k, v = layer.attn.qkv.weight.chunk(3, dim=0)
+        if layer.attn.qkv.bias is not None:  # Qwen2
+            out.update(zip((p + f"self_attn.{x}_proj.bias" for x in "qkv"), layer.attn.qkv.bias.chunk(3)))
+        if layer.attn.q_norm is not None:  # Qwen3
+            out.update({p + "self_attn.q_norm.weight": layer.attn.q_norm.weight,
+                        p + "self_attn.k_norm.weight": layer.attn.k_norm.weight})
         gate, up = layer.mlp.gate_up.weight.chunk(2, dim=0)
         out.update({p + "input_layernorm.weight": layer.norm1.weight,
                     p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,

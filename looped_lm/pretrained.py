@@ -53,11 +53,14 @@ from looped_lm.data.gguf_file import is_gguf, metadata, need_gguf_package, smoll
 from looped_lm.errors import UserError
 from looped_lm.kinds import kind_of, require
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+# model_type -> its architecture: Llama's layers, with Qwen2's q/k/v biases or Qwen3's per-head q/k norms and
+# head width (looped_lm.models.layers.AttentionOptions)
+FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = tuple(FAMILIES.values())
 # why the architectures people ask for do not map (the first clause names what differs)
 REFUSED = {
     "gpt2": "learned position embeddings and LayerNorm (the project uses RoPE and RMSNorm)",
-    "qwen2": "q/k/v projection biases (the project's attention has none)",
     "gpt_neox": "LayerNorm and partial rotary embeddings",
     "phi": "LayerNorm, partial rotary embeddings and biases",
     "gemma": "a scaled embedding, (1 + w) RMSNorm and GeLU",
@@ -78,8 +81,10 @@ GGUF_LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "att
               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 # a GGUF's general.architecture -> the model_type whose REFUSED reason applies
-GGUF_REFUSED = {"gpt2": "gpt2", "qwen2": "qwen2", "qwen3": "qwen2", "gptneox": "gpt_neox", "phi2": "phi",
-                "phi3": "phi", "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma"}
+GGUF_REFUSED = {"gpt2": "gpt2", "gptneox": "gpt_neox", "phi2": "phi", "phi3": "phi", "gemma": "gemma",
+                "gemma2": "gemma", "gemma3": "gemma"}
+# families that map from a transformers directory but not yet from a GGUF file (only Llama's GGUF names are read)
+GGUF_DIRECTORY_ONLY = {"qwen2": "Qwen2", "qwen3": "Qwen3"}
 
 
 @dataclass
@@ -171,6 +176,9 @@ def _check_gguf(path: Path) -> dict:
                           "directory with config.json")
     meta = metadata(path, f"model.init_from {path}")
     arch = meta["architecture"]
+    if arch in GGUF_DIRECTORY_ONLY:
+        raise _fail(path, f"a {GGUF_DIRECTORY_ONLY[arch]} GGUF does not map yet; its transformers directory does "
+                          "(AutoModelForCausalLM.from_pretrained(dir, gguf_file=...).save_pretrained(out) writes one)")
     if arch != "llama":
         reason = REFUSED.get(GGUF_REFUSED.get(arch, arch))
         raise _fail(path, f"GGUF architecture {arch!r} does not map" + (f": {reason}" if reason else "") +
@@ -258,15 +266,15 @@ def check_architecture(config: dict, where) -> None:
     if model_type in REFUSED:
         raise _fail(where, f"architecture {arch} does not map: {REFUSED[model_type]}; looped_lm takes "
                            f"{', '.join(ARCHITECTURES)}")
-    if arch not in ARCHITECTURES or model_type not in ("llama", "mistral"):
+    if arch not in ARCHITECTURES or FAMILIES.get(model_type) != arch:
         raise _fail(where, f"architecture {arch} (model_type {model_type!r}) is not one looped_lm maps; it "
                            f"takes {', '.join(ARCHITECTURES)}")
     for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size"):
         if not isinstance(config.get(key), int) or config[key] < 1:
             raise _fail(where, f"{key} is {config.get(key)!r}: expected a positive integer")
-    for key in ("attention_bias", "mlp_bias"):
+    for key in ("attention_bias", "mlp_bias"):  # Qwen2's q/k/v biases are its architecture's, not this flag's
         if config.get(key):
-            raise _fail(where, f"{key} is true: the project's attention and MLP have no biases")
+            raise _fail(where, f"{key} is true: the project's output projection and MLP have no biases")
     if config.get("hidden_act", "silu") != "silu":
         raise _fail(where, f"hidden_act is {config['hidden_act']!r}: the project's MLP is SwiGLU (silu)")
     rope = config.get("rope_scaling") or {}
@@ -276,10 +284,12 @@ def check_architecture(config: dict, where) -> None:
     if rope_type != "default":
         raise _fail(where, f"rope_scaling {rope_type!r}: the project's RoPE is unscaled")
     hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-    if int(config.get("head_dim") or hidden // heads) * heads != hidden:
-        raise _fail(where, f"head_dim {config.get('head_dim')} x {heads} heads != hidden_size {hidden}: the "
-                           "project's heads split the width exactly")
-    if config.get("sliding_window"):
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    if model_type != "qwen3" and head_dim * heads != hidden:
+        raise _fail(where, f"head_dim {config.get('head_dim')} x {heads} heads != hidden_size {hidden}: "
+                           f"{arch}'s heads split the width exactly")
+    windowed = config.get("use_sliding_window", True) if model_type.startswith("qwen") else True
+    if config.get("sliding_window") and windowed:
         raise _fail(where, f"sliding_window is {config['sliding_window']}: the project's attention is full causal")
 
 
@@ -333,16 +343,24 @@ def _layer_names(i: int) -> list[str]:
                                         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
 
 
+def _attention_names(i: int, config: dict) -> list[str]:
+    """The family's extra attention tensors of layer i: Qwen2's q/k/v biases, Qwen3's q/k norms."""
+    p, options = f"model.layers.{i}.self_attn.", attention_fields(config)
+    return ([p + f"{x}_proj.bias" for x in "qkv"] if options["qkv_bias"] else []) + \
+        ([p + "q_norm.weight", p + "k_norm.weight"] if options["qk_norm"] else [])
+
+
 def _check_tensors(source: Source) -> None:
     """Every tensor the mapping reads is there; nothing the project would drop silently (biases)."""
+    extra = [n for i in range(source.n_layers) for n in _attention_names(i, source.config)]
     need = ["model.embed_tokens.weight", "model.norm.weight",
-            *(n for i in range(source.n_layers) for n in _layer_names(i))]
+            *(n for i in range(source.n_layers) for n in _layer_names(i)), *extra]
     for name in need:
         if name not in source.files:
             raise _fail(source.path, f"has no tensor {name} (a missing or partial shard?)")
-    biases = [n for n in source.files if n.endswith(".bias")]
+    biases = [n for n in source.files if n.endswith(".bias") and n not in extra]
     if biases:
-        raise _fail(source.files[biases[0]], f"holds {biases[0]}: the project's layers have no biases")
+        raise _fail(source.files[biases[0]], f"holds {biases[0]}: the project's layers have no bias there")
     tied = source.config.get("tie_word_embeddings", True)
     if "lm_head.weight" in source.files and not tied:
         raise _fail(source.path if source.gguf else source.path / "config.json", "tie_word_embeddings is false (a separate lm_head): the "
@@ -353,12 +371,22 @@ def _check_tensors(source: Source) -> None:
 # the run config against the source
 
 
+def attention_fields(config: dict) -> dict:
+    """The model fields of the source family's attention (AttentionOptions): head_dim (0 where it is
+    d_model / n_heads), qkv_bias (Qwen2) and qk_norm (Qwen3)."""
+    model_type = config.get("model_type", "")
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    return {"head_dim": 0 if head_dim * heads == hidden else head_dim, "qkv_bias": model_type == "qwen2",
+            "qk_norm": model_type == "qwen3"}
+
+
 def expected_model_fields(source: Source, vocab_rows: int) -> dict:
     c = source.config
     rope_theta = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)
     return {"d_model": int(c["hidden_size"]), "n_heads": int(c["num_attention_heads"]),
             "ffn_hidden": int(c["intermediate_size"]), "norm_eps": float(c.get("rms_norm_eps", 1e-6)),
-            "rope_theta": float(rope_theta), "vocab_size": vocab_rows}
+            "rope_theta": float(rope_theta), "vocab_size": vocab_rows, **attention_fields(c)}
 
 
 def source_shape(path: str) -> dict:
@@ -435,13 +463,23 @@ def copy_layer(layer, tensors: _Tensors, i: int, heads: tuple[int, int]) -> None
 
     norm1, q, k, v, o, norm2, gate, up, down = (tensors[n] for n in _layer_names(i))
     n_heads, n_kv = heads
-    if n_kv != n_heads:  # grouped-query attention: query head h reads K/V head h // (n_heads / n_kv)
-        k, v = (t.view(n_kv, -1, t.shape[-1]).repeat_interleave(n_heads // n_kv, dim=0).flatten(0, 1)
-                for t in (k, v))
+
+    def expand(t):  # grouped-query attention: query head h reads K/V head h // (n_heads / n_kv)
+        if n_kv == n_heads:
+            return t
+        return t.view(n_kv, -1, *t.shape[1:]).repeat_interleave(n_heads // n_kv, dim=0).flatten(0, 1)
+
+    pairs = [(layer.norm1.weight, norm1), (layer.attn.qkv.weight, torch.cat([q, expand(k), expand(v)])),
+             (layer.attn.proj.weight, o), (layer.norm2.weight, norm2),
+             (layer.mlp.gate_up.weight, torch.cat([gate, up])), (layer.mlp.down.weight, down)]
+    extra = _attention_names(i, tensors.source.config)
+    if any(n.endswith("_proj.bias") for n in extra):
+        bq, bk, bv = (tensors[n] for n in extra[:3])
+        pairs.append((layer.attn.qkv.bias, torch.cat([bq, expand(bk), expand(bv)])))
+    if any(n.endswith("q_norm.weight") for n in extra):
+        pairs += [(layer.attn.q_norm.weight, tensors[extra[-2]]), (layer.attn.k_norm.weight, tensors[extra[-1]])]
     with torch.no_grad():
-        for dst, src in ((layer.norm1.weight, norm1), (layer.attn.qkv.weight, torch.cat([q, k, v])),
-                         (layer.attn.proj.weight, o), (layer.norm2.weight, norm2),
-                         (layer.mlp.gate_up.weight, torch.cat([gate, up])), (layer.mlp.down.weight, down)):
+        for dst, src in pairs:
             if dst.shape != src.shape:
                 raise UserError(f"model.init_from {tensors.source.path}: layer {i} has a tensor of shape "
                                 f"{list(src.shape)} where the model has {list(dst.shape)}")

@@ -283,15 +283,15 @@ def _big_tokenizer(dst):  # a vocabulary larger than the embedding: another mode
 BAD = [  # (what, change to the source, run-config changes, words the one error line must hold)
     ("gpt2 learned positions", _gpt2, {}, ["GPT2LMHeadModel", "learned position", "config.json"]),
     ("layernorm", _neox, {}, ["GPTNeoXForCausalLM", "LayerNorm"]),
-    ("qkv biases", _qwen2, {}, ["Qwen2ForCausalLM", "biases"]),
+    ("qwen2 without its q/k/v biases", _qwen2, {}, ["has no tensor", "q_proj.bias"]),
     ("attention bias", _bias, {}, ["attention_bias", "config.json"]),
     ("untied head", _untied, {}, ["tie_word_embeddings", "lm_head"]),
     ("missing shard", _missing_shard, {}, ["is missing", ".safetensors"]),
     ("partial shard", _partial_shard, {}, ["does not hold", "partial"]),
     ("no weights", _no_weights, {}, ["model.safetensors"]),
-    ("tokenizer too big", _big_tokenizer, {"tokenizer": "source", "vocab_size": 0}, ["data.tokenizer", f"{V + 51} tokens", f"{V} rows"]),
-    ("width differs", None, {"d_model": 64, "n_heads": 4}, ["model.d_model: 32", "config.json"]),
-    ("vocab differs", None, {"vocab_size": 300}, ["model.vocab_size: 257"]),
+    ("tokenizer too big", _big_tokenizer, {"tokenizer": "source", "vocab_size": 0}, ["model.vocab_size (257)", f"tokenizer's {V + 51}"]),
+    ("width differs", None, {"d_model": 64, "n_heads": 4}, ["model.d_model is 64", "has 32", "leave model.d_model unset"]),
+    ("vocab differs", None, {"vocab_size": 300}, ["model.vocab_size is 300", "has 257"]),
     ("db_ar split", None, {"kind": "db_ar", "n_layers": 2, "n_prelude": 1, "diffusion": {"num_blocks": 2}},
      ["4 layers", "model.n_prelude"]),
     ("core past the coda", None, {"kind": "huginn", "n_layers": 2, "n_prelude": 1, "n_coda": 1,
@@ -350,3 +350,29 @@ def test_open_gates_start_the_noisy_stream_as_the_source_layers(llama, monkeypat
     monkeypatch.setattr(pretrained, "NOISY_GATES", "closed")
     net, _, _ = converted("db_ar", root, n_layers=4, diffusion={"num_blocks": 1})
     assert not net.blocks[0][0].ada.bias.any()  # closed: adaLN-Zero, as a fresh model
+
+
+def test_the_shape_fields_left_unset_come_from_the_source():
+    """config.with_source_shape: unset fields (and the 0 = work-it-out ones) take the source's values; equal
+    numbers after float32 rounding are equal (a GGUF stores its epsilon as float32); another value is refused in
+    one line; n_layers is filled where the kind maps every source layer (gpt, db_ar), not for a looped core."""
+    from looped_lm.config import with_source_shape
+    from looped_lm.errors import UserError
+
+    shape = {"d_model": 576, "n_heads": 9, "ffn_hidden": 1536, "norm_eps": 9.999999747378752e-06,
+             "rope_theta": 100000.0, "vocab_size": 49152, "head_dim": 0, "qkv_bias": False, "qk_norm": False,
+             "n_source_layers": 30}
+    source = lambda path: dict(shape)
+    filled = with_source_shape({"model": {"kind": "gpt", "init_from": "x", "norm_eps": 1e-5, "vocab_size": 0}}, source)
+    assert filled["model"] == {"kind": "gpt", "init_from": "x", "norm_eps": 1e-5, "vocab_size": 49152, "d_model": 576,
+                               "n_heads": 9, "ffn_hidden": 1536, "rope_theta": 100000.0, "head_dim": 0,
+                               "qkv_bias": False, "qk_norm": False, "n_layers": 30}
+    db = with_source_shape({"model": {"kind": "db_ar", "init_from": "x", "n_prelude": 2, "n_coda": 1}}, source)
+    assert db["model"]["n_layers"] == 27
+    looped = with_source_shape({"model": {"kind": "looped_db", "init_from": "x", "n_layers": 4}}, source)
+    assert looped["model"]["n_layers"] == 4
+    assert with_source_shape({"model": {"kind": "gpt"}}, source) == {"model": {"kind": "gpt"}}  # no source: as is
+    for key, value in (("d_model", 512), ("norm_eps", 1e-6), ("qkv_bias", True), ("n_layers", 12)):
+        with pytest.raises(UserError, match=f"model.{key} is .* but model.init_from x has") as e:
+            with_source_shape({"model": {"kind": "gpt", "init_from": "x", key: value}}, source)
+        assert "\n" not in str(e.value)

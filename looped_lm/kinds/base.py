@@ -101,6 +101,10 @@ class LanguageModelSection(SequenceSection):
                                "ffn_hidden, norm_eps, rope_theta, vocab_size; n_layers for gpt and db_ar) are read "
                                "from it; one set to another value is refused")
 
+    head_dim: int = field(0, "the width of one attention head; 0 = d_model / n_heads (Qwen3 sets it apart: q, k, v "
+                             "are n_heads x head_dim wide)")
+    qkv_bias: bool = field(False, "biases on the q, k and v projections (Qwen2 / Qwen2.5)")
+    qk_norm: bool = field(False, "an RMSNorm over each head's q and k before RoPE (Qwen3)")
     max_positions: int = field(0, "the context the model serves by default (and is built for: RoPE up to the larger of "
                                   "this and 4 x seq_len); 0 = model.seq_len, its training context; model.init_from "
                                   "sets it to the source's max_position_embeddings")
@@ -115,6 +119,8 @@ class LanguageModelSection(SequenceSection):
                f"model.max_positions must be 0 (model.seq_len) or >= model.seq_len ({self.seq_len}) (got "
                f"{self.max_positions})")
         ensure(self.vocab_size >= 0, f"model.vocab_size must be >= 0 (got {self.vocab_size})")
+        ensure(self.head_dim >= 0 and self.head_dim % 2 == 0,
+               f"model.head_dim must be 0 (d_model / n_heads) or an even width (RoPE rotates pairs) (got {self.head_dim})")
         ensure(self.loss_chunk >= 0, f"model.loss_chunk must be >= 0 (got {self.loss_chunk})")
 
 

@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from looped_lm.errors import UserError
 from looped_lm.models.contract import CachedDecoding, FixedShapeDecoding, Scorable, TokenScores, Trainable
-from looped_lm.models.layers import (FixedShapeRows, KVCache, RotaryEmbedding, TransformerLayer, TransposedCopy, chunked, ffn_width,
+from looped_lm.models.layers import (AttentionOptions, FixedShapeRows, KVCache, RotaryEmbedding, TransformerLayer, TransposedCopy, chunked, ffn_width,
                                      init_weights, positions_after, token_cross_entropy)
 
 
@@ -21,7 +21,7 @@ class GPT(nn.Module, Trainable, Scorable, CachedDecoding, FixedShapeDecoding):
     def __init__(self, n_layers: int, d_model: int, n_heads: int, seq_len: int, vocab_size: int,
                  ffn_hidden: int = 0, rope_theta: float = 10000.0, norm_eps: float = 1e-5,
                  init_std: float = 0.02, max_positions: int | None = None, loss_chunk: int = 0,
-                 activation_checkpointing: bool = False):
+                 activation_checkpointing: bool = False, attention: AttentionOptions = AttentionOptions()):
         super().__init__()
         self.loss_chunk = loss_chunk  # training: head + CE per chunk of positions, recomputed in backward
         self.activation_checkpointing = activation_checkpointing  # training: each layer recomputed in backward
@@ -29,9 +29,11 @@ class GPT(nn.Module, Trainable, Scorable, CachedDecoding, FixedShapeDecoding):
         self.max_positions = max_positions or 4 * seq_len  # generation may run past the training length
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.layers = nn.ModuleList(
-            TransformerLayer(d_model, n_heads, ffn_width(d_model, ffn_hidden), norm_eps) for _ in range(n_layers))
+            TransformerLayer(d_model, n_heads, ffn_width(d_model, ffn_hidden), norm_eps, attention)
+            for _ in range(n_layers))
+        self.head_dim = attention.width(d_model, n_heads)
         self.norm = nn.RMSNorm(d_model, eps=norm_eps)
-        self.rope = RotaryEmbedding(d_model // n_heads, self.max_positions, rope_theta)
+        self.rope = RotaryEmbedding(self.head_dim, self.max_positions, rope_theta)
         init_weights(self, init_std, n_layers)
         # the head is the token embedding, transposed (tied): no separate lm_head parameter
         self.head_t = TransposedCopy()  # inference only
@@ -87,8 +89,7 @@ class GPT(nn.Module, Trainable, Scorable, CachedDecoding, FixedShapeDecoding):
 
     def new_cache(self, batch: int, max_len: int) -> "GPTCache":
         p = self.tok_emb.weight
-        head_dim = p.shape[1] // self.n_heads
-        return GPTCache([KVCache(batch, self.n_heads, max_len, head_dim, p.device, p.dtype) for _ in self.layers])
+        return GPTCache([KVCache(batch, self.n_heads, max_len, self.head_dim, p.device, p.dtype) for _ in self.layers])
 
     @torch.no_grad()
     def decode(self, idx: torch.Tensor, cache: "GPTCache", rows=None) -> torch.Tensor:
@@ -141,4 +142,4 @@ def build(cfg, vocab_size: int, state: dict | None = None) -> GPT:
     m = cfg.model
     return GPT(m.n_layers, m.d_model, m.n_heads, m.seq_len, vocab_size, m.ffn_hidden, m.rope_theta,
                m.norm_eps, m.init_std, max_positions=max(4 * m.seq_len, m.max_positions), loss_chunk=m.loss_chunk,
-               activation_checkpointing=m.activation_checkpointing)
+               activation_checkpointing=m.activation_checkpointing, attention=AttentionOptions.of(m))

@@ -25,7 +25,7 @@ from looped_lm.errors import UserError
 from looped_lm.kinds import kind_of
 from looped_lm.models.contract import CachedDecoding, Iterative, Scorable, TokenScores, Trainable
 from looped_lm.settings import IterationLimits, RowBatch
-from looped_lm.models.layers import (KVCache, RotaryEmbedding, TransformerLayer, TransposedCopy, ffn_width, init_weights,
+from looped_lm.models.layers import (AttentionOptions, KVCache, RotaryEmbedding, TransformerLayer, TransposedCopy, ffn_width, init_weights,
                                      positions_after, token_cross_entropy)
 
 
@@ -50,15 +50,17 @@ class HuginnLM(nn.Module, Trainable, Scorable, CachedDecoding, Iterative):
         self.mean_recurrence, self.backprop_depth = m.mean_recurrence, m.backprop_depth
         self.init_scale = 1.0  # std of the random initial state, as Huginn's default
         ffn = ffn_width(m.d_model, m.ffn_hidden)
+        att = AttentionOptions.of(m)
+        self.head_dim = att.width(m.d_model, m.n_heads)
 
         def stack(n):
-            return nn.ModuleList(TransformerLayer(m.d_model, m.n_heads, ffn, m.norm_eps) for _ in range(n))
+            return nn.ModuleList(TransformerLayer(m.d_model, m.n_heads, ffn, m.norm_eps, att) for _ in range(n))
 
         self.tok_emb = nn.Embedding(vocab_size, m.d_model)
         self.prelude, self.core, self.coda = stack(m.n_prelude), stack(m.n_layers), stack(m.n_coda)
         self.adapter = nn.Linear(2 * m.d_model, m.d_model, bias=False)
         self.norm = nn.RMSNorm(m.d_model, eps=m.norm_eps)
-        self.rope = RotaryEmbedding(m.d_model // m.n_heads, self.max_positions, m.rope_theta)
+        self.rope = RotaryEmbedding(self.head_dim, self.max_positions, m.rope_theta)
         self.head_t = TransposedCopy()  # inference only
         init_weights(self, m.init_std, m.n_prelude + m.n_layers * m.mean_recurrence + m.n_coda)
 
@@ -196,7 +198,7 @@ class HuginnCache:
 
     def __init__(self, model: HuginnLM, batch: int, max_len: int):
         p = model.tok_emb.weight
-        self._make = lambda n: [KVCache(batch, model.n_heads, max_len, p.shape[1] // model.n_heads, p.device,
+        self._make = lambda n: [KVCache(batch, model.n_heads, max_len, model.head_dim, p.device,
                                         p.dtype) for _ in range(n)]
         self.n_core = len(model.core)
         self.prelude, self.coda, self.core = self._make(len(model.prelude)), self._make(len(model.coda)), []

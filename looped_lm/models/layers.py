@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -236,27 +237,62 @@ def packable(table: torch.Tensor, x: torch.Tensor, min_elements: int) -> bool:
             and torch.backends.mkldnn.is_available())
 
 
+@dataclass(frozen=True)
+class AttentionOptions:
+    """What the source families add to Llama's attention, each an option of the one Attention: biases on the
+    q, k and v projections (Qwen2 / Qwen2.5), an RMSNorm over each head's q and k before RoPE (Qwen3), and a
+    head width apart from d_model / n_heads (Qwen3; 0 = d_model / n_heads)."""
+
+    head_dim: int = 0
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+    @classmethod
+    def of(cls, model_section) -> "AttentionOptions":
+        """From a language model's `model:` section (its head_dim, qkv_bias and qk_norm fields)."""
+        return cls(model_section.head_dim, model_section.qkv_bias, model_section.qk_norm)
+
+    def width(self, d_model: int, n_heads: int) -> int:
+        return self.head_dim or d_model // n_heads
+
+
 class Attention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int):
+    def __init__(self, d_model: int, n_heads: int, options: AttentionOptions = AttentionOptions(), eps: float = 1e-6):
         super().__init__()
-        self.n_heads, self.head_dim = n_heads, d_model // n_heads
-        self.qkv = Linear(d_model, 3 * d_model, bias=False)
-        self.proj = Linear(d_model, d_model, bias=False)
+        self.n_heads, self.head_dim = n_heads, options.width(d_model, n_heads)
+        inner = n_heads * self.head_dim
+        self.qkv = Linear(d_model, 3 * inner, bias=options.qkv_bias)
+        if options.qkv_bias:
+            nn.init.zeros_(self.qkv.bias)  # a fresh model's biases start at 0 (a source's are copied in)
+        self.proj = Linear(inner, d_model, bias=False)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=eps) if options.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=eps) if options.qk_norm else None
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor):
+        """q, k (..., D): each head's RMSNorm (qk_norm), before RoPE; unchanged without it."""
+        if self.q_norm is None:
+            return q, k
+        return self.q_norm(q), self.k_norm(k)
 
     def project(self, x: torch.Tensor, cos, sin):
         """x (B, T, C) -> q, k, v (B, H, T, D), with RoPE applied to q and k."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = self.norm_qk(q, k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def project_query(self, x: torch.Tensor, cos, sin):
         """x (B, T, C) -> q (B, H, T, D) with RoPE, from the query rows of qkv only."""
         B, T, C = x.shape
+        inner = self.n_heads * self.head_dim
         if not isinstance(self.qkv, nn.Linear):  # wrapped by an adapter (looped_lm/lora.py): the whole product
-            q = self.qkv(x)[..., :C]
+            q = self.qkv(x)[..., :inner]
         else:
-            q = F.linear(x, self.qkv.weight[:C], None if self.qkv.bias is None else self.qkv.bias[:C])
-        return apply_rope(q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2), cos, sin)
+            q = F.linear(x, self.qkv.weight[:inner], None if self.qkv.bias is None else self.qkv.bias[:inner])
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return apply_rope(q, cos, sin)
 
     def merge(self, y: torch.Tensor) -> torch.Tensor:
         """y (B, H, T, D) -> (B, T, C) through the output projection."""
@@ -285,10 +321,11 @@ class SwiGLU(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-norm attention + SwiGLU. The two-stream DiffusionBlocks layer reuses these parts."""
 
-    def __init__(self, d_model: int, n_heads: int, ffn_hidden: int, eps: float):
+    def __init__(self, d_model: int, n_heads: int, ffn_hidden: int, eps: float,
+                 attention: AttentionOptions = AttentionOptions()):
         super().__init__()
         self.norm1 = nn.RMSNorm(d_model, eps=eps)
-        self.attn = Attention(d_model, n_heads)
+        self.attn = Attention(d_model, n_heads, attention, eps)
         self.norm2 = nn.RMSNorm(d_model, eps=eps)
         self.mlp = SwiGLU(d_model, ffn_hidden)
 

@@ -13,7 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from looped_lm.models.layers import KVCache, TransformerLayer, apply_rope, cached_attention, causal_attention
+from looped_lm.models.layers import (AttentionOptions, KVCache, TransformerLayer, apply_rope, cached_attention,
+                                     causal_attention)
 
 
 def modulate(x, shift, scale):
@@ -47,8 +48,9 @@ class TwoStreamLayer(TransformerLayer):
     noisy stream passes through unchanged).
     """
 
-    def __init__(self, d_model: int, n_heads: int, ffn_hidden: int, eps: float):
-        super().__init__(d_model, n_heads, ffn_hidden, eps)
+    def __init__(self, d_model: int, n_heads: int, ffn_hidden: int, eps: float,
+                 attention: AttentionOptions = AttentionOptions()):
+        super().__init__(d_model, n_heads, ffn_hidden, eps, attention)
         self.ada = nn.Linear(d_model, 6 * d_model)
 
     def clean(self, x, cos, sin, cache: KVCache | None = None, rows=None, need_output: bool = True):
@@ -94,6 +96,7 @@ class TwoStreamLayer(TransformerLayer):
         H, D = self.attn.n_heads, self.attn.head_dim
         qkv = self.attn.qkv(torch.cat([self.norm1(x), modulate(self.norm1(h), shift1, scale1)], dim=1))
         q, k, v = qkv.view(R, -1, 3, H, D).permute(2, 0, 3, 1, 4)  # (R, H, n + m, D) each
+        q, k = self.attn.norm_qk(q, k)
         (cos_c, sin_c), (cos_n, sin_n) = clean_rope, noisy_rope
         k_c = apply_rope(k[:, :, :n], cos_c, sin_c)
         keys, values, clean_mask = cache.append(k_c, v[:, :, :n], rows)

@@ -13,8 +13,9 @@ def paged_attention(layer, attn, x: torch.Tensor, cos, sin) -> tuple[torch.Tenso
     N, C = x.shape
     H, D = layer.attn.n_heads, layer.attn.head_dim
     q, k, v = layer.attn.qkv(x).view(N, 3, H, D).unbind(1)  # (N, H, D) each
-    q = apply_rope(q.transpose(0, 1), cos, sin).transpose(0, 1).reshape(N, C)  # RoPE on (H, N, D), cos (N, D/2)
-    k = apply_rope(k.transpose(0, 1), cos, sin).transpose(0, 1).reshape(N, C)
-    v = v.reshape(N, C)
+    q, k = layer.attn.norm_qk(q, k)  # Qwen3-style heads: RMSNorm on each q and k before RoPE
+    q = apply_rope(q.transpose(0, 1), cos, sin).transpose(0, 1).reshape(N, H * D)  # RoPE on (H, N, D), cos (N, D/2)
+    k = apply_rope(k.transpose(0, 1), cos, sin).transpose(0, 1).reshape(N, H * D)
+    v = v.reshape(N, H * D)
     y = attn(q, k, v)
-    return layer.attn.proj(y.view(N, C)), k, v
+    return layer.attn.proj(y.view(N, H * D)), k, v

@@ -104,7 +104,7 @@ class DecodeState:
 
     def __init__(self, net, batch: int, max_len: int):
         p = net.tok_emb.weight
-        H, D = net.n_heads, p.shape[1] // net.n_heads
+        H, D = net.n_heads, net.head_dim
 
         def caches(n):
             return [KVCache(batch, H, max_len, D, p.device, p.dtype) for _ in range(n)]

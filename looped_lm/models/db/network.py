@@ -31,7 +31,7 @@ from looped_lm.config import Config, block_layers
 from looped_lm.kinds import kind_of
 from looped_lm.kinds.sections import DbArDiffusion
 from looped_lm.errors import UserError
-from looped_lm.models.layers import (RotaryEmbedding, TransformerLayer, TransposedCopy, chunked, ffn_width,
+from looped_lm.models.layers import (AttentionOptions, RotaryEmbedding, TransformerLayer, TransposedCopy, chunked, ffn_width,
                                      init_weights, positions_after)
 from looped_lm.models.two_stream import NoiseEmbedding, TwoStreamLayer
 
@@ -82,15 +82,18 @@ class DBNetwork(nn.Module):
         ffn = ffn_width(m.d_model, m.ffn_hidden)
         depths = block_layers(cfg)  # per block, block 0 first (diffusion.layers_per_block: may be uneven)
         self.tok_emb = nn.Embedding(vocab_size, m.d_model)
-        self.prelude = nn.ModuleList(TransformerLayer(m.d_model, m.n_heads, ffn, m.norm_eps) for _ in range(m.n_prelude))
+        att = AttentionOptions.of(m)
+        self.prelude = nn.ModuleList(TransformerLayer(m.d_model, m.n_heads, ffn, m.norm_eps, att)
+                                     for _ in range(m.n_prelude))
         self.blocks = nn.ModuleList(
-            nn.ModuleList(TwoStreamLayer(m.d_model, m.n_heads, ffn, m.norm_eps) for _ in range(depth))
+            nn.ModuleList(TwoStreamLayer(m.d_model, m.n_heads, ffn, m.norm_eps, att) for _ in range(depth))
             for depth in depths)
         # shared coda: more two-stream layers after whichever block ran (looped_db: after the core)
-        self.coda = nn.ModuleList(TwoStreamLayer(m.d_model, m.n_heads, ffn, m.norm_eps) for _ in range(m.n_coda))
+        self.coda = nn.ModuleList(TwoStreamLayer(m.d_model, m.n_heads, ffn, m.norm_eps, att) for _ in range(m.n_coda))
         self.noise_emb = NoiseEmbedding(m.d_model)
         self.norm = nn.RMSNorm(m.d_model, eps=m.norm_eps)
-        self.rope = RotaryEmbedding(m.d_model // m.n_heads, self.max_positions + 1, m.rope_theta)
+        self.head_dim = att.width(m.d_model, m.n_heads)
+        self.rope = RotaryEmbedding(self.head_dim, self.max_positions + 1, m.rope_theta)
         if self.cosine_head:  # logits = exp(log_scale) * cos(norm(h), y_v); starts at sqrt(d), a unit-variance logit
             self.log_scale = nn.Parameter(torch.tensor(0.5 * math.log(m.d_model)))
         init_weights(self, m.init_std, max(depths) + m.n_prelude + m.n_coda)
