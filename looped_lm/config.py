@@ -244,7 +244,7 @@ def load_config(path: str | None, overrides: list[str] = (), source_shape=None) 
 
 
 SOURCE_SHAPE_FIELDS = ("d_model", "n_heads", "ffn_hidden", "norm_eps", "rope_theta", "vocab_size", "head_dim",
-                       "qkv_bias", "qk_norm")
+                       "qkv_bias", "qk_norm", "tie_embeddings")
 SOURCE_AUTO_ZERO = ("vocab_size", "ffn_hidden", "head_dim")  # 0 means "work it out": with a source, the source's
 
 

@@ -8,7 +8,7 @@ weight (pre-norm RMSNorm, RoPE with Llama's rotate-half pairs (x[:D/2], x[D/2:])
 fused qkv and gate_up Linears are split into q/k/v_proj and gate_proj/up_proj.
 
     HF_DIR/config.json              LlamaConfig (model_type "llama", tie_word_embeddings true)
-    HF_DIR/model.safetensors        model.embed_tokens, model.layers.N.*, model.norm (no lm_head: tied)
+    HF_DIR/model.safetensors        model.embed_tokens, model.layers.N.*, model.norm (lm_head only when untied)
 
 `looped_lm` (every kind but huginn): the native module behind `LoopedLMForCausalLM`.
 
@@ -94,7 +94,7 @@ def llama_config_dict(model, cfg, eot_id: int, bos_id: int | None = None, pad_id
             "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_heads, "head_dim": model.head_dim,
             "hidden_act": "silu", "max_position_embeddings": model.max_positions, "rms_norm_eps": m.norm_eps,
             "rope_theta": m.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
-            "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+            "tie_word_embeddings": model.lm_head is None, "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
             "initializer_range": m.init_std, "use_cache": True,
             "bos_token_id": eot_id if bos_id is None else bos_id, "eos_token_id": eot_id,
             "pad_token_id": eot_id if pad_id is None else pad_id, "dtype": "float32", "torch_dtype": "float32"}
@@ -105,6 +105,8 @@ def llama_state_dict(model) -> dict:
     contiguous within each, as `Attention.project` views them), gate_up -> gate_proj/up_proj (gate
     first, as `SwiGLU.forward` chunks it). The head is the embedding: no lm_head tensor."""
     out = {"model.embed_tokens.weight": model.tok_emb.weight, "model.norm.weight": model.norm.weight}
+    if model.lm_head is not None:  # untied: the source's separate head
+        out["lm_head.weight"] = model.lm_head.weight
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         q, k, v = layer.attn.qkv.weight.chunk(3, dim=0)
@@ -131,7 +133,8 @@ def hf_config_dict(model, cfg, manifest: dict, num_iterations: int | None = None
     fields = {"looped_lm_config": cfg.to_dict(), "kind": kind, "vocab_size": manifest["vocab_size"],
               "model_state": manifest.get("model_state") or {}, "tokenizer": manifest["tokenizer"],
               "hidden_size": m.d_model, "num_attention_heads": m.n_heads, "num_hidden_layers": m.n_layers,
-              "max_position_embeddings": model.max_positions}
+              "max_position_embeddings": model.max_positions,
+              "tie_word_embeddings": model.lm_head is None}  # untied: transformers must not tie lm_head back
     if kind_of(cfg).offers("iterative"):
         from looped_lm.settings import resolve_settings  # imports torch: not at `looped_lm export --help`
 

@@ -361,10 +361,13 @@ def _check_tensors(source: Source) -> None:
     biases = [n for n in source.files if n.endswith(".bias") and n not in extra]
     if biases:
         raise _fail(source.files[biases[0]], f"holds {biases[0]}: the project's layers have no bias there")
-    tied = source.config.get("tie_word_embeddings", True)
-    if "lm_head.weight" in source.files and not tied:
-        raise _fail(source.path if source.gguf else source.path / "config.json", "tie_word_embeddings is false (a separate lm_head): the "
-                    "project's head is the embedding, transposed; untied heads are not supported")
+    if not tied_head(source) and "lm_head.weight" not in source.files:
+        raise _fail(source.path, "has no tensor lm_head.weight, which tie_word_embeddings false says it holds")
+
+
+def tied_head(source: Source) -> bool:
+    """Whether the source's head is its embedding (tie_word_embeddings, true unless its config says false)."""
+    return source.config.get("tie_word_embeddings", True) is not False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,7 +389,8 @@ def expected_model_fields(source: Source, vocab_rows: int) -> dict:
     rope_theta = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)
     return {"d_model": int(c["hidden_size"]), "n_heads": int(c["num_attention_heads"]),
             "ffn_hidden": int(c["intermediate_size"]), "norm_eps": float(c.get("rms_norm_eps", 1e-6)),
-            "rope_theta": float(rope_theta), "vocab_size": vocab_rows, **attention_fields(c)}
+            "rope_theta": float(rope_theta), "vocab_size": vocab_rows, "tie_embeddings": tied_head(source),
+            **attention_fields(c)}
 
 
 def source_shape(path: str) -> dict:
@@ -502,6 +506,8 @@ def init_from_pretrained(model, cfg: Config, source: Source | None = None) -> di
                             f"{list(model.tok_emb.weight.shape)} (model.vocab_size, model.d_model)")
         model.tok_emb.weight.copy_(emb)
         model.norm.weight.copy_(tensors["model.norm.weight"])
+        if model.lm_head is not None:  # an untied source's own head (preflight checked the run config says so)
+            model.lm_head.weight.copy_(tensors["lm_head.weight"])
     if "layers" in plan:  # gpt
         copy(model.layers, plan["layers"])
     else:

@@ -110,7 +110,7 @@ class LoopedLMForCausalLM(PreTrainedModel, GenerationMixin):
         return self.model.tok_emb
 
     def get_output_embeddings(self):
-        return None  # the head is F.linear(norm(h), tok_emb.weight): tied by construction, no lm_head
+        return self.model.lm_head  # None when tied: the head is then F.linear(norm(h), tok_emb.weight)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:

@@ -105,6 +105,8 @@ class LanguageModelSection(SequenceSection):
                              "are n_heads x head_dim wide)")
     qkv_bias: bool = field(False, "biases on the q, k and v projections (Qwen2 / Qwen2.5)")
     qk_norm: bool = field(False, "an RMSNorm over each head's q and k before RoPE (Qwen3)")
+    tie_embeddings: bool = field(True, "the head is the token embedding, transposed (tie_word_embeddings); false: a "
+                                       "separate lm_head, as most sources above the smallest sizes have")
     max_positions: int = field(0, "the context the model serves by default (and is built for: RoPE up to the larger of "
                                   "this and 4 x seq_len); 0 = model.seq_len, its training context; model.init_from "
                                   "sets it to the source's max_position_embeddings")

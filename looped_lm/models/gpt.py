@@ -13,15 +13,16 @@ from torch.utils.checkpoint import checkpoint
 
 from looped_lm.errors import UserError
 from looped_lm.models.contract import CachedDecoding, FixedShapeDecoding, Scorable, TokenScores, Trainable
-from looped_lm.models.layers import (AttentionOptions, FixedShapeRows, KVCache, RotaryEmbedding, TransformerLayer, TransposedCopy, chunked, ffn_width,
+from looped_lm.models.layers import (AttentionOptions, FixedShapeRows, OutputHead, KVCache, RotaryEmbedding, TransformerLayer, TransposedCopy, chunked, ffn_width,
                                      init_weights, positions_after, token_cross_entropy)
 
 
-class GPT(nn.Module, Trainable, Scorable, CachedDecoding, FixedShapeDecoding):
+class GPT(nn.Module, OutputHead, Trainable, Scorable, CachedDecoding, FixedShapeDecoding):
     def __init__(self, n_layers: int, d_model: int, n_heads: int, seq_len: int, vocab_size: int,
                  ffn_hidden: int = 0, rope_theta: float = 10000.0, norm_eps: float = 1e-5,
                  init_std: float = 0.02, max_positions: int | None = None, loss_chunk: int = 0,
-                 activation_checkpointing: bool = False, attention: AttentionOptions = AttentionOptions()):
+                 activation_checkpointing: bool = False, attention: AttentionOptions = AttentionOptions(),
+                 tie_embeddings: bool = True):
         super().__init__()
         self.loss_chunk = loss_chunk  # training: head + CE per chunk of positions, recomputed in backward
         self.activation_checkpointing = activation_checkpointing  # training: each layer recomputed in backward
@@ -34,14 +35,14 @@ class GPT(nn.Module, Trainable, Scorable, CachedDecoding, FixedShapeDecoding):
         self.head_dim = attention.width(d_model, n_heads)
         self.norm = nn.RMSNorm(d_model, eps=norm_eps)
         self.rope = RotaryEmbedding(self.head_dim, self.max_positions, rope_theta)
+        self.make_head(d_model, vocab_size, tie_embeddings)  # tied: the token embedding, transposed
         init_weights(self, init_std, n_layers)
-        # the head is the token embedding, transposed (tied): no separate lm_head parameter
         self.head_t = TransposedCopy()  # inference only
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():
-            return F.linear(self.norm(h), self.tok_emb.weight)
-        return self.head_t.product(self.norm(h), self.tok_emb.weight)
+            return F.linear(self.norm(h), self.head_weight)
+        return self.head_t.product(self.norm(h), self.head_weight)
 
     def hidden(self, idx: torch.Tensor) -> torch.Tensor:
         """idx (B, T) -> the last layer's output (B, T, C), before the final norm."""
@@ -113,7 +114,7 @@ class GPT(nn.Module, Trainable, Scorable, CachedDecoding, FixedShapeDecoding):
         h = self.tok_emb(idx)
         for layer, c in zip(self.layers, cache.layers):
             h = layer(h, cos, sin, FixedShapeRows(c), rows)
-        return F.linear(self.norm(h[:, -1]), self.tok_emb.weight)  # not head_t: its cache key reads pointers
+        return F.linear(self.norm(h[:, -1]), self.head_weight)  # not head_t: its cache key reads pointers
 
     @torch.no_grad()
     def forward_cached(self, idx: torch.Tensor, cache: "GPTCache", rows=None, batch=None,
@@ -142,4 +143,5 @@ def build(cfg, vocab_size: int, state: dict | None = None) -> GPT:
     m = cfg.model
     return GPT(m.n_layers, m.d_model, m.n_heads, m.seq_len, vocab_size, m.ffn_hidden, m.rope_theta,
                m.norm_eps, m.init_std, max_positions=max(4 * m.seq_len, m.max_positions), loss_chunk=m.loss_chunk,
-               activation_checkpointing=m.activation_checkpointing, attention=AttentionOptions.of(m))
+               activation_checkpointing=m.activation_checkpointing, attention=AttentionOptions.of(m),
+               tie_embeddings=m.tie_embeddings)

@@ -25,7 +25,7 @@ from looped_lm.errors import UserError
 from looped_lm.kinds import kind_of
 from looped_lm.models.contract import CachedDecoding, Iterative, Scorable, TokenScores, Trainable
 from looped_lm.settings import IterationLimits, RowBatch
-from looped_lm.models.layers import (AttentionOptions, KVCache, RotaryEmbedding, TransformerLayer, TransposedCopy, ffn_width, init_weights,
+from looped_lm.models.layers import (AttentionOptions, KVCache, OutputHead, RotaryEmbedding, TransformerLayer, TransposedCopy, ffn_width, init_weights,
                                      positions_after, token_cross_entropy)
 
 
@@ -40,7 +40,7 @@ def sample_recurrence(mean: int, generator: torch.Generator, sigma: float = 0.5)
     return 1 + int(torch.poisson(tau.exp().reshape(1), generator=generator).item())
 
 
-class HuginnLM(nn.Module, Trainable, Scorable, CachedDecoding, Iterative):
+class HuginnLM(nn.Module, OutputHead, Trainable, Scorable, CachedDecoding, Iterative):
     def __init__(self, cfg: Config, vocab_size: int):
         super().__init__()
         m = cfg.model
@@ -62,6 +62,7 @@ class HuginnLM(nn.Module, Trainable, Scorable, CachedDecoding, Iterative):
         self.norm = nn.RMSNorm(m.d_model, eps=m.norm_eps)
         self.rope = RotaryEmbedding(self.head_dim, self.max_positions, m.rope_theta)
         self.head_t = TransposedCopy()  # inference only
+        self.make_head(m.d_model, vocab_size, m.tie_embeddings)
         init_weights(self, m.init_std, m.n_prelude + m.n_layers * m.mean_recurrence + m.n_coda)
 
     # --- the network --------------------------------------------------------------------------
@@ -95,7 +96,7 @@ class HuginnLM(nn.Module, Trainable, Scorable, CachedDecoding, Iterative):
         for _ in range(num_iterations - no_grad_iterations):
             s = self.iterate(s, e, cos, sin)
         h = self._stack(self.coda, s, cos, sin)
-        return F.linear(self.norm(h), self.tok_emb.weight)
+        return F.linear(self.norm(h), self.head_weight)
 
     # --- training -----------------------------------------------------------------------------
 
@@ -126,7 +127,7 @@ class HuginnLM(nn.Module, Trainable, Scorable, CachedDecoding, Iterative):
             for _ in range(K - done):
                 s = self.iterate(s, e, cos, sin)
             done = K
-            logits = F.linear(self.norm(self._stack(self.coda, s, cos, sin)), self.tok_emb.weight)
+            logits = F.linear(self.norm(self._stack(self.coda, s, cos, sin)), self.head_weight)
             out[K] = TokenScores(token_cross_entropy(logits, y))
         return out
 
@@ -182,7 +183,7 @@ class HuginnLM(nn.Module, Trainable, Scorable, CachedDecoding, Iterative):
         for it in caches.iterations(K):
             s = self._stack(self.core, self.adapter(torch.cat([s, e], dim=-1)), cos, sin, it, sel)
         h = self._stack(self.coda, s, cos, sin, caches.coda, sel)
-        return self.head_t.product(self.norm(h[:, -1]), self.tok_emb.weight) if want_logits else None
+        return self.head_t.product(self.norm(h[:, -1]), self.head_weight) if want_logits else None
 
     def reset_rows(self, caches: "HuginnCache", rows) -> None:
         caches.reset(rows)

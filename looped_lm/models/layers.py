@@ -334,6 +334,20 @@ class TransformerLayer(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+class OutputHead:
+    """The head of a language model: the token embedding transposed (tied, Llama's tie_word_embeddings), or a
+    separate `lm_head` (untied). Every product of the head reads `head_weight`; the embedding stays the table of
+    the inputs (and, for the DiffusionBlocks models, of the noisy targets). `make_head` runs in the model's
+    __init__ (an nn.Module's submodule cannot be a class attribute)."""
+
+    def make_head(self, d_model: int, vocab_size: int, tied: bool) -> None:
+        self.lm_head = None if tied else nn.Linear(d_model, vocab_size, bias=False)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
+
+
 class TransposedCopy:
     """A contiguous (d, V) copy of a (V, d) table (or of `fn(table)`), for inference products `x @ table.T`:
     on CPU they run up to ~2.5x faster from a contiguous transpose than through F.linear at decode sizes

@@ -251,11 +251,12 @@ class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, FixedSha
         """Also freezes the inference tables' copies (the head, the targets, the mean row) and keeps them in the
         cache, so a compiled step reads them instead of recomputing them per call (and, among the cache's
         tensors, a CUDA graph finds them at fixed addresses); None thaws them."""
-        copies = (self.head_t, self.targets_t, self.mean_row_t)
+        copies = ((self.head_t, self.head_weight), (self.targets_t, self.tok_emb.weight),
+                  (self.mean_row_t, self.tok_emb.weight))
         cache.block_step = step
-        cache.frozen_tables = [] if step is None else [c.freeze(self.tok_emb.weight) for c in copies]
+        cache.frozen_tables = [] if step is None else [c.freeze(table) for c, table in copies]
         if step is None:
-            for c in copies:
+            for c, _ in copies:
                 c.thaw()
 
     @torch.no_grad()

@@ -31,7 +31,7 @@ from looped_lm.config import Config, block_layers
 from looped_lm.kinds import kind_of
 from looped_lm.kinds.sections import DbArDiffusion
 from looped_lm.errors import UserError
-from looped_lm.models.layers import (AttentionOptions, RotaryEmbedding, TransformerLayer, TransposedCopy, chunked, ffn_width,
+from looped_lm.models.layers import (AttentionOptions, OutputHead, RotaryEmbedding, TransformerLayer, TransposedCopy, chunked, ffn_width,
                                      init_weights, positions_after)
 from looped_lm.models.two_stream import NoiseEmbedding, TwoStreamLayer
 
@@ -53,7 +53,7 @@ class FoldedHead(torch.autograd.Function):
         return grad @ table, None, grad.flatten(0, -2).T @ u.flatten(0, -2)
 
 
-class DBNetwork(nn.Module):
+class DBNetwork(nn.Module, OutputHead):
     def __init__(self, cfg: Config, vocab_size: int, edges: list[float] | None = None):
         super().__init__()
         m, d = cfg.model, cfg.diffusion
@@ -96,6 +96,7 @@ class DBNetwork(nn.Module):
         self.rope = RotaryEmbedding(self.head_dim, self.max_positions + 1, m.rope_theta)
         if self.cosine_head:  # logits = exp(log_scale) * cos(norm(h), y_v); starts at sqrt(d), a unit-variance logit
             self.log_scale = nn.Parameter(torch.tensor(0.5 * math.log(m.d_model)))
+        self.make_head(m.d_model, vocab_size, m.tie_embeddings)  # tied: the embedding, which is also the targets' table
         init_weights(self, m.init_std, max(depths) + m.n_prelude + m.n_coda)
         # inference: contiguous transposes of the head and of the target table (faster products)
         self.head_t, self.targets_t = TransposedCopy(), TransposedCopy(self._normalized)
@@ -205,10 +206,11 @@ class DBNetwork(nn.Module):
         return self.tied_head(h.to(self.tok_emb.weight.dtype))
 
     def tied_head(self, h):
-        """norm(h) @ E^T: through a cached inference copy of E (TransposedCopy) at inference."""
+        """norm(h) @ W^T, W the head (the embedding E when tied): through a cached inference copy of W
+        (TransposedCopy) at inference."""
         if torch.is_grad_enabled():
-            return F.linear(self.norm(h), self.tok_emb.weight)
-        return self.head_t.product(self.norm(h), self.tok_emb.weight)
+            return F.linear(self.norm(h), self.head_weight)
+        return self.head_t.product(self.norm(h), self.head_weight)
 
     def cosine_state(self, h):
         """The cosine head's side: exp(log_scale) * normalize(norm(h))."""

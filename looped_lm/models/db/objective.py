@@ -105,7 +105,7 @@ class BlockObjective:
                                      targets)
         if not clean_lm:
             return ce
-        clean_ce = lambda h_, y_: token_cross_entropy(F.linear(net.norm(h_), net.tok_emb.weight), y_)  # noqa: E731
+        clean_ce = lambda h_, y_: token_cross_entropy(F.linear(net.norm(h_), net.head_weight), y_)  # noqa: E731
         # model.loss_chunk: the clean stream's (B, T, V) logits never exist whole either
         return ce, chunked(clean_ce, net.loss_chunk, h_clean, y) if net.chunking() else clean_ce(h_clean, y)
 
@@ -122,7 +122,7 @@ class BlockObjective:
         cos, sin = net.rope(positions)
         for layer in net.layers_of(b):
             h, _, _ = net.run_layer(layer.clean, h, cos, sin)
-        ce = lambda h_, y_: token_cross_entropy(F.linear(net.norm(h_), net.tok_emb.weight), y_)  # noqa: E731
+        ce = lambda h_, y_: token_cross_entropy(F.linear(net.norm(h_), net.head_weight), y_)  # noqa: E731
         return chunked(ce, net.loss_chunk, h, y) if net.chunking() else ce(h, y)
 
     def training_loss(self, x, y, step: int, seed: int):
