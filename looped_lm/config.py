@@ -29,7 +29,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError
 
 from looped_lm.errors import UserError
-from looped_lm.fields import Float, Str, Switch
+from looped_lm.fields import MAX_DRAWS, MAX_ITERATIONS, SEED_MAX, Float, Str, Switch  # noqa: F401 (re-exported)
 from looped_lm.fields import Section as _Section
 from looped_lm.fields import field as _f
 from looped_lm.kinds import (BlockDiffusion, DiffusionSection, LanguageModelSection, ModelSection, ensure, get_kind,
@@ -45,8 +45,6 @@ LoraAda = Literal["lora", "full"]  # train.lora_ada
 
 DEFAULT_KIND = "gpt"
 COUNT_MAX = 2 ** 31 - 1  # steps, sequences, micro-batches: DeepSpeed and torch take them as 32/64-bit ints
-MAX_ITERATIONS = 4096  # the hard ceiling of model.max_iterations (K at inference) and of any K or draw count
-MAX_DRAWS = 4096  # eval's chains per ppl@k (`--draws`, eval.draws): each costs a full pass over the data
 BUILTIN_NAMES = tuple(kind.name for kind in BUILTIN)  # what configs/README.md documents
 # The model section of configs written before kinds owned their sections held every kind's fields. A
 # manifest (or an export) of that era carries the other kinds' fields at these defaults: loading it drops
@@ -84,7 +82,7 @@ class DataConfig(_Section):
         ensure(0 <= self.test_fraction < 1 - self.val_fraction,
                f"data.test_fraction must be in [0, 1 - data.val_fraction) = [0, {1 - self.val_fraction:g}) "
                  f"(got {self.test_fraction})")
-        ensure(-1 <= self.split_seed < 2 ** 62, f"data.split_seed must be -1 (train.seed) or in 0..2**62 - 1 "
+        ensure(-1 <= self.split_seed <= SEED_MAX, f"data.split_seed must be -1 (train.seed) or in 0..2**62 - 1 "
                                                 f"(got {self.split_seed})")
 
 
@@ -152,7 +150,7 @@ class TrainConfig(_Section):
         ensure(self.eval_batches >= 1, f"train.eval_batches must be >= 1 (got {self.eval_batches}); "
                                        "train.eval_every: 0 turns validation off")
         # the seed and its offsets (seed + rank, seed + batch) must fit torch's and the data hash's 64-bit seeds
-        ensure(0 <= self.seed < 2 ** 62, f"train.seed must be in 0..2**62 - 1 (got {self.seed})")
+        ensure(0 <= self.seed <= SEED_MAX, f"train.seed must be in 0..2**62 - 1 (got {self.seed})")
         ensure(self.log_every >= 1 and self.keep_last >= 1, "train.log_every and train.keep_last must be >= 1")
         ensure(math.isfinite(self.peak_tflops) and self.peak_tflops >= 0,
                f"train.peak_tflops must be >= 0 (got {self.peak_tflops})")

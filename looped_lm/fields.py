@@ -7,7 +7,7 @@ one-line reason (its pydantic `description`), which `looped_lm train --help-conf
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
@@ -40,6 +40,13 @@ def switch_word(value):
     return value
 
 
+# one spelling for each bound and choice that config, settings, the CLI and the server share
+SEED_MAX = 2 ** 62 - 1  # train.seed's bound: seeds and their offsets fit torch's and the data hash's 64 bits
+MAX_ITERATIONS = 4096  # the hard ceiling of model.max_iterations (K at inference) and of any K or draw count
+MAX_DRAWS = 4096  # estimates per token (eval's chains per ppl@k, `--draws`): each is an antithetic pair of chains
+Bridge = Literal["soft", "hard", "sample"]  # logits -> denoised embedding between a chain's steps
+BRIDGES = get_args(Bridge)
+
 Float = Annotated[float, BeforeValidator(_number_from_text)]
 Str = Annotated[str, BeforeValidator(_text_from_number)]
 Switch = Annotated[Literal["auto", "on", "off"], BeforeValidator(switch_word)]
@@ -62,8 +69,6 @@ class Section(BaseModel):
 
 
 # --- argparse types: a flag follows the same rules as a config field -----------------------------
-
-SEED_MAX = 2 ** 62 - 1  # train.seed's bound: seeds and their offsets fit torch's and the data hash's 64 bits
 
 
 def finite_float(text: str) -> float:

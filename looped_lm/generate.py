@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 
 from looped_lm.errors import UserError
+from looped_lm.fields import BRIDGES
 
 
 def add_arguments(p) -> None:
@@ -26,7 +27,7 @@ def add_arguments(p) -> None:
     p.add_argument("--num-iterations", type=int, default=None,
                    help="DiffusionBlocks / looped models: K denoising steps per token (default: the config's); "
                    "dit / mdm: sampler steps, split across the blocks (at least one per block)")
-    p.add_argument("--bridge", choices=("soft", "hard", "sample"), default=None,
+    p.add_argument("--bridge", choices=BRIDGES, default=None,
                    help="DB models: logits -> embedding between steps (expectation, argmax, or a sampled token)")
     p.add_argument("--exit-threshold", type=finite_float, default=None,
                    help="DB models (db_ar, looped_db): stop a token's iterations once KL(p_k || p_k-1) < this")

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from looped_lm.errors import UserError
+from looped_lm.fields import BRIDGES, MAX_DRAWS  # noqa: F401 (MAX_DRAWS: the server's flags read it here)
 from looped_lm.kinds.base import IterationLimits  # the kind's K rule (Kind.iteration_limits)
 from looped_lm.sampling import PLAIN, RandomSource, SamplingParams
 
-BRIDGES = ("soft", "hard", "sample")
 
 
 @dataclass(frozen=True)
@@ -200,7 +200,6 @@ class RowBatch:
         return RowBatch([settings] * rows, random, noise)
 
 
-MAX_DRAWS = 4096  # estimates per token at most: each is an antithetic pair of K-step chains
 LOGPROB_MAX_DRAWS = 64  # served log-probs: an unresolved estimate may grow to this many draws (docs/method.md §6)
 # served log-probs draw again while a token's se is above this many nats: the Jensen bias of -log(mean) is
 # about se^2 / 2, and at 1 nat it measured -0.06 nats per token at K = 8 against plain Monte-Carlo, -0.03 at

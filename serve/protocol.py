@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
+from looped_lm.fields import Bridge
+
 MAX_LOGPROBS = 20
 MAX_N = 64
 
@@ -94,7 +96,7 @@ class SamplingFields(RequestModel):
     num_iterations: Annotated[int, Field(ge=1), JSONInt] | None = Field(
         None, description="extension: K denoising iterations per token (DiffusionBlocks / looped models); "
                           "default: the NAME@K alias, else the server default")
-    bridge: Literal["soft", "hard", "sample"] | None = Field(
+    bridge: Bridge | None = Field(
         None, description="extension (DiffusionBlocks): logits -> denoised point between the K steps: soft "
                           "(expected target), hard (argmax), sample (a token drawn with this request's sampler); "
                           "default: the model's diffusion.bridge")

@@ -21,7 +21,7 @@ NON_DEFAULT = {
         "kind": "db_ar", "n_layers": 6, "d_model": 96, "n_heads": 3, "seq_len": 64, "vocab_size": 300,
         "ffn_hidden": 200, "rope_theta": 500000.0, "norm_eps": 1.0e-6, "init_std": 0.01, "n_prelude": 2,
         "n_coda": 2, "loss_chunk": 64, "max_iterations": 32, "init_from": "hf_dir", "activation_checkpointing": True,
-        "max_positions": 128,
+        "max_positions": 128, "head_dim": 64, "qkv_bias": True, "qk_norm": True, "tie_embeddings": False,
     },
     "diffusion": {
         "num_blocks": 3, "layers_per_block": [3, 2, 1], "partition": "uniform", "overlap": 0.25, "p_mean": -0.5, "p_std": 1.5,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from looped_lm.fields import Float, field
+from looped_lm.fields import Bridge, Float, field
 from looped_lm.kinds.base import (BlockDiffusion, LanguageModelSection, ModelSection, NoiseDiffusion, SequenceSection,
                                   ensure)
 
@@ -116,7 +116,7 @@ class TokenDiffusion(NoiseDiffusion):
     target_scale: Literal["unit", "sigma_data"] = field(
         "unit", "noisy targets are unit-norm embeddings (unit) or per-dim RMS sigma_data")
     target_fraction: Float = field(1.0, "share of noisy slots trained per sequence (clean stream stays whole)")
-    bridge: Literal["soft", "hard", "sample"] = field(
+    bridge: Bridge = field(
         "sample", "logits -> denoised embedding between steps: soft (expectation), hard (argmax), or sample (a token "
         "drawn from the logits)")
     num_iterations: int = field(0, "default K denoising steps per token of every verb (generate, eval, serve, export); "
@@ -163,7 +163,7 @@ class VitDiffusion(NoiseDiffusion):
         "label log-likelihood <z,y_v>/sigma^2 added to the logits)")
     loss_weight: Literal["none", "edm", "batch_mean"] = field(
         "none", "CE weight per sample: none, edm (normalised w(sigma)) or batch_mean (the official code's)")
-    bridge: Literal["soft", "hard", "sample"] = field(
+    bridge: Bridge = field(
         "sample", "logits -> denoised label embedding between steps: soft (expectation), hard (argmax), or sample")
     num_iterations: int = field(0, "default K denoising steps of eval; 0 = num_blocks (at least one per block)")
 
