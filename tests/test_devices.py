@@ -130,3 +130,43 @@ def test_the_train_verb_hands_its_cpu_ranks_their_threads(tmp_path, write_config
     assert seen["env"]["OMP_NUM_THREADS"] == str(max(1, cores // 2))
     assert seen["env"]["OMP_WAIT_POLICY"] == "PASSIVE" and seen["env"]["DS_ACCELERATOR"] == "cpu"
     assert seen["cmd"][seen["cmd"].index("--num_gpus") + 1] == "2"
+
+
+def test_a_cuda_device_flag_is_checked_against_the_gpus_there(monkeypatch):
+    """--device cuda / cuda:N on a machine without GPUs, with 2 GPUs (stubbed), and an index past them."""
+    from looped_lm.checkpoint import check_device
+    from looped_lm.errors import UserError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="no CUDA device is available here; use --device cpu"):
+        check_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert check_device("cuda:1") == "cuda:1" and check_device("cuda") == "cuda"
+    with pytest.raises(UserError, match=r"this machine has 2 CUDA device\(s\) \(cuda:0..cuda:1\)"):
+        check_device("cuda:2")
+    with pytest.raises(UserError, match="looped_lm runs on cpu, cuda or mps"):
+        check_device("meta")
+
+
+@pytest.mark.parametrize("name, dtype, tflops", [("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.0),
+                                                 ("NVIDIA A100-SXM4-40GB", torch.float32, 156.0),
+                                                 ("NVIDIA GeForce RTX 4090", torch.bfloat16, 0.0)])
+def test_the_peak_of_a_known_gpu_comes_from_the_table(monkeypatch, name, dtype, tflops):
+    from looped_lm.mfu import peak_flops
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert peak_flops(torch.device("cuda", 0), dtype) == tflops * 1e12
+    assert peak_flops(torch.device("cuda", 0), dtype, override_tflops=100.0) == 100e12
+
+
+def test_a_gpu_machine_measures_memory_against_its_smallest_gpu(monkeypatch):
+    from types import SimpleNamespace
+
+    from looped_lm import preflight
+
+    sizes = {0: 80 * 2 ** 30, 1: 40 * 2 ** 30}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=sizes[i]))
+    assert preflight.memory_limit() == (40 * 2 ** 30, "memory of one GPU")
