@@ -253,13 +253,14 @@ def with_source_shape(raw: dict, source_shape) -> dict:
     model = raw.get("model")
     if not isinstance(model, dict) or not model.get("init_from"):
         return raw
+    kind = model.get("kind", DEFAULT_KIND)
+    if not (isinstance(kind, str) and kind in registered() and get_kind(kind).offers("init_from")):
+        return raw  # the kind's own check refuses init_from (or the kind) in one line, naming the kind
     shape = dict(source_shape(str(model["init_from"])))
     n_source = shape.pop("n_source_layers")
-    kind = model.get("kind", DEFAULT_KIND)
-    if isinstance(kind, str) and kind in registered():
-        n_layers = get_kind(kind).source_n_layers(model, n_source)
-        if n_layers is not None:
-            shape["n_layers"] = n_layers
+    n_layers = get_kind(kind).source_n_layers(model, n_source)
+    if n_layers is not None:
+        shape["n_layers"] = n_layers
     filled = dict(model)
     for key, value in shape.items():
         if key not in model or (key in SOURCE_AUTO_ZERO and model[key] == 0):

@@ -63,8 +63,10 @@ def test_the_trainer_sets_the_matmul_precision_its_device_asks_for(tmp_path, wri
     seen, compiled_runs = [], []
     monkeypatch.setattr(torch, "set_float32_matmul_precision", seen.append)
     monkeypatch.setattr(lc, "BACKEND", "aot_eager")
+    from looped_lm.trainer import run as trainer_run
+
     compile_for_training = lc.compile_for_training
-    monkeypatch.setattr(lc, "compile_for_training", lambda *a: compiled_runs.append(1) or compile_for_training(*a))
+    monkeypatch.setattr(trainer_run, "compile_for_training", lambda *a: compiled_runs.append(1) or compile_for_training(*a))
     cfg = write_config(tmp_path / "run.yaml", {
         "model": {"kind": "gpt", "n_layers": 1, "d_model": 16, "n_heads": 2, "seq_len": 8},
         "train": {"out_dir": str(tmp_path / "out"), "max_steps": 1, "batch_size": 2}})
