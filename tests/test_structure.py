@@ -244,3 +244,19 @@ def test_the_kind_branch_check_sees_a_branch(tmp_path, monkeypatch):
         assert len(kind_name_branches(probe)) == 3
     finally:
         probe.unlink()
+
+
+def test_the_trainer_imports_at_the_top():
+    """looped_lm/trainer/ keeps its imports at the top of each file (a missing one is then a load-time error,
+    not a NameError in a branch no CPU test takes); an import inside a function is allowed for an optional
+    dependency only, said in a comment on its line."""
+    for path in sorted((ROOT / "looped_lm" / "trainer").glob("*.py")):
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for inner in ast.walk(node):
+                    if isinstance(inner, (ast.Import, ast.ImportFrom)):
+                        line = lines[inner.lineno - 1]
+                        assert "# optional" in line, f"{path.name}:{inner.lineno}: {line.strip()}"
+    sizes = {p.name: len(p.read_text().splitlines()) for p in (ROOT / "looped_lm" / "trainer").glob("*.py")}
+    assert max(sizes.values()) <= 600, sizes

@@ -166,7 +166,7 @@ class MetricsLogger:
         self.path.write_text("".join(k + "\n" for k in kept))
         self.file = open(self.path, "a")
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # optional: minimal installs may lack tensorboard
         except ImportError:  # tensorboard is a dependency; tolerate its absence in minimal installs
             self.tb = None
             return

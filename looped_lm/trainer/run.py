@@ -27,6 +27,7 @@ from looped_lm.mfu import StepFlops, peak_flops
 from looped_lm.models import build_model
 from looped_lm.optim import BlockwiseAdamW, cosine_with_warmup, load_state_by_name, param_groups
 from looped_lm.preflight import Plan, nothing_to_train, preflight
+from looped_lm.pretrained import init_from_pretrained, load_base
 from looped_lm.trainer.args import PREFLIGHT_DONE
 from looped_lm.trainer.distributed import DeepSpeedRunner, deepspeed_config, init_distributed, on_rank0
 from looped_lm.trainer.report import FlopsMeter, MetricsLogger, Report
@@ -122,8 +123,6 @@ def _build_model(cfg: Config, plan: Plan, rank: int, world: int):
     if plan.manifest is not None:
         _restore_model(model, cfg, plan)
     elif init_source(cfg):  # a fresh run from a pretrained checkpoint (preflight checked it maps)
-        from looped_lm.pretrained import init_from_pretrained
-
         plan.base = init_from_pretrained(model, cfg)
     torch.manual_seed(cfg.train.seed + 1 + rank)  # noise draws (sigma, z, slots) differ across ranks
     return model
@@ -163,8 +162,6 @@ def _restore_model(model, cfg: Config, plan: Plan) -> None:
         msg = str(e) if str(e).startswith("cannot resume") else f"cannot resume from {plan.resume}: {e}"
         raise UserError(msg) from None
     if cfg.train.lora_rank:  # adapters resume over their base (sha256-verified)
-        from looped_lm.pretrained import load_base
-
         load_base(model, cfg, manifest.get("base") or {"path": cfg.model.init_from, "sha256": "(not recorded)"})
     if ckpt_io.optimizer_layout(manifest) == "units":
         ckpt_io.load_weights(model, Path(plan.resume) / ckpt_io.WEIGHTS, recorded_dtypes=manifest.get("weights_dtypes"))
