@@ -65,8 +65,9 @@ def read_constraints() -> dict[str, str]:
 
 def run_suite(venv: Path, report: Path) -> dict:
     start = time.time()
+    env = {**os.environ, "VIRTUAL_ENV": str(venv), "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}"}
     proc = subprocess.run([str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           f"--junitxml={report}"], cwd=ROOT, capture_output=True, text=True)
+                           f"--junitxml={report}"], cwd=ROOT, capture_output=True, text=True, env=env)  # as activated
     wall = time.time() - start
     suite = ET.parse(report).getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")

@@ -609,11 +609,6 @@ def run_vocab(cfg: Config) -> tuple[int, str]:
     return vocab_size, tokenizer.name
 
 
-def trained_blocks(cfg: Config) -> list[int]:
-    """The blocks a db_ar run of `cfg` trains (what its manifest's `ownership` records)."""
-    return sorted(cfg.diffusion.blocks_to_train) or list(range(cfg.diffusion.num_blocks))
-
-
 def check_agreement(ckpt: str | Path, manifest: dict, cfg: Config) -> None:
     """The manifest's model_kind, tokenizer, vocab_size, ownership and edges agree with its config and
     file list (no tensor is read; see check_tensors). One line naming the field."""
@@ -647,8 +642,8 @@ def _check_ownership(manifest: dict, cfg: Config, bad) -> None:
     if not isinstance(blocks, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks) \
             or len(set(blocks)) != len(blocks) or not all(0 <= b < B for b in blocks):
         raise bad("ownership", f"must be {{\"blocks\": [distinct block ids in 0..{B - 1}]}}, got {own!r}")
-    if sorted(blocks) != trained_blocks(cfg):
-        raise bad("ownership", f"lists blocks {sorted(blocks)}, but its config trains blocks {trained_blocks(cfg)} "
+    if sorted(blocks) != cfg.diffusion.trained_blocks():
+        raise bad("ownership", f"lists blocks {sorted(blocks)}, but its config trains blocks {cfg.diffusion.trained_blocks()} "
                                "(diffusion.blocks_to_train)")
     if optimizer_layout(manifest) == "units" and weights_only(manifest) is None and "files" in manifest:
         stored = sorted(int(m.group(1)) for rel in manifest["files"]

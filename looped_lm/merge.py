@@ -82,7 +82,7 @@ class _Job:
             raise UserError(f"cannot merge {self.path}: it has diffusion.context stacked, where each block continues "
                             "from the clean states of the blocks before it, so blocks are not trained apart "
                             "(docs/method.md §4)")
-        owned = self.manifest.get("ownership", {}).get("blocks", d.blocks_to_train or list(range(d.num_blocks)))
+        owned = self.manifest.get("ownership", {}).get("blocks", d.trained_blocks())
         self.blocks = sorted(owned)
         self.edges = [float(e) for e in self.manifest.get("model_state", {}).get("edges", [])]
 

@@ -38,15 +38,11 @@ if TYPE_CHECKING:  # torch is imported where it is used: the ownership functions
     import torch
 
 
-def trained_blocks(cfg: Config) -> list[int]:
-    return sorted(cfg.diffusion.blocks_to_train) or list(range(cfg.diffusion.num_blocks))
-
-
 def check_world(cfg: Config, world: int) -> None:
     """A world size block-parallel training can use: a multiple of the trained blocks, or a divisor."""
     if cfg.train.mode != "block_parallel":
         return
-    n = len(trained_blocks(cfg))
+    n = len(cfg.diffusion.trained_blocks())
     if world % n and n % world:
         raise UserError(f"train.mode block_parallel: world size {world} does not fit {n} trained blocks (one must be "
                         f"a multiple of the other: e.g. {n} or {2 * n} ranks)")
@@ -62,7 +58,7 @@ def check_world(cfg: Config, world: int) -> None:
 
 def ranks_of_blocks(cfg: Config, world: int) -> dict[int, list[int]]:
     """{block: the ranks that train it}, first rank first (it writes the block's checkpoint state)."""
-    blocks = trained_blocks(cfg)
+    blocks = cfg.diffusion.trained_blocks()
     if world >= len(blocks):
         return {b: [r for r in range(world) if r % len(blocks) == i] for i, b in enumerate(blocks)}
     return {b: [i % world] for i, b in enumerate(blocks)}

@@ -158,6 +158,10 @@ class BlockDiffusion(DiffusionSection):
     block_weights: list[Float] = field([], "block_sampling fixed: one weight per block, block 0 (highest noise) "
                                            "first, e.g. [3, 1, 1]: block 0 gets 60 % of the steps; normalised")
 
+    def trained_blocks(self) -> list[int]:
+        """The blocks this run trains (what a checkpoint's `ownership` records): blocks_to_train, or every block."""
+        return sorted(self.blocks_to_train) or list(range(self.num_blocks))
+
     def check(self) -> None:
         ensure(self.num_blocks >= 1, f"diffusion.num_blocks must be >= 1 (got {self.num_blocks})")
         ensure(0.0 <= self.overlap <= 0.5, f"diffusion.overlap must be in [0, 0.5] (got {self.overlap})")

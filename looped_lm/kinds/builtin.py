@@ -262,7 +262,7 @@ def _retrofit(cfg, n_source: int) -> tuple[list[int], list[int], list[int]]:
 
 def _block_lora_layers(cfg, num_blocks: int) -> tuple[list[str], bool]:
     """The owned blocks' layers; the prelude and coda only for a job that owns every block."""
-    owned = list(cfg.diffusion.blocks_to_train) or list(range(num_blocks))
+    owned = cfg.diffusion.trained_blocks()
     shared = not cfg.diffusion.blocks_to_train
     return [rf"blocks\.{b}" for b in owned] + ([r"prelude", r"coda"] if shared else []), shared
 

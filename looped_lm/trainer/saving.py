@@ -33,7 +33,7 @@ def run_manifest(cfg: Config, plan: Plan, model, step: int, tokens: int, world: 
     if base is not None:  # the pretrained source this run started from (model.init_from)
         manifest["base"] = base
     if kind_of(cfg).offers("merge"):  # which blocks' weights this run trained (looped_lm merge reads it)
-        manifest["ownership"] = {"blocks": parallel.trained_blocks(cfg)}
+        manifest["ownership"] = {"blocks": cfg.diffusion.trained_blocks()}
     return manifest
 
 

@@ -37,7 +37,8 @@ class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, FixedSha
         state = state or {}
         super().__init__(cfg, vocab_size, state.get("edges"))
         self.max_iterations = cfg.model.max_iterations
-        trainable = list(cfg.diffusion.blocks_to_train) or list(range(len(self.blocks)))
+        # the blocks this run trains, in the order the user listed them (round_robin walks them in that order)
+        trainable = list(cfg.diffusion.blocks_to_train) or cfg.diffusion.trained_blocks()
         for b, block in enumerate(self.blocks):
             if b not in trainable:
                 block.requires_grad_(False)  # frozen before the optimiser exists: no state for it
