@@ -23,8 +23,8 @@ from looped_lm.kinds import kind_of
 from looped_lm.mfu import StepFlops
 from looped_lm.models import build_model
 from looped_lm.parallel import check_world
+from looped_lm.preflight import FROZEN_BYTES  # a frozen parameter (LoRA's base) holds only its fp32 weight
 
-FROZEN_BYTES = 4  # a frozen parameter (LoRA's base) holds only its fp32 weight
 
 
 def _gib(n: float) -> str:

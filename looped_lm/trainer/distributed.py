@@ -25,9 +25,7 @@ from looped_lm.trainer.args import RENDEZVOUS_FILE, free_port
 
 def init_distributed():
     """Set up torch.distributed through DeepSpeed: NCCL on GPUs, gloo on CPU; one process works too."""
-    cuda = torch.cuda.is_available()
-    if not cuda:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    cuda = torch.cuda.is_available()  # DS_ACCELERATOR was set for CPU when this module was imported
     if "RANK" not in os.environ:  # launched without the deepspeed launcher: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
