@@ -113,6 +113,10 @@ class TokenDiffusion(NoiseDiffusion):
                                        "sample")
     loss_weight: Literal["none", "edm", "batch_mean"] = field(
         "none", "CE weight per sample: none, edm (normalised w(sigma)) or batch_mean")
+    top_share: Float = field(
+        0.0, "share of block 0's training samples taken at exactly sigma_max, the noise level of every chain's "
+        "first call (all that ppl@0 reads); the rest are drawn from block 0's interval as usual. Where the "
+        "posterior term alone names the token (the low end of block 0's interval) its CE carries little signal")
     target_scale: Literal["unit", "sigma_data"] = field(
         "unit", "noisy targets are unit-norm embeddings (unit) or per-dim RMS sigma_data")
     target_fraction: Float = field(1.0, "share of noisy slots trained per sequence (clean stream stays whole)")
@@ -136,6 +140,7 @@ class TokenDiffusion(NoiseDiffusion):
           ensure(self.block_sampling in ("uniform", "round_robin", "fixed"),
                    f"diffusion.denoise_weight 0: block_sampling {self.block_sampling} reads the denoiser's CE "
                    "curve, which is not trained; use uniform, round_robin or fixed")
+        ensure(0 <= self.top_share <= 1, f"diffusion.top_share must be in [0, 1] (got {self.top_share})")
         ensure(self.posterior_topk >= 1, f"diffusion.posterior_topk must be >= 1 (got {self.posterior_topk})")
         ensure(self.num_iterations >= 0, f"diffusion.num_iterations must be >= 1, or 0 for num_blocks (got "
                                          f"{self.num_iterations})")

@@ -136,6 +136,9 @@ class BlockObjective:
             ce = self.clean_losses(x, y, b).mean()
             return self.cfg.clean_lm_weight * ce, {"block": b, f"loss_block{b}": ce.detach()}
         sigma = dm.sample_sigma(Bsz, *self.net.train_ranges[b], self.net.sched, device=x.device)
+        if b == 0 and self.cfg.top_share > 0:  # the chain's first call, the one every K reads
+            at_top = torch.rand(Bsz, device=x.device) < self.cfg.top_share
+            sigma = torch.where(at_top, torch.full_like(sigma, self.net.sched.sigma_max), sigma)
         n = max(1, round(self.cfg.target_fraction * T))
         slots = None if n == T else torch.rand(Bsz, T, device=x.device).argsort(dim=1)[:, :n].sort(dim=1).values
         noise = torch.randn(Bsz, n, self.net.tok_emb.weight.shape[1], device=x.device)
