@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from looped_lm import cost as cm
-from looped_lm.checkpoint import finalize, load_checkpoint, tmp_dir_for, write_rank_files
+from looped_lm.checkpoint import finalize, load_checkpoint, tmp_dir_for
+from looped_lm.tensor_files import write_rank_files
 from looped_lm.config import config_from_dict
 from looped_lm.data.tokenizer import get_tokenizer
 from looped_lm.engine.engine import Engine, Request

@@ -18,16 +18,17 @@ directory. A step directory without a manifest is not a checkpoint. Reading veri
 every file, inference the files it loads (`verify=False` checks presence and sizes only). Anything
 missing, edited or corrupted is refused with one line naming the file.
 
-torch and safetensors are imported inside the functions that need them: the CLI reads manifests
-before deciding to start anything heavy.
+The tensor files themselves (weights, RNG states) are read and written by tensor_files.py. This module imports
+torch, safetensors and the models only inside the functions that touch tensors (each says so): the CLI reads
+manifests before deciding to start anything heavy, and torch costs seconds at start-up.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
-import random
 import re
 import shutil
 import sys
@@ -35,6 +36,7 @@ from pathlib import Path
 
 from looped_lm import __version__
 from looped_lm.config import Config, config_from_dict
+from looped_lm.data.tokenizer import run_vocab
 from looped_lm.errors import UserError
 from looped_lm.kinds import kind_of
 
@@ -83,32 +85,8 @@ def no_verify_note() -> str:
 # writing (the trainer calls these; see train.save)
 
 
-def rng_state() -> dict:
-    import numpy as np
-    import torch
-
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-
-
-def set_rng_state(state: dict) -> None:
-    import numpy as np
-    import torch
-
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-
-
 def tmp_dir_for(out_dir: Path, step: int) -> Path:
     return out_dir / f".tmp-{step_dir_name(step)}"
-
-
-def write_rank_files(tmp: Path, rank: int) -> None:
-    """Per-rank part of a save (all ranks, before the barrier)."""
-    import torch
-
-    (tmp / "rng").mkdir(parents=True, exist_ok=True)
-    torch.save(rng_state(), tmp / "rng" / f"rank{rank}.pt")
 
 
 def unit_path(root: Path, unit: str) -> Path:
@@ -118,7 +96,7 @@ def unit_path(root: Path, unit: str) -> Path:
 
 def write_unit_state(tmp: Path, unit: str, step: int, tensors: dict) -> None:
     """The state of one unit ("shared", "block0", ...): AdamW moments per parameter name, its step count."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # torch: seconds at start-up (see the module's docstring)
 
     path = unit_path(tmp, unit)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -128,7 +106,7 @@ def write_unit_state(tmp: Path, unit: str, step: int, tensors: dict) -> None:
 
 def read_unit_state(ckpt: Path, unit: str) -> tuple[int, dict]:
     """(step, tensors) of one unit of a verified checkpoint (`optimizer_layout` units)."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # torch: seconds at start-up (see the module's docstring)
 
     path = unit_path(ckpt, unit)
     if not path.is_file():
@@ -145,32 +123,6 @@ def optimizer_layout(manifest: dict) -> str:
     return manifest.get("optimizer_layout", "deepspeed")
 
 
-def save_weights(model, path: Path) -> None:
-    """safetensors' own save: tied tensors are stored once (load_weights restores the aliases)."""
-    import copy
-
-    from safetensors.torch import save_model
-
-    from looped_lm.lora import adapter_state, is_adapted
-
-    bad = nonfinite_tensor(model.state_dict().items())
-    if bad is not None:  # a diverged state is never written (and so never prunes a finite checkpoint)
-        raise UserError(f"the weights hold NaN or Inf ({bad}): not saved to {path}")
-    if is_adapted(model):  # LoRA: the adapters and new parts only; the base is model.init_from's (its sha256)
-        from safetensors.torch import save_file
-
-        save_file(adapter_state(model), str(path), metadata={"format": "looped_lm", "content": "adapters"})
-        return
-    tensors = list(model.state_dict().values())
-    if any(t.untyped_storage().nbytes() != t.numel() * t.element_size() for t in tensors):
-        # ZeRO 1/2 turn parameters into views of one flat buffer, which safetensors cannot tell from a
-        # partial tie: save a copy whose tensors own their storage (deepcopy keeps tied ones tied)
-        model = copy.deepcopy(model)
-        for t in [*model.parameters(), *model.buffers()]:
-            t.data = t.data.clone()
-    save_model(model, str(path), metadata={"format": "looped_lm"})
-
-
 def file_records(root: Path) -> dict:
     """{relative path: {"size", "sha256"}} of every file under root except the manifest."""
     return {rel: {"size": (root / rel).stat().st_size, "sha256": sha256_file(root / rel)}
@@ -182,6 +134,8 @@ def write_manifest(ckpt: Path, manifest: dict) -> dict:
     manifest = {**manifest, "format_version": FORMAT_VERSION, "looped_lm_version": __version__,
                 "files": file_records(ckpt)}
     if (ckpt / WEIGHTS).is_file():  # each tensor's dtype, which a load checks like its name and shape
+        from looped_lm.tensor_files import weights_header  # torch: seconds at start-up (see the module's docstring)
+
         manifest["weights_dtypes"] = weights_header(ckpt / WEIGHTS)[1]
     manifest["manifest_sha256"] = manifest_digest(manifest)
     with open(ckpt / MANIFEST, "w") as f:
@@ -193,6 +147,8 @@ def write_manifest(ckpt: Path, manifest: dict) -> dict:
 
 def finalize(out_dir: Path, step: int, model, manifest: dict, keep_last: int) -> Path:
     """Rank 0, after every rank has written its part: weights, manifest, atomic rename, pruning."""
+    from looped_lm.tensor_files import save_weights  # torch: seconds at start-up (see the module's docstring)
+
     tmp = tmp_dir_for(out_dir, step)
     save_weights(model, tmp / WEIGHTS)
     write_manifest(tmp, {**manifest, "step": step})
@@ -425,145 +381,12 @@ def config_of(manifest: dict, ckpt: Path | None = None) -> Config:
         raise UserError(f"{where}its config is invalid: {e}") from None
 
 
-# the dtypes a save writes for a floating tensor: fp32, or DeepSpeed's bf16 weights (deepspeed.bf16 at ZeRO 0)
-WRITTEN_FLOAT_DTYPES = ("F32", "BF16")
-_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
-              "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
-
-
-def weights_header(path: Path) -> tuple[dict, dict]:
-    """({name: shape}, {name: safetensors dtype such as "F32"}) from a safetensors header (no tensor read)."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), "pt") as f:
-            slices = {k: f.get_slice(k) for k in f.keys()}
-            return ({k: tuple(s.get_shape()) for k, s in slices.items()},
-                    {k: s.get_dtype() for k, s in slices.items()})
-    except (SafetensorError, OSError) as e:
-        raise UserError(f"cannot read {path}: {e}") from None
-
-
-def nonfinite_tensor(named) -> str | None:
-    """The name of the first floating tensor of `named` ((name, tensor) pairs) that holds NaN or Inf, else
-    None: one flag per tensor, read from the device once."""
-    import torch
-
-    floats = [(n, t) for n, t in named if t.is_floating_point() and t.device.type != "meta"]
-    if not floats:
-        return None
-    flags = torch.stack([torch.isfinite(t).all().to(floats[0][1].device) for _, t in floats])
-    if bool(flags.all()):
-        return None
-    return next(n for (n, _), ok in zip(floats, flags.tolist()) if not ok)
-
-
-def _refuse_nonfinite(path: Path, name: str | None) -> None:
-    if name is not None:
-        raise UserError(f"{path} holds {name} with NaN or Inf values: refusing to load it (the weights of a diverged "
-                        "run; an earlier checkpoint of the run may be finite)")
-
-
-def check_finite_file(path: Path) -> None:
-    """Every floating tensor of a safetensors file is finite (read one tensor at a time)."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), "pt") as f:
-            for name in f.keys():
-                _refuse_nonfinite(path, nonfinite_tensor([(name, f.get_tensor(name))]))
-    except (SafetensorError, OSError) as e:
-        raise UserError(f"cannot read {path}: {e}") from None
-
-
-def check_weights_fit(path: Path, model, recorded_dtypes: dict | None = None) -> None:
-    """Names, shapes and dtypes in the safetensors header against the model the manifest builds, and the
-    dtypes against those the manifest records (`weights_dtypes`; absent in older checkpoints)."""
-    shapes, dtypes = weights_header(path)
-    state = model.state_dict(keep_vars=True)
-    from looped_lm.lora import adapter_names, is_adapted, rebuilt_names
-
-    required = None
-    if is_adapted(model):  # an adapter checkpoint holds the adapters only (the base is model.init_from's)
-        required = set(adapter_names(model))  # and may hold the frozen zero `ada` weights (older ones did)
-        names = required | set(rebuilt_names(model))
-        state = {n: t for n, t in state.items() if n in names}
-    want = {k: tuple(v.shape) for k, v in state.items()}
-    for name, shape in sorted(shapes.items()):
-        if name not in want:
-            raise UserError(f"{path} holds {name}, which the model in its manifest does not have")
-        if want[name] != shape:  # (vocab_size, config.model.* and model_state build the model)
-            raise UserError(f"{path} holds {name} of shape {list(shape)}, but the model in its manifest has "
-                            f"{list(want[name])}")
-        _check_dtype(path, name, dtypes[name], state[name], (recorded_dtypes or {}).get(name))
-    by_tensor: dict = {}  # tied tensors (one object under several names) are stored once
-    for name, t in state.items():
-        by_tensor.setdefault(id(t), []).append(name)
-    for names in by_tensor.values():
-        if not any(n in shapes for n in names) and (required is None or any(n in required for n in names)):
-            raise UserError(f"{path} lacks {names[0]}, which the model in its manifest has")
-
-
-def _check_dtype(path: Path, name: str, dtype: str, tensor, recorded: str | None) -> None:
-    """A tensor's stored dtype: the one its manifest records, and one a save writes for the model's tensor
-    (a load would otherwise convert an fp16 or int64 rewrite silently)."""
-    if recorded is not None and dtype != recorded:
-        raise UserError(f"{path} holds {name} as {dtype}, but its manifest records {recorded}")
-    own = _ST_DTYPES.get(str(tensor.dtype).removeprefix("torch."), str(tensor.dtype))
-    allowed = WRITTEN_FLOAT_DTYPES if tensor.is_floating_point() else (own,)
-    if dtype not in allowed:
-        raise UserError(f"{path} holds {name} as {dtype}, but the model in its manifest has {own} "
-                        f"(a save writes {' or '.join(allowed)})")
-
-
-def load_weights(model, path: Path, device="cpu", recorded_dtypes: dict | None = None) -> None:
-    """Weights from a checked safetensors file into `model`: names, shapes and dtypes must all match,
-    and every value must be finite."""
-    from safetensors.torch import load_file, load_model
-
-    from looped_lm.lora import adapter_names, is_adapted
-
-    check_weights_fit(path, model, recorded_dtypes)
-    if is_adapted(model):  # adapters over a base already loaded (pretrained.load_base): exactly the adapters
-        tensors = load_file(str(path), device=str(device))
-        missing = sorted(set(adapter_names(model)) - set(tensors))
-        if missing:
-            raise UserError(f"{path} does not hold {missing[0]}: not the adapters of the model in its manifest")
-        _refuse_nonfinite(path, nonfinite_tensor(tensors.items()))
-        model.load_state_dict(tensors, strict=False)
-        return
-    try:
-        load_model(model, str(path), strict=True, device=str(device))
-    except RuntimeError as e:  # missing tensors: the shapes matched, the names did not all
-        raise UserError(f"{path} does not fit the model in its manifest: "
-                        f"{str(e).strip().splitlines()[-1].strip()}") from None
-    _refuse_nonfinite(path, nonfinite_tensor(model.state_dict().items()))
-
-
-def check_device(name: str) -> str:
-    """A `--device` that exists here (cpu, cuda, cuda:N, mps), checked before a checkpoint is read."""
-    import torch
-
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise UserError(f"--device {name!r} is not a device (cpu, cuda, cuda:N)") from None
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise UserError(f"--device {name}: no CUDA device is available here; use --device cpu")
-        if device.index is not None and device.index >= count:
-            raise UserError(f"--device {name}: this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1})")
-    elif device.type == "mps" and not torch.backends.mps.is_available():
-        raise UserError(f"--device {name}: MPS is not available here; use --device cpu")
-    elif device.type not in ("cpu", "cuda", "mps"):
-        raise UserError(f"--device {name}: looped_lm runs on cpu, cuda or mps")
-    return name
-
-
 def load_checkpoint(ckpt: str | Path, device="cpu", verify: bool = True):
     """Verified (model, config, manifest) from a checkpoint directory, in eval mode."""
+    # torch and the models: seconds at start-up (see the module's docstring)
     from looped_lm.models import build_model
+    from looped_lm.pretrained import load_base
+    from looped_lm.tensor_files import load_weights
 
     ckpt = Path(ckpt)
     manifest = read_manifest(ckpt, verify)
@@ -575,8 +398,6 @@ def load_checkpoint(ckpt: str | Path, device="cpu", verify: bool = True):
     except (UserError, ValueError, TypeError) as e:  # model_state (edges...) that does not fit the model
         raise UserError(f"{ckpt / MANIFEST}: its model_state does not fit model.kind {cfg.model.kind}: {e}") from None
     if cfg.train.lora_rank:  # an adapter checkpoint: its base first, verified by sha256
-        from looped_lm.pretrained import load_base
-
         load_base(model, cfg, manifest.get("base") or {"path": cfg.model.init_from, "sha256": "(not recorded)"})
     load_weights(model, ckpt / WEIGHTS, device, manifest.get("weights_dtypes"))
     return model.to(device).eval(), cfg, manifest
@@ -591,22 +412,6 @@ def load_checkpoint(ckpt: str | Path, device="cpu", verify: bool = True):
 # and the tokenizer; ownership against the config's trained blocks and the optimizer state on record;
 # model_state.edges against their invariants and the config's partition; the tensors' names and shapes
 # against the model the manifest builds (check_weights_fit).
-
-
-def run_vocab(cfg: Config) -> tuple[int, str]:
-    """(output vocabulary, tokenizer name) a run of `cfg` has: the tokenizer's (or model.vocab_size,
-    padded), or a module's classes / characters."""
-    from looped_lm.data.tokenizer import get_tokenizer
-
-    fixed = kind_of(cfg).vocab(cfg)
-    if fixed is not None:  # a module's classes or characters
-        return fixed
-    tokenizer = get_tokenizer(cfg.data.tokenizer)
-    vocab_size = cfg.model.vocab_size or tokenizer.vocab_size
-    if vocab_size < tokenizer.vocab_size:
-        raise UserError(f"model.vocab_size ({vocab_size}) is smaller than the {tokenizer.name} tokenizer's "
-                        f"{tokenizer.vocab_size}")
-    return vocab_size, tokenizer.name
 
 
 def check_agreement(ckpt: str | Path, manifest: dict, cfg: Config) -> None:
@@ -653,8 +458,7 @@ def _check_ownership(manifest: dict, cfg: Config, bad) -> None:
 
 
 def _check_edges(manifest: dict, cfg: Config, bad) -> None:
-    import math
-
+    """model_state.edges: finite, ascending, one more than the blocks, and the config's partition."""
     state = manifest.get("model_state") or {}
     if "edges" not in state:
         return
@@ -674,6 +478,7 @@ def _check_edges(manifest: dict, cfg: Config, bad) -> None:
         raise bad("model_state.edges", f"has {len(edges)} edges ({len(edges) - 1} blocks), but the model has "
                                        f"{blocks} blocks: {blocks + 1} edges")
     if partitioned:  # the edges follow from the config alone
+        # the diffusion package imports torch: seconds at start-up (see the module's docstring)
         from looped_lm.diffusion.noise import NoiseSchedule
         from looped_lm.diffusion.partition import make_edges
 
@@ -688,9 +493,10 @@ def _check_edges(manifest: dict, cfg: Config, bad) -> None:
 def check_tensors(ckpt: str | Path, manifest: dict, cfg: Config) -> None:
     """The names, shapes and dtypes in model.safetensors against the model the manifest builds (on the
     meta device: nothing is allocated), then its values: NaN or Inf is refused (one tensor read at a time)."""
-    import torch
+    import torch  # torch and the models: seconds at start-up (see the module's docstring)
 
     from looped_lm.models import build_model
+    from looped_lm.tensor_files import check_finite_file, check_weights_fit
 
     ckpt = Path(ckpt)
     try:

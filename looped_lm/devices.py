@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from looped_lm.errors import UserError
+
 SWITCH_WORDS = ("auto", "on", "off")
 
 
@@ -93,3 +95,22 @@ def available_memory(device: torch.device) -> int:
 def rng_devices(device_type: str) -> list:
     """The devices whose generators torch.random.fork_rng must save and restore around a compile."""
     return [torch.cuda.current_device()] if device_type == "cuda" else []
+
+
+def check_device(name: str) -> str:
+    """A `--device` that exists here (cpu, cuda, cuda:N, mps), checked before a checkpoint is read."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device {name!r} is not a device (cpu, cuda, cuda:N)") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UserError(f"--device {name}: no CUDA device is available here; use --device cpu")
+        if device.index is not None and device.index >= count:
+            raise UserError(f"--device {name}: this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1})")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"--device {name}: MPS is not available here; use --device cpu")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise UserError(f"--device {name}: looped_lm runs on cpu, cuda or mps")
+    return name

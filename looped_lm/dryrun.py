@@ -17,7 +17,7 @@ import torch
 
 from looped_lm import devices
 from looped_lm.trainer.distributed import deepspeed_config
-from looped_lm.checkpoint import run_vocab
+from looped_lm.data.tokenizer import run_vocab
 from looped_lm.config import Config, init_source
 from looped_lm.kinds import kind_of
 from looped_lm.mfu import StepFlops

@@ -80,7 +80,7 @@ def parse_k_grid(text: str | None) -> list[int] | None:
 
 def check_arguments(args) -> None:
     """What eval can check before the checkpoint is read: one line naming the flag."""
-    from looped_lm.checkpoint import check_device
+    from looped_lm.devices import check_device
 
     check_device(args.device)
     from looped_lm.config import MAX_DRAWS

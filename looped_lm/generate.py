@@ -52,8 +52,9 @@ LM_FLAGS = ("bridge", "exit_threshold", "exit_criterion")  # language models onl
 def run(args) -> int:
     import torch
 
-    from looped_lm.checkpoint import check_device, load_checkpoint, no_verify_note, resolve_checkpoint
+    from looped_lm.checkpoint import load_checkpoint, no_verify_note, resolve_checkpoint
     from looped_lm.data.tokenizer import get_tokenizer
+    from looped_lm.devices import check_device
     from looped_lm.engine.generate import generate
     from looped_lm.models.contract import CachedDecoding, Iterative
     from looped_lm.sampling import SamplingParams

@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 from looped_lm import checkpoint as ckpt_io
+from looped_lm import tensor_files
 from looped_lm.config import block_layers
 from looped_lm.errors import UserError
 from looped_lm.kinds import kind_of
@@ -221,7 +222,7 @@ def _write(out: Path, shared: _Job, owner: dict, jobs: list[_Job]) -> Path:
     if shared.lora:
         _fill_adapters(model, cfg, shared, owner)
     else:
-        ckpt_io.load_weights(model, shared.path / ckpt_io.WEIGHTS,
+        tensor_files.load_weights(model, shared.path / ckpt_io.WEIGHTS,
                              recorded_dtypes=shared.manifest.get("weights_dtypes"))
         with torch.no_grad():
             for b, job in sorted(owner.items()):
@@ -247,7 +248,7 @@ def _write(out: Path, shared: _Job, owner: dict, jobs: list[_Job]) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        ckpt_io.save_weights(model, tmp / ckpt_io.WEIGHTS)
+        tensor_files.save_weights(model, tmp / ckpt_io.WEIGHTS)
         ckpt_io.write_manifest(tmp, {**manifest, "step": step})
         if out.exists():
             out.rmdir()  # empty (checked above)

@@ -21,6 +21,7 @@ from pathlib import Path
 from looped_lm import checkpoint as ckpt_io
 from looped_lm.config import Config, block_layers, init_source
 from looped_lm.data.batches import prepare_data
+from looped_lm.data.tokenizer import run_vocab
 from looped_lm.errors import UserError
 from looped_lm.parallel import check_world
 
@@ -152,11 +153,6 @@ def _parameter_count(cfg: Config, vocab_size: int) -> tuple[int, int]:
 
 def _gib(n: int) -> str:
     return f"{n / 2 ** 30:,.1f} GiB"
-
-
-def run_vocab(cfg: Config) -> tuple[int, str]:
-    """(output vocabulary, tokenizer name) of the run (checkpoint.run_vocab: what a manifest must record)."""
-    return ckpt_io.run_vocab(cfg)
 
 
 def find_resume(cfg: Config, out_dir: Path) -> Path | None:

@@ -145,7 +145,7 @@ def run(args) -> int:
     for flag, value in (("--default-iterations", args.default_iterations), ("--max-iterations", args.max_iterations)):
         if value is not None and value < 1:
             raise UserError(f"{flag} must be >= 1 (got {value}): K, as a request's num_iterations")
-    from looped_lm.checkpoint import check_device
+    from looped_lm.devices import check_device
 
     check_device(args.device)
     template = None

@@ -17,6 +17,7 @@ from looped_lm import cli
 from looped_lm import trainer
 from looped_lm.config import load_config
 from looped_lm.errors import UserError
+from looped_lm.tensor_files import save_weights
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,7 @@ def test_load_checkpoint_round_trips_weights_bit_exactly(two_step_run, tmp_path)
     assert not torch.equal(older.state_dict()["tok_emb.weight"], state["tok_emb.weight"])
     # save -> load of a model is exact too
     path = tmp_path / "again.safetensors"
-    ckpt_io.save_weights(model, path)
+    save_weights(model, path)
     again = load_file(str(path))
     assert all(torch.equal(again[k], state[k]) for k in state)
     # and the loaded model computes what the saved weights compute
@@ -95,7 +96,7 @@ def test_tied_and_flat_buffer_weights_round_trip(tmp_path):
 
     torch.manual_seed(0)
     model = Tied()
-    ckpt_io.save_weights(model, tmp_path / "tied.safetensors")
+    save_weights(model, tmp_path / "tied.safetensors")
     assert len(load_file(str(tmp_path / "tied.safetensors"))) == 1
     fresh = Tied()
     load_model(fresh, str(tmp_path / "tied.safetensors"))
@@ -107,7 +108,7 @@ def test_tied_and_flat_buffer_weights_round_trip(tmp_path):
     for p in flat_model.parameters():
         p.data = flat[offset:offset + p.numel()].view_as(p)
         offset += p.numel()
-    ckpt_io.save_weights(flat_model, tmp_path / "flat.safetensors")
+    save_weights(flat_model, tmp_path / "flat.safetensors")
     saved = load_file(str(tmp_path / "flat.safetensors"))
     assert all(torch.equal(saved[k], v) for k, v in flat_model.state_dict().items())
     assert flat_model[0].weight.data_ptr() == flat.data_ptr()  # the model itself was left as it was

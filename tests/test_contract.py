@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from looped_lm.checkpoint import run_vocab
+from looped_lm.data.tokenizer import run_vocab
 from looped_lm.config import config_from_dict
 from looped_lm.data.batches import open_batches, prepare_data
 from looped_lm.kinds import registered

@@ -136,7 +136,7 @@ def test_the_train_verb_hands_its_cpu_ranks_their_threads(tmp_path, write_config
 
 def test_a_cuda_device_flag_is_checked_against_the_gpus_there(monkeypatch):
     """--device cuda / cuda:N on a machine without GPUs, with 2 GPUs (stubbed), and an index past them."""
-    from looped_lm.checkpoint import check_device
+    from looped_lm.devices import check_device
     from looped_lm.errors import UserError
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

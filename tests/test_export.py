@@ -170,9 +170,10 @@ print("RESULT " + json.dumps({
 def llama_exported(tmp_path_factory):
     """(checkpoint, HF dir) of a random-init gpt (weights at std 0.2, so greedy has no near-ties), exported
     by the CLI with the default format."""
-    from looped_lm.checkpoint import finalize, tmp_dir_for, write_rank_files
+    from looped_lm.checkpoint import finalize, tmp_dir_for
     from looped_lm.config import config_from_dict
     from looped_lm.models import build_model
+    from looped_lm.tensor_files import write_rank_files
 
     root = tmp_path_factory.mktemp("llama")
     torch.manual_seed(0)

@@ -50,7 +50,7 @@ def test_every_kind_describes_itself(kind):
 
 
 def test_a_plugin_brings_its_own_diffusion_option_and_data_source(tmp_path):
-    from looped_lm.checkpoint import run_vocab
+    from looped_lm.data.tokenizer import run_vocab
     from looped_lm.data.batches import open_batches, prepare_data
     from looped_lm.models import build_model
 

@@ -269,7 +269,7 @@ def test_an_adapter_file_rebuilds_the_trained_model_without_ada_weights(llama, t
     seed: other LoRA A inits) from the base and that file computes exactly what the trained one did."""
     from safetensors import safe_open
 
-    from looped_lm.checkpoint import load_weights, save_weights
+    from looped_lm.tensor_files import load_weights, save_weights
     from looped_lm.lora import ADA_WEIGHT
 
     root, _ = llama
@@ -305,7 +305,7 @@ def test_an_older_adapter_file_with_zero_ada_weights_still_loads(llama, tmp_path
     """Before train.lora_ada a block job saved its frozen `ada` weights (zeros): a load accepts them."""
     from safetensors.torch import load_file, save_file
 
-    from looped_lm.checkpoint import load_weights, save_weights
+    from looped_lm.tensor_files import load_weights, save_weights
 
     root, _ = llama
     cfg = lora_config("db_ar", root, {"lora_ada": "full"}, **SPLIT, diffusion={"num_blocks": 2, "blocks_to_train": [1]})

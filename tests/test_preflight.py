@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from looped_lm import checkpoint as ckpt_io
+from looped_lm import tensor_files
 from looped_lm import cli
 from looped_lm import trainer
 
@@ -125,7 +126,7 @@ def test_a_failed_save_is_one_line_and_leaves_no_temp_dir(tmp_path, write_config
     the OS reason, the temp directory removed, the previous checkpoint intact."""
     calls = {"n": 0}
     target = {"weights": "save_weights", "rng": "write_rank_files"}[where]
-    real = getattr(ckpt_io, target)
+    real = getattr(tensor_files, target)
 
     def fail_second(*args, **kw):
         calls["n"] += 1
@@ -133,7 +134,7 @@ def test_a_failed_save_is_one_line_and_leaves_no_temp_dir(tmp_path, write_config
             raise exc
         return real(*args, **kw)
 
-    monkeypatch.setattr(ckpt_io, target, fail_second)
+    monkeypatch.setattr(tensor_files, target, fail_second)
     out = tmp_path / "out"
     cfg = write_config(tmp_path / "run.yaml", {"train": {"out_dir": str(out), "max_steps": 2, "save_every": 1}})
     assert trainer.main(["--config", str(cfg)]) == 1

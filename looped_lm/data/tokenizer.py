@@ -28,7 +28,9 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from looped_lm.data.gguf_file import gguf_tokenizer, is_gguf
 from looped_lm.data.specials import Specials, read_specials
+from looped_lm.config import Config
 from looped_lm.errors import UserError
+from looped_lm.kinds import kind_of
 
 EOT_TEXT = "<|endoftext|>"
 TOKENIZER_NAMES = ("gpt2", "byte")
@@ -205,3 +207,17 @@ def get_tokenizer(name: str) -> Tokenizer:
         return Tokenizer(name, backend, eot_id=eot)
     backend.encode_special_tokens = True  # "<|endoftext|>" in input text is plain text (encode_ordinary)
     return Tokenizer(name, backend, eot_id=backend.token_to_id(EOT_TEXT))
+
+
+def run_vocab(cfg: Config) -> tuple[int, str]:
+    """(output vocabulary, tokenizer name) a run of `cfg` has: the tokenizer's (or model.vocab_size,
+    padded), or a module's classes / characters."""
+    fixed = kind_of(cfg).vocab(cfg)
+    if fixed is not None:  # a module's classes or characters
+        return fixed
+    tokenizer = get_tokenizer(cfg.data.tokenizer)
+    vocab_size = cfg.model.vocab_size or tokenizer.vocab_size
+    if vocab_size < tokenizer.vocab_size:
+        raise UserError(f"model.vocab_size ({vocab_size}) is smaller than the {tokenizer.name} tokenizer's "
+                        f"{tokenizer.vocab_size}")
+    return vocab_size, tokenizer.name

@@ -17,7 +17,7 @@ import deepspeed.comm as dist
 import torch
 
 from looped_lm import checkpoint as ckpt_io
-from looped_lm import devices, parallel
+from looped_lm import devices, parallel, tensor_files
 from looped_lm.compile import compile_for_training
 from looped_lm.config import Config, init_source
 from looped_lm.data.batches import open_batches
@@ -164,7 +164,7 @@ def _restore_model(model, cfg: Config, plan: Plan) -> None:
     if cfg.train.lora_rank:  # adapters resume over their base (sha256-verified)
         load_base(model, cfg, manifest.get("base") or {"path": cfg.model.init_from, "sha256": "(not recorded)"})
     if ckpt_io.optimizer_layout(manifest) == "units":
-        ckpt_io.load_weights(model, Path(plan.resume) / ckpt_io.WEIGHTS, recorded_dtypes=manifest.get("weights_dtypes"))
+        tensor_files.load_weights(model, Path(plan.resume) / ckpt_io.WEIGHTS, recorded_dtypes=manifest.get("weights_dtypes"))
 
 
 def _start_engine(run: _Run) -> None:
@@ -219,7 +219,7 @@ def _resume_state(run: _Run) -> None:
                                    load_lr_scheduler_states=True)
     rng_file = resume_from / "rng" / f"rank{run.rank}.pt"
     if rng_file.is_file():  # verified on rank 0; absent for ranks the saving run did not have
-        ckpt_io.set_rng_state(torch.load(rng_file, weights_only=False))
+        tensor_files.set_rng_state(torch.load(rng_file, weights_only=False))
     run.tokens_seen = manifest.get("data", {}).get("position", {}).get("tokens_seen", 0)
     if run.rank == 0:
         print(f"resumed from {resume_from} at step {run.start_step}", flush=True)

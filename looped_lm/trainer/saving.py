@@ -9,6 +9,7 @@ from pathlib import Path
 import deepspeed.comm as dist
 
 from looped_lm import checkpoint as ckpt_io
+from looped_lm import tensor_files
 from looped_lm import parallel
 from looped_lm.config import Config, init_source
 from looped_lm.errors import RunFailure
@@ -48,7 +49,7 @@ def save(engine, model, optimizer, cfg: Config, plan: Plan, out_dir: Path, step:
     world = dist.get_world_size()
     # a finite loss and gradient can still leave non-finite weights (an update too large): never save them.
     # Every rank holds the same weights here, so every rank stops together, before anything is written.
-    bad = ckpt_io.nonfinite_tensor(model.state_dict().items())
+    bad = tensor_files.nonfinite_tensor(model.state_dict().items())
     if bad is not None:
         kept = f"the newest checkpoint, {plan_last(out_dir, step)}, is untouched"
         err = RunFailure(f"step {step}: the weights hold NaN or Inf ({bad}) after this step's update: not saved "
@@ -69,7 +70,7 @@ def save(engine, model, optimizer, cfg: Config, plan: Plan, out_dir: Path, step:
         for unit, (unit_step, tensors) in states.items():
             if writers.get(unit, 0) == rank:
                 ckpt_io.write_unit_state(tmp, unit, unit_step, tensors)
-        ckpt_io.write_rank_files(tmp, rank)
+        tensor_files.write_rank_files(tmp, rank)
         dist.barrier()
         if rank == 0:
             final = ckpt_io.finalize(out_dir, step, model, run_manifest(cfg, plan, model, step, tokens, world),

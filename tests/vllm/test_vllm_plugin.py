@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from looped_lm.checkpoint import finalize, tmp_dir_for, write_rank_files
+from looped_lm.checkpoint import finalize, tmp_dir_for
+from looped_lm.tensor_files import write_rank_files
 from looped_lm.config import config_from_dict
 from looped_lm.data.tokenizer import get_tokenizer
 from looped_lm.engine.generate import generate
