@@ -242,8 +242,10 @@ def load_config(path: str | None, overrides: list[str] = (), source_shape=None) 
 
 
 SOURCE_SHAPE_FIELDS = ("d_model", "n_heads", "ffn_hidden", "norm_eps", "rope_theta", "vocab_size", "head_dim",
-                       "qkv_bias", "qk_norm", "tie_embeddings")
-SOURCE_AUTO_ZERO = ("vocab_size", "ffn_hidden", "head_dim")  # 0 means "work it out": with a source, the source's
+                       "qkv_bias", "qk_norm", "tie_embeddings", "attn_scalar", "sandwich_norm", "mlp_activation",
+                       "embed_scale", "layer_types", "sliding_window", "rope_local_theta")
+# 0 means "work it out": with a source, the source's
+SOURCE_AUTO_ZERO = ("vocab_size", "ffn_hidden", "head_dim", "attn_scalar", "rope_local_theta")
 
 
 def with_source_shape(raw: dict, source_shape) -> dict:
@@ -356,8 +358,7 @@ def config_from_dict(raw: dict, flat_era: bool = True) -> Config:
         cfg = Config.model_validate(raw)
     except ValidationError as e:
         raise UserError(_message(e.errors()[0])) from None
-    validate(cfg)
-    return cfg
+    return validate(cfg)
 
 
 def model_section(values, flat_era: bool = False) -> ModelSection:
@@ -484,24 +485,38 @@ def _suggest(name: str, known) -> str:
 # validation: impossible values, named
 
 
-def validate(cfg: Config) -> None:
-    """Each section's own checks (`Section.check`), then what reads several sections: the blocks a run
-    trains, the training mode, LoRA and the data source against the kind, the default K under its bound;
-    then the kind's own (`Kind.validate`)."""
+def validate(cfg: Config) -> Config:
+    """The checked and resolved config, a new one (`cfg` is not written): each section's own checks
+    (`Section.check`), the values left to work out (the tokenizer of model.init_from, the kind's `resolve`:
+    db_ar's block count), then what reads several sections: the kind's own checks (`Kind.validate`), the
+    blocks a run trains, the training mode, LoRA and the data source against the kind, the default K under
+    its bound."""
     kind = kind_of(cfg)
     for section in (cfg.model, cfg.diffusion, cfg.data, cfg.train, cfg.deepspeed, cfg.eval):
         section.check()
+    updates: dict[str, dict] = {}
     if isinstance(cfg.model, LanguageModelSection) and cfg.model.init_from:
         require(kind, "init_from", "model.init_from")
         if "tokenizer" not in cfg.data.model_fields_set:
             # the checkpoint's own tokenizer.json, absolute: the manifest's name must not depend on the cwd
-            cfg.data.tokenizer = str(Path(cfg.model.init_from).expanduser().absolute())
-    kind.validate(cfg)  # before the block checks: db_ar's layers_per_block sets num_blocks
+            updates["data"] = {"tokenizer": str(Path(cfg.model.init_from).expanduser().absolute())}
+    for name, values in kind.resolve(cfg).items():
+        updates.setdefault(name, {}).update(values)
+    cfg = with_updates(cfg, updates)
+    kind.validate(cfg)
     if isinstance(cfg.diffusion, BlockDiffusion):
         _check_blocks(cfg.diffusion, kind.num_blocks(cfg))
     _check_training(cfg, kind)
     _check_data(cfg, kind)
     _check_iteration_bounds(cfg, kind)
+    return cfg
+
+
+def with_updates(cfg: Config, updates: dict[str, dict]) -> Config:
+    """A copy of `cfg` with {section: {field: value}} set (values already checked); `cfg` is unchanged."""
+    if not updates:
+        return cfg
+    return cfg.model_copy(update={name: getattr(cfg, name).model_copy(update=values) for name, values in updates.items()})
 
 
 def _check_blocks(d: BlockDiffusion, n_blocks: int) -> None:

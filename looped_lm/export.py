@@ -2,8 +2,9 @@
 
 Two formats (`--format`; `auto`, the default, picks `llama` for gpt and `looped_lm` for the DB kinds):
 
-`llama` (gpt only): a stock `LlamaForCausalLM` (`Qwen2ForCausalLM` / `Qwen3ForCausalLM` for a gpt converted
-from one: q/k/v biases, per-head q/k norms), loaded with no project code. The gpt is Llama weight for
+`llama` (gpt only): a stock `LlamaForCausalLM` (`Qwen2ForCausalLM` / `Qwen3ForCausalLM` / `Gemma3ForCausalLM`
+for a gpt converted from one: q/k/v biases, per-head q/k norms, Gemma 3's layer with its (1 + w) norms written
+back as w - 1), loaded with no project code. The gpt is Llama weight for
 weight (pre-norm RMSNorm, RoPE with Llama's rotate-half pairs (x[:D/2], x[D/2:]), SwiGLU, tied head); the
 fused qkv and gate_up Linears are split into q/k/v_proj and gate_proj/up_proj.
 
@@ -35,6 +36,8 @@ from pathlib import Path
 from looped_lm.checkpoint import NO_VERIFY_HELP
 from looped_lm.errors import UserError
 from looped_lm.kinds import kind_of, require
+from looped_lm.pretrained import GEMMA3
+
 FORMATS = ("auto", "llama", "looped_lm")
 
 
@@ -67,8 +70,17 @@ def run(args) -> int:
 
 def stock_family(cfg) -> tuple[str, str]:
     """(architecture, model_type) of the stock transformers model a gpt is, weight for weight: Llama, or the
-    Qwen family its attention options come from (Qwen2: q/k/v biases; Qwen3: per-head q/k norms)."""
+    Qwen family its attention options come from (Qwen2: q/k/v biases; Qwen3: per-head q/k norms), or Gemma 3
+    (all of its layer options: sandwich norms, GeGLU, a scaled embedding, q/k norms)."""
     m = cfg.model
+    gemma = {"model.sandwich_norm": m.sandwich_norm, "model.mlp_activation gelu_tanh": m.mlp_activation == "gelu_tanh",
+             "model.embed_scale": m.embed_scale, "model.qk_norm": m.qk_norm}
+    if any(v for k, v in gemma.items() if k != "model.qk_norm") or m.layer_types or m.attn_scalar:
+        missing = [k for k, v in gemma.items() if not v] + (["no model.qkv_bias"] if m.qkv_bias else [])
+        if missing:
+            raise UserError(f"--format llama: a gpt with some of Gemma 3's layer options but not {', '.join(missing)} "
+                            "is no stock transformers architecture; export it with --format looped_lm")
+        return "Gemma3ForCausalLM", GEMMA3
     if m.qkv_bias and m.qk_norm:
         raise UserError("--format llama: a gpt with both model.qkv_bias and model.qk_norm is no stock transformers "
                         "architecture; export it with --format looped_lm")
@@ -87,6 +99,8 @@ def llama_config_dict(model, cfg, eot_id: int, bos_id: int | None = None, pad_id
     vocab, d = model.tok_emb.weight.shape
     ffn = model.layers[0].mlp.down.weight.shape[1]
     arch, model_type = stock_family(cfg)
+    if model_type == GEMMA3:
+        return gemma3_config_dict(model, cfg, eot_id, bos_id, pad_id)
     family = {} if model_type == "llama" else {"use_sliding_window": False, "sliding_window": None,
                                                "max_window_layers": len(model.layers)}
     return {"architectures": [arch], "model_type": model_type, "vocab_size": vocab, **family,
@@ -100,11 +114,40 @@ def llama_config_dict(model, cfg, eot_id: int, bos_id: int | None = None, pad_id
             "pad_token_id": eot_id if pad_id is None else pad_id, "dtype": "float32", "torch_dtype": "float32"}
 
 
+def gemma3_config_dict(model, cfg, eot_id: int, bos_id: int | None = None, pad_id: int | None = None) -> dict:
+    """The fields of a transformers Gemma3TextConfig for a native GPT with Gemma 3's layer options. The RoPE bases
+    are written both in rope_parameters by layer type (transformers 5) and as rope_theta / rope_local_base_freq
+    (transformers 4)."""
+    m = cfg.model
+    vocab, d = model.tok_emb.weight.shape
+    local_theta = m.rope_local_theta or m.rope_theta
+    scalar = m.attn_scalar or model.head_dim
+    scalar = int(scalar) if float(scalar).is_integer() else scalar  # transformers 5 types the field int
+    return {"architectures": ["Gemma3ForCausalLM"], "model_type": GEMMA3, "vocab_size": vocab, "hidden_size": d,
+            "intermediate_size": model.layers[0].mlp.down.weight.shape[1], "num_hidden_layers": len(model.layers),
+            "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_heads, "head_dim": model.head_dim,
+            "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": model.max_positions,
+            "rms_norm_eps": m.norm_eps, "query_pre_attn_scalar": scalar,
+            "layer_types": list(m.layer_types) or ["full_attention"] * len(model.layers),
+            "sliding_window": m.sliding_window or model.max_positions,
+            "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": m.rope_theta},
+                                "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}},
+            "rope_theta": m.rope_theta, "rope_local_base_freq": local_theta,
+            "final_logit_softcapping": None, "attn_logit_softcapping": None, "use_bidirectional_attention": False,
+            "tie_word_embeddings": model.lm_head is None, "attention_bias": False, "attention_dropout": 0.0,
+            "initializer_range": m.init_std, "use_cache": True,
+            "bos_token_id": eot_id if bos_id is None else bos_id, "eos_token_id": eot_id,
+            "pad_token_id": eot_id if pad_id is None else pad_id, "dtype": "float32", "torch_dtype": "float32"}
+
+
 def llama_state_dict(model) -> dict:
     """Native GPT weights under Llama's names: qkv -> q/k/v_proj (rows: q, then k, then v, heads
     contiguous within each, as `Attention.project` views them), gate_up -> gate_proj/up_proj (gate
-    first, as `SwiGLU.forward` chunks it). The head is the embedding: no lm_head tensor."""
-    out = {"model.embed_tokens.weight": model.tok_emb.weight, "model.norm.weight": model.norm.weight}
+    first, as `SwiGLU.forward` chunks it). The head is the embedding: no lm_head tensor. A gpt with sandwich
+    norms is Gemma 3's layer (`stock_family` refuses the rest): its norms under Gemma 3's names, as w - 1."""
+    gemma = model.layers[0].post_norm1 is not None
+    norm = (lambda w: w - 1.0) if gemma else (lambda w: w)  # Gemma 3's RMSNorm multiplies by (1 + w)
+    out = {"model.embed_tokens.weight": model.tok_emb.weight, "model.norm.weight": norm(model.norm.weight)}
     if model.lm_head is not None:  # untied: the source's separate head
         out["lm_head.weight"] = model.lm_head.weight
     for i, layer in enumerate(model.layers):
@@ -112,14 +155,19 @@ def llama_state_dict(model) -> dict:
         q, k, v = layer.attn.qkv.weight.chunk(3, dim=0)
         if layer.attn.qkv.bias is not None:  # Qwen2
             out.update(zip((p + f"self_attn.{x}_proj.bias" for x in "qkv"), layer.attn.qkv.bias.chunk(3)))
-        if layer.attn.q_norm is not None:  # Qwen3
-            out.update({p + "self_attn.q_norm.weight": layer.attn.q_norm.weight,
-                        p + "self_attn.k_norm.weight": layer.attn.k_norm.weight})
+        if layer.attn.q_norm is not None:  # Qwen3, Gemma 3
+            out.update({p + "self_attn.q_norm.weight": norm(layer.attn.q_norm.weight),
+                        p + "self_attn.k_norm.weight": norm(layer.attn.k_norm.weight)})
+        if gemma:  # the sandwich: post_attention_layernorm is the attention output's norm, norm2 the MLP input's
+            out.update({p + "post_attention_layernorm.weight": norm(layer.post_norm1.weight),
+                        p + "pre_feedforward_layernorm.weight": norm(layer.norm2.weight),
+                        p + "post_feedforward_layernorm.weight": norm(layer.post_norm2.weight)})
+        else:
+            out[p + "post_attention_layernorm.weight"] = layer.norm2.weight
         gate, up = layer.mlp.gate_up.weight.chunk(2, dim=0)
-        out.update({p + "input_layernorm.weight": layer.norm1.weight,
+        out.update({p + "input_layernorm.weight": norm(layer.norm1.weight),
                     p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
                     p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": layer.attn.proj.weight,
-                    p + "post_attention_layernorm.weight": layer.norm2.weight,
                     p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
                     p + "mlp.down_proj.weight": layer.mlp.down.weight})
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in out.items()}

@@ -14,11 +14,19 @@ What maps, and why:
                                            (q/k/v_proj -> the fused qkv, gate/up_proj -> gate_up).
                                            Grouped-query K/V heads are repeated to one per query head
                                            (exact: Llama's own repeat_kv). Mistral only without a
-                                           sliding window shorter than the run's positions.
-    refused, one line naming the field     GPT-2 (learned positions, LayerNorm), Qwen2 (q/k/v biases:
-                                           the project's attention has none), any attention/MLP bias,
-                                           scaled RoPE, an untied lm_head (the project's head is the
-                                           embedding, transposed).
+                                           sliding window.
+    Qwen2ForCausalLM, Qwen3ForCausalLM     Llama's layers with q/k/v biases (model.qkv_bias) / per-head
+                                           q/k norms and a head width of their own (qk_norm, head_dim).
+    Gemma3ForCausalLM                      Llama's layers with sandwich norms (sandwich_norm: its
+                                           post_attention_layernorm is the attention output's norm,
+                                           pre_feedforward_layernorm the MLP's input norm), GeGLU
+                                           (mlp_activation gelu_tanh), q/k norms, an embedding scaled by
+                                           sqrt(d) (embed_scale), scores scaled by query_pre_attn_scalar
+                                           (attn_scalar), local sliding-window layers with a RoPE base of
+                                           their own (layer_types, sliding_window, rope_local_theta). Its
+                                           (1 + w) RMSNorms are stored as w + 1 (export writes w - 1).
+    refused, one line naming the field     GPT-2 (learned positions, LayerNorm), any attention/MLP bias,
+                                           scaled RoPE, softcapping (Gemma 2), bidirectional attention.
 
 The run config names the architecture (kind, blocks, prelude, coda) and must agree with config.json
 (d_model, n_heads, ffn_hidden, norm_eps, rope_theta, vocab_size); a mismatch lists the values to set.
@@ -53,19 +61,25 @@ from looped_lm.data.gguf_file import is_gguf, metadata, need_gguf_package, smoll
 from looped_lm.errors import UserError
 from looped_lm.kinds import kind_of, require
 
-# model_type -> its architecture: Llama's layers, with Qwen2's q/k/v biases or Qwen3's per-head q/k norms and
-# head width (looped_lm.models.layers.AttentionOptions)
+# model_type -> its architecture: Llama's layers, with Qwen2's q/k/v biases, Qwen3's per-head q/k norms and head
+# width, or Gemma 3's layer (looped_lm.models.layers.AttentionOptions, LayerOptions)
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM"}
+            "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 ARCHITECTURES = tuple(FAMILIES.values())
+GEMMA3 = "gemma3_text"
 # why the architectures people ask for do not map (the first clause names what differs)
 REFUSED = {
     "gpt2": "learned position embeddings and LayerNorm (the project uses RoPE and RMSNorm)",
     "gpt_neox": "LayerNorm and partial rotary embeddings",
     "phi": "LayerNorm, partial rotary embeddings and biases",
-    "gemma": "a scaled embedding, (1 + w) RMSNorm and GeLU",
+    "gemma": "Gemma 1's layers (no sandwich or q/k norms) are not mapped; Gemma 3's text model (Gemma3ForCausalLM) is",
+    "gemma2": "softcapped attention scores and logits",
+    "gemma3": "the multimodal Gemma 3 (a vision tower beside the text model); its text model, Gemma3ForCausalLM "
+              "(model_type gemma3_text), maps",
     "opt": "learned position embeddings and LayerNorm",
 }
+GEMMA3_DEFAULT_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}  # transformers' default_theta
+LAYER_TYPES = ("full_attention", "sliding_attention")
 # the noisy stream's adaLN gates at conversion: "open" (gate biases 1: its layers start as the source's;
 # the default since bench/results/pretrained/study: lower PPL after fine-tuning at every B, 3 seeds) or
 # "closed" (adaLN-Zero as in a fresh model: the noisy stream starts as identity). A module switch for the
@@ -82,9 +96,9 @@ GGUF_LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "att
               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 # a GGUF's general.architecture -> the model_type whose REFUSED reason applies
 GGUF_REFUSED = {"gpt2": "gpt2", "gptneox": "gpt_neox", "phi2": "phi", "phi3": "phi", "gemma": "gemma",
-                "gemma2": "gemma", "gemma3": "gemma"}
+                "gemma2": "gemma2"}
 # families that map from a transformers directory but not yet from a GGUF file (only Llama's GGUF names are read)
-GGUF_DIRECTORY_ONLY = {"qwen2": "Qwen2", "qwen3": "Qwen3"}
+GGUF_DIRECTORY_ONLY = {"qwen2": "Qwen2", "qwen3": "Qwen3", "gemma3": "Gemma 3"}
 
 
 @dataclass
@@ -275,22 +289,77 @@ def check_architecture(config: dict, where) -> None:
     for key in ("attention_bias", "mlp_bias"):  # Qwen2's q/k/v biases are its architecture's, not this flag's
         if config.get(key):
             raise _fail(where, f"{key} is true: the project's output projection and MLP have no biases")
-    if config.get("hidden_act", "silu") != "silu":
-        raise _fail(where, f"hidden_act is {config['hidden_act']!r}: the project's MLP is SwiGLU (silu)")
-    rope = config.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    params = config.get("rope_parameters") or {}
-    rope_type = params.get("rope_type", rope_type) if isinstance(params, dict) else rope_type
-    if rope_type != "default":
-        raise _fail(where, f"rope_scaling {rope_type!r}: the project's RoPE is unscaled")
+    if model_type == GEMMA3:
+        _check_gemma3(config, where)
+    else:
+        if config.get("hidden_act", "silu") != "silu":
+            raise _fail(where, f"hidden_act is {config['hidden_act']!r}: the project's MLP is SwiGLU (silu)")
+        rope = config.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        params = config.get("rope_parameters") or {}
+        rope_type = params.get("rope_type", rope_type) if isinstance(params, dict) else rope_type
+        if rope_type != "default":
+            raise _fail(where, f"rope_scaling {rope_type!r}: the project's RoPE is unscaled")
     hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     head_dim = int(config.get("head_dim") or hidden // heads)
-    if model_type != "qwen3" and head_dim * heads != hidden:
+    if model_type not in ("qwen3", GEMMA3) and head_dim * heads != hidden:
         raise _fail(where, f"head_dim {config.get('head_dim')} x {heads} heads != hidden_size {hidden}: "
                            f"{arch}'s heads split the width exactly")
-    windowed = config.get("use_sliding_window", True) if model_type.startswith("qwen") else True
+    windowed = config.get("use_sliding_window", True) if model_type.startswith("qwen") else model_type != GEMMA3
     if config.get("sliding_window") and windowed:
-        raise _fail(where, f"sliding_window is {config['sliding_window']}: the project's attention is full causal")
+        raise _fail(where, f"sliding_window is {config['sliding_window']}: {arch}'s layers are full causal in the "
+                           "project (only Gemma 3's local layers have a window)")
+
+
+def _check_gemma3(config: dict, where) -> None:
+    """What Gemma 3's text model may set that the project's layers do not do, refused in one line naming it."""
+    act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise _fail(where, f"hidden_activation is {act!r}: the project's Gemma MLP is GeGLU with gelu's tanh "
+                           "approximation (gelu_pytorch_tanh)")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if config.get(key) is not None:
+            raise _fail(where, f"{key} is {config[key]}: the project's attention and head have no softcapping")
+    if config.get("use_bidirectional_attention"):
+        raise _fail(where, "use_bidirectional_attention is true: the project's language models attend causally")
+    for layer_type, params in gemma3_rope(config).items():
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type != "default":
+            raise _fail(where, f"rope_scaling {rope_type!r} of the {layer_type} layers: the project's RoPE is unscaled")
+    scalar = config.get("query_pre_attn_scalar", 256)
+    if not isinstance(scalar, (int, float)) or isinstance(scalar, bool) or scalar <= 0:
+        raise _fail(where, f"query_pre_attn_scalar is {scalar!r}: expected a positive number")
+    if "sliding_attention" in gemma3_layer_types(config, where):
+        window = config.get("sliding_window")
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise _fail(where, f"sliding_window is {window!r} but layer_types has sliding_attention layers: expected "
+                               "a positive integer")
+
+
+def gemma3_layer_types(config: dict, where="config.json") -> list[str]:
+    """Gemma 3's layer types, one per layer: config.json's layer_types, or (older configs) every
+    sliding_window_pattern-th layer global and the others local, as transformers reads them."""
+    n = int(config["num_hidden_layers"])
+    types = config.get("layer_types")
+    if types is None:
+        pattern = int(config.get("sliding_window_pattern") or 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n or any(t not in LAYER_TYPES for t in types):
+        raise _fail(where, f"layer_types is {types!r}: expected {n} entries, each one of {', '.join(LAYER_TYPES)}")
+    return types
+
+
+def gemma3_rope(config: dict) -> dict[str, dict]:
+    """Gemma 3's RoPE parameters by layer type: transformers 5's rope_parameters (keyed by layer type), or the
+    older rope_theta, rope_local_base_freq and rope_scaling (which applies to the global layers)."""
+    params = config.get("rope_parameters") or {}
+    rope = {t: dict(params.get(t) or {}) if isinstance(params, dict) else {} for t in LAYER_TYPES}
+    if config.get("rope_scaling"):
+        rope["full_attention"].update(config["rope_scaling"])
+    old_names = {"full_attention": "rope_theta", "sliding_attention": "rope_local_base_freq"}
+    for layer_type, name in old_names.items():
+        rope[layer_type].setdefault("rope_theta", config.get(name) or GEMMA3_DEFAULT_THETA[layer_type])
+    return rope
 
 
 def _tensor_files(root: Path) -> dict[str, Path]:
@@ -336,16 +405,24 @@ def _weights_hash(files: dict[str, Path]) -> str:
     return digest.hexdigest()
 
 
-def _layer_names(i: int) -> list[str]:
-    p = f"model.layers.{i}."
-    return [p + n + ".weight" for n in ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj",
-                                        "self_attn.v_proj", "self_attn.o_proj", "post_attention_layernorm",
-                                        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+# a layer's tensors by the role they take in the project's TransformerLayer (looped_lm.models.layers): Llama's
+# post_attention_layernorm is the MLP's input norm; Gemma 3's is the attention output's norm (sandwich_norm)
+LAYER_TENSORS = {"norm1": "input_layernorm", "q": "self_attn.q_proj", "k": "self_attn.k_proj",
+                 "v": "self_attn.v_proj", "o": "self_attn.o_proj", "norm2": "post_attention_layernorm",
+                 "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+GEMMA3_LAYER_TENSORS = {**LAYER_TENSORS, "norm2": "pre_feedforward_layernorm",
+                        "post_norm1": "post_attention_layernorm", "post_norm2": "post_feedforward_layernorm"}
+
+
+def _layer_names(i: int, config: dict) -> dict[str, str]:
+    """Layer i's tensor names by role (LAYER_TENSORS)."""
+    roles = GEMMA3_LAYER_TENSORS if config.get("model_type") == GEMMA3 else LAYER_TENSORS
+    return {role: f"model.layers.{i}.{name}.weight" for role, name in roles.items()}
 
 
 def _attention_names(i: int, config: dict) -> list[str]:
-    """The family's extra attention tensors of layer i: Qwen2's q/k/v biases, Qwen3's q/k norms."""
-    p, options = f"model.layers.{i}.self_attn.", attention_fields(config)
+    """The family's extra attention tensors of layer i: Qwen2's q/k/v biases, Qwen3's and Gemma 3's q/k norms."""
+    p, options = f"model.layers.{i}.self_attn.", layer_fields(config)
     return ([p + f"{x}_proj.bias" for x in "qkv"] if options["qkv_bias"] else []) + \
         ([p + "q_norm.weight", p + "k_norm.weight"] if options["qk_norm"] else [])
 
@@ -354,7 +431,7 @@ def _check_tensors(source: Source) -> None:
     """Every tensor the mapping reads is there; nothing the project would drop silently (biases)."""
     extra = [n for i in range(source.n_layers) for n in _attention_names(i, source.config)]
     need = ["model.embed_tokens.weight", "model.norm.weight",
-            *(n for i in range(source.n_layers) for n in _layer_names(i)), *extra]
+            *(n for i in range(source.n_layers) for n in _layer_names(i, source.config).values()), *extra]
     for name in need:
         if name not in source.files:
             raise _fail(source.path, f"has no tensor {name} (a missing or partial shard?)")
@@ -374,23 +451,35 @@ def tied_head(source: Source) -> bool:
 # the run config against the source
 
 
-def attention_fields(config: dict) -> dict:
-    """The model fields of the source family's attention (AttentionOptions): head_dim (0 where it is
-    d_model / n_heads), qkv_bias (Qwen2) and qk_norm (Qwen3)."""
+def layer_fields(config: dict) -> dict:
+    """The model fields of the source family's layers (AttentionOptions, LayerOptions, the embedding and the local
+    layers): head_dim (0 where it is d_model / n_heads), qkv_bias (Qwen2), qk_norm (Qwen3, Gemma 3), and Gemma 3's
+    attn_scalar (0 where it is head_dim), sandwich_norm, mlp_activation, embed_scale, layer_types, sliding_window
+    and rope_local_theta ([] / 0 where no layer is local)."""
     model_type = config.get("model_type", "")
     hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     head_dim = int(config.get("head_dim") or hidden // heads)
+    gemma = model_type == GEMMA3
+    scalar = float(config.get("query_pre_attn_scalar", 256)) if gemma else 0.0
+    types = gemma3_layer_types(config) if gemma else []
+    local = "sliding_attention" in types
     return {"head_dim": 0 if head_dim * heads == hidden else head_dim, "qkv_bias": model_type == "qwen2",
-            "qk_norm": model_type == "qwen3"}
+            "qk_norm": model_type in ("qwen3", GEMMA3), "attn_scalar": 0.0 if scalar == head_dim else scalar,
+            "sandwich_norm": gemma, "mlp_activation": "gelu_tanh" if gemma else "silu", "embed_scale": gemma,
+            "layer_types": types if local else [], "sliding_window": int(config["sliding_window"]) if local else 0,
+            "rope_local_theta": float(gemma3_rope(config)["sliding_attention"]["rope_theta"]) if local else 0.0}
 
 
 def expected_model_fields(source: Source, vocab_rows: int) -> dict:
     c = source.config
-    rope_theta = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    if c.get("model_type") == GEMMA3:
+        rope_theta = gemma3_rope(c)["full_attention"]["rope_theta"]
+    else:
+        rope_theta = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)
     return {"d_model": int(c["hidden_size"]), "n_heads": int(c["num_attention_heads"]),
             "ffn_hidden": int(c["intermediate_size"]), "norm_eps": float(c.get("rms_norm_eps", 1e-6)),
             "rope_theta": float(rope_theta), "vocab_size": vocab_rows, "tie_embeddings": tied_head(source),
-            **attention_fields(c)}
+            **layer_fields(c)}
 
 
 def source_shape(path: str) -> dict:
@@ -459,13 +548,22 @@ class _Tensors:
             return self.state[name].to(self.dtype)
         return self.handles[self.source.files[name]].get_tensor(name).to(self.dtype)
 
+    def norm(self, name: str):
+        """An RMSNorm's weight as the project's RMSNorm multiplies by it: Gemma 3's (1 + w) is stored as w + 1
+        (added in float32, as transformers adds it)."""
+        if self.source.config.get("model_type") != GEMMA3:
+            return self[name]
+        raw = self.source.state[name] if self.source.gguf else self.handles[self.source.files[name]].get_tensor(name)
+        return (raw.float() + 1.0).to(self.dtype)
+
 
 def copy_layer(layer, tensors: _Tensors, i: int, heads: tuple[int, int]) -> None:
     """Source layer i into a TransformerLayer / TwoStreamLayer (its `ada` is left as it is: zero;
     `open_gates` sets the gates after)."""
     import torch
 
-    norm1, q, k, v, o, norm2, gate, up, down = (tensors[n] for n in _layer_names(i))
+    names = _layer_names(i, tensors.source.config)
+    q, k, v, o, gate, up, down = (tensors[names[role]] for role in ("q", "k", "v", "o", "gate", "up", "down"))
     n_heads, n_kv = heads
 
     def expand(t):  # grouped-query attention: query head h reads K/V head h // (n_heads / n_kv)
@@ -473,15 +571,16 @@ def copy_layer(layer, tensors: _Tensors, i: int, heads: tuple[int, int]) -> None
             return t
         return t.view(n_kv, -1, *t.shape[1:]).repeat_interleave(n_heads // n_kv, dim=0).flatten(0, 1)
 
-    pairs = [(layer.norm1.weight, norm1), (layer.attn.qkv.weight, torch.cat([q, expand(k), expand(v)])),
-             (layer.attn.proj.weight, o), (layer.norm2.weight, norm2),
+    pairs = [(layer.attn.qkv.weight, torch.cat([q, expand(k), expand(v)])), (layer.attn.proj.weight, o),
              (layer.mlp.gate_up.weight, torch.cat([gate, up])), (layer.mlp.down.weight, down)]
+    pairs += [(getattr(layer, role).weight, tensors.norm(names[role]))  # post_norm1 / 2: Gemma 3's sandwich
+              for role in ("norm1", "norm2", "post_norm1", "post_norm2") if role in names]
     extra = _attention_names(i, tensors.source.config)
     if any(n.endswith("_proj.bias") for n in extra):
         bq, bk, bv = (tensors[n] for n in extra[:3])
         pairs.append((layer.attn.qkv.bias, torch.cat([bq, expand(bk), expand(bv)])))
     if any(n.endswith("q_norm.weight") for n in extra):
-        pairs += [(layer.attn.q_norm.weight, tensors[extra[-2]]), (layer.attn.k_norm.weight, tensors[extra[-1]])]
+        pairs += [(layer.attn.q_norm.weight, tensors.norm(extra[-2])), (layer.attn.k_norm.weight, tensors.norm(extra[-1]))]
     with torch.no_grad():
         for dst, src in pairs:
             if dst.shape != src.shape:
@@ -505,7 +604,7 @@ def init_from_pretrained(model, cfg: Config, source: Source | None = None) -> di
             raise UserError(f"model.init_from {source.path}: embedding {list(emb.shape)} but the model's is "
                             f"{list(model.tok_emb.weight.shape)} (model.vocab_size, model.d_model)")
         model.tok_emb.weight.copy_(emb)
-        model.norm.weight.copy_(tensors["model.norm.weight"])
+        model.norm.weight.copy_(tensors.norm("model.norm.weight"))
         if model.lm_head is not None:  # an untied source's own head (preflight checked the run config says so)
             model.lm_head.weight.copy_(tensors["lm_head.weight"])
     if "layers" in plan:  # gpt

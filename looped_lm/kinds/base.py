@@ -95,16 +95,34 @@ class LanguageModelSection(SequenceSection):
                                "so the (tokens, vocab) logits are never stored (0 = off; e.g. 128 with a 50257 "
                                "vocab)")
     init_from: Str = field("", "a local Hugging Face directory (config.json + safetensors) of LlamaForCausalLM / "
-                               "MistralForCausalLM, a GGUF file of one (dequantised by transformers), or a "
-                               "`looped_lm export` of a gpt: a fresh run starts from its weights "
-                               "(docs/pretrained.md); '' = random init. The shape fields left unset (d_model, n_heads, "
-                               "ffn_hidden, norm_eps, rope_theta, vocab_size; n_layers for gpt and db_ar) are read "
-                               "from it; one set to another value is refused")
+                               "MistralForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / Gemma3ForCausalLM, a GGUF "
+                               "file of a Llama (dequantised by transformers), or a `looped_lm export` of a gpt: a "
+                               "fresh run starts from its weights (docs/pretrained.md); '' = random init. The shape "
+                               "fields left unset (d_model, n_heads, ffn_hidden, norm_eps, rope_theta, vocab_size, the "
+                               "layer options below; n_layers for gpt and db_ar) are read from it; one set to another "
+                               "value is refused")
 
     head_dim: int = field(0, "the width of one attention head; 0 = d_model / n_heads (Qwen3 sets it apart: q, k, v "
                              "are n_heads x head_dim wide)")
     qkv_bias: bool = field(False, "biases on the q, k and v projections (Qwen2 / Qwen2.5)")
-    qk_norm: bool = field(False, "an RMSNorm over each head's q and k before RoPE (Qwen3)")
+    qk_norm: bool = field(False, "an RMSNorm over each head's q and k before RoPE (Qwen3, Gemma 3)")
+    attn_scalar: Float = field(0.0, "attention scores are scaled by attn_scalar ** -0.5 instead of head_dim ** -0.5 "
+                                    "(Gemma 3's query_pre_attn_scalar); 0 = head_dim")
+    sandwich_norm: bool = field(False, "an RMSNorm on the attention's and on the MLP's output too, before each "
+                                       "residual add (Gemma 3's post_attention_layernorm and post_feedforward_layernorm)")
+    mlp_activation: Literal["silu", "gelu_tanh"] = field(
+        "silu", "the gated MLP's activation: silu (SwiGLU, Llama) or gelu_tanh (GeGLU with gelu's tanh approximation, "
+        "Gemma's gelu_pytorch_tanh)")
+    embed_scale: bool = field(False, "the input embedding is multiplied by sqrt(d_model), rounded to the weights' "
+                                     "dtype (Gemma); the head and the DiffusionBlocks targets read the table unscaled")
+    layer_types: list[Literal["full_attention", "sliding_attention"]] = field(
+        [], "one entry per source layer, in the source's order (Gemma 3's layer_types; the kind's layer plan places "
+        "them, as model.init_from's layers): sliding_attention layers attend within model.sliding_window and rotate "
+        "with model.rope_local_theta; [] = every layer full_attention")
+    sliding_window: int = field(0, "the local layers' window: a query sees itself and the sliding_window - 1 "
+                                   "positions before it (Gemma 3); 0 = no local layers")
+    rope_local_theta: Float = field(0.0, "the RoPE base of the local layers (Gemma 3's rope_local_base_freq); "
+                                         "0 = rope_theta")
     tie_embeddings: bool = field(True, "the head is the token embedding, transposed (tie_word_embeddings); false: a "
                                        "separate lm_head, as most sources above the smallest sizes have")
     max_positions: int = field(0, "the context the model serves by default (and is built for: RoPE up to the larger of "
@@ -115,6 +133,14 @@ class LanguageModelSection(SequenceSection):
         """The context the model was trained for: its own seq_len, or a pretrained source's positions."""
         return self.max_positions or self.seq_len
 
+    def embedding_scale(self) -> float:
+        """What the input embedding is multiplied by (embed_scale: sqrt(d_model))."""
+        return self.d_model ** 0.5 if self.embed_scale else 1.0
+
+    def local_rope_theta(self) -> float:
+        """The RoPE base of the local layers, or 0 when no layer is local (one base)."""
+        return (self.rope_local_theta or self.rope_theta) if "sliding_attention" in self.layer_types else 0.0
+
     def check(self) -> None:
         super().check()
         ensure(self.max_positions == 0 or self.max_positions >= self.seq_len,
@@ -124,6 +150,13 @@ class LanguageModelSection(SequenceSection):
         ensure(self.head_dim >= 0 and self.head_dim % 2 == 0,
                f"model.head_dim must be 0 (d_model / n_heads) or an even width (RoPE rotates pairs) (got {self.head_dim})")
         ensure(self.loss_chunk >= 0, f"model.loss_chunk must be >= 0 (got {self.loss_chunk})")
+        ensure(self.attn_scalar >= 0 and self.rope_local_theta >= 0,
+               f"model.attn_scalar and model.rope_local_theta must be >= 0 (got {self.attn_scalar}, "
+               f"{self.rope_local_theta})")
+        local = "sliding_attention" in self.layer_types
+        ensure(self.sliding_window >= 0 and (self.sliding_window > 0) == local,
+               f"model.sliding_window ({self.sliding_window}) must be >= 1 where model.layer_types has a "
+               f"sliding_attention layer, and 0 where it has none")
 
 
 # --- K: the one rule every verb reads ------------------------------------------------------------------
@@ -264,9 +297,15 @@ class Kind:
         None: the kind has no K at inference (an end-to-end model)."""
         return None
 
+    def resolve(self, cfg) -> dict:
+        """What this kind's config leaves to be worked out (db_ar: the block count its layers_per_block
+        implies), as section updates {"diffusion": {"num_blocks": 3}}, after checking the fields it reads
+        (UserError naming the key). The config applies them to a copy; nothing here writes into `cfg`."""
+        return {}
+
     def validate(self, cfg) -> None:
-        """Checks of this kind's own fields and of the other sections' options it gives meaning to.
-        Raise UserError naming the key."""
+        """Checks of this kind's own fields and of the other sections' options it gives meaning to, on the
+        resolved config. Raise UserError naming the key; write nothing."""
 
     def step_flops(self, cfg, vocab_size: int, batch: int, key=None) -> float | None:
         """Matmul FLOPs (forward + backward) of one training micro-batch of `batch` sequences, by the cost

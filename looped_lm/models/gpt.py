@@ -13,28 +13,29 @@ from torch.utils.checkpoint import checkpoint
 
 from looped_lm.errors import UserError
 from looped_lm.models.contract import CachedDecoding, FixedShapeDecoding, Scorable, TokenScores, Trainable
-from looped_lm.models.layers import (AttentionOptions, FixedShapeRows, OutputHead, KVCache, RotaryEmbedding, TransformerLayer, TransposedCopy, chunked, ffn_width,
-                                     init_weights, positions_after, token_cross_entropy)
+from looped_lm.models.layers import (FixedShapeRows, LayerOptions, OutputHead, KVCache, RotaryEmbedding, ScaledEmbedding,
+                                     TransformerLayer, TransposedCopy, chunked, ffn_width, init_weights, positions_after,
+                                     token_cross_entropy)
 
 
 class GPT(nn.Module, OutputHead, Trainable, Scorable, CachedDecoding, FixedShapeDecoding):
     def __init__(self, n_layers: int, d_model: int, n_heads: int, seq_len: int, vocab_size: int,
                  ffn_hidden: int = 0, rope_theta: float = 10000.0, norm_eps: float = 1e-5,
                  init_std: float = 0.02, max_positions: int | None = None, loss_chunk: int = 0,
-                 activation_checkpointing: bool = False, attention: AttentionOptions = AttentionOptions(),
-                 tie_embeddings: bool = True):
+                 activation_checkpointing: bool = False, options: LayerOptions = LayerOptions(),
+                 tie_embeddings: bool = True, embed_scale: float = 1.0, rope_local_theta: float = 0.0):
         super().__init__()
         self.loss_chunk = loss_chunk  # training: head + CE per chunk of positions, recomputed in backward
         self.activation_checkpointing = activation_checkpointing  # training: each layer recomputed in backward
         self.seq_len, self.vocab_size, self.n_heads = seq_len, vocab_size, n_heads
         self.max_positions = max_positions or 4 * seq_len  # generation may run past the training length
-        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.tok_emb = ScaledEmbedding(vocab_size, d_model, embed_scale)
         self.layers = nn.ModuleList(
-            TransformerLayer(d_model, n_heads, ffn_width(d_model, ffn_hidden), norm_eps, attention)
+            TransformerLayer(d_model, n_heads, ffn_width(d_model, ffn_hidden), norm_eps, options)
             for _ in range(n_layers))
-        self.head_dim = attention.width(d_model, n_heads)
+        self.head_dim = options.attention.width(d_model, n_heads)
         self.norm = nn.RMSNorm(d_model, eps=norm_eps)
-        self.rope = RotaryEmbedding(self.head_dim, self.max_positions, rope_theta)
+        self.rope = RotaryEmbedding(self.head_dim, self.max_positions, rope_theta, rope_local_theta)
         self.make_head(d_model, vocab_size, tie_embeddings)  # tied: the token embedding, transposed
         init_weights(self, init_std, n_layers)
         self.head_t = TransposedCopy()  # inference only
@@ -143,5 +144,5 @@ def build(cfg, vocab_size: int, state: dict | None = None) -> GPT:
     m = cfg.model
     return GPT(m.n_layers, m.d_model, m.n_heads, m.seq_len, vocab_size, m.ffn_hidden, m.rope_theta,
                m.norm_eps, m.init_std, max_positions=max(4 * m.seq_len, m.max_positions), loss_chunk=m.loss_chunk,
-               activation_checkpointing=m.activation_checkpointing, attention=AttentionOptions.of(m),
-               tie_embeddings=m.tie_embeddings)
+               activation_checkpointing=m.activation_checkpointing, options=LayerOptions.of(m),
+               tie_embeddings=m.tie_embeddings, embed_scale=m.embedding_scale(), rope_local_theta=m.local_rope_theta())

@@ -25,8 +25,8 @@ from looped_lm.errors import UserError
 from looped_lm.kinds import kind_of
 from looped_lm.models.contract import CachedDecoding, Iterative, Scorable, TokenScores, Trainable
 from looped_lm.settings import IterationLimits, RowBatch
-from looped_lm.models.layers import (AttentionOptions, KVCache, OutputHead, RotaryEmbedding, TransformerLayer, TransposedCopy, ffn_width, init_weights,
-                                     positions_after, token_cross_entropy)
+from looped_lm.models.layers import (KVCache, LayerOptions, OutputHead, RotaryEmbedding, ScaledEmbedding, TransformerLayer,
+                                     TransposedCopy, ffn_width, init_weights, positions_after, token_cross_entropy)
 
 
 def sample_recurrence(mean: int, generator: torch.Generator, sigma: float = 0.5) -> int:
@@ -50,17 +50,17 @@ class HuginnLM(nn.Module, OutputHead, Trainable, Scorable, CachedDecoding, Itera
         self.mean_recurrence, self.backprop_depth = m.mean_recurrence, m.backprop_depth
         self.init_scale = 1.0  # std of the random initial state, as Huginn's default
         ffn = ffn_width(m.d_model, m.ffn_hidden)
-        att = AttentionOptions.of(m)
-        self.head_dim = att.width(m.d_model, m.n_heads)
+        options = LayerOptions.of(m)
+        self.head_dim = options.attention.width(m.d_model, m.n_heads)
 
         def stack(n):
-            return nn.ModuleList(TransformerLayer(m.d_model, m.n_heads, ffn, m.norm_eps, att) for _ in range(n))
+            return nn.ModuleList(TransformerLayer(m.d_model, m.n_heads, ffn, m.norm_eps, options) for _ in range(n))
 
-        self.tok_emb = nn.Embedding(vocab_size, m.d_model)
+        self.tok_emb = ScaledEmbedding(vocab_size, m.d_model, m.embedding_scale())
         self.prelude, self.core, self.coda = stack(m.n_prelude), stack(m.n_layers), stack(m.n_coda)
         self.adapter = nn.Linear(2 * m.d_model, m.d_model, bias=False)
         self.norm = nn.RMSNorm(m.d_model, eps=m.norm_eps)
-        self.rope = RotaryEmbedding(self.head_dim, self.max_positions, m.rope_theta)
+        self.rope = RotaryEmbedding(self.head_dim, self.max_positions, m.rope_theta, m.local_rope_theta())
         self.head_t = TransposedCopy()  # inference only
         self.make_head(m.d_model, vocab_size, m.tie_embeddings)
         init_weights(self, m.init_std, m.n_prelude + m.n_layers * m.mean_recurrence + m.n_coda)

@@ -1,4 +1,5 @@
-"""Building blocks shared by every model: RMSNorm, RoPE, attention with a KV cache, SwiGLU.
+"""Building blocks shared by every model: RMSNorm, RoPE, attention with a KV cache, SwiGLU (and the options
+the source families add to Llama's layer: AttentionOptions, LayerOptions).
 
 Single-device PyTorch only: nothing here knows about DeepSpeed, files or HTTP.
 Shapes: B batch, T time, H heads, D head dim, C = H * D model width.
@@ -22,19 +23,44 @@ def ffn_width(d_model: int, ffn_hidden: int) -> int:
     return 64 * math.ceil(8 * d_model / 3 / 64)
 
 
-class RotaryEmbedding(nn.Module):
-    """RoPE tables for any position up to `max_len`, looked up by an explicit position tensor."""
+class ScaledEmbedding(nn.Embedding):
+    """nn.Embedding whose lookups are multiplied by `scale` (Gemma: sqrt(d_model)), the float32 scale rounded to
+    the table's dtype as transformers' Gemma does; the table itself (a tied head, the DiffusionBlocks targets) is
+    read unscaled. scale 1: a plain embedding."""
 
-    def __init__(self, head_dim: int, max_len: int, theta: float):
+    def __init__(self, num_embeddings: int, embedding_dim: int, scale: float = 1.0):
+        super().__init__(num_embeddings, embedding_dim)
+        self.scale = scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.scaled(super().forward(ids))
+
+    def scaled(self, x: torch.Tensor) -> torch.Tensor:
+        """x in the table's units (rows, or a mix of them) -> as the residual stream reads a looked-up row."""
+        if self.scale == 1.0:
+            return x
+        return x * torch.tensor(self.scale, device=x.device).to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE tables for any position up to `max_len`, looked up by an explicit position tensor.
+
+    With `local_theta` (Gemma 3: its local sliding-window layers rotate with a base of their own) each lookup
+    holds both bases' tables side by side, (..., D) instead of (..., D/2), the global base first; every
+    Attention takes its own half (`Attention.rope_tables`), so the callers pass one (cos, sin) to every layer."""
+
+    def __init__(self, head_dim: int, max_len: int, theta: float, local_theta: float = 0.0):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)  # (max_len, D/2)
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        positions = torch.arange(max_len, dtype=torch.float64)
+        angles = torch.cat([torch.outer(positions, 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64)
+                                                                     / head_dim)))
+                            for base in ([theta, local_theta] if local_theta else [theta])], dim=-1)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)  # (max_len, D/2 per base)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: (T,) or (B, T) int, each below the table's max_len -> cos, sin broadcastable to
-        (B, H, T, D/2). Not checked here (reading the tensor's max would sync the host with the device in
+        (B, H, T, D/2) (D with a local base). Not checked here (reading the tensor's max would sync the host with the device in
         every layer): the callers' positions are bounded by seq_len and by the caches' lengths."""
         cos, sin = self.cos[positions], self.sin[positions]
         if positions.dim() == 2:  # (B, T, D/2) -> (B, 1, T, D/2)
@@ -79,12 +105,13 @@ class KVCache:
             return slice(first, first + n)
         return None
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | None = None):
+    def append(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | None = None, window: int = 0):
         """Store k, v (R, H, n, D) after each row's length -> (keys, values, mask) for its queries.
 
         keys, values: (R, H, L, D), L = the longest row now. mask: None when the rows are aligned
-        (plain causal attention over the newest n), else (R, 1, n, L): query i of row r sees the keys
-        j <= start_r + i, and nothing past the row's end.
+        (plain causal attention over the newest n: `causal_attention` applies a window itself), else
+        (R, 1, n, L): query i of row r sees the keys j <= start_r + i, and nothing past the row's end (with a
+        window W, only the keys j > start_r + i - W).
         """
         idx, n = self._rows(rows), k.shape[2]
         start = self.lengths[idx]
@@ -102,34 +129,48 @@ class KVCache:
         self.k[idx[:, None], :, pos] = k.transpose(1, 2)
         self.v[idx[:, None], :, pos] = v.transpose(1, 2)
         L = int(pos.max()) + 1
-        mask = torch.arange(L, device=start.device)[None, None, :] <= pos[:, :, None]
+        keys = torch.arange(L, device=start.device)[None, None, :]
+        mask = keys <= pos[:, :, None]
+        if window:
+            mask = mask & (keys > pos[:, :, None] - window)
         block = self._contiguous(rows)
         if block is not None:
             return self.k[block, :, :L], self.v[block, :, :L], mask[:, None]
         return self.k[idx, :, :L], self.v[idx, :, :L], mask[:, None]
 
-    def append_fixed(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor):
+    def append_fixed(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, window: int = 0):
         """One new token per row, k, v (R, H, 1, D), for a compiled decode step: no host reads, and every
         shape fixed by R and the cache's max_len M, so one graph serves every step. -> (keys, values, mask):
-        (R, H, M, D) twice and (R, 1, 1, M), True over each row's filled positions. A row may appear more than
+        (R, H, M, D) twice and (R, 1, 1, M), True over each row's filled positions (with a window W, the last W
+        of them). A row may appear more than
         once (a padded batch) as long as each copy brings the same k, v. The caller keeps rows within max_len
         (the engine's scheduler does; checking here would read the lengths on the host)."""
         pos = self.lengths[rows]  # (R,)
         self.k[rows, :, pos] = k[:, :, 0]
         self.v[rows, :, pos] = v[:, :, 0]
         self.lengths[rows] = pos + 1
-        mask = torch.arange(self.k.shape[2], device=pos.device)[None, :] <= pos[:, None]
+        keys = torch.arange(self.k.shape[2], device=pos.device)[None, :]
+        mask = keys <= pos[:, None]
+        if window:
+            mask = mask & (keys > pos[:, None] - window)
         return self.k[rows], self.v[rows], mask[:, None, None, :]
 
-    def view(self, rows: torch.Tensor | None = None):
-        """(keys, values, valid) of the selected rows; valid is None when they are aligned, else
-        (R, 1, 1, L) marking each row's filled positions."""
+    def view(self, rows: torch.Tensor | None = None, window: int = 0):
+        """(keys, values, valid) of the selected rows, for a query at each row's next position (its length);
+        valid is None when they are aligned, else (R, 1, 1, L) marking each row's filled positions (with a
+        window W, the keys within W - 1 positions before the query only: a mask even for aligned rows once
+        L >= W)."""
         idx = self._rows(rows)
         lengths = self.lengths[idx]
         L = int(lengths.max())
+        keys = torch.arange(L, device=lengths.device)[None, :]
         valid = None
         if not bool((lengths == L).all()):
-            valid = (torch.arange(L, device=lengths.device)[None, :] < lengths[:, None])[:, None, None, :]
+            valid = keys < lengths[:, None]
+        if window and L >= window:
+            recent = keys > lengths[:, None] - window
+            valid = recent if valid is None else valid & recent
+        valid = None if valid is None else valid[:, None, None, :]
         block = self._contiguous(rows)
         if block is not None:
             return self.k[block, :, :L], self.v[block, :, :L], valid
@@ -149,14 +190,17 @@ class FixedShapeRows:
     def __init__(self, cache: KVCache):
         self.cache = cache
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor):
-        return self.cache.append_fixed(k, v, rows)
+    def append(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, window: int = 0):
+        return self.cache.append_fixed(k, v, rows, window)
 
-    def view(self, rows: torch.Tensor):
+    def view(self, rows: torch.Tensor, window: int = 0):
         """(keys, values, valid) over the cache's whole length M: (R, H, M, D) twice and (R, 1, 1, M), True
-        over each row's filled positions."""
+        over each row's filled positions (with a window W, the last W - 1 of them: the query is the next)."""
         c = self.cache
-        valid = torch.arange(c.k.shape[2], device=c.lengths.device)[None, :] < c.lengths[rows][:, None]
+        keys, lengths = torch.arange(c.k.shape[2], device=c.lengths.device)[None, :], c.lengths[rows][:, None]
+        valid = keys < lengths
+        if window:
+            valid = valid & (keys > lengths - window)
         return c.k[rows], c.v[rows], valid[:, None, None, :]
 
 
@@ -168,16 +212,22 @@ def positions_after(lengths: torch.Tensor, rows, n: int, device) -> torch.Tensor
     return start[:, None].to(device) + torch.arange(n, device=device)
 
 
-def cached_attention(q, k, v, mask):
-    """Attention of new queries against a cache's output: causal when aligned, masked otherwise."""
+def cached_attention(q, k, v, mask, window: int = 0):
+    """Attention of new queries against a cache's output: causal when aligned, masked otherwise (the cache's
+    mask already holds the window of a local layer)."""
     if mask is None:
-        return causal_attention(q, k, v)
+        return causal_attention(q, k, v, window)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def causal_attention(q, k, v):
-    """The newest n queries (B, H, n, D) over all keys so far (B, H, past + n, D), causally."""
+def causal_attention(q, k, v, window: int = 0):
+    """The newest n queries (B, H, n, D) over all keys so far (B, H, past + n, D), causally; with a window W
+    (a local layer), query p sees keys j with p - W < j <= p only (transformers' sliding_window_overlay)."""
     n, total = q.shape[2], k.shape[2]
+    if window and total > window:  # some query's oldest keys are out of its window: an explicit band
+        keys = torch.arange(total, device=q.device)
+        queries = keys[total - n:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(keys <= queries) & (keys > queries - window))
     if n == total:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if n == 1:  # the newest token sees every key
@@ -240,20 +290,40 @@ def packable(table: torch.Tensor, x: torch.Tensor, min_elements: int) -> bool:
 @dataclass(frozen=True)
 class AttentionOptions:
     """What the source families add to Llama's attention, each an option of the one Attention: biases on the
-    q, k and v projections (Qwen2 / Qwen2.5), an RMSNorm over each head's q and k before RoPE (Qwen3), and a
-    head width apart from d_model / n_heads (Qwen3; 0 = d_model / n_heads)."""
+    q, k and v projections (Qwen2 / Qwen2.5), an RMSNorm over each head's q and k before RoPE (Qwen3, Gemma 3),
+    a head width apart from d_model / n_heads (Qwen3, Gemma 3; 0 = d_model / n_heads), and scores scaled by
+    scalar ** -0.5 instead of head_dim ** -0.5 (Gemma 3's query_pre_attn_scalar; 0 = head_dim). Which layers are
+    local (a sliding window, a RoPE base of their own) is per layer: `mark_local_layers`."""
 
     head_dim: int = 0
     qkv_bias: bool = False
     qk_norm: bool = False
+    scalar: float = 0.0
 
     @classmethod
     def of(cls, model_section) -> "AttentionOptions":
-        """From a language model's `model:` section (its head_dim, qkv_bias and qk_norm fields)."""
-        return cls(model_section.head_dim, model_section.qkv_bias, model_section.qk_norm)
+        """From a language model's `model:` section (its head_dim, qkv_bias, qk_norm and attn_scalar fields)."""
+        return cls(model_section.head_dim, model_section.qkv_bias, model_section.qk_norm, model_section.attn_scalar)
 
     def width(self, d_model: int, n_heads: int) -> int:
         return self.head_dim or d_model // n_heads
+
+
+@dataclass(frozen=True)
+class LayerOptions:
+    """What the source families change in Llama's layer, each an option of the one TransformerLayer: its
+    attention's (AttentionOptions), an RMSNorm on the attention's and on the MLP's output before each residual
+    add (sandwich_norm: Gemma 3's post_attention_layernorm and post_feedforward_layernorm), and the gated MLP's
+    activation (silu: SwiGLU; gelu_tanh: GeGLU with gelu's tanh approximation, Gemma)."""
+
+    attention: AttentionOptions = AttentionOptions()
+    sandwich_norm: bool = False
+    activation: str = "silu"
+
+    @classmethod
+    def of(cls, model_section) -> "LayerOptions":
+        """From a language model's `model:` section."""
+        return cls(AttentionOptions.of(model_section), model_section.sandwich_norm, model_section.mlp_activation)
 
 
 class Attention(nn.Module):
@@ -267,6 +337,27 @@ class Attention(nn.Module):
         self.proj = Linear(inner, d_model, bias=False)
         self.q_norm = nn.RMSNorm(self.head_dim, eps=eps) if options.qk_norm else None
         self.k_norm = nn.RMSNorm(self.head_dim, eps=eps) if options.qk_norm else None
+        # every attention product divides by sqrt(head_dim) (SDPA's default): a scalar apart scales q instead, once
+        scalar = options.scalar or self.head_dim
+        self.query_scale = None if scalar == self.head_dim else math.sqrt(self.head_dim / scalar)
+        self.local, self.window = False, 0  # a local layer: the local RoPE base, and a sliding window (0 = none)
+
+    def rope_tables(self, cos, sin):
+        """This layer's RoPE tables from the model's lookup: with two bases (RotaryEmbedding's local_theta) the
+        lookup holds both side by side, and a local layer takes the second half."""
+        half = self.head_dim // 2
+        if cos.shape[-1] == half:
+            return cos, sin
+        part = slice(half, None) if self.local else slice(None, half)
+        return cos[..., part], sin[..., part]
+
+    def rope_query(self, q: torch.Tensor, cos, sin) -> torch.Tensor:
+        """q (..., D) with RoPE, scaled for the layer's score scale (AttentionOptions.scalar)."""
+        q = apply_rope(q, *self.rope_tables(cos, sin))
+        return q if self.query_scale is None else q * self.query_scale
+
+    def rope_key(self, k: torch.Tensor, cos, sin) -> torch.Tensor:
+        return apply_rope(k, *self.rope_tables(cos, sin))
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor):
         """q, k (..., D): each head's RMSNorm (qk_norm), before RoPE; unchanged without it."""
@@ -279,7 +370,7 @@ class Attention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k = self.norm_qk(q, k)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return self.rope_query(q, cos, sin), self.rope_key(k, cos, sin), v
 
     def project_query(self, x: torch.Tensor, cos, sin):
         """x (B, T, C) -> q (B, H, T, D) with RoPE, from the query rows of qkv only."""
@@ -292,7 +383,7 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q = self.q_norm(q)
-        return apply_rope(q, cos, sin)
+        return self.rope_query(q, cos, sin)
 
     def merge(self, y: torch.Tensor) -> torch.Tensor:
         """y (B, H, T, D) -> (B, T, C) through the output projection."""
@@ -300,38 +391,69 @@ class Attention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, T, H * D))
 
     def forward(self, x, cos, sin, cache: KVCache | None = None, rows=None):
-        """Causal self-attention; with a cache, x holds each row's newest positions only."""
+        """Causal self-attention (within the window of a local layer); with a cache, x holds each row's newest
+        positions only."""
         q, k, v = self.project(x, cos, sin)
         if cache is None:
-            return self.merge(causal_attention(q, k, v))
-        return self.merge(cached_attention(q, *cache.append(k, v, rows)))
+            return self.merge(causal_attention(q, k, v, self.window))
+        return self.merge(cached_attention(q, *cache.append(k, v, rows, self.window), self.window))
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, d_model: int, hidden: int):
+    """The gated MLP, down(act(gate) * up): act silu (SwiGLU, Llama) or gelu_tanh (GeGLU, Gemma: transformers'
+    gelu_pytorch_tanh)."""
+
+    def __init__(self, d_model: int, hidden: int, activation: str = "silu"):
         super().__init__()
         self.gate_up = Linear(d_model, 2 * hidden, bias=False)
         self.down = Linear(hidden, d_model, bias=False)
+        self.activation = activation
 
     def forward(self, x):
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.activation == "gelu_tanh" else F.silu(gate)
+        return self.down(act * up)
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm attention + SwiGLU. The two-stream DiffusionBlocks layer reuses these parts."""
+    """Pre-norm attention + SwiGLU (with sandwich_norm, each branch's output normed too). The two-stream
+    DiffusionBlocks layer reuses these parts. `options` may be an AttentionOptions alone (Llama's layer)."""
 
     def __init__(self, d_model: int, n_heads: int, ffn_hidden: int, eps: float,
-                 attention: AttentionOptions = AttentionOptions()):
+                 options: LayerOptions | AttentionOptions = LayerOptions()):
         super().__init__()
+        options = options if isinstance(options, LayerOptions) else LayerOptions(options)
         self.norm1 = nn.RMSNorm(d_model, eps=eps)
-        self.attn = Attention(d_model, n_heads, attention, eps)
+        self.attn = Attention(d_model, n_heads, options.attention, eps)
         self.norm2 = nn.RMSNorm(d_model, eps=eps)
-        self.mlp = SwiGLU(d_model, ffn_hidden)
+        self.mlp = SwiGLU(d_model, ffn_hidden, options.activation)
+        self.post_norm1 = nn.RMSNorm(d_model, eps=eps) if options.sandwich_norm else None  # on the attention's output
+        self.post_norm2 = nn.RMSNorm(d_model, eps=eps) if options.sandwich_norm else None  # on the MLP's output
+
+    def attention_out(self, y: torch.Tensor) -> torch.Tensor:
+        """The attention's output as the residual stream takes it: normed with sandwich_norm."""
+        return y if self.post_norm1 is None else self.post_norm1(y)
+
+    def mlp_out(self, y: torch.Tensor) -> torch.Tensor:
+        """The MLP's output as the residual stream takes it: normed with sandwich_norm."""
+        return y if self.post_norm2 is None else self.post_norm2(y)
 
     def forward(self, x, cos, sin, cache: KVCache | None = None, rows=None):
-        x = x + self.attn(self.norm1(x), cos, sin, cache, rows)
-        return x + self.mlp(self.norm2(x))
+        x = x + self.attention_out(self.attn(self.norm1(x), cos, sin, cache, rows))
+        return x + self.mlp_out(self.mlp(self.norm2(x)))
+
+
+def mark_local_layers(net: nn.Module, plan: dict[str, list], layer_types: list[str], window: int) -> None:
+    """Gemma 3's local layers: every layer of `net` that `plan` (the kind's layer plan, {part: source layer
+    indices}, parts named as the network's layer lists) takes from a "sliding_attention" entry of `layer_types`
+    attends within `window` positions and reads the local RoPE base; the others stay global."""
+    for part, indices in plan.items():
+        layers = net.get_submodule(part)
+        if part == "blocks":  # a list of layer lists
+            layers, indices = [l for block in layers for l in block], [i for block in indices for i in block]
+        for layer, i in zip(layers, indices, strict=True):
+            local = layer_types[i] == "sliding_attention"
+            layer.attn.local, layer.attn.window = local, window if local else 0
 
 
 class OutputHead:

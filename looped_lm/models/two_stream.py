@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from looped_lm.models.layers import (AttentionOptions, KVCache, TransformerLayer, apply_rope, cached_attention,
+from looped_lm.models.layers import (AttentionOptions, KVCache, LayerOptions, TransformerLayer, cached_attention,
                                      causal_attention)
 
 
@@ -49,25 +49,27 @@ class TwoStreamLayer(TransformerLayer):
     """
 
     def __init__(self, d_model: int, n_heads: int, ffn_hidden: int, eps: float,
-                 attention: AttentionOptions = AttentionOptions()):
-        super().__init__(d_model, n_heads, ffn_hidden, eps, attention)
+                 options: LayerOptions | AttentionOptions = LayerOptions()):
+        super().__init__(d_model, n_heads, ffn_hidden, eps, options)
         self.ada = nn.Linear(d_model, 6 * d_model)
 
     def clean(self, x, cos, sin, cache: KVCache | None = None, rows=None, need_output: bool = True):
         """Clean tokens x (R, n, C) after what `cache` holds -> (x_out | None, keys, values so far)."""
         q, k, v = self.attn.project(self.norm1(x), cos, sin)
-        mask = None
+        mask, window = None, self.attn.window
         if cache is not None:
-            k, v, mask = cache.append(k, v, rows)
+            k, v, mask = cache.append(k, v, rows, window)
         if not need_output:  # the block's last layer: only its K/V are read (by the noisy stream)
             return None, k, v
-        x = x + self.attn.merge(cached_attention(q, k, v, mask) if cache is not None else causal_attention(q, k, v))
-        return x + self.mlp(self.norm2(x)), k, v
+        y = cached_attention(q, k, v, mask, window) if cache is not None else causal_attention(q, k, v, window)
+        x = x + self.attention_out(self.attn.merge(y))
+        return x + self.mlp_out(self.mlp(self.norm2(x))), k, v
 
     def noisy(self, h, cond, cos, sin, k_ctx, v_ctx, mask, attend_self: bool = True):
         """Noisy slots h (B, n, C) attend context keys k_ctx (B, H, Tc, D) under `mask`, and themselves
         (attend_self; the mask then has Tc + n columns). Without the self key, `mask` covers the context
-        only, or is CAUSAL (slot i sees context <= i): plain causal attention, the flash path."""
+        only, or is CAUSAL (slot i sees context <= i): plain causal attention, the flash path. A local layer's
+        window is in `mask` already (`windowed_slot_mask`, applied by DBNetwork.noisy_pass)."""
         shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(cond).unsqueeze(1).chunk(6, dim=-1)
         x = modulate(self.norm1(h), shift1, scale1)
         if attend_self:
@@ -81,9 +83,8 @@ class TwoStreamLayer(TransformerLayer):
             q = self.attn.project_query(x, cos, sin)
             causal = isinstance(mask, str)
             y = F.scaled_dot_product_attention(q, k_ctx, v_ctx, attn_mask=None if causal else mask, is_causal=causal)
-        h = h + gate1 * self.attn.merge(y)
-        return h + gate2 * self.mlp(modulate(self.norm2(h), shift2, scale2))
-
+        h = h + gate1 * self.attention_out(self.attn.merge(y))
+        return h + gate2 * self.mlp_out(self.mlp(modulate(self.norm2(h), shift2, scale2)))
 
     def fused(self, x, h, cond, clean_rope, noisy_rope, cache: KVCache, rows, attend_self: bool,
               need_clean_output: bool):
@@ -98,12 +99,13 @@ class TwoStreamLayer(TransformerLayer):
         q, k, v = qkv.view(R, -1, 3, H, D).permute(2, 0, 3, 1, 4)  # (R, H, n + m, D) each
         q, k = self.attn.norm_qk(q, k)
         (cos_c, sin_c), (cos_n, sin_n) = clean_rope, noisy_rope
-        k_c = apply_rope(k[:, :, :n], cos_c, sin_c)
-        keys, values, clean_mask = cache.append(k_c, v[:, :, :n], rows)
-        _, _, valid = cache.view(rows)
-        q_n = apply_rope(q[:, :, n:], cos_n, sin_n)
+        window = self.attn.window  # a local layer: the cache's masks hold its window (the slots' too: `view`)
+        k_c = self.attn.rope_key(k[:, :, :n], cos_c, sin_c)
+        keys, values, clean_mask = cache.append(k_c, v[:, :, :n], rows, window)
+        _, _, valid = cache.view(rows, window)
+        q_n = self.attn.rope_query(q[:, :, n:], cos_n, sin_n)
         if attend_self:
-            k_n = apply_rope(k[:, :, n:], cos_n, sin_n)
+            k_n = self.attn.rope_key(k[:, :, n:], cos_n, sin_n)
             ones = torch.ones(R, 1, q_n.shape[2], keys.shape[2], dtype=torch.bool, device=x.device)
             mask = torch.cat([ones if valid is None else valid.expand_as(ones),
                               torch.eye(q_n.shape[2], dtype=torch.bool, device=x.device).expand(R, 1, -1, -1)], -1)
@@ -112,12 +114,12 @@ class TwoStreamLayer(TransformerLayer):
         else:
             y_n = F.scaled_dot_product_attention(q_n, keys, values, attn_mask=valid)
         if not need_clean_output:  # the block's last layer: the clean stream only leaves its K/V
-            h = h + gate1 * self.attn.merge(y_n)
-            return None, h + gate2 * self.mlp(modulate(self.norm2(h), shift2, scale2))
-        y_c = cached_attention(apply_rope(q[:, :, :n], cos_c, sin_c), keys, values, clean_mask)
-        out = self.attn.merge(torch.cat([y_c, y_n], dim=2))
+            h = h + gate1 * self.attention_out(self.attn.merge(y_n))
+            return None, h + gate2 * self.mlp_out(self.mlp(modulate(self.norm2(h), shift2, scale2)))
+        y_c = cached_attention(self.attn.rope_query(q[:, :, :n], cos_c, sin_c), keys, values, clean_mask, window)
+        out = self.attention_out(self.attn.merge(torch.cat([y_c, y_n], dim=2)))
         x, h = x + out[:, :n], h + gate1 * out[:, n:]
-        mlp = self.mlp(torch.cat([self.norm2(x), modulate(self.norm2(h), shift2, scale2)], dim=1))
+        mlp = self.mlp_out(self.mlp(torch.cat([self.norm2(x), modulate(self.norm2(h), shift2, scale2)], dim=1)))
         return x + mlp[:, :n], h + gate2 * mlp[:, n:]
 
 
@@ -179,3 +181,30 @@ def noisy_mask(ctx_end: torch.Tensor, n_clean: int) -> torch.Tensor:
     own = torch.eye(n, dtype=torch.bool, device=ctx_end.device).expand(*ctx_end.shape[:-1], n, n)
     mask = torch.cat([clean, own], dim=-1)
     return mask if ctx_end.dim() == 1 else mask.unsqueeze(1)
+
+
+def windowed_slot_mask(mask, positions: torch.Tensor, n_clean: int, window: int):
+    """The noisy stream's `mask` for a local layer (Gemma 3's sliding window): a slot at RoPE position p (its
+    `positions`, (n,) or (R, n)) also loses the clean keys j <= p - window. The clean keys sit at their own
+    positions 0..n_clean - 1 (a window's, or a cache's) and p <= n_clean, so with n_clean < window nothing is lost
+    and `mask` comes back as it is; else a bool tensor (CAUSAL / CAUSAL_SELF made explicit: no flash path), its
+    self columns, if any, kept."""
+    if n_clean < window:
+        return mask
+    keys = torch.arange(n_clean, device=positions.device)
+    recent = keys > positions[..., None] - window  # (n, Tc) or (R, n, Tc)
+    if isinstance(mask, str):  # slot i, at position i + 1, sees the clean keys <= i
+        clean = recent & (keys < positions[..., None])
+        if mask == CAUSAL_SELF:
+            n = positions.shape[-1]
+            own = torch.eye(n, dtype=torch.bool, device=positions.device).expand(*positions.shape[:-1], n, n)
+            clean = torch.cat([clean, own], dim=-1)
+        return clean if positions.dim() == 1 else clean.unsqueeze(1)
+    if positions.dim() == 2:
+        recent = recent.unsqueeze(1)  # (R, 1, n, Tc)
+    if mask is None:
+        return recent
+    clean = mask[..., :n_clean] & recent
+    if mask.shape[-1] == n_clean:
+        return clean
+    return torch.cat([clean, mask[..., n_clean:].expand(*clean.shape[:-1], -1)], dim=-1)

@@ -28,6 +28,16 @@ from looped_lm.serve.vllm_plugin.attention import paged_attention
 
 UNSUPPORTED = ("model.kind '{kind}' is not served by the vLLM plugin (its cache holds one KV set per "
                "(iteration, layer)); serve it with `looped_lm serve`")
+GEMMA_UNSUPPORTED = ("the vLLM plugin runs Llama's layers; this model has Gemma 3's ({fields}: sandwich norms, local "
+                     "sliding-window layers, a scaled embedding); serve it with `looped_lm serve`")
+
+
+def gemma_options(model_section) -> list[str]:
+    """The Gemma 3 layer options a model sets, which the plugin's paged attention and layer loop do not apply."""
+    return [f"model.{name}" for name, value in (
+        ("sandwich_norm", model_section.sandwich_norm), ("mlp_activation", model_section.mlp_activation != "silu"),
+        ("embed_scale", model_section.embed_scale), ("attn_scalar", model_section.attn_scalar),
+        ("layer_types", model_section.layer_types)) if value]
 
 
 class LoopedLMForCausalLM(nn.Module):
@@ -37,8 +47,10 @@ class LoopedLMForCausalLM(nn.Module):
         if not get_kind(config.kind).offers("vllm"):
             raise ValueError(UNSUPPORTED.format(kind=config.kind))
         self.config = config
-        self.model = build_model(config_from_dict(config.looped_lm_config), config.vocab_size,
-                                 config.model_state or None)
+        cfg = config_from_dict(config.looped_lm_config)
+        if gemma_options(cfg.model):
+            raise ValueError(GEMMA_UNSUPPORTED.format(fields=", ".join(gemma_options(cfg.model))))
+        self.model = build_model(cfg, config.vocab_size, config.model_state or None)
         self.db = None
         if get_kind(config.kind).offers("iterative"):
             from looped_lm.serve.vllm_plugin.db_model import DiffusionBlocksRunner

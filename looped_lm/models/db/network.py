@@ -31,9 +31,9 @@ from looped_lm.config import Config, block_layers
 from looped_lm.kinds import kind_of
 from looped_lm.kinds.sections import DbArDiffusion
 from looped_lm.errors import UserError
-from looped_lm.models.layers import (AttentionOptions, OutputHead, RotaryEmbedding, TransformerLayer, TransposedCopy, chunked, ffn_width,
-                                     init_weights, positions_after)
-from looped_lm.models.two_stream import NoiseEmbedding, TwoStreamLayer
+from looped_lm.models.layers import (LayerOptions, OutputHead, RotaryEmbedding, ScaledEmbedding, TransformerLayer,
+                                     TransposedCopy, chunked, ffn_width, init_weights, positions_after)
+from looped_lm.models.two_stream import NoiseEmbedding, TwoStreamLayer, windowed_slot_mask
 
 
 
@@ -81,8 +81,8 @@ class DBNetwork(nn.Module, OutputHead):
 
         ffn = ffn_width(m.d_model, m.ffn_hidden)
         depths = block_layers(cfg)  # per block, block 0 first (diffusion.layers_per_block: may be uneven)
-        self.tok_emb = nn.Embedding(vocab_size, m.d_model)
-        att = AttentionOptions.of(m)
+        self.tok_emb = ScaledEmbedding(vocab_size, m.d_model, m.embedding_scale())
+        att = LayerOptions.of(m)
         self.prelude = nn.ModuleList(TransformerLayer(m.d_model, m.n_heads, ffn, m.norm_eps, att)
                                      for _ in range(m.n_prelude))
         self.blocks = nn.ModuleList(
@@ -92,8 +92,8 @@ class DBNetwork(nn.Module, OutputHead):
         self.coda = nn.ModuleList(TwoStreamLayer(m.d_model, m.n_heads, ffn, m.norm_eps, att) for _ in range(m.n_coda))
         self.noise_emb = NoiseEmbedding(m.d_model)
         self.norm = nn.RMSNorm(m.d_model, eps=m.norm_eps)
-        self.head_dim = att.width(m.d_model, m.n_heads)
-        self.rope = RotaryEmbedding(self.head_dim, self.max_positions + 1, m.rope_theta)
+        self.head_dim = att.attention.width(m.d_model, m.n_heads)
+        self.rope = RotaryEmbedding(self.head_dim, self.max_positions + 1, m.rope_theta, m.local_rope_theta())
         if self.cosine_head:  # logits = exp(log_scale) * cos(norm(h), y_v); starts at sqrt(d), a unit-variance logit
             self.log_scale = nn.Parameter(torch.tensor(0.5 * math.log(m.d_model)))
         self.make_head(m.d_model, vocab_size, m.tie_embeddings)  # tied: the embedding, which is also the targets' table
@@ -167,7 +167,7 @@ class DBNetwork(nn.Module, OutputHead):
         clean_state, `clean` (R, n, C) is the block's clean input state at each slot's previous token (what
         `block_input` gives at that position) and the input is that + (posterior-mean embedding - the
         table's mean row: 0 where the posterior is uniform, as at sigma_top), so the slot continues the clean
-        stream's depth (edm: + c_in*z)."""
+        stream's depth (edm: + c_in*z). Embeddings enter as the clean stream's do (model.embed_scale: scaled)."""
         _, _, c_in, c_noise = dm.edm_scalings(sigma, self.sched.sigma_data)
         loglik = None
         if self.likelihood and self.posterior_input != "full":  # forward-only: no gradient into the table
@@ -180,12 +180,14 @@ class DBNetwork(nn.Module, OutputHead):
             h = self.posterior_embedding(loglik)
         else:
             h = (c_in.to(z.dtype)[:, None, None] * z).to(self.tok_emb.weight.dtype)
+        if self.likelihood:
+            h = self.tok_emb.scaled(h)
         if self.clean_state:
             if clean is None:
                 raise UserError("diffusion.noisy_input clean_state: this path does not hand the noisy slots "
                                 "their block's clean input state")
             if self.likelihood:
-                h = h - self.table_mean().to(h.dtype)
+                h = h - self.tok_emb.scaled(self.table_mean().to(h.dtype))
             h = h + clean
         elif prev is not None and self.prev_token:
             h = h + self.tok_emb(prev)
@@ -322,6 +324,10 @@ class DBNetwork(nn.Module, OutputHead):
         noisy_input clean_state's input, block b's clean input state at each slot's previous token."""
         h, cond, loglik = self.noisy_input(z, sigma, prev, clean)
         cos, sin = self.rope(noisy_pos)
+        masks = {0: mask}  # by window: a local layer's (Gemma 3) hides the clean keys out of its window too
         for layer, (k, v) in zip(self.layers_of(b), kv):
-            h = self.run_layer(layer.noisy, h, cond, cos, sin, k, v, mask, self.noisy_self)
+            window = layer.attn.window
+            if window not in masks:
+                masks[window] = windowed_slot_mask(mask, noisy_pos, k.shape[2], window)
+            h = self.run_layer(layer.noisy, h, cond, cos, sin, k, v, masks[window], self.noisy_self)
         return self.denoise_logits(h, z, sigma, loglik) if head else h
