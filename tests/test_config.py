@@ -22,6 +22,8 @@ NON_DEFAULT = {
         "ffn_hidden": 200, "rope_theta": 500000.0, "norm_eps": 1.0e-6, "init_std": 0.01, "n_prelude": 2,
         "n_coda": 2, "loss_chunk": 64, "max_iterations": 32, "init_from": "hf_dir", "activation_checkpointing": True,
         "max_positions": 128, "head_dim": 64, "qkv_bias": True, "qk_norm": True, "tie_embeddings": False,
+        "attn_scalar": 48.0, "sandwich_norm": True, "mlp_activation": "gelu_tanh", "embed_scale": True,
+        "layer_types": ["sliding_attention"] * 9 + ["full_attention"], "sliding_window": 16, "rope_local_theta": 1.0e4,
     },
     "diffusion": {
         "num_blocks": 3, "layers_per_block": [3, 2, 1], "partition": "uniform", "overlap": 0.25, "p_mean": -0.5, "p_std": 1.5,
