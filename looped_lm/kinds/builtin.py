@@ -110,9 +110,12 @@ class DbAr(Kind):
     def iteration_limits(self, cfg) -> IterationLimits:
         return _db_limits(cfg, self.num_blocks(cfg))
 
+    def resolve(self, cfg) -> dict:
+        blocks = _blocks_of_layers_per_block(cfg)  # checks num_blocks and layers_per_block against n_layers
+        return {"diffusion": {"num_blocks": blocks}} if cfg.diffusion.layers_per_block not in (0, []) else {}
+
     def validate(self, cfg) -> None:
         _check_prelude_coda(cfg)
-        _resolve_layers_per_block(cfg)
         d = cfg.diffusion
         ensure(d.denoise_weight > 0 or d.context == "stacked" or d.num_blocks == 1,
                "diffusion.denoise_weight 0 needs diffusion.context stacked: each block continues the frozen blocks "
@@ -274,15 +277,15 @@ def _check_prelude_coda(cfg) -> None:
     ensure(m.max_iterations >= 1, f"model.max_iterations must be >= 1 (got {m.max_iterations})")
 
 
-def _resolve_layers_per_block(cfg) -> None:
-    """db_ar: check diffusion.layers_per_block against model.n_layers, and set num_blocks from it (a
+def _blocks_of_layers_per_block(cfg) -> int:
+    """db_ar: diffusion.layers_per_block checked against model.n_layers, and the block count it implies (a
     num_blocks given in the same config must agree)."""
     m, d = cfg.model, cfg.diffusion
     lpb = d.layers_per_block
     if lpb in (0, []):
         ensure(m.n_layers % d.num_blocks == 0,
                f"diffusion.num_blocks ({d.num_blocks}) must divide model.n_layers ({m.n_layers})")
-        return
+        return d.num_blocks
     if isinstance(lpb, list):
         ensure(all(n >= 1 for n in lpb), f"diffusion.layers_per_block must list counts >= 1 (got {lpb})")
         ensure(sum(lpb) == m.n_layers, f"diffusion.layers_per_block {lpb} sums to {sum(lpb)}, but model.n_layers "
@@ -295,7 +298,7 @@ def _resolve_layers_per_block(cfg) -> None:
     if "num_blocks" in d.model_fields_set and d.num_blocks != blocks:
         raise UserError(f"diffusion.num_blocks ({d.num_blocks}) contradicts diffusion.layers_per_block {lpb!r} "
                         f"({blocks} blocks); give one of them")
-    d.num_blocks = blocks
+    return blocks
 
 
 IMAGE_SOURCES = {"digits": "", "cifar10": "the python-pickle archive or its folder",
