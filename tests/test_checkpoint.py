@@ -433,10 +433,11 @@ def test_keep_last_prunes_old_checkpoints(tmp_path, write_config):
 
 def test_finalize_is_atomic_and_prunes(tmp_path):
     """finalize() on a prepared temp dir: the step dir appears complete or not at all; keep_last holds."""
+    from looped_lm.models.args import GPTArgs
     from looped_lm.models.gpt import GPT
 
     torch.manual_seed(0)
-    model = GPT(1, 32, 2, 16, 257)
+    model = GPT(GPTArgs(vocab_size=257, n_layers=1, d_model=32, n_heads=2, seq_len=16))
     cfg = load_config(None, ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.seq_len=16",
                              "data.tokenizer=byte"])
     for step in (1, 2, 3):

@@ -9,7 +9,7 @@ from looped_lm.config import config_from_dict
 from looped_lm.diffusion.chain import bridge_points
 from looped_lm.engine.generate import generate
 from looped_lm.errors import UserError
-from looped_lm.models import build_model
+from looped_lm.models import build_model, build_network
 from looped_lm.models.two_stream import noisy_mask, slot_mask
 from looped_lm.optim import BlockwiseAdamW, param_groups
 from looped_lm.sampling import GREEDY, SamplingParams, SharedGenerator
@@ -281,10 +281,10 @@ def test_edges_saved_and_reused():
     state = model.checkpoint_state()
     assert [round(e, 3) for e in state["edges"]] == [0.002, 0.134, 0.301, 0.677, 80.0]
     custom = [0.01, 0.2, 0.5, 1.5, 20.0]
-    other = build_model(model.cfg, V, {"edges": custom})
+    other = build_network(model.args, {"edges": custom})
     assert other.edges == custom
     with pytest.raises(UserError, match="blocks"):
-        build_model(model.cfg, V, {"edges": [0.01, 1.0, 20.0]})
+        build_network(model.args, {"edges": [0.01, 1.0, 20.0]})
 
 
 def test_sampled_bridge_draws_targets_in_proportion():

@@ -11,6 +11,7 @@ from looped_lm.config import Config, config_from_dict
 from looped_lm.engine.generate import generate
 from looped_lm.errors import UserError
 from looped_lm.models import build_model
+from looped_lm.models.args import GPTArgs
 from looped_lm.models.gpt import GPT
 from looped_lm.sampling import SamplingParams
 from looped_lm.settings import InferenceSettings
@@ -25,7 +26,8 @@ V = 257  # byte tokenizer
 def tiny_gpt(seed=0, n_layers=2, d_model=32, n_heads=2, seq_len=16, init_std=0.1) -> GPT:
     """fp32, eval mode; a larger init than training's so logits are peaked (no argmax near-ties)."""
     torch.manual_seed(seed)
-    return GPT(n_layers, d_model, n_heads, seq_len, V, init_std=init_std).eval()
+    return GPT(GPTArgs(vocab_size=V, n_layers=n_layers, d_model=d_model, n_heads=n_heads, seq_len=seq_len,
+                       init_std=init_std)).eval()
 
 
 def prompt_batch(seed=1, batch=2, length=5):
@@ -148,7 +150,7 @@ def test_loss_with_targets_is_mean_cross_entropy():
     assert abs(float(loss) - float(manual)) < 1e-5
     # an untrained model with a small init predicts nearly uniformly: loss ~ ln(V)
     torch.manual_seed(0)
-    fresh = GPT(1, 32, 2, 16, V)
+    fresh = GPT(GPTArgs(vocab_size=V, n_layers=1, d_model=32, n_heads=2, seq_len=16))
     with torch.no_grad():
         assert abs(float(fresh(x, y)[1]) - math.log(V)) < 0.05
 
@@ -156,7 +158,7 @@ def test_loss_with_targets_is_mean_cross_entropy():
 @pytest.mark.slow
 def test_loss_decreases_when_overfitting_a_fixed_batch():
     torch.manual_seed(0)
-    model = GPT(2, 32, 2, 16, V).train()
+    model = GPT(GPTArgs(vocab_size=V, n_layers=2, d_model=32, n_heads=2, seq_len=16)).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, V, (4, 17), generator=g)

@@ -11,6 +11,7 @@ import torch
 
 from looped_lm.engine.generate import generate
 from looped_lm.errors import UserError
+from looped_lm.models.args import GPTArgs
 from looped_lm.models.gpt import GPT
 from looped_lm.sampling import SamplingParams, SharedGenerator, filtered_probs, sample
 from looped_lm.settings import InferenceSettings
@@ -24,7 +25,7 @@ def S(params: SamplingParams) -> InferenceSettings:
 
 def tiny_gpt(init_std: float, n_layers: int = 2) -> GPT:
     torch.manual_seed(0)
-    return GPT(n_layers, 32, 2, 16, V, init_std=init_std).eval()
+    return GPT(GPTArgs(vocab_size=V, n_layers=n_layers, d_model=32, n_heads=2, seq_len=16, init_std=init_std)).eval()
 
 
 def prompt_batch(seed=1, batch=2, length=5):

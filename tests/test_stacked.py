@@ -29,11 +29,15 @@ LIKELIHOOD = {"parameterization": "likelihood", "noisy_input": "prev_token", "no
               "bridge": "sample", "block_sampling": "uniform"}
 
 
-def make(num_blocks=4, n_layers=4, context="stacked", seed=0, **diffusion):
-    cfg = config_from_dict({
+def make_config(num_blocks=4, n_layers=4, context="stacked", **diffusion):
+    return config_from_dict({
         "model": {"kind": "db_ar", "n_layers": n_layers, "d_model": 32, "n_heads": 4, "seq_len": 16,
                   "n_prelude": 1, "init_std": 0.2, "max_iterations": 16},
         "diffusion": {"num_blocks": num_blocks, "context": context, **LIKELIHOOD, **diffusion}})
+
+
+def make(num_blocks=4, n_layers=4, context="stacked", seed=0, **diffusion):
+    cfg = make_config(num_blocks, n_layers, context, **diffusion)
     torch.manual_seed(seed)
     return perturb_adaln(build_model(cfg, V)).eval()
 
@@ -245,7 +249,7 @@ def test_the_loss_share_curve_is_measured_on_training_data(monkeypatch):
             return x, x.roll(-1, 1)
 
     model = make(num_blocks=2, n_layers=2)
-    cfg = model.cfg.model_copy(deep=True)
+    cfg = make_config(num_blocks=2, n_layers=2)
     cfg.train.batch_size = 2
     curve = trainer.refresh_curve(model, Stream("train"), cfg, "cpu", 0, 10)
     assert asked == [("train", -2)] and len(curve["ce"]) == len(curve["sigmas"])

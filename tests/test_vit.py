@@ -9,7 +9,7 @@ import torch
 from looped_lm import diffusion as dm
 from looped_lm.config import load_config
 from looped_lm.errors import UserError
-from looped_lm.models.vit import DiffusionViT
+from looped_lm.models import build_model
 from looped_lm.optim import BlockwiseAdamW, param_groups
 from tiny_models import TINY_MODULES, grads_of_one_block, module_config, image_batch, tiny_module
 
@@ -236,7 +236,7 @@ def test_loss_weights_normalised_per_block():
 ])
 def test_bad_settings_raise_one_clear_line(kw, match):
     with pytest.raises(UserError, match=match):
-        DiffusionViT(module_config("vit", **kw))
+        build_model(module_config("vit", **kw), 10)
 
 
 def test_bad_input_raises_one_clear_line():

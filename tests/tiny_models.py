@@ -4,7 +4,7 @@ modules' tests (vit, dit, mdm)."""
 import torch
 
 from looped_lm.config import config_from_dict
-from looped_lm.models import build_model
+from looped_lm.models import build_model, network_args
 
 V, D = 47, 32
 # The paper's layout (docs/method.md §4-5), which the mechanism tests (caches, batching, export) pin so their
@@ -148,7 +148,7 @@ def tiny_module(kind: str, perturb: bool = True, **fields):
     cls = {"vit": DiffusionViT, "dit": DiffusionDiT, "mdm": MaskedDiffusionLM}[kind]
     zero_init = TINY_MODULES[kind][1]
     torch.manual_seed(0)
-    model = cls(module_config(kind, **fields))
+    model = cls(network_args(module_config(kind, **fields), 0))  # the network alone (no build_model's finish_build)
     if perturb:
         with torch.no_grad():
             for name, p in model.named_parameters():

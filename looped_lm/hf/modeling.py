@@ -1,7 +1,7 @@
 """`LoopedLMForCausalLM`: a Hugging Face `PreTrainedModel` around the native looped_lm module.
 
-One definition: the wrapper holds the native model (`self.model`, built by `looped_lm.models.build_model`)
-and calls its own cached decoding, so `model.generate(..., do_sample=False)` gives the tokens of
+One definition: the wrapper holds the native model (`self.model`, built by `looped_lm.models.build_network` from
+the args of the exported run config) and calls its own cached decoding, so `model.generate(..., do_sample=False)` gives the tokens of
 `looped_lm generate --temperature 0`.
 
 - gpt: `forward` returns logits at every position (and a loss with `labels`); with a cache, at the new
@@ -24,6 +24,9 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from looped_lm.hf.configuration import LoopedLMConfig
 from looped_lm.kinds import get_kind
+from looped_lm.models import build_network
+from looped_lm.models.args import args_from_dict
+from looped_lm.models.layers import RotaryEmbedding
 from looped_lm.sampling import SamplingParams, SharedGenerator
 from looped_lm.settings import InferenceSettings, RowBatch, resolve_settings
 
@@ -85,11 +88,8 @@ class LoopedLMForCausalLM(PreTrainedModel, GenerationMixin):
 
     def __init__(self, config: LoopedLMConfig):
         super().__init__(config)
-        from looped_lm.config import config_from_dict
-        from looped_lm.models import build_model
-
-        self.native_config = config_from_dict(config.looped_lm_config)
-        self.model = build_model(self.native_config, config.vocab_size, config.model_state or None)
+        self.args = args_from_dict(config.looped_lm_config, config.vocab_size)  # the native network's frozen args
+        self.model = build_network(self.args, config.model_state or None)
         self.post_init()
 
     # --- Hugging Face plumbing ---------------------------------------------------------------------
@@ -98,11 +98,10 @@ class LoopedLMForCausalLM(PreTrainedModel, GenerationMixin):
     def _init_weights(self, module):
         """Every weight comes from the checkpoint; only the non-persistent tables (RoPE cos/sin), which
         from_pretrained leaves uninitialised, are recomputed."""
-        from looped_lm.models.layers import RotaryEmbedding
-
         with torch.device("cpu"):
             if isinstance(module, RotaryEmbedding):
-                fresh = RotaryEmbedding(2 * module.cos.shape[1], module.cos.shape[0], self.native_config.model.rope_theta)
+                fresh = RotaryEmbedding(self.model.head_dim, module.cos.shape[0], self.args.rope_theta,
+                                        self.args.rope_local_theta)
                 module.cos.copy_(fresh.cos)
                 module.sin.copy_(fresh.sin)
 

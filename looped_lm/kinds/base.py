@@ -4,7 +4,11 @@ A `Kind` owns everything the rest of the project needs to know about one `model.
 
     section        its typed `model:` config section (a `ModelSection` subclass; `kind` is its tag)
     diffusion      its typed `diffusion:` section (a `DiffusionSection`; the base has no field: gpt, huginn)
-    builder        "package.module:function" -> the nn.Module, called with (cfg, vocab_size, saved state)
+    args           "package.module:Class": its network's frozen args, built once from the run config by
+                   `Class.from_config(cfg, vocab_size)` (`model_args`); None (the default): the builder reads
+                   the run config itself
+    builder        "package.module:function" -> the nn.Module, called with (args, saved state), or without
+                   args with (cfg, vocab_size, saved state)
     capabilities   what it offers (the names below); a verb that needs one asks `kind.offers(...)` and
                    refuses in one line naming the kind and what is missing (`require`)
     data_sources   the `data.source` values it reads ({source: what data.path names}); `prepare` /
@@ -253,6 +257,7 @@ class Kind:
     section: ClassVar[type[ModelSection]]
     diffusion: ClassVar[type[DiffusionSection]] = DiffusionSection  # its `diffusion:` section (none: no field)
     builder: ClassVar[str]
+    args: ClassVar[str | None] = None  # "module:Class" of its network's frozen args (None: the builder takes cfg)
     summary: ClassVar[str] = ""
     capabilities: ClassVar[frozenset[str]] = frozenset({"language_model"})
     data_sources: ClassVar[dict[str, str]] = LANGUAGE_SOURCES  # data.source -> what data.path names ("": none)
@@ -324,8 +329,16 @@ class Kind:
         out of the graph: each value would be a recompilation)."""
         return False
 
+    def model_args(self, cfg, vocab_size: int):
+        """Its network's frozen args, from the run config: the one read of the config a network's build makes
+        (`args.from_config`). None where the kind defines no args: its builder then reads the config."""
+        return resolve(self.args).from_config(cfg, vocab_size) if self.args else None
+
     def build(self, cfg, vocab_size: int, state: dict | None):
-        return resolve(self.builder)(cfg, vocab_size, state)
+        args = self.model_args(cfg, vocab_size)
+        if args is None:
+            return resolve(self.builder)(cfg, vocab_size, state)
+        return resolve(self.builder)(args, state)
 
     def __repr__(self) -> str:
         return f"<model.kind {self.name}>"

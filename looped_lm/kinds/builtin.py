@@ -63,6 +63,7 @@ _LM = frozenset({"language_model", "init_from", "lora"})
 
 class Gpt(Kind):
     name, section, builder = "gpt", GptSection, "looped_lm.models.gpt:build"
+    args = "looped_lm.models.args:GPTArgs"
     summary = "Llama-style decoder (RMSNorm, RoPE, SwiGLU, tied head), end-to-end next-token CE"
     capabilities = _LM | {"activation_checkpointing", "export_llama", "export_native", "vllm"}
 
@@ -92,6 +93,7 @@ class Gpt(Kind):
 
 class DbAr(Kind):
     name, section, diffusion, builder = "db_ar", DbArSection, DbArDiffusion, "looped_lm.models.db:build"
+    args = "looped_lm.models.args:DBArgs"
     summary = "DiffusionBlocks AR LM: B untied two-stream blocks, one trained per step (docs/method.md)"
     capabilities = _LM | {"activation_checkpointing", "iterative", "block_jobs", "merge", "block_parallel",
                           "stacked_context", "layer_split",
@@ -166,6 +168,7 @@ class DbAr(Kind):
 
 class LoopedDb(Kind):
     name, section, diffusion, builder = "looped_db", LoopedDbSection, TokenDiffusion, "looped_lm.models.db:build"
+    args = "looped_lm.models.args:DBArgs"
     summary = "recurrent depth: prelude -> one weight-tied two-stream core -> coda, one forward pass per step"
     capabilities = _LM | {"activation_checkpointing", "iterative", "partition_edges", "export_native", "vllm",
                           "estimated_ppl"}
@@ -201,6 +204,7 @@ class LoopedDb(Kind):
 
 class Huginn(Kind):
     name, section, builder = "huginn", HuginnSection, "looped_lm.models.huginn:build"
+    args = "looped_lm.models.args:HuginnArgs"
     summary = "recurrent depth, Huginn-style: prelude -> core x r -> coda, truncated BPTT (r = 32, k = 8)"
     capabilities = _LM | {"activation_checkpointing", "iterative"}
 
@@ -347,6 +351,7 @@ class _ImageModule(_Module):
 
 class Vit(_ImageModule):
     name, section, diffusion, builder = "vit", VitSection, VitDiffusion, "looped_lm.models.vit:build"
+    args = "looped_lm.models.args:VitArgs"
     summary = "supporting module: ViT classifier (the noisy label denoised block by block)"
     data_sources = IMAGE_SOURCES
     step_fields = ("num_iterations",)
@@ -358,6 +363,7 @@ class Vit(_ImageModule):
 
 class Dit(_ImageModule):
     name, section, diffusion, builder = "dit", DitSection, DitDiffusion, "looped_lm.models.dit:build"
+    args = "looped_lm.models.args:DitArgs"
     summary = "supporting module: DiT image / latent denoiser with classifier-free guidance"
     data_sources = {**IMAGE_SOURCES, "latents": "the directory `looped_lm prepare --vae` wrote"}
     step_fields = ("sample_steps",)
@@ -371,6 +377,7 @@ class Dit(_ImageModule):
 
 class Mdm(_Module):
     name, section, diffusion, builder = "mdm", MdmSection, MdmDiffusion, "looped_lm.models.mdm:build"
+    args = "looped_lm.models.args:MdmArgs"
     summary = "supporting module: MD4 masked diffusion over characters (text8's alphabet)"
     data_sources = {"bible": "", "text8": "the text8 file"}
     step_fields = ("sample_steps",)

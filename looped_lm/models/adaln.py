@@ -8,8 +8,8 @@
   step runs one block, chosen from (step, seed) by `diffusion.blocks.choose_block`, the rule of every kind (among
   `diffusion.blocks_to_train` when given: the others are frozen), and only that block's parameter unit
   plus "shared" are stepped by the optimiser.
-- `finish_build`: what every module's `build(cfg, vocab_size, state)` (the registry's entry) does once
-  the network exists: freeze the blocks it does not train, check a checkpoint's saved partition.
+- `finish_build`: what every module's `build(args, state)` (the registry's entry) does once the network
+  exists: freeze the blocks it does not train, check a checkpoint's saved partition.
 
 Shapes: N batch, T tokens (patches or characters), C model width.
 """
@@ -112,11 +112,11 @@ class Blockwise(Trainable):
         return {"edges": [float(e) for e in self.edges], "num_blocks": self.num_blocks}
 
 
-def finish_build(model: Blockwise, cfg, state: dict | None):
-    """Freeze the blocks outside `diffusion.blocks_to_train` (before any optimiser exists), and check the
-    partition a checkpoint saved against the one this config builds (ValueError naming the difference)."""
-    chosen = list(cfg.diffusion.blocks_to_train)
-    model.block_weights = list(cfg.diffusion.block_weights) or None
+def finish_build(model: Blockwise, args, state: dict | None):
+    """Freeze the blocks outside `args.blocks_to_train` (before any optimiser exists), and check the
+    partition a checkpoint saved against the one these args build (ValueError naming the difference)."""
+    chosen = list(args.blocks_to_train)
+    model.block_weights = list(args.block_weights) or None
     if chosen and model.num_blocks > 1:
         model.trainable_blocks = sorted(chosen)
         for b, block in enumerate(model.blocks):
@@ -127,15 +127,6 @@ def finish_build(model: Blockwise, cfg, state: dict | None):
             if key in mine and mine[key] != value:
                 raise ValueError(f"the saved {key} {value} differs from this config's {mine[key]}")
     return model
-
-
-def noise_schedule(cfg):
-    """The `diffusion.*` noise settings as the pure functions take them."""
-    from looped_lm.diffusion import NoiseSchedule
-
-    d = cfg.diffusion
-    return NoiseSchedule(p_mean=d.p_mean, p_std=d.p_std, sigma_min=d.sigma_min, sigma_max=d.sigma_max,
-                         sigma_data=d.sigma_data)
 
 
 # --- images -------------------------------------------------------------------------------------

@@ -20,8 +20,8 @@ owns sigma_k; with `last_call: sigma_min` the last call runs at sigma_min and it
 equi-probability partition every block gets about steps/B calls. Guidance: D = D_null + s*(D_label - D_null).
 
 Public API:
-    build(cfg, vocab_size, state)  the registry's entry (`model.kind: dit`)
-    DiffusionDiT(cfg)   the run config's model: and diffusion: sections (checked by the kind)
+    build(args, state)  the registry's entry (`model.kind: dit`)
+    DiffusionDiT(args)  its frozen args (`DitArgs`: the kind builds them from the run config)
     training_loss(images, labels, step, seed) -> (loss, metrics)      one block per step (Trainable)
     validation_loss(images, labels, seed) -> the EDM loss at sigmas drawn per block (deterministic)
     sample(labels, steps=None, cfg_scale=None, generator=None) -> images (N, C, H, W) in [-1, 1]
@@ -42,7 +42,8 @@ from looped_lm.diffusion.blocks import chain_grid
 from looped_lm.diffusion.chain import run_chain
 from looped_lm.errors import UserError
 from looped_lm.models.adaln import (AdaLNLayer, Blockwise, TimestepEmbedding, check_images, check_labels, finish_build,
-                                    noise_schedule, patchify, unpatchify)
+                                    patchify, unpatchify)
+from looped_lm.models.args import DitArgs
 from looped_lm.models.contract import ImageGenerator
 from looped_lm.models.layers import ffn_width, init_weights
 from looped_lm.models.two_stream import modulate
@@ -50,27 +51,27 @@ from looped_lm.settings import DIT_SAMPLE_STEPS, InferenceSettings, resolve_step
 
 
 class DiffusionDiT(nn.Module, Blockwise, ImageGenerator):
-    def __init__(self, cfg):
+    def __init__(self, args: DitArgs):
         super().__init__()
-        self.cfg = cfg  # the run config: model.* shape, diffusion.* blocks and noise (checked by the kind)
-        m, dc = cfg.model, cfg.diffusion
-        self.sched, self.block_sampling, self.end_to_end = noise_schedule(cfg), dc.block_sampling, m.end_to_end
-        self.clip_samples = cfg.data.source != "latents"  # pixels are in [-1, 1]; latents are not bounded
-        num_blocks = 1 if m.end_to_end else dc.num_blocks
-        self.edges = dm.make_edges(dc.partition, num_blocks, self.sched)
-        self.train_ranges = dm.widen(self.edges, dc.overlap)
-        d, per_block = m.d_model, m.n_layers // num_blocks
-        ffn, patch_dim = ffn_width(d, m.ffn_hidden), m.channels * m.patch**2
+        self.args = args
+        self.sched, self.block_sampling, self.end_to_end = args.schedule, args.block_sampling, args.end_to_end
+        self.clip_samples = args.clip_samples  # pixels are in [-1, 1]; latents are not bounded
+        num_blocks = 1 if args.end_to_end else args.num_blocks
+        self.edges = dm.make_edges(args.partition, num_blocks, self.sched)
+        self.train_ranges = dm.widen(self.edges, args.overlap)
+        d, per_block = args.d_model, args.n_layers // num_blocks
+        ffn, patch_dim = ffn_width(d, args.ffn_hidden), args.channels * args.patch**2
         self.patch_embed = nn.Linear(patch_dim, d)
-        self.pos_emb = nn.Parameter(torch.zeros(1, (m.image_size // m.patch) ** 2, d))
+        self.pos_emb = nn.Parameter(torch.zeros(1, (args.image_size // args.patch) ** 2, d))
         self.noise_emb = TimestepEmbedding(d)
-        self.label_emb = nn.Embedding(m.num_classes + 1, d) if m.num_classes else None  # last row: null
-        self.blocks = nn.ModuleList(nn.ModuleList(AdaLNLayer(d, m.n_heads, ffn, m.norm_eps) for _ in range(per_block))
+        self.label_emb = nn.Embedding(args.num_classes + 1, d) if args.num_classes else None  # last row: null
+        self.blocks = nn.ModuleList(nn.ModuleList(AdaLNLayer(d, args.n_heads, ffn, args.norm_eps)
+                                                  for _ in range(per_block))
                                     for _ in range(num_blocks))
-        self.final_norm = nn.LayerNorm(d, elementwise_affine=False, eps=m.norm_eps)
+        self.final_norm = nn.LayerNorm(d, elementwise_affine=False, eps=args.norm_eps)
         self.final_ada = nn.Linear(d, 2 * d)  # shift, scale of the output layer
         self.out = nn.Linear(d, patch_dim)
-        init_weights(self, m.init_std, m.n_layers)
+        init_weights(self, args.init_std, args.n_layers)
         nn.init.xavier_uniform_(self.patch_embed.weight)
         for layer in (layer for block in self.blocks for layer in block):  # adaLN-Zero
             nn.init.zeros_(layer.ada.weight)
@@ -78,15 +79,15 @@ class DiffusionDiT(nn.Module, Blockwise, ImageGenerator):
         for lin in (self.final_ada, self.out):  # DiT's zero output layer: F = 0, D = c_skip*z at init
             nn.init.zeros_(lin.weight)
             nn.init.zeros_(lin.bias)
-        self.grid = chain_grid(self.edges, self.train_ranges, self.sched, dc.sample_top_quantile, dc.last_call)
+        self.grid = chain_grid(self.edges, self.train_ranges, self.sched, args.sample_top_quantile, args.last_call)
 
     @property
     def null_label(self) -> int:
-        return self.cfg.model.num_classes
+        return self.args.num_classes
 
     @property
     def num_classes(self) -> int:
-        return self.cfg.model.num_classes
+        return self.args.num_classes
 
     # --- the denoiser -----------------------------------------------------------------------------
 
@@ -94,7 +95,7 @@ class DiffusionDiT(nn.Module, Blockwise, ImageGenerator):
         """Block b's D(z; sigma, label): z (N, C, H, W), sigma (N,), labels (N,) (null allowed)."""
         c_skip, c_out, c_in, c_noise = (c.to(z.dtype)[:, None, None, None]
                                         for c in dm.edm_scalings(sigma, self.sched.sigma_data))
-        x = self.patch_embed(patchify(c_in * z, self.cfg.model.patch)) + self.pos_emb
+        x = self.patch_embed(patchify(c_in * z, self.args.patch)) + self.pos_emb
         cond = self.noise_emb(c_noise.flatten())
         if self.label_emb is not None:
             cond = cond + self.label_emb(labels)
@@ -102,14 +103,14 @@ class DiffusionDiT(nn.Module, Blockwise, ImageGenerator):
         for layer in self.blocks[b]:
             x = layer(x, cond)
         shift, scale = self.final_ada(cond).unsqueeze(1).chunk(2, dim=-1)
-        m = self.cfg.model
-        out = unpatchify(self.out(modulate(self.final_norm(x), shift, scale)), m.patch, m.channels, m.image_size)
+        a = self.args
+        out = unpatchify(self.out(modulate(self.final_norm(x), shift, scale)), a.patch, a.channels, a.image_size)
         return c_skip * z + c_out * out
 
     def check_batch(self, images, labels):
-        check_images(images, self.cfg.model.channels, self.cfg.model.image_size)
+        check_images(images, self.args.channels, self.args.image_size)
         if labels is not None and self.label_emb is not None:
-            check_labels(labels, self.cfg.model.num_classes)
+            check_labels(labels, self.args.num_classes)
 
     # --- training -------------------------------------------------------------------------------
 
@@ -127,7 +128,7 @@ class DiffusionDiT(nn.Module, Blockwise, ImageGenerator):
     def drop_labels(self, y, N: int, device):
         if self.label_emb is None:
             return torch.zeros(N, dtype=torch.long, device=device)
-        keep = torch.rand(N, device=device) >= self.cfg.diffusion.label_dropout
+        keep = torch.rand(N, device=device) >= self.args.label_dropout
         return torch.where(keep, y, torch.full_like(y, self.null_label))
 
     def edm_loss(self, b: int, x, sigma, noise, labels):
@@ -158,14 +159,14 @@ class DiffusionDiT(nn.Module, Blockwise, ImageGenerator):
         """Images (N, C, H, W) in [-1, 1] for `labels` (N,): `steps` routed Euler steps from pure noise.
         cfg_scale 1 = plain conditional sampling (one pass per step); > 1 adds the null-label pass."""
         steps = self.resolve_steps(steps)
-        cfg_scale = self.cfg.diffusion.cfg_scale if cfg_scale is None else cfg_scale
+        cfg_scale = self.args.cfg_scale if cfg_scale is None else cfg_scale
         if isinstance(cfg_scale, bool) or not isinstance(cfg_scale, (int, float)) or cfg_scale < 0:
             raise UserError(f"cfg_scale must be a number >= 0 (got {cfg_scale!r})")
         device = labels.device
         if self.label_emb is not None:
-            check_labels(labels, self.cfg.model.num_classes)
+            check_labels(labels, self.args.num_classes)
         N = labels.shape[0]
-        shape = (N, self.cfg.model.channels, self.cfg.model.image_size, self.cfg.model.image_size)
+        shape = (N, self.args.channels, self.args.image_size, self.args.image_size)
         z = self.grid.sigma_top * torch.randn(shape, generator=generator, device=generator.device if generator else None)
         guided = self.label_emb is not None and cfg_scale != 1
 
@@ -188,7 +189,7 @@ class DiffusionDiT(nn.Module, Blockwise, ImageGenerator):
 
     def resolve_steps(self, steps: int | None) -> int:
         """The Euler steps a sample runs: `steps`, else the config's diffusion.sample_steps, else 50."""
-        return resolve_steps(steps, self.num_blocks, self.cfg.diffusion.sample_steps, DIT_SAMPLE_STEPS,
+        return resolve_steps(steps, self.num_blocks, self.args.sample_steps, DIT_SAMPLE_STEPS,
                              "num_iterations (sampler steps)")
 
     def steps_per_block(self, steps: int) -> list[int]:
@@ -216,6 +217,6 @@ def frechet_distance(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((mu_a - mu_b).pow(2).sum() + cov_a.trace() + cov_b.trace() - 2 * cross)
 
 
-def build(cfg, vocab_size: int = 0, state: dict | None = None) -> DiffusionDiT:
-    """`model.kind: dit` from the run config (model.* shape, diffusion.* blocks, noise and sampling)."""
-    return finish_build(DiffusionDiT(cfg), cfg, state)
+def build(args: DitArgs, state: dict | None = None) -> DiffusionDiT:
+    """`model.kind: dit` from its args (the shape, the blocks, noise and sampling: `DitArgs.from_config`)."""
+    return finish_build(DiffusionDiT(args), args, state)

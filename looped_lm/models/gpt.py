@@ -12,33 +12,34 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from looped_lm.errors import UserError
+from looped_lm.models.args import GPTArgs
 from looped_lm.models.contract import CachedDecoding, FixedShapeDecoding, Scorable, TokenScores, Trainable
-from looped_lm.models.layers import (FixedShapeRows, LayerOptions, OutputHead, KVCache, RotaryEmbedding, ScaledEmbedding,
+from looped_lm.models.layers import (FixedShapeRows, OutputHead, KVCache, RotaryEmbedding, ScaledEmbedding,
                                      TransformerLayer, TransposedCopy, chunked, ffn_width, init_weights, positions_after,
                                      token_cross_entropy)
 
 
 class GPT(nn.Module, OutputHead, Trainable, Scorable, CachedDecoding, FixedShapeDecoding):
-    def __init__(self, n_layers: int, d_model: int, n_heads: int, seq_len: int, vocab_size: int,
-                 ffn_hidden: int = 0, rope_theta: float = 10000.0, norm_eps: float = 1e-5,
-                 init_std: float = 0.02, max_positions: int | None = None, loss_chunk: int = 0,
-                 activation_checkpointing: bool = False, options: LayerOptions = LayerOptions(),
-                 tie_embeddings: bool = True, embed_scale: float = 1.0, rope_local_theta: float = 0.0):
+    def __init__(self, args: GPTArgs):
         super().__init__()
-        self.loss_chunk = loss_chunk  # training: head + CE per chunk of positions, recomputed in backward
-        self.activation_checkpointing = activation_checkpointing  # training: each layer recomputed in backward
-        self.seq_len, self.vocab_size, self.n_heads = seq_len, vocab_size, n_heads
-        self.max_positions = max_positions or 4 * seq_len  # generation may run past the training length
-        self.tok_emb = ScaledEmbedding(vocab_size, d_model, embed_scale)
+        self.args = args
+        self.loss_chunk = args.loss_chunk  # training: head + CE per chunk of positions, recomputed in backward
+        self.activation_checkpointing = args.activation_checkpointing  # training: each layer recomputed in backward
+        self.seq_len, self.vocab_size, self.n_heads = args.seq_len, args.vocab_size, args.n_heads
+        self.max_positions = args.positions  # generation may run past the training length
+        self.tok_emb = ScaledEmbedding(args.vocab_size, args.d_model, args.embed_scale)
         self.layers = nn.ModuleList(
-            TransformerLayer(d_model, n_heads, ffn_width(d_model, ffn_hidden), norm_eps, options)
-            for _ in range(n_layers))
-        self.head_dim = options.attention.width(d_model, n_heads)
-        self.norm = nn.RMSNorm(d_model, eps=norm_eps)
-        self.rope = RotaryEmbedding(self.head_dim, self.max_positions, rope_theta, rope_local_theta)
-        self.make_head(d_model, vocab_size, tie_embeddings)  # tied: the token embedding, transposed
-        init_weights(self, init_std, n_layers)
+            TransformerLayer(args.d_model, args.n_heads, ffn_width(args.d_model, args.ffn_hidden), args.norm_eps,
+                             args.layer)
+            for _ in range(args.n_layers))
+        self.head_dim = args.layer.attention.width(args.d_model, args.n_heads)
+        self.norm = nn.RMSNorm(args.d_model, eps=args.norm_eps)
+        self.rope = RotaryEmbedding(self.head_dim, self.max_positions, args.rope_theta, args.rope_local_theta)
+        self.make_head(args.d_model, args.vocab_size, args.tie_embeddings)  # tied: the token embedding, transposed
+        init_weights(self, args.init_std, args.n_layers)
         self.head_t = TransposedCopy()  # inference only
+        if args.local_layers:  # Gemma 3's sliding-window layers
+            args.local_layers.apply(self)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():
@@ -140,9 +141,5 @@ class GPTCache:
         return sum(c.nbytes_per_token() for c in self.layers)
 
 
-def build(cfg, vocab_size: int, state: dict | None = None) -> GPT:
-    m = cfg.model
-    return GPT(m.n_layers, m.d_model, m.n_heads, m.seq_len, vocab_size, m.ffn_hidden, m.rope_theta,
-               m.norm_eps, m.init_std, max_positions=max(4 * m.seq_len, m.max_positions), loss_chunk=m.loss_chunk,
-               activation_checkpointing=m.activation_checkpointing, options=LayerOptions.of(m),
-               tie_embeddings=m.tie_embeddings, embed_scale=m.embedding_scale(), rope_local_theta=m.local_rope_theta())
+def build(args: GPTArgs, state: dict | None = None) -> GPT:
+    return GPT(args)

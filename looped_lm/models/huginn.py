@@ -20,12 +20,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from looped_lm.config import Config
 from looped_lm.errors import UserError
-from looped_lm.kinds import kind_of
+from looped_lm.models.args import HuginnArgs
 from looped_lm.models.contract import CachedDecoding, Iterative, Scorable, TokenScores, Trainable
 from looped_lm.settings import IterationLimits, RowBatch
-from looped_lm.models.layers import (KVCache, LayerOptions, OutputHead, RotaryEmbedding, ScaledEmbedding, TransformerLayer,
+from looped_lm.models.layers import (KVCache, OutputHead, RotaryEmbedding, ScaledEmbedding, TransformerLayer,
                                      TransposedCopy, ffn_width, init_weights, positions_after, token_cross_entropy)
 
 
@@ -41,34 +40,35 @@ def sample_recurrence(mean: int, generator: torch.Generator, sigma: float = 0.5)
 
 
 class HuginnLM(nn.Module, OutputHead, Trainable, Scorable, CachedDecoding, Iterative):
-    def __init__(self, cfg: Config, vocab_size: int):
+    def __init__(self, args: HuginnArgs):
         super().__init__()
-        m = cfg.model
-        self.cfg, self.vocab_size, self.n_heads = cfg, vocab_size, m.n_heads
-        self.seq_len, self.max_iterations = m.seq_len, m.max_iterations
-        self.max_positions = max(4 * m.seq_len, m.max_positions)  # generation may run past the training length
-        self.mean_recurrence, self.backprop_depth = m.mean_recurrence, m.backprop_depth
+        self.args, self.vocab_size, self.n_heads = args, args.vocab_size, args.n_heads
+        self.seq_len, self.max_iterations = args.seq_len, args.limits.max_iterations
+        self.max_positions = args.positions  # generation may run past the training length
+        self.mean_recurrence, self.backprop_depth = args.mean_recurrence, args.backprop_depth
         self.init_scale = 1.0  # std of the random initial state, as Huginn's default
-        ffn = ffn_width(m.d_model, m.ffn_hidden)
-        options = LayerOptions.of(m)
-        self.head_dim = options.attention.width(m.d_model, m.n_heads)
+        ffn = ffn_width(args.d_model, args.ffn_hidden)
+        self.head_dim = args.layer.attention.width(args.d_model, args.n_heads)
 
         def stack(n):
-            return nn.ModuleList(TransformerLayer(m.d_model, m.n_heads, ffn, m.norm_eps, options) for _ in range(n))
+            return nn.ModuleList(TransformerLayer(args.d_model, args.n_heads, ffn, args.norm_eps, args.layer)
+                                 for _ in range(n))
 
-        self.tok_emb = ScaledEmbedding(vocab_size, m.d_model, m.embedding_scale())
-        self.prelude, self.core, self.coda = stack(m.n_prelude), stack(m.n_layers), stack(m.n_coda)
-        self.adapter = nn.Linear(2 * m.d_model, m.d_model, bias=False)
-        self.norm = nn.RMSNorm(m.d_model, eps=m.norm_eps)
-        self.rope = RotaryEmbedding(self.head_dim, self.max_positions, m.rope_theta, m.local_rope_theta())
+        self.tok_emb = ScaledEmbedding(args.vocab_size, args.d_model, args.embed_scale)
+        self.prelude, self.core, self.coda = stack(args.n_prelude), stack(args.n_layers), stack(args.n_coda)
+        self.adapter = nn.Linear(2 * args.d_model, args.d_model, bias=False)
+        self.norm = nn.RMSNorm(args.d_model, eps=args.norm_eps)
+        self.rope = RotaryEmbedding(self.head_dim, self.max_positions, args.rope_theta, args.rope_local_theta)
         self.head_t = TransposedCopy()  # inference only
-        self.make_head(m.d_model, vocab_size, m.tie_embeddings)
-        init_weights(self, m.init_std, m.n_prelude + m.n_layers * m.mean_recurrence + m.n_coda)
+        self.make_head(args.d_model, args.vocab_size, args.tie_embeddings)
+        init_weights(self, args.init_std, args.n_prelude + args.n_layers * args.mean_recurrence + args.n_coda)
+        if args.local_layers:  # Gemma 3's sliding-window layers
+            args.local_layers.apply(self)
 
     # --- the network --------------------------------------------------------------------------
 
     def _stack(self, layers, x, cos, sin, caches=None, rows=None):
-        recompute = self.cfg.model.activation_checkpointing and torch.is_grad_enabled() and not caches
+        recompute = self.args.activation_checkpointing and torch.is_grad_enabled() and not caches
         for i, layer in enumerate(layers):
             if recompute:  # model.activation_checkpointing: the iterations with gradient recompute each layer
                 x = checkpoint(layer, x, cos, sin, None, rows, use_reentrant=False)
@@ -138,7 +138,7 @@ class HuginnLM(nn.Module, OutputHead, Trainable, Scorable, CachedDecoding, Itera
     # --- generation: a KV cache per (iteration, layer) ------------------------------------------
 
     def iteration_limits(self) -> IterationLimits:
-        return kind_of(self.cfg).iteration_limits(self.cfg)
+        return self.args.limits
 
     def new_cache(self, batch: int, max_len: int) -> "HuginnCache":
         return HuginnCache(self, batch, max_len)
@@ -223,5 +223,5 @@ class HuginnCache:
         return sum(c.nbytes_per_token() for c in every)
 
 
-def build(cfg: Config, vocab_size: int, state: dict | None = None) -> HuginnLM:
-    return HuginnLM(cfg, vocab_size)
+def build(args: HuginnArgs, state: dict | None = None) -> HuginnLM:
+    return HuginnLM(args)

@@ -23,8 +23,8 @@ t -> s runs the block that owns t, and each still-masked character is revealed w
 bound on the model's true negative log-likelihood, with each interval's share reported.
 
 Public API:
-    build(cfg, vocab_size, state)  the registry's entry (`model.kind: mdm`)
-    MaskedDiffusionLM(cfg)   the run config's model: and diffusion: sections (checked by the kind)
+    build(args, state)  the registry's entry (`model.kind: mdm`)
+    MaskedDiffusionLM(args)  its frozen args (`MdmArgs`: the kind builds them from the run config)
     training_loss(x, y, step, seed) -> (loss, metrics)   x: ids (N, T) < vocab_size; y unused
     validation_loss(x, y, seed) -> NELBO in nats per character (deterministic for a seed)
     sample(n, length, steps=None, generator=None) -> ids (n, length)   (steps default: sample_steps or length)
@@ -41,7 +41,8 @@ import torch.nn.functional as F
 
 from looped_lm.data.text8 import VOCAB_SIZE
 from looped_lm.errors import UserError
-from looped_lm.models.adaln import (AdaLNLayer, Blockwise, check_labels, finish_build)
+from looped_lm.models.adaln import AdaLNLayer, Blockwise, check_labels, finish_build
+from looped_lm.models.args import MdmArgs
 from looped_lm.models.contract import TextDiffusion
 from looped_lm.models.layers import RotaryEmbedding, ffn_width, init_weights
 from looped_lm.models.two_stream import NoiseEmbedding
@@ -108,37 +109,37 @@ def masked_nelbo(logits: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, weig
 
 
 class MaskedDiffusionLM(nn.Module, Blockwise, TextDiffusion):
-    def __init__(self, cfg):
+    def __init__(self, args: MdmArgs):
         super().__init__()
-        self.cfg = cfg  # the run config: model.* shape, diffusion.* blocks and noise (checked by the kind)
-        m, dc = cfg.model, cfg.diffusion
-        self.block_sampling, self.end_to_end = dc.block_sampling, m.end_to_end
+        self.args = args
+        self.block_sampling, self.end_to_end = args.block_sampling, args.end_to_end
         self.mask_id = VOCAB_SIZE
-        num_blocks = 1 if m.end_to_end else dc.num_blocks
-        self.edges = time_edges(num_blocks, dc.schedule)
-        self.train_ranges = time_intervals(self.edges, dc.overlap)
-        self.report_edges = time_edges(dc.num_blocks, dc.schedule)  # per-interval ELBO shares, both variants
-        d, per_block = m.d_model, m.n_layers // num_blocks
-        ffn = ffn_width(d, m.ffn_hidden)
+        num_blocks = 1 if args.end_to_end else args.num_blocks
+        self.edges = time_edges(num_blocks, args.schedule)
+        self.train_ranges = time_intervals(self.edges, args.overlap)
+        self.report_edges = time_edges(args.num_blocks, args.schedule)  # per-interval ELBO shares, both variants
+        d, per_block = args.d_model, args.n_layers // num_blocks
+        ffn = ffn_width(d, args.ffn_hidden)
         self.tok_emb = nn.Embedding(VOCAB_SIZE + 1, d)
         self.time_emb = NoiseEmbedding(d)
-        self.rope = RotaryEmbedding(d // m.n_heads, m.seq_len, m.rope_theta)
-        self.blocks = nn.ModuleList(nn.ModuleList(AdaLNLayer(d, m.n_heads, ffn, m.norm_eps) for _ in range(per_block))
+        self.rope = RotaryEmbedding(d // args.n_heads, args.seq_len, args.rope_theta)
+        self.blocks = nn.ModuleList(nn.ModuleList(AdaLNLayer(d, args.n_heads, ffn, args.norm_eps)
+                                                  for _ in range(per_block))
                                     for _ in range(num_blocks))
-        self.norm = nn.RMSNorm(d, eps=m.norm_eps)
+        self.norm = nn.RMSNorm(d, eps=args.norm_eps)
         self.head = nn.Linear(d, VOCAB_SIZE)  # the clean characters only: the mask is never predicted
-        init_weights(self, m.init_std, m.n_layers)
+        init_weights(self, args.init_std, args.n_layers)
         for layer in (layer for block in self.blocks for layer in block):  # adaLN-Zero
             nn.init.zeros_(layer.ada.weight)
             nn.init.zeros_(layer.ada.bias)
         nn.init.zeros_(self.head.bias)
 
     def checkpoint_state(self) -> dict:
-        return {**super().checkpoint_state(), "schedule": self.cfg.diffusion.schedule}
+        return {**super().checkpoint_state(), "schedule": self.args.schedule}
 
     @property
     def seq_len(self) -> int:
-        return self.cfg.model.seq_len
+        return self.args.seq_len
 
     # --- the denoiser -----------------------------------------------------------------------------
 
@@ -155,14 +156,14 @@ class MaskedDiffusionLM(nn.Module, Blockwise, TextDiffusion):
     def corrupt(self, x, t, generator=None):
         """Mask each position of x (N, T) with probability 1 - alpha(t) -> (x_t, mask)."""
         u = torch.rand(x.shape, generator=generator, device=generator.device if generator else x.device)
-        mask = u.to(x.device) < (1 - alpha(t, self.cfg.diffusion.schedule))[:, None]
+        mask = u.to(x.device) < (1 - alpha(t, self.args.schedule))[:, None]
         return torch.where(mask, torch.full_like(x, self.mask_id), x), mask
 
     def check_ids(self, x):
         if x.dim() != 2:
             raise UserError(f"character ids must have shape (N, T) (got {tuple(x.shape)})")
-        if x.shape[1] > self.cfg.model.seq_len:
-            raise UserError(f"sequence length {x.shape[1]} exceeds mdm.seq_len ({self.cfg.model.seq_len})")
+        if x.shape[1] > self.args.seq_len:
+            raise UserError(f"sequence length {x.shape[1]} exceeds mdm.seq_len ({self.args.seq_len})")
         check_labels(x, VOCAB_SIZE, "character")
 
     @staticmethod
@@ -181,7 +182,7 @@ class MaskedDiffusionLM(nn.Module, Blockwise, TextDiffusion):
         b = self.choose_block(step, seed)
         t = self.stratified_times(x.shape[0], *self.train_ranges[b], device=x.device)
         x_t, mask = self.corrupt(x, t)
-        loss = masked_nelbo(self.logits(b, x_t, t), x, mask, elbo_weight(t, self.cfg.diffusion.schedule))
+        loss = masked_nelbo(self.logits(b, x_t, t), x, mask, elbo_weight(t, self.args.schedule))
         return loss.mean(), {"block": b, f"loss_block{b}": loss.detach().mean(),  # on the device
                              "masked": mask.float().mean()}
 
@@ -198,7 +199,7 @@ class MaskedDiffusionLM(nn.Module, Blockwise, TextDiffusion):
         reporting partition (the B intervals of the settings, for both variants), each t run by the block
         that owns it. An upper bound on -log2 p(x) per character, in expectation over the draws."""
         self.check_ids(x)
-        schedule, per_block = self.cfg.diffusion.schedule, []
+        schedule, per_block = self.args.schedule, []
         intervals = time_intervals(self.report_edges)
         for lo, hi in intervals:
             total = 0.0
@@ -229,11 +230,11 @@ class MaskedDiffusionLM(nn.Module, Blockwise, TextDiffusion):
         steps = self.resolve_steps(steps, length)
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise UserError(f"the number of samples must be an integer >= 1 (got {n!r})")
-        if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= self.cfg.model.seq_len:
-            raise UserError(f"length must be an integer in 1 .. {self.cfg.model.seq_len} (got {length!r})")
+        if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= self.args.seq_len:
+            raise UserError(f"length must be an integer in 1 .. {self.args.seq_len} (got {length!r})")
         device = device or self.head.weight.device
         gen_device = generator.device if generator is not None else device
-        schedule = self.cfg.diffusion.schedule
+        schedule = self.args.schedule
         x = torch.full((n, length), self.mask_id, dtype=torch.long, device=device)
         grid = [(steps - k) / steps for k in range(steps + 1)]
         for k in range(steps):
@@ -249,7 +250,7 @@ class MaskedDiffusionLM(nn.Module, Blockwise, TextDiffusion):
     def resolve_steps(self, steps: int | None, length: int) -> int:
         """The unmasking steps a sample of `length` runs: `steps`, else the config's diffusion.sample_steps,
         else one per character."""
-        return resolve_steps(steps, self.num_blocks, self.cfg.diffusion.sample_steps, length,
+        return resolve_steps(steps, self.num_blocks, self.args.sample_steps, length,
                              "num_iterations (sampler steps)")
 
     def steps_per_block(self, steps: int) -> list[int]:
@@ -260,7 +261,7 @@ class MaskedDiffusionLM(nn.Module, Blockwise, TextDiffusion):
         return counts
 
 
-def build(cfg, vocab_size: int = 0, state: dict | None = None) -> MaskedDiffusionLM:
-    """`model.kind: mdm` from the run config: characters in text8's 27-symbol alphabet (model.* shape,
-    diffusion.* blocks and masking schedule)."""
-    return finish_build(MaskedDiffusionLM(cfg), cfg, state)
+def build(args: MdmArgs, state: dict | None = None) -> MaskedDiffusionLM:
+    """`model.kind: mdm` from its args: characters in text8's 27-symbol alphabet (the shape, the blocks and
+    the masking schedule: `MdmArgs.from_config`)."""
+    return finish_build(MaskedDiffusionLM(args), args, state)

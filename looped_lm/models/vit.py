@@ -27,8 +27,8 @@ calls the bridge maps the logits to a point among the label embeddings: soft (th
 in the slot, adaLN from a learned constant, all L layers in one pass, plain CE.
 
 Public API:
-    build(cfg, vocab_size, state)  the registry's entry (`model.kind: vit`)
-    DiffusionViT(cfg)   the run config's model: and diffusion: sections (checked by the kind)
+    build(args, state)  the registry's entry (`model.kind: vit`)
+    DiffusionViT(args)  its frozen args (`VitArgs`: the kind builds them from the run config)
     training_loss(images, labels, step, seed) -> (loss, metrics)    one block per step (Trainable)
     validation_loss(images, labels, seed) -> CE of predict(K = B)
     predict(images, num_iterations=None, generator=None) -> logits (N, num_classes)
@@ -47,7 +47,8 @@ from looped_lm import diffusion as dm
 from looped_lm.diffusion.blocks import chain_grid
 from looped_lm.diffusion.chain import run_chain
 from looped_lm.models.adaln import (AdaLNLayer, Blockwise, TimestepEmbedding, check_images, check_labels, finish_build,
-                                    noise_schedule, patchify)
+                                    patchify)
+from looped_lm.models.args import VitArgs
 from looped_lm.models.contract import Classifier
 from looped_lm.models.layers import ffn_width, init_weights
 from looped_lm.models.two_stream import modulate
@@ -57,50 +58,50 @@ from looped_lm.settings import InferenceSettings, resolve_steps
 
 
 class DiffusionViT(nn.Module, Blockwise, Classifier):
-    def __init__(self, cfg):
+    def __init__(self, args: VitArgs):
         super().__init__()
-        self.cfg = cfg  # the run config: model.* shape, diffusion.* blocks and noise (checked by the kind)
-        m, dc = cfg.model, cfg.diffusion
-        self.sched, self.block_sampling = noise_schedule(cfg), dc.block_sampling
-        self.end_to_end = m.end_to_end
-        num_blocks = 1 if m.end_to_end else dc.num_blocks
-        self.edges = dm.make_edges(dc.partition, num_blocks, self.sched)
-        self.train_ranges = dm.widen(self.edges, dc.overlap)  # by block, block 0 = highest sigma
-        d, per_block = m.d_model, m.n_layers // num_blocks
-        ffn = ffn_width(d, m.ffn_hidden)
-        self.patch_embed = nn.Linear(m.channels * m.patch**2, d)
-        self.pos_emb = nn.Parameter(torch.zeros(1, 1 + (m.image_size // m.patch) ** 2, d))
-        self.blocks = nn.ModuleList(nn.ModuleList(AdaLNLayer(d, m.n_heads, ffn, m.norm_eps) for _ in range(per_block))
+        self.args = args
+        self.sched, self.block_sampling = args.schedule, args.block_sampling
+        self.end_to_end = args.end_to_end
+        num_blocks = 1 if args.end_to_end else args.num_blocks
+        self.edges = dm.make_edges(args.partition, num_blocks, self.sched)
+        self.train_ranges = dm.widen(self.edges, args.overlap)  # by block, block 0 = highest sigma
+        d, per_block = args.d_model, args.n_layers // num_blocks
+        ffn = ffn_width(d, args.ffn_hidden)
+        self.patch_embed = nn.Linear(args.channels * args.patch**2, d)
+        self.pos_emb = nn.Parameter(torch.zeros(1, 1 + (args.image_size // args.patch) ** 2, d))
+        self.blocks = nn.ModuleList(nn.ModuleList(AdaLNLayer(d, args.n_heads, ffn, args.norm_eps)
+                                                  for _ in range(per_block))
                                     for _ in range(num_blocks))
-        if m.end_to_end:
+        if args.end_to_end:
             self.cls = nn.Parameter(torch.zeros(1, 1, d))
             self.cond = nn.Parameter(torch.zeros(d))  # adaLN from a learned constant: no noise level here
         else:
             self.noise_emb = TimestepEmbedding(d)
             self.final_ada = nn.Linear(d, 2 * d)  # shift, scale of h before the head (the official code's)
         # Clean label points: fixed random unit vectors (no gradient into the targets, as in dblm), or learned
-        if m.label_table == "learned" and not m.end_to_end:
-            self.label_emb = nn.Parameter(torch.randn(m.num_classes, d))
+        if args.label_table == "learned" and not args.end_to_end:
+            self.label_emb = nn.Parameter(torch.randn(args.num_classes, d))
         else:
-            self.register_buffer("label_table", F.normalize(torch.randn(m.num_classes, d), dim=-1))
-        self.norm = nn.LayerNorm(d, eps=m.norm_eps)  # learnable gain: the network's term is not capped
-        self.head = nn.Linear(d, m.num_classes)
+            self.register_buffer("label_table", F.normalize(torch.randn(args.num_classes, d), dim=-1))
+        self.norm = nn.LayerNorm(d, eps=args.norm_eps)  # learnable gain: the network's term is not capped
+        self.head = nn.Linear(d, args.num_classes)
         learned = self.label_emb.data.clone() if hasattr(self, "label_emb") else None
-        init_weights(self, m.init_std, m.n_layers)
+        init_weights(self, args.init_std, args.n_layers)
         if learned is not None:
             self.label_emb.data.copy_(learned)  # the same random start as the fixed table (unit after normalising)
         nn.init.xavier_uniform_(self.patch_embed.weight)  # O(1) patch tokens from the first step (DiT's init)
         for layer in (layer for block in self.blocks for layer in block):
             nn.init.zeros_(layer.ada.weight)
             nn.init.zeros_(layer.ada.bias)  # adaLN-Zero: every layer starts as the identity
-            if m.end_to_end:  # no noise level: start as an ordinary pre-norm layer (gates 1), or the
+            if args.end_to_end:  # no noise level: start as an ordinary pre-norm layer (gates 1), or the
                 layer.ada.bias.data.view(6, d)[[2, 5]] = 1.0  # constant [CLS] slot never sees the image
         nn.init.zeros_(self.head.weight)  # the zero-initialised, untied classifier
         nn.init.zeros_(self.head.bias)
-        if not m.end_to_end:
+        if not args.end_to_end:
             nn.init.zeros_(self.final_ada.weight)
             nn.init.zeros_(self.final_ada.bias)
-        self.grid = chain_grid(self.edges, self.train_ranges, self.sched, dc.sample_top_quantile, dc.last_call)
+        self.grid = chain_grid(self.edges, self.train_ranges, self.sched, args.sample_top_quantile, args.last_call)
 
     def checkpoint_state(self) -> dict:
         return {**super().checkpoint_state(), "end_to_end": self.end_to_end}
@@ -112,8 +113,8 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
         return F.normalize(self.label_emb, dim=-1) if hasattr(self, "label_emb") else self.label_table
 
     def embed_patches(self, images):
-        check_images(images, self.cfg.model.channels, self.cfg.model.image_size)
-        return self.patch_embed(patchify(images, self.cfg.model.patch))  # (N, P, C)
+        check_images(images, self.args.channels, self.args.image_size)
+        return self.patch_embed(patchify(images, self.args.patch))  # (N, P, C)
 
     def run_layers(self, b: int, slot, patches, cond):
         """[slot | patches] (+ positions) through block b's layers -> the slot's output (N, C)."""
@@ -129,7 +130,7 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
         c_skip, c_out, c_in, c_noise = (c.to(z.dtype)[:, None] for c in dm.edm_scalings(sigma, self.sched.sigma_data))
         cond = self.noise_emb(c_noise[:, 0])
         out = self.run_layers(b, c_in * z, patches, cond)
-        if self.cfg.diffusion.parameterization == "likelihood":
+        if self.args.parameterization == "likelihood":
             # the exact log-likelihood of z under each label (unit-norm targets): the network only has to
             # supply the image's prior over labels, and what z already says is never lost
             features = self.norm(out)
@@ -151,21 +152,21 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
     def training_loss(self, x, y, step: int, seed: int):
         """x: images (N, C, H, W) in [-1, 1]; y: labels (N,). One block per step (DB), or the whole
         classifier (end_to_end)."""
-        check_labels(y, self.cfg.model.num_classes)
+        check_labels(y, self.args.num_classes)
         patches = self.embed_patches(x)
         if self.end_to_end:
             ce = F.cross_entropy(self.classify(patches).float(), y, reduction="none")
             return ce.mean(), {"block": 0, "loss_block0": ce.detach().mean()}  # on the device: read at log steps
         b = self.choose_block(step, seed)
         sigma = dm.sample_sigma(x.shape[0], *self.train_ranges[b], self.sched, device=x.device)
-        z = self.labels()[y] + sigma[:, None] * torch.randn(x.shape[0], self.cfg.model.d_model, device=x.device)
+        z = self.labels()[y] + sigma[:, None] * torch.randn(x.shape[0], self.args.d_model, device=x.device)
         ce = F.cross_entropy(self.block_logits(b, patches, z, sigma).float(), y, reduction="none")
         loss = (ce * self.loss_weights(sigma, b)).mean()
         return loss, {"block": b, f"loss_block{b}": ce.detach().mean(), "sigma_mean": sigma.detach().mean()}
 
     def loss_weights(self, sigma, b: int):
         """Per-sample CE weights (N,), O(1) on average over block b's sigma law."""
-        kind = self.cfg.diffusion.loss_weight
+        kind = self.args.loss_weight
         if kind == "none":
             return torch.ones_like(sigma)
         w = (dm.edm_weight(sigma, self.sched.sigma_data) / dm.edm_loss_weight_normaliser(*self.train_ranges[b],
@@ -175,7 +176,7 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
     @torch.no_grad()
     def validation_loss(self, x, y, seed: int):
         g = torch.Generator(device=x.device).manual_seed(seed)
-        check_labels(y, self.cfg.model.num_classes)
+        check_labels(y, self.args.num_classes)
         return F.cross_entropy(self.predict(x, generator=g).float(), y)
 
     # --- inference ------------------------------------------------------------------------------
@@ -190,7 +191,7 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
         if self.end_to_end:
             return self.classify(patches, with_features)
         K = self.resolve_steps(num_iterations) if check else num_iterations  # `features` runs one call (block 0)
-        N, d = images.shape[0], self.cfg.model.d_model
+        N, d = images.shape[0], self.args.d_model
         gen_device = generator.device if generator is not None else None
         z = self.grid.sigma_top * torch.randn(N, 1, d, generator=generator, device=gen_device)
         last = {}
@@ -201,7 +202,7 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
 
         labels = self.labels()
         table = lambda: labels  # noqa: E731
-        settings = [InferenceSettings(num_iterations=K, bridge=self.cfg.diffusion.bridge)] * N
+        settings = [InferenceSettings(num_iterations=K, bridge=self.args.bridge)] * N
         out = run_chain(denoise, self.grid, settings, z.to(images.device), SharedGenerator(generator),
                         lambda ids: labels[ids], table)
         logits = out.logits[:, 0]
@@ -220,7 +221,7 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
     def resolve_steps(self, num_iterations: int | None) -> int:
         """K of a prediction: the request's, else the config's diffusion.num_iterations, else B (the one rule
         of settings.resolve_steps: at least one call per block)."""
-        return resolve_steps(num_iterations, self.num_blocks, self.cfg.diffusion.num_iterations, self.num_blocks)
+        return resolve_steps(num_iterations, self.num_blocks, self.args.num_iterations, self.num_blocks)
 
     def steps_per_block(self, K: int) -> list[int]:
         return self.grid.steps_per_block(K)
@@ -229,7 +230,7 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
     def accuracy(self, images, labels, num_iterations: int | None = None, batch_size: int = 256,
                  generator: torch.Generator | None = None) -> dict:
         """Top-1 accuracy over (images, labels), in batches: what `looped_lm eval` prints for vit."""
-        check_labels(labels, self.cfg.model.num_classes)
+        check_labels(labels, self.args.num_classes)
         K = self.resolve_steps(num_iterations)
         correct = 0
         for i in range(0, images.shape[0], batch_size):
@@ -239,6 +240,6 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
         return {"accuracy": correct / max(n, 1), "examples": n, "num_iterations": 1 if self.end_to_end else K}
 
 
-def build(cfg, vocab_size: int = 0, state: dict | None = None) -> DiffusionViT:
-    """`model.kind: vit` from the run config (model.* shape, diffusion.* blocks, noise and inference)."""
-    return finish_build(DiffusionViT(cfg), cfg, state)
+def build(args: VitArgs, state: dict | None = None) -> DiffusionViT:
+    """`model.kind: vit` from its args (the shape, the blocks, noise and inference: `VitArgs.from_config`)."""
+    return finish_build(DiffusionViT(args), args, state)

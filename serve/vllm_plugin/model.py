@@ -1,7 +1,7 @@
 """The exported looped_lm models inside vLLM: the native module's weights and layers, vLLM's paged attention.
 
-One definition: `self.model` is the native module (built by `build_model` from the exported config); its
-projections, norms, RoPE tables and SwiGLU are called as they are. Only the attention core is vLLM's
+One definition: `self.model` is the native module (built by `build_network` from the args of the exported
+config); its projections, norms, RoPE tables and SwiGLU are called as they are. Only the attention core is vLLM's
 `Attention` (one per layer, one KV slot each), which owns the paged KV cache, continuous batching and
 prefix caching. Tokens are flattened: x is (N, C) for the N scheduled tokens.
   gpt                 here
@@ -19,9 +19,9 @@ import torch.nn as nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 
-from looped_lm.config import config_from_dict
 from looped_lm.kinds import get_kind
-from looped_lm.models import build_model
+from looped_lm.models import build_network
+from looped_lm.models.args import args_from_dict
 from looped_lm.sampling import PLAIN
 from looped_lm.settings import resolve_settings
 from looped_lm.serve.vllm_plugin.attention import paged_attention
@@ -32,12 +32,13 @@ GEMMA_UNSUPPORTED = ("the vLLM plugin runs Llama's layers; this model has Gemma 
                      "sliding-window layers, a scaled embedding); serve it with `looped_lm serve`")
 
 
-def gemma_options(model_section) -> list[str]:
-    """The Gemma 3 layer options a model sets, which the plugin's paged attention and layer loop do not apply."""
+def gemma_options(args) -> list[str]:
+    """The Gemma 3 layer options a model's args (`LMArgs`) set, which the plugin's paged attention and layer
+    loop do not apply."""
     return [f"model.{name}" for name, value in (
-        ("sandwich_norm", model_section.sandwich_norm), ("mlp_activation", model_section.mlp_activation != "silu"),
-        ("embed_scale", model_section.embed_scale), ("attn_scalar", model_section.attn_scalar),
-        ("layer_types", model_section.layer_types)) if value]
+        ("sandwich_norm", args.layer.sandwich_norm), ("mlp_activation", args.layer.activation != "silu"),
+        ("embed_scale", args.embed_scale != 1.0), ("attn_scalar", args.layer.attention.scalar),
+        ("layer_types", args.local_layers)) if value]
 
 
 class LoopedLMForCausalLM(nn.Module):
@@ -47,10 +48,10 @@ class LoopedLMForCausalLM(nn.Module):
         if not get_kind(config.kind).offers("vllm"):
             raise ValueError(UNSUPPORTED.format(kind=config.kind))
         self.config = config
-        cfg = config_from_dict(config.looped_lm_config)
-        if gemma_options(cfg.model):
-            raise ValueError(GEMMA_UNSUPPORTED.format(fields=", ".join(gemma_options(cfg.model))))
-        self.model = build_model(cfg, config.vocab_size, config.model_state or None)
+        args = args_from_dict(config.looped_lm_config, config.vocab_size)  # the native network's frozen args
+        if gemma_options(args):
+            raise ValueError(GEMMA_UNSUPPORTED.format(fields=", ".join(gemma_options(args))))
+        self.model = build_network(args, config.model_state or None)
         self.db = None
         if get_kind(config.kind).offers("iterative"):
             from looped_lm.serve.vllm_plugin.db_model import DiffusionBlocksRunner

@@ -15,11 +15,10 @@ from dataclasses import replace
 
 import torch
 
-from looped_lm.config import Config
 from looped_lm.diffusion.chain import ChainGrid, run_chain, top_of_block0
 from looped_lm.diffusion.estimator import jackknife_nll, sampler_probs
 from looped_lm.errors import UserError
-from looped_lm.kinds import kind_of
+from looped_lm.models.args import DBArgs
 from looped_lm.models.contract import (CachedDecoding, EstimatedLogprobs, FixedShapeBlocks, Iterative, Scorable,
                                        TokenScores, Trainable)
 from looped_lm.models.db.contexts import CachedContext, DecodeState, WindowContext
@@ -33,16 +32,16 @@ TILT_BELOW = 0.5  # the estimator tilts its starting noise only toward targets a
 
 
 class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, FixedShapeBlocks, Iterative):
-    def __init__(self, cfg: Config, vocab_size: int, state: dict | None = None):
+    def __init__(self, args: DBArgs, state: dict | None = None):
         state = state or {}
-        super().__init__(cfg, vocab_size, state.get("edges"))
-        self.max_iterations = cfg.model.max_iterations
+        super().__init__(args, state.get("edges"))
+        self.max_iterations = args.limits.max_iterations
         # the blocks this run trains, in the order the user listed them (round_robin walks them in that order)
-        trainable = list(cfg.diffusion.blocks_to_train) or cfg.diffusion.trained_blocks()
+        trainable = list(args.blocks_to_train) or list(range(args.num_blocks))
         for b, block in enumerate(self.blocks):
             if b not in trainable:
                 block.requires_grad_(False)  # frozen before the optimiser exists: no state for it
-        self.objective = BlockObjective(self, trainable)
+        self.objective = BlockObjective(self, args, trainable)
         self.objective.curve = state.get("curve")
 
     # --- Trainable ------------------------------------------------------------------------------------
@@ -53,7 +52,7 @@ class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, FixedSha
     @torch.no_grad()
     def validation_loss(self, x, y, seed: int):
         """ppl@0's loss: one call at sigma_top from pure noise, one draw (denoising off: the clean readout's)."""
-        if not self.cfg.diffusion.denoise_weight:
+        if not self.args.denoise_weight:
             return self.objective.clean_losses(x, y, self.readout_block()).mean()
         g = torch.Generator(device=x.device).manual_seed(seed)
         return self.score(x, y, ScoreSettings(k_grid=(), draws=1), g)[0].nll.mean()
@@ -62,7 +61,7 @@ class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, FixedSha
         """The block whose clean stream reads the whole model as an ordinary next-token LM (`ppl_clean`): the
         last of the stack (context stacked), or the one block; None where blocks are independent LMs or no
         clean loss trained the head on the clean stream."""
-        if not self.cfg.diffusion.clean_lm_weight or not (self.stacked or len(self.blocks) == 1):
+        if not self.args.clean_lm_weight or not (self.stacked or len(self.blocks) == 1):
             return None
         return self.stack_order[-1]
 
@@ -100,14 +99,14 @@ class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, FixedSha
     # --- Iterative --------------------------------------------------------------------------------------
 
     def iteration_limits(self) -> IterationLimits:
-        return kind_of(self.cfg).iteration_limits(self.cfg)
+        return self.args.limits
 
     def sigma_top(self) -> float:
         """Where chains start: a high quantile of block 0's training sigma law (docs/method.md §5)."""
-        return top_of_block0(self.train_ranges[0], self.edges, self.cfg.diffusion.sample_top_quantile, self.sched)
+        return top_of_block0(self.train_ranges[0], self.edges, self.args.sample_top_quantile, self.sched)
 
     def grid(self) -> ChainGrid:
-        return ChainGrid(tuple(self.edges), self.sigma_top(), self.cfg.diffusion.last_call, self.sched)
+        return ChainGrid(tuple(self.edges), self.sigma_top(), self.args.last_call, self.sched)
 
     def initial_noise(self, rows: int, n: int, random: RandomSource, device=None) -> torch.Tensor:
         """z_0 ~ N(0, sigma_top^2 I), (rows, n, d), each row from its own stream."""
@@ -171,7 +170,7 @@ class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, FixedSha
         out = {}
         if self.readout_block() is not None:
             out["clean"] = TokenScores(self.objective.clean_losses(x, y, self.readout_block()))
-        if not self.cfg.diffusion.denoise_weight:  # nothing trained the denoiser: its ppl@k are not the model's
+        if not self.args.denoise_weight:  # nothing trained the denoiser: its ppl@k are not the model's
             return out
         for k in ks:
             estimates, _, iters = self._estimates(context, y, max(k, 1), settings, random, full=False)
@@ -214,7 +213,7 @@ class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, FixedSha
     # --- CachedDecoding ---------------------------------------------------------------------------------
 
     def new_cache(self, batch: int, max_len: int) -> DecodeState:
-        if not self.cfg.diffusion.denoise_weight:  # generate, serve, export's generate all start here
+        if not self.args.denoise_weight:  # generate, serve, export's generate all start here
             raise UserError("this checkpoint trained with diffusion.denoise_weight 0 (the clean next-token loss "
                             "alone): its denoising path is untrained, so it cannot sample; score it with "
                             "`looped_lm eval` (ppl_clean)")
@@ -295,5 +294,5 @@ class _SubRandom(RandomSource):
         return self.parent.normal(self.idx[rows.to(self.idx.device)], shape, device)
 
 
-def build(cfg: Config, vocab_size: int, state: dict | None):
-    return DiffusionBlocksLM(cfg, vocab_size, state)
+def build(args: DBArgs, state: dict | None = None) -> DiffusionBlocksLM:
+    return DiffusionBlocksLM(args, state)

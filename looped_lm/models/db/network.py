@@ -27,11 +27,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from looped_lm import diffusion as dm
-from looped_lm.config import Config, block_layers
-from looped_lm.kinds import kind_of
-from looped_lm.kinds.sections import DbArDiffusion
 from looped_lm.errors import UserError
-from looped_lm.models.layers import (LayerOptions, OutputHead, RotaryEmbedding, ScaledEmbedding, TransformerLayer,
+from looped_lm.models.args import DBArgs
+from looped_lm.models.layers import (OutputHead, RotaryEmbedding, ScaledEmbedding, TransformerLayer,
                                      TransposedCopy, chunked, ffn_width, init_weights, positions_after)
 from looped_lm.models.two_stream import NoiseEmbedding, TwoStreamLayer, windowed_slot_mask
 
@@ -54,60 +52,62 @@ class FoldedHead(torch.autograd.Function):
 
 
 class DBNetwork(nn.Module, OutputHead):
-    def __init__(self, cfg: Config, vocab_size: int, edges: list[float] | None = None):
+    def __init__(self, args: DBArgs, edges: list[float] | None = None):
         super().__init__()
-        m, d = cfg.model, cfg.diffusion
-        self.cfg, self.vocab_size, self.n_heads = cfg, vocab_size, m.n_heads
-        self.seq_len, self.max_positions = m.seq_len, max(4 * m.seq_len, m.max_positions)
-        self.activation_checkpointing = getattr(m, "activation_checkpointing", False)
-        self.sched = dm.NoiseSchedule(d.p_mean, d.p_std, d.sigma_min, d.sigma_max, d.sigma_data).validate()
-        num_blocks = kind_of(cfg).num_blocks(cfg)  # looped_db: its one weight-tied core
-        self.set_edges(dm.check_edges(edges) if edges is not None else dm.make_edges(d.partition, num_blocks, self.sched))
+        self.args, self.vocab_size, self.n_heads = args, args.vocab_size, args.n_heads
+        self.seq_len, self.max_positions = args.seq_len, args.positions
+        self.activation_checkpointing = args.activation_checkpointing
+        self.sched = args.schedule.validate()
+        num_blocks = args.num_blocks  # looped_db: its one weight-tied core
+        self.set_edges(dm.check_edges(edges) if edges is not None else dm.make_edges(args.partition, num_blocks,
+                                                                                      self.sched))
         if len(self.edges) != num_blocks + 1:
             raise UserError(f"saved edges have {len(self.edges) - 1} blocks but the model has {num_blocks}")
-        self.noisy_self = d.noisy_self
+        self.noisy_self = args.noisy_self
         # context stacked: the clean stream runs through the blocks in stack_order, each continuing the one before
-        stacking = isinstance(d, DbArDiffusion) and d.context == "stacked"  # looped_db: one core, nothing to stack
+        stacking = args.context == "stacked"
         self.stacked = stacking and num_blocks > 1
         order = list(range(num_blocks))
-        self.stack_order = order[::-1] if stacking and d.stack_order == "low_noise_first" else order
-        self.likelihood = d.parameterization == "likelihood"
-        self.prev_token = d.noisy_input == "prev_token"
-        self.clean_state = d.noisy_input == "clean_state"  # the slot starts from its block's clean input state
-        self.posterior_input, self.posterior_topk = d.posterior_input, d.posterior_topk
-        self.cosine_head = d.head == "cosine"
-        self.loss_chunk = m.loss_chunk  # training: (slots, V) tensors per chunk, recomputed in backward
-        self.target_scale = 1.0 if d.target_scale == "unit" else d.sigma_data * math.sqrt(m.d_model)
+        self.stack_order = order[::-1] if stacking and args.stack_order == "low_noise_first" else order
+        self.likelihood = args.parameterization == "likelihood"
+        self.prev_token = args.noisy_input == "prev_token"
+        self.clean_state = args.noisy_input == "clean_state"  # the slot starts from its block's clean input state
+        self.posterior_input, self.posterior_topk = args.posterior_input, args.posterior_topk
+        self.cosine_head = args.head == "cosine"
+        self.loss_chunk = args.loss_chunk  # training: (slots, V) tensors per chunk, recomputed in backward
+        d_model = args.d_model
+        self.target_scale = 1.0 if args.target_scale == "unit" else args.schedule.sigma_data * math.sqrt(d_model)
 
-        ffn = ffn_width(m.d_model, m.ffn_hidden)
-        depths = block_layers(cfg)  # per block, block 0 first (diffusion.layers_per_block: may be uneven)
-        self.tok_emb = ScaledEmbedding(vocab_size, m.d_model, m.embedding_scale())
-        att = LayerOptions.of(m)
-        self.prelude = nn.ModuleList(TransformerLayer(m.d_model, m.n_heads, ffn, m.norm_eps, att)
-                                     for _ in range(m.n_prelude))
+        ffn = ffn_width(d_model, args.ffn_hidden)
+        depths = args.block_layers  # per block, block 0 first (diffusion.layers_per_block: may be uneven)
+        self.tok_emb = ScaledEmbedding(args.vocab_size, d_model, args.embed_scale)
+        att, heads, eps = args.layer, args.n_heads, args.norm_eps
+        self.prelude = nn.ModuleList(TransformerLayer(d_model, heads, ffn, eps, att) for _ in range(args.n_prelude))
         self.blocks = nn.ModuleList(
-            nn.ModuleList(TwoStreamLayer(m.d_model, m.n_heads, ffn, m.norm_eps, att) for _ in range(depth))
+            nn.ModuleList(TwoStreamLayer(d_model, heads, ffn, eps, att) for _ in range(depth))
             for depth in depths)
         # shared coda: more two-stream layers after whichever block ran (looped_db: after the core)
-        self.coda = nn.ModuleList(TwoStreamLayer(m.d_model, m.n_heads, ffn, m.norm_eps, att) for _ in range(m.n_coda))
-        self.noise_emb = NoiseEmbedding(m.d_model)
-        self.norm = nn.RMSNorm(m.d_model, eps=m.norm_eps)
-        self.head_dim = att.attention.width(m.d_model, m.n_heads)
-        self.rope = RotaryEmbedding(self.head_dim, self.max_positions + 1, m.rope_theta, m.local_rope_theta())
+        self.coda = nn.ModuleList(TwoStreamLayer(d_model, heads, ffn, eps, att) for _ in range(args.n_coda))
+        self.noise_emb = NoiseEmbedding(d_model)
+        self.norm = nn.RMSNorm(d_model, eps=eps)
+        self.head_dim = att.attention.width(d_model, heads)
+        self.rope = RotaryEmbedding(self.head_dim, self.max_positions + 1, args.rope_theta, args.rope_local_theta)
         if self.cosine_head:  # logits = exp(log_scale) * cos(norm(h), y_v); starts at sqrt(d), a unit-variance logit
-            self.log_scale = nn.Parameter(torch.tensor(0.5 * math.log(m.d_model)))
-        self.make_head(m.d_model, vocab_size, m.tie_embeddings)  # tied: the embedding, which is also the targets' table
-        init_weights(self, m.init_std, max(depths) + m.n_prelude + m.n_coda)
+            self.log_scale = nn.Parameter(torch.tensor(0.5 * math.log(d_model)))
+        self.make_head(d_model, args.vocab_size, args.tie_embeddings)  # tied: the embedding, also the targets' table
+        init_weights(self, args.init_std, max(depths) + args.n_prelude + args.n_coda)
         # inference: contiguous transposes of the head and of the target table (faster products)
         self.head_t, self.targets_t = TransposedCopy(), TransposedCopy(self._normalized)
         self.mean_row_t = TransposedCopy(lambda table: table.mean(0, keepdim=True))  # noisy_input clean_state
         for layer in [*self.coda, *(layer for block in self.blocks for layer in block)]:  # adaLN-Zero
             nn.init.zeros_(layer.ada.weight)
             nn.init.zeros_(layer.ada.bias)
+        if args.local_layers:  # Gemma 3's sliding-window layers
+            args.local_layers.apply(self)
 
     def set_edges(self, edges: list[float]) -> None:
         self.edges = list(edges)
-        self.train_ranges = dm.widen(self.edges, self.cfg.diffusion.overlap)  # by block, block 0 = highest sigma
+        self.train_ranges = dm.widen(self.edges, self.args.overlap)  # by block, block 0 = highest sigma
 
     def layers_of(self, b: int) -> list:
         """The denoiser for block b: its own layers, then the shared coda."""

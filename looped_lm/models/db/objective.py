@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from looped_lm import diffusion as dm
 from looped_lm.diffusion import ce_curve
 from looped_lm.diffusion.blocks import choose_block
+from looped_lm.models.args import DBArgs
 from looped_lm.models.db.contexts import WindowContext
 from looped_lm.models.layers import chunked, token_cross_entropy
 from looped_lm.models.two_stream import slot_mask
@@ -24,8 +25,8 @@ CURVE_RULES = ("loss_share", "network_gain")  # block_sampling rules driven by t
 
 
 class BlockObjective:
-    def __init__(self, net, trainable_blocks: list[int]):
-        self.net, self.cfg = net, net.cfg.diffusion
+    def __init__(self, net, args: DBArgs, trainable_blocks: list[int]):
+        self.net, self.args = net, args
         self.trainable_blocks = trainable_blocks
         self.curve: dict | None = None  # {"sigmas": [...], "ce": [...]} once measured
 
@@ -34,25 +35,25 @@ class BlockObjective:
     def choose_block(self, step: int, seed: int) -> int:
         """The block trained at `step`: the same on every rank (it depends on step and seed only)."""
         weights = None
-        if self.cfg.block_sampling == "fixed":
-            weights = [self.cfg.block_weights[b] for b in self.trainable_blocks]
+        if self.args.block_sampling == "fixed":
+            weights = [self.args.block_weights[b] for b in self.trainable_blocks]
         elif self.uses_curve() and self.curve is not None:
             shares = self.shares()
             weights = torch.tensor([shares[b] for b in self.trainable_blocks], dtype=torch.float64) + 1e-3  # never starve one
-        return choose_block(step, seed, self.trainable_blocks, self.cfg.block_sampling, weights)
+        return choose_block(step, seed, self.trainable_blocks, self.args.block_sampling, weights)
 
     def shares(self) -> list[float]:
         """Each block's share of the steps under the curve-driven rules (loss_share, network_gain)."""
         c = self.curve
-        if self.cfg.block_sampling == "network_gain":
+        if self.args.block_sampling == "network_gain":
             return ce_curve.gain_shares(self.net.edges, c["sigmas"], c["ce"], c["ce_z"])
         return ce_curve.block_shares(self.net.edges, c["sigmas"], c["ce"])
 
     def uses_curve(self) -> bool:
-        return self.cfg.block_sampling in CURVE_RULES and len(self.trainable_blocks) > 1
+        return self.args.block_sampling in CURVE_RULES and len(self.trainable_blocks) > 1
 
     def loss_weights(self, sigma, b: int):
-        kind = self.cfg.loss_weight
+        kind = self.args.loss_weight
         if kind == "none":
             return torch.ones_like(sigma)
         w = dm.edm_weight(sigma, self.net.sched.sigma_data).to(sigma.dtype) / dm.edm_loss_weight_normaliser(
@@ -132,21 +133,21 @@ class BlockObjective:
         """One micro-batch's loss of block b (what `train.compile` compiles: the step number stays out of
         the graph, the block is one graph each)."""
         Bsz, T = x.shape
-        if self.cfg.denoise_weight == 0:  # the control arm: the clean next-token loss alone, no noisy stream
+        if self.args.denoise_weight == 0:  # the control arm: the clean next-token loss alone, no noisy stream
             ce = self.clean_losses(x, y, b).mean()
-            return self.cfg.clean_lm_weight * ce, {"block": b, f"loss_block{b}": ce.detach()}
+            return self.args.clean_lm_weight * ce, {"block": b, f"loss_block{b}": ce.detach()}
         sigma = dm.sample_sigma(Bsz, *self.net.train_ranges[b], self.net.sched, device=x.device)
-        if b == 0 and self.cfg.top_share > 0:  # the chain's first call, the one every K reads
-            at_top = torch.rand(Bsz, device=x.device) < self.cfg.top_share
+        if b == 0 and self.args.top_share > 0:  # the chain's first call, the one every K reads
+            at_top = torch.rand(Bsz, device=x.device) < self.args.top_share
             sigma = torch.where(at_top, torch.full_like(sigma, self.net.sched.sigma_max), sigma)
-        n = max(1, round(self.cfg.target_fraction * T))
+        n = max(1, round(self.args.target_fraction * T))
         slots = None if n == T else torch.rand(Bsz, T, device=x.device).argsort(dim=1)[:, :n].sort(dim=1).values
         noise = torch.randn(Bsz, n, self.net.tok_emb.weight.shape[1], device=x.device)
-        clean_w = self.cfg.clean_lm_weight
+        clean_w = self.args.clean_lm_weight
         out = self.slot_losses(x, y, b, sigma, noise, slots, clean_lm=bool(clean_w))
         ce, clean_ce = out if clean_w else (out, None)
         ce = ce.mean(dim=1)  # (B,)
-        loss = self.cfg.denoise_weight * (ce * self.loss_weights(sigma, b)).mean()
+        loss = self.args.denoise_weight * (ce * self.loss_weights(sigma, b)).mean()
         # values stay on the device (0-d tensors): the trainer reads them at log steps only
         metrics = {"block": b, f"loss_block{b}": ce.detach().mean(), "sigma_mean": sigma.detach().mean()}
         if clean_w:  # an ordinary next-token loss on the block's clean stream
