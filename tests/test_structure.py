@@ -260,3 +260,42 @@ def test_the_trainer_imports_at_the_top():
                         assert "# optional" in line, f"{path.name}:{inner.lineno}: {line.strip()}"
     sizes = {p.name: len(p.read_text().splitlines()) for p in (ROOT / "looped_lm" / "trainer").glob("*.py")}
     assert max(sizes.values()) <= 600, sizes
+
+
+# The one module of looped_lm/models that reads the run config: it builds each network's frozen args
+ARGS_MODULES = {"looped_lm/models/args.py"}
+
+
+def run_config_reads(source: str) -> list[int]:
+    """Lines that read the run config: an attribute of a name `cfg` (`cfg.model`) or an attribute `.cfg`
+    (`self.cfg`, `net.cfg.diffusion`), read or written."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and (node.attr == "cfg" or isinstance(node.value, ast.Name)
+                                                and node.value.id == "cfg"):
+            lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def test_networks_take_their_args_never_the_run_config():
+    """A network, the DB objective and the chain are built from frozen args (looped_lm/models/args.py, built
+    once by the kind): outside the args module, looped_lm/models imports neither the config nor the kinds,
+    and reads no `cfg.` / `.cfg`."""
+    files = [p for p in sorted((ROOT / "looped_lm" / "models").rglob("*.py"))
+             if p.relative_to(ROOT).as_posix() not in ARGS_MODULES]
+    assert len(files) > 10
+    offenders = []
+    for path in files:
+        rel = path.relative_to(ROOT).as_posix()
+        for imported in internal_imports(path, module_name(path)):
+            if any(imported == m or imported.startswith(m + ".") for m in ("looped_lm.config", "looped_lm.kinds")):
+                offenders.append(f"{rel} imports {imported}")
+        offenders += [f"{rel}:{n} reads the run config" for n in run_config_reads(path.read_text())]
+    assert not offenders, offenders
+
+
+def test_the_run_config_read_check_sees_a_read():
+    """The check above is not vacuous: each shape of read in a snippet written here."""
+    probe = ("def f(cfg, net):\n    a = cfg.model.d_model\n    b = net.cfg.diffusion\n    self.cfg = cfg\n"
+             "    c = cfg_scale.x\n    return build(cfg)\n")
+    assert run_config_reads(probe) == [2, 3, 4]
