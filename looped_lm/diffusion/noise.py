@@ -30,6 +30,11 @@ class NoiseSchedule:
     sigma_max: float = 80.0
     sigma_data: float = 0.5
 
+    @classmethod
+    def of(cls, section) -> "NoiseSchedule":
+        """The schedule a `diffusion:` section (anything with these five fields) sets: every model's, built here."""
+        return cls(section.p_mean, section.p_std, section.sigma_min, section.sigma_max, section.sigma_data)
+
     def validate(self) -> "NoiseSchedule":
         """Raise UserError naming the offending `diffusion.*` key; returns self for chaining."""
         for name in ("p_mean", "p_std", "sigma_min", "sigma_max", "sigma_data"):

@@ -162,7 +162,7 @@ class DBArgs(LMArgs):
                    block_layers=tuple(kind.block_layers(cfg)),
                    context=getattr(d, "context", "independent"),  # looped_db: one core, nothing to stack
                    stack_order=getattr(d, "stack_order", "high_noise_first"),
-                   schedule=NoiseSchedule(d.p_mean, d.p_std, d.sigma_min, d.sigma_max, d.sigma_data),
+                   schedule=NoiseSchedule.of(d),
                    partition=d.partition, overlap=d.overlap, sample_top_quantile=d.sample_top_quantile,
                    last_call=d.last_call, parameterization=d.parameterization, noisy_self=d.noisy_self,
                    noisy_input=d.noisy_input, posterior_input=d.posterior_input, posterior_topk=d.posterior_topk,
@@ -207,8 +207,7 @@ def _module_fields(cfg) -> dict:
 def _image_fields(cfg) -> dict:
     m, d = cfg.model, cfg.diffusion
     return dict(image_size=m.image_size, channels=m.channels, patch=m.patch, num_classes=m.num_classes,
-                schedule=NoiseSchedule(p_mean=d.p_mean, p_std=d.p_std, sigma_min=d.sigma_min, sigma_max=d.sigma_max,
-                                       sigma_data=d.sigma_data),
+                schedule=NoiseSchedule.of(d),
                 partition=d.partition, sample_top_quantile=d.sample_top_quantile, last_call=d.last_call)
 
 
