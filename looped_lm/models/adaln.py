@@ -3,11 +3,10 @@
 - `TimestepEmbedding`: the noise level's smooth embedding (DiT's timestep embedder).
 - `AdaLNLayer`: a bidirectional transformer layer (the parts of `TransformerLayer`) modulated by
   adaLN-Zero from a conditioning vector (the noise level, a label, a masking time).
-- `Blockwise`: the `Trainable` half every such module has in common. `self.blocks` holds B untied
-  denoisers (DiffusionBlocks) or one stack of all layers (the end-to-end baseline, B = 1); a training
-  step runs one block, chosen from (step, seed) by `diffusion.blocks.choose_block`, the rule of every kind (among
-  `diffusion.blocks_to_train` when given: the others are frozen), and only that block's parameter unit
-  plus "shared" are stepped by the optimiser.
+- `Blockwise`: the `Trainable` half every such module has in common, the one of `models/blockwise.py`.
+  `self.blocks` holds B untied denoisers (DiffusionBlocks) or one stack of all layers (the end-to-end
+  baseline, B = 1); a training step runs one block, chosen by the module's `BlockSchedule`
+  (`module_schedule`), and only that block's parameter unit plus "shared" are stepped by the optimiser.
 - `finish_build`: what every module's `build(args, state)` (the registry's entry) does once the network
   exists: freeze the blocks it does not train, check a checkpoint's saved partition.
 
@@ -22,9 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from looped_lm.diffusion.blocks import choose_block
 from looped_lm.errors import UserError
-from looped_lm.models.contract import Trainable
+from looped_lm.models.blockwise import BlockSchedule, BlockwiseTrainable
 from looped_lm.models.layers import TransformerLayer, apply_rope
 from looped_lm.models.two_stream import modulate
 
@@ -81,46 +79,28 @@ def check_labels(labels: torch.Tensor, num_classes: int, what: str = "label") ->
         raise UserError(f"{what} id {bad} is out of range: expected 0 .. {num_classes - 1}")
 
 
-class Blockwise(Trainable):
-    """Block choice, parameter units and the checkpointed partition for a model with `self.blocks`
-    (an nn.ModuleList of layer lists) and `self.edges` (ascending, B + 1 values)."""
-
-    blocks: nn.ModuleList
-    edges: list[float]
-    block_sampling: str = "uniform"
-    trainable_blocks: list[int] | None = None  # None: all (diffusion.blocks_to_train)
-    block_weights: list[float] | None = None  # block_sampling fixed: one weight per block, block 0 first
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
-
-    def choose_block(self, step: int, seed: int) -> int:
-        pool = self.trainable_blocks or list(range(self.num_blocks))
-        weights = [self.block_weights[b] for b in pool] if self.block_sampling == "fixed" and self.block_weights else None
-        return choose_block(step, seed, pool, self.block_sampling, weights)
+class Blockwise(BlockwiseTrainable):
+    """The block-wise training of a module with `self.blocks` (an nn.ModuleList of layer lists) and its
+    `self.block_schedule` (`module_schedule`): `BlockwiseTrainable`, except that one block (the end-to-end
+    baseline) steps as a plain network."""
 
     def step_units(self, step: int, seed: int) -> set[str] | None:
         if self.num_blocks == 1:
             return None  # end-to-end: everything moves every step
-        return {"shared", f"block{self.choose_block(step, seed)}"}
+        return super().step_units(step, seed)
 
-    def param_unit(self, name: str) -> str:
-        return f"block{name.split('.')[1]}" if name.startswith("blocks.") else "shared"
 
-    def checkpoint_state(self) -> dict:
-        return {"edges": [float(e) for e in self.edges], "num_blocks": self.num_blocks}
+def module_schedule(args, edges, train_ranges) -> BlockSchedule:
+    """A module's block schedule from its args. The modules walk `blocks_to_train` in ascending order (the
+    language models in the order listed), and one block (end-to-end) has nothing to choose from."""
+    chosen = sorted(args.blocks_to_train) if len(edges) > 2 else ()
+    return BlockSchedule(edges, train_ranges, chosen, args.block_sampling, args.block_weights)
 
 
 def finish_build(model: Blockwise, args, state: dict | None):
     """Freeze the blocks outside `args.blocks_to_train` (before any optimiser exists), and check the
     partition a checkpoint saved against the one these args build (ValueError naming the difference)."""
-    chosen = list(args.blocks_to_train)
-    model.block_weights = list(args.block_weights) or None
-    if chosen and model.num_blocks > 1:
-        model.trainable_blocks = sorted(chosen)
-        for b, block in enumerate(model.blocks):
-            block.requires_grad_(b in chosen)
+    model.block_schedule.freeze_untrained(model.blocks)
     if state:
         mine = model.checkpoint_state()
         for key, value in state.items():

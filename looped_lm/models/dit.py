@@ -42,8 +42,9 @@ from looped_lm.diffusion.blocks import chain_grid
 from looped_lm.diffusion.chain import run_chain
 from looped_lm.errors import UserError
 from looped_lm.models.adaln import (AdaLNLayer, Blockwise, TimestepEmbedding, check_images, check_labels, finish_build,
-                                    patchify, unpatchify)
+                                    module_schedule, patchify, unpatchify)
 from looped_lm.models.args import DitArgs
+from looped_lm.models.blockwise import noise_partition
 from looped_lm.models.contract import ImageGenerator
 from looped_lm.models.layers import ffn_width, init_weights
 from looped_lm.models.two_stream import modulate
@@ -54,11 +55,10 @@ class DiffusionDiT(nn.Module, Blockwise, ImageGenerator):
     def __init__(self, args: DitArgs):
         super().__init__()
         self.args = args
-        self.sched, self.block_sampling, self.end_to_end = args.schedule, args.block_sampling, args.end_to_end
+        self.sched, self.end_to_end = args.schedule, args.end_to_end
         self.clip_samples = args.clip_samples  # pixels are in [-1, 1]; latents are not bounded
         num_blocks = 1 if args.end_to_end else args.num_blocks
-        self.edges = dm.make_edges(args.partition, num_blocks, self.sched)
-        self.train_ranges = dm.widen(self.edges, args.overlap)
+        self.block_schedule = module_schedule(args, *noise_partition(args, num_blocks))  # edges, train_ranges
         d, per_block = args.d_model, args.n_layers // num_blocks
         ffn, patch_dim = ffn_width(d, args.ffn_hidden), args.channels * args.patch**2
         self.patch_embed = nn.Linear(patch_dim, d)

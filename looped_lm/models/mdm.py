@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from looped_lm.data.text8 import VOCAB_SIZE
 from looped_lm.errors import UserError
-from looped_lm.models.adaln import AdaLNLayer, Blockwise, check_labels, finish_build
+from looped_lm.models.adaln import AdaLNLayer, Blockwise, check_labels, finish_build, module_schedule
 from looped_lm.models.args import MdmArgs
 from looped_lm.models.contract import TextDiffusion
 from looped_lm.models.layers import RotaryEmbedding, ffn_width, init_weights
@@ -112,11 +112,11 @@ class MaskedDiffusionLM(nn.Module, Blockwise, TextDiffusion):
     def __init__(self, args: MdmArgs):
         super().__init__()
         self.args = args
-        self.block_sampling, self.end_to_end = args.block_sampling, args.end_to_end
+        self.end_to_end = args.end_to_end
         self.mask_id = VOCAB_SIZE
         num_blocks = 1 if args.end_to_end else args.num_blocks
-        self.edges = time_edges(num_blocks, args.schedule)
-        self.train_ranges = time_intervals(self.edges, args.overlap)
+        edges = time_edges(num_blocks, args.schedule)  # masking time, not sigma: its own partition
+        self.block_schedule = module_schedule(args, edges, time_intervals(edges, args.overlap))
         self.report_edges = time_edges(args.num_blocks, args.schedule)  # per-interval ELBO shares, both variants
         d, per_block = args.d_model, args.n_layers // num_blocks
         ffn = ffn_width(d, args.ffn_hidden)

@@ -47,8 +47,9 @@ from looped_lm import diffusion as dm
 from looped_lm.diffusion.blocks import chain_grid
 from looped_lm.diffusion.chain import run_chain
 from looped_lm.models.adaln import (AdaLNLayer, Blockwise, TimestepEmbedding, check_images, check_labels, finish_build,
-                                    patchify)
+                                    module_schedule, patchify)
 from looped_lm.models.args import VitArgs
+from looped_lm.models.blockwise import noise_partition
 from looped_lm.models.contract import Classifier
 from looped_lm.models.layers import ffn_width, init_weights
 from looped_lm.models.two_stream import modulate
@@ -61,11 +62,9 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
     def __init__(self, args: VitArgs):
         super().__init__()
         self.args = args
-        self.sched, self.block_sampling = args.schedule, args.block_sampling
-        self.end_to_end = args.end_to_end
+        self.sched, self.end_to_end = args.schedule, args.end_to_end
         num_blocks = 1 if args.end_to_end else args.num_blocks
-        self.edges = dm.make_edges(args.partition, num_blocks, self.sched)
-        self.train_ranges = dm.widen(self.edges, args.overlap)  # by block, block 0 = highest sigma
+        self.block_schedule = module_schedule(args, *noise_partition(args, num_blocks))  # edges, train_ranges
         d, per_block = args.d_model, args.n_layers // num_blocks
         ffn = ffn_width(d, args.ffn_hidden)
         self.patch_embed = nn.Linear(args.channels * args.patch**2, d)

@@ -1,7 +1,8 @@
 """`DiffusionBlocksLM` (model.kind db_ar and looped_db): the network plus the contract's capabilities.
 
     network     DBNetwork (network.py): parameters, clean encoder, noisy step
-    training    BlockObjective (objective.py): one block per step
+    training    BlockObjective (objective.py): one block per step, chosen by the BlockSchedule
+                (models/blockwise.py) that also holds the partition and the measured CE curve
     decoding    DecodeState / CachedContext (contexts.py) + the chain (looped_lm/diffusion/chain.py)
     scoring     WindowContext (contexts.py) + the estimator (looped_lm/diffusion/estimator.py): ppl@k
 
@@ -19,8 +20,9 @@ from looped_lm.diffusion.chain import ChainGrid, run_chain, top_of_block0
 from looped_lm.diffusion.estimator import jackknife_nll, sampler_probs
 from looped_lm.errors import UserError
 from looped_lm.models.args import DBArgs
+from looped_lm.models.blockwise import BlockSchedule, BlockwiseTrainable, noise_partition
 from looped_lm.models.contract import (CachedDecoding, EstimatedLogprobs, FixedShapeBlocks, Iterative, Scorable,
-                                       TokenScores, Trainable)
+                                       TokenScores)
 from looped_lm.models.db.contexts import CachedContext, DecodeState, WindowContext
 from looped_lm.models.db.network import DBNetwork
 from looped_lm.models.db.objective import BlockObjective
@@ -31,18 +33,17 @@ from looped_lm.settings import IterationLimits, RowBatch, ScoreSettings
 TILT_BELOW = 0.5  # the estimator tilts its starting noise only toward targets a pilot call finds rarer than this
 
 
-class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, FixedShapeBlocks, Iterative):
+class DiffusionBlocksLM(DBNetwork, BlockwiseTrainable, Scorable, CachedDecoding, FixedShapeBlocks, Iterative):
     def __init__(self, args: DBArgs, state: dict | None = None):
         state = state or {}
-        super().__init__(args, state.get("edges"))
+        # the blocks this run trains in the order the user listed them (round_robin walks them in that order)
+        schedule = BlockSchedule(*noise_partition(args, args.num_blocks, state.get("edges")), args.blocks_to_train,
+                                 args.block_sampling, args.block_weights)
+        super().__init__(args, schedule)
         self.max_iterations = args.limits.max_iterations
-        # the blocks this run trains, in the order the user listed them (round_robin walks them in that order)
-        trainable = list(args.blocks_to_train) or list(range(args.num_blocks))
-        for b, block in enumerate(self.blocks):
-            if b not in trainable:
-                block.requires_grad_(False)  # frozen before the optimiser exists: no state for it
-        self.objective = BlockObjective(self, args, trainable)
-        self.objective.curve = state.get("curve")
+        schedule.freeze_untrained(self.blocks)
+        schedule.curve = state.get("curve")
+        self.objective = BlockObjective(self, args)
 
     # --- Trainable ------------------------------------------------------------------------------------
 
@@ -65,36 +66,12 @@ class DiffusionBlocksLM(DBNetwork, Trainable, Scorable, CachedDecoding, FixedSha
             return None
         return self.stack_order[-1]
 
-    def choose_block(self, step: int, seed: int) -> int:
-        return self.objective.choose_block(step, seed)
-
-    def step_units(self, step: int, seed: int) -> set[str]:
-        return {"shared", f"block{self.choose_block(step, seed)}"}
-
-    def param_unit(self, name: str) -> str:
-        return f"block{name.split('.')[1]}" if name.startswith("blocks.") else "shared"
-
-    def checkpoint_state(self) -> dict:
-        state = {"edges": self.edges, "num_blocks": len(self.blocks)}
-        if self.objective.curve is not None:
-            state["curve"] = self.objective.curve
-        return state
-
     def restore_state(self, saved: dict) -> None:
         """Blocks and edges must match this config's; a measured CE curve is adopted."""
-        if saved.get("num_blocks") != len(self.blocks) or [float(e) for e in saved.get("edges", [])] != self.edges:
-            raise UserError(f"cannot resume: the checkpoint has {saved.get('num_blocks')} blocks with edges "
-                            f"{saved.get('edges')}, this run {len(self.blocks)} with {self.edges}")
-        self.objective.curve = saved.get("curve")
-
-    def uses_curve(self) -> bool:
-        return self.objective.uses_curve()
+        self.block_schedule.restore(saved)
 
     def measure_curve(self, x, y, seed: int) -> dict:
         return self.objective.measure_curve(x, y, seed)
-
-    def apply_curve(self, curve: dict) -> None:
-        self.objective.curve = curve
 
     # --- Iterative --------------------------------------------------------------------------------------
 

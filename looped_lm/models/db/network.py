@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from looped_lm import diffusion as dm
 from looped_lm.errors import UserError
 from looped_lm.models.args import DBArgs
+from looped_lm.models.blockwise import BlockSchedule, noise_partition
 from looped_lm.models.layers import (OutputHead, RotaryEmbedding, ScaledEmbedding, TransformerLayer,
                                      TransposedCopy, chunked, ffn_width, init_weights, positions_after)
 from looped_lm.models.two_stream import NoiseEmbedding, TwoStreamLayer, windowed_slot_mask
@@ -52,17 +53,15 @@ class FoldedHead(torch.autograd.Function):
 
 
 class DBNetwork(nn.Module, OutputHead):
-    def __init__(self, args: DBArgs, edges: list[float] | None = None):
+    def __init__(self, args: DBArgs, block_schedule: BlockSchedule):
+        """`block_schedule`: the blocks as training sees them, here read for the partition (edges, intervals)."""
         super().__init__()
         self.args, self.vocab_size, self.n_heads = args, args.vocab_size, args.n_heads
         self.seq_len, self.max_positions = args.seq_len, args.positions
         self.activation_checkpointing = args.activation_checkpointing
         self.sched = args.schedule.validate()
+        self.block_schedule = block_schedule
         num_blocks = args.num_blocks  # looped_db: its one weight-tied core
-        self.set_edges(dm.check_edges(edges) if edges is not None else dm.make_edges(args.partition, num_blocks,
-                                                                                      self.sched))
-        if len(self.edges) != num_blocks + 1:
-            raise UserError(f"saved edges have {len(self.edges) - 1} blocks but the model has {num_blocks}")
         self.noisy_self = args.noisy_self
         # context stacked: the clean stream runs through the blocks in stack_order, each continuing the one before
         stacking = args.context == "stacked"
@@ -105,9 +104,17 @@ class DBNetwork(nn.Module, OutputHead):
         if args.local_layers:  # Gemma 3's sliding-window layers
             args.local_layers.apply(self)
 
+    @property
+    def edges(self) -> list[float]:
+        return self.block_schedule.edges
+
+    @property
+    def train_ranges(self) -> list[tuple[float, float]]:
+        """By block, block 0 = highest sigma."""
+        return self.block_schedule.train_ranges
+
     def set_edges(self, edges: list[float]) -> None:
-        self.edges = list(edges)
-        self.train_ranges = dm.widen(self.edges, self.args.overlap)  # by block, block 0 = highest sigma
+        self.block_schedule.set_partition(*noise_partition(self.args, self.args.num_blocks, edges))
 
     def layers_of(self, b: int) -> list:
         """The denoiser for block b: its own layers, then the shared coda."""

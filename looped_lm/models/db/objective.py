@@ -2,9 +2,9 @@
 
 A step picks block b from (step, seed) alone (every rank agrees), draws sigma per sample from b's
 widened interval, noises the next-token targets, runs b's two streams, and takes the noisy slots' CE.
-`block_sampling: loss_share` picks blocks in proportion to their share of the held-out CE drop,
-`network_gain` in proportion to what the network adds to z's own likelihood in each block's interval
-(diffusion/ce_curve.py), from CE(sigma) curves the trainer re-measures every `diffusion.curve_every` steps.
+The block's choice is the network's `BlockSchedule` (models/blockwise.py): `block_sampling: loss_share` and
+`network_gain` take their weights from the CE(sigma) curve `measure_curve` gives, which the trainer re-measures
+every `diffusion.curve_every` steps.
 """
 
 from __future__ import annotations
@@ -14,43 +14,32 @@ import torch.nn.functional as F
 
 from looped_lm import diffusion as dm
 from looped_lm.diffusion import ce_curve
-from looped_lm.diffusion.blocks import choose_block
 from looped_lm.models.args import DBArgs
 from looped_lm.models.db.contexts import WindowContext
 from looped_lm.models.layers import chunked, token_cross_entropy
 from looped_lm.models.two_stream import slot_mask
 
 
-CURVE_RULES = ("loss_share", "network_gain")  # block_sampling rules driven by the measured curves
-
-
 class BlockObjective:
-    def __init__(self, net, args: DBArgs, trainable_blocks: list[int]):
+    def __init__(self, net, args: DBArgs):
         self.net, self.args = net, args
-        self.trainable_blocks = trainable_blocks
-        self.curve: dict | None = None  # {"sigmas": [...], "ce": [...]} once measured
 
-    # --- which block, which sigma -------------------------------------------------------------------
+    # --- which block (the network's BlockSchedule), which sigma --------------------------------------
 
     def choose_block(self, step: int, seed: int) -> int:
-        """The block trained at `step`: the same on every rank (it depends on step and seed only)."""
-        weights = None
-        if self.args.block_sampling == "fixed":
-            weights = [self.args.block_weights[b] for b in self.trainable_blocks]
-        elif self.uses_curve() and self.curve is not None:
-            shares = self.shares()
-            weights = torch.tensor([shares[b] for b in self.trainable_blocks], dtype=torch.float64) + 1e-3  # never starve one
-        return choose_block(step, seed, self.trainable_blocks, self.args.block_sampling, weights)
-
-    def shares(self) -> list[float]:
-        """Each block's share of the steps under the curve-driven rules (loss_share, network_gain)."""
-        c = self.curve
-        if self.args.block_sampling == "network_gain":
-            return ce_curve.gain_shares(self.net.edges, c["sigmas"], c["ce"], c["ce_z"])
-        return ce_curve.block_shares(self.net.edges, c["sigmas"], c["ce"])
+        return self.net.block_schedule.choose_block(step, seed)
 
     def uses_curve(self) -> bool:
-        return self.args.block_sampling in CURVE_RULES and len(self.trainable_blocks) > 1
+        return self.net.block_schedule.uses_curve()
+
+    @property
+    def curve(self) -> dict | None:
+        """The measured CE(sigma) curve, held by the block schedule (read and set here by bench/ and tests/)."""
+        return self.net.block_schedule.curve
+
+    @curve.setter
+    def curve(self, curve: dict | None) -> None:
+        self.net.block_schedule.curve = curve
 
     def loss_weights(self, sigma, b: int):
         kind = self.args.loss_weight
