@@ -8,7 +8,7 @@ Layout of one checkpoint, `out_dir/step_0000500/`:
                         from the step). Checkpoints written before this layout hold DeepSpeed's own files
                         (`optimizer/ds/`, `optimizer_layout` absent): those resume at their own stage.
     rng/rank{r}.pt      torch / numpy / python RNG states of each rank
-    manifest.json       config, tokenizer, step, data position, model metadata (edges...), the blocks this
+    manifest.json       (manifest.Manifest) config, tokenizer, step, data position, model metadata (edges...), the blocks this
                         run trained (`ownership`: what `looped_lm merge` joins), and the integrity record:
                         every other file with its size and sha256, then the sha256 of the manifest's own
                         content (`manifest_sha256`); written LAST
@@ -39,6 +39,7 @@ from looped_lm.config import Config, config_from_dict
 from looped_lm.data.tokenizer import run_vocab
 from looped_lm.errors import UserError
 from looped_lm.kinds import kind_of
+from looped_lm.manifest import OPTIMIZER_BY_UNIT, Manifest
 
 MANIFEST = "manifest.json"
 WEIGHTS = "model.safetensors"
@@ -120,7 +121,7 @@ def read_unit_state(ckpt: Path, unit: str) -> tuple[int, dict]:
 def optimizer_layout(manifest: dict) -> str:
     """units: optimiser state by parameter name (any ZeRO stage, world size or mode resumes it);
     deepspeed: DeepSpeed's own engine files (older checkpoints: same stage and, at ZeRO >= 1, world size)."""
-    return manifest.get("optimizer_layout", "deepspeed")
+    return Manifest.from_dict(manifest).layout
 
 
 def file_records(root: Path) -> dict:
@@ -129,29 +130,34 @@ def file_records(root: Path) -> dict:
             for rel in sorted(_names_on_disk(root))}
 
 
-def write_manifest(ckpt: Path, manifest: dict) -> dict:
-    """Complete `manifest` with the integrity record of `ckpt`'s files and its own hash; write it."""
-    manifest = {**manifest, "format_version": FORMAT_VERSION, "looped_lm_version": __version__,
-                "files": file_records(ckpt)}
+def write_manifest(ckpt: Path, manifest: Manifest | dict) -> Manifest:
+    """Complete `manifest` (a dict: one written by hand, as tests and tools do) with the integrity record of
+    `ckpt`'s files and its own hash; write it."""
+    if isinstance(manifest, dict):
+        manifest = Manifest.from_dict(manifest)
+    manifest = manifest.replace(format_version=FORMAT_VERSION, looped_lm_version=__version__,
+                                files=file_records(ckpt))
     if (ckpt / WEIGHTS).is_file():  # each tensor's dtype, which a load checks like its name and shape
         from looped_lm.tensor_files import weights_header  # torch: seconds at start-up (see the module's docstring)
 
-        manifest["weights_dtypes"] = weights_header(ckpt / WEIGHTS)[1]
-    manifest["manifest_sha256"] = manifest_digest(manifest)
+        manifest = manifest.replace(weights_dtypes=weights_header(ckpt / WEIGHTS)[1])
+    manifest = manifest.replace(manifest_sha256=manifest_digest(manifest.to_dict()))
     with open(ckpt / MANIFEST, "w") as f:
-        json.dump(manifest, f, indent=2)
+        json.dump(manifest.to_dict(), f, indent=2)
         f.flush()
         os.fsync(f.fileno())
     return manifest
 
 
-def finalize(out_dir: Path, step: int, model, manifest: dict, keep_last: int) -> Path:
+def finalize(out_dir: Path, step: int, model, manifest: Manifest | dict, keep_last: int) -> Path:
     """Rank 0, after every rank has written its part: weights, manifest, atomic rename, pruning."""
     from looped_lm.tensor_files import save_weights  # torch: seconds at start-up (see the module's docstring)
 
     tmp = tmp_dir_for(out_dir, step)
     save_weights(model, tmp / WEIGHTS)
-    write_manifest(tmp, {**manifest, "step": step})
+    if isinstance(manifest, dict):
+        manifest = Manifest.from_dict(manifest)
+    write_manifest(tmp, manifest.replace(step=step))
     final = out_dir / step_dir_name(step)
     old = out_dir / f".old-{final.name}"
     if final.exists():  # an older save of the same step (e.g. a run started over): replace it
@@ -323,14 +329,8 @@ def verify_files(ckpt: Path, manifest: dict, names=None, verify: bool = True) ->
 
 
 def weights_only(manifest: dict) -> str | None:
-    """What a checkpoint without optimizer and RNG state is (None: a training checkpoint): a merge of block
-    jobs, which no run resumes, or a conversion (train.max_steps 0), which a run resumes at step 0 with a
-    fresh optimizer, as a run from the same source would start."""
-    if "merged_from" in manifest:
-        return "a merge of block jobs (`looped_lm merge`)"
-    if "conversion" in manifest:
-        return "the model as built, before any step (train.max_steps 0)"
-    return None
+    """What a checkpoint without optimizer and RNG state is (Manifest.weights_only), None: a training checkpoint."""
+    return Manifest.from_dict(manifest).weights_only
 
 
 def verify_checkpoint(ckpt: str | Path, verify: bool = True, ranks: int | None = None) -> dict:
@@ -368,8 +368,8 @@ def _names_on_disk(root: Path) -> list[str]:
             if rel != MANIFEST]
 
 
-def config_of(manifest: dict, ckpt: Path | None = None) -> Config:
-    raw = manifest["config"]
+def config_of(manifest: Manifest | dict, ckpt: Path | None = None) -> Config:
+    raw = manifest.config if isinstance(manifest, Manifest) else manifest["config"]
     train = raw.get("train") if isinstance(raw, dict) else None
     if isinstance(train, dict) and train.get("lora_rank") and "lora_ada" not in train:
         # an adapter checkpoint from before train.lora_ada: its `ada` trained fully, whatever the default
@@ -450,7 +450,7 @@ def _check_ownership(manifest: dict, cfg: Config, bad) -> None:
     if sorted(blocks) != cfg.diffusion.trained_blocks():
         raise bad("ownership", f"lists blocks {sorted(blocks)}, but its config trains blocks {cfg.diffusion.trained_blocks()} "
                                "(diffusion.blocks_to_train)")
-    if optimizer_layout(manifest) == "units" and weights_only(manifest) is None and "files" in manifest:
+    if optimizer_layout(manifest) == OPTIMIZER_BY_UNIT and weights_only(manifest) is None and "files" in manifest:
         stored = sorted(int(m.group(1)) for rel in manifest["files"]
                         if (m := re.fullmatch(rf"{OPTIMIZER_DIR}/block(\d+)\.safetensors", rel)))
         if stored != sorted(blocks):
@@ -514,34 +514,3 @@ def check_checkpoint_agrees(ckpt: str | Path, manifest: dict) -> Config:
     check_agreement(ckpt, manifest, cfg)
     check_tensors(ckpt, manifest, cfg)
     return cfg
-
-
-def verify_report(path: str | Path) -> list[str]:
-    """`looped_lm verify CKPT`: every check a resume makes (a merge of block jobs: all but the optimizer
-    and RNG files it never had), then what the checkpoint holds, as lines to print."""
-    ckpt = resolve_checkpoint(path)
-    manifest = read_manifest(ckpt, verify=True)
-    merged = "merged_from" in manifest
-    verify_checkpoint(ckpt, verify=True)  # weights only: every listed file and no other
-    cfg = check_checkpoint_agrees(ckpt, manifest)
-    files = manifest["files"]
-    lines = [f"{ckpt}: ok",
-             f"  step {manifest['step']}, model.kind {cfg.model.kind}, tokenizer {manifest['tokenizer']} "
-             f"({manifest['vocab_size']} tokens), world size {manifest['world_size']}",
-             f"  {len(files)} files, {sum(r['size'] for r in files.values()):,} bytes: every size and sha256 "
-             "matches its manifest, whose own hash matches; no unlisted file",
-             "  manifest agrees with its config and tensors: model_kind, tokenizer, vocab_size, world_size, tensor "
-             "names, shapes and dtypes" + (", ownership" if "ownership" in manifest else "")
-             + (", edges" if "edges" in (manifest.get("model_state") or {}) else ""),
-             "  every weight is finite (no NaN or Inf)"]
-    if "ownership" in manifest:
-        lines.append(f"  trained blocks {manifest['ownership']['blocks']}")
-    if merged:
-        lines.append("  a merge of block jobs: eval, generate, serve and export load it; it does not resume")
-    elif weights_only(manifest):
-        lines.append(f"  {weights_only(manifest)}: weights only; eval, generate, serve and export load it, and a run "
-                     "resumes from it with a fresh optimizer")
-    else:
-        lines.append("  a resume accepts it (weights, optimizer state, RNG state of every rank); eval, generate, "
-                     "serve and export load it")
-    return lines

@@ -33,6 +33,7 @@ from looped_lm import tensor_files
 from looped_lm.config import block_layers
 from looped_lm.errors import UserError
 from looped_lm.kinds import kind_of
+from looped_lm.manifest import Manifest
 
 # settings a job may choose for itself: how it trains (not what a block computes) and inference defaults
 # (model.init_from: where a job started; an adapter job's base is checked by its sha256 instead)
@@ -66,15 +67,16 @@ class _Job:
 
     def __init__(self, path, verify: bool):
         self.path = ckpt_io.resolve_checkpoint(path)
-        self.manifest = ckpt_io.read_manifest(self.path, verify)
-        ckpt_io.verify_files(self.path, self.manifest, [ckpt_io.WEIGHTS], verify)
-        self.cfg = ckpt_io.check_checkpoint_agrees(self.path, self.manifest)  # kind, tokens, ownership, edges
+        raw = ckpt_io.read_manifest(self.path, verify)
+        ckpt_io.verify_files(self.path, raw, [ckpt_io.WEIGHTS], verify)
+        self.cfg = ckpt_io.check_checkpoint_agrees(self.path, raw)  # kind, tokens, ownership, edges
+        self.manifest = Manifest.from_dict(raw)
         self.kind = self.cfg.model.kind
         if not kind_of(self.cfg).offers("merge"):
             raise UserError(f"cannot merge {self.path}: model.kind {self.kind} does not offer merge (merge joins the "
                             "block jobs of a db_ar model)")
         self.lora = bool(self.cfg.train.lora_rank)  # its file holds adapters over a base, not the block's weights
-        self.base = self.manifest.get("base") if self.lora else None
+        self.base = self.manifest.base if self.lora else None
         if self.lora and not (isinstance(self.base, dict) and self.base.get("sha256") and self.base.get("path")):
             raise UserError(f"cannot merge {self.path}: it is a LoRA job without a 'base' record (path and sha256 "
                             "of the weights its adapters were trained on) in its manifest")
@@ -83,9 +85,9 @@ class _Job:
             raise UserError(f"cannot merge {self.path}: it has diffusion.context stacked, where each block continues "
                             "from the clean states of the blocks before it, so blocks are not trained apart "
                             "(docs/method.md §4)")
-        owned = self.manifest.get("ownership", {}).get("blocks", d.trained_blocks())
-        self.blocks = sorted(owned)
-        self.edges = [float(e) for e in self.manifest.get("model_state", {}).get("edges", [])]
+        owned = self.manifest.owned_blocks
+        self.blocks = owned if owned is not None else d.trained_blocks()
+        self.edges = self.manifest.edges
 
     def shapes(self) -> dict:
         """Tensor name -> shape (an adapter job's LoRA tensors and `ada` weights left out: each job has its own
@@ -130,10 +132,10 @@ def _check_pair(job: _Job, first: _Job) -> None:
         for key in LORA_FIELDS:
             if getattr(job.cfg.train, key) != getattr(first.cfg.train, key):
                 raise differ(f"train.{key}", repr(getattr(job.cfg.train, key)), repr(getattr(first.cfg.train, key)))
-    tokens = (job.manifest["tokenizer"], job.manifest["vocab_size"])
-    if tokens != (first.manifest["tokenizer"], first.manifest["vocab_size"]):
+    tokens = (job.manifest.tokenizer, job.manifest.vocab_size)
+    if tokens != (first.manifest.tokenizer, first.manifest.vocab_size):
         raise differ("tokenizer", "{} ({} tokens)".format(*tokens),
-                     "{} ({} tokens)".format(first.manifest["tokenizer"], first.manifest["vocab_size"]))
+                     "{} ({} tokens)".format(first.manifest.tokenizer, first.manifest.vocab_size))
     if job.cfg.diffusion.num_blocks != first.cfg.diffusion.num_blocks:
         raise differ("B =", job.cfg.diffusion.num_blocks, first.cfg.diffusion.num_blocks)
     if block_layers(job.cfg) != block_layers(first.cfg):
@@ -218,28 +220,27 @@ def _write(out: Path, shared: _Job, owner: dict, jobs: list[_Job]) -> Path:
 
     cfg = shared.cfg.model_copy(deep=True)
     cfg.diffusion.blocks_to_train = []
-    model = build_model(cfg, shared.manifest["vocab_size"], shared.manifest.get("model_state"))
+    model = build_model(cfg, shared.manifest.vocab_size, shared.manifest.model_state)
     if shared.lora:
         _fill_adapters(model, cfg, shared, owner)
     else:
         tensor_files.load_weights(model, shared.path / ckpt_io.WEIGHTS,
-                             recorded_dtypes=shared.manifest.get("weights_dtypes"))
+                             recorded_dtypes=shared.manifest.weights_dtypes)
         with torch.no_grad():
             for b, job in sorted(owner.items()):
                 with safe_open(str(job.path / ckpt_io.WEIGHTS), "pt") as f:
                     for name, p in model.named_parameters():
                         if name.startswith(f"blocks.{b}."):
                             p.copy_(f.get_tensor(name))
-    manifest = {"config": cfg.to_dict(), "model_kind": cfg.model.kind, "vocab_size": shared.manifest["vocab_size"],
-                "tokenizer": shared.manifest["tokenizer"], "model_state": shared.manifest.get("model_state", {}),
-                "data": shared.manifest.get("data", {}), "world_size": 1,
-                "ownership": {"blocks": sorted(owner)},
-                "merged_from": [{"checkpoint": str(j.path), "step": j.manifest["step"], "blocks": j.blocks,
-                                 "shared": j is shared, "manifest_sha256": j.manifest.get("manifest_sha256")}
-                                for j in jobs + ([shared] if shared not in jobs else [])]}
-    if shared.lora:  # an adapter checkpoint: every load reads this base and checks its hash
-        manifest["base"] = shared.base
-    step = max(j.manifest["step"] for j in jobs)
+    step = max(j.manifest.step for j in jobs)
+    sources = [{"checkpoint": str(j.path), "step": j.manifest.step, "blocks": j.blocks, "shared": j is shared,
+                "manifest_sha256": j.manifest.manifest_sha256} for j in jobs + ([shared] if shared not in jobs else [])]
+    # its ownership: every block (the merged config trains them all: blocks_to_train [] above)
+    manifest = Manifest.of(cfg, vocab_size=shared.manifest.vocab_size, tokenizer=shared.manifest.tokenizer,
+                           model_state=shared.manifest.model_state or {}, data=shared.manifest.data or {},
+                           world_size=1, step=step, merged_from=sources,
+                           # an adapter checkpoint: every load reads this base and checks its hash
+                           base=shared.base if shared.lora else None)
     named = ckpt_io.step_of(out)
     if named is not None and named != step:
         raise UserError(f"--out {out} names step {named}, but the merged checkpoint is at step {step} (the "
@@ -249,7 +250,7 @@ def _write(out: Path, shared: _Job, owner: dict, jobs: list[_Job]) -> Path:
     tmp.mkdir(parents=True)
     try:
         tensor_files.save_weights(model, tmp / ckpt_io.WEIGHTS)
-        ckpt_io.write_manifest(tmp, {**manifest, "step": step})
+        ckpt_io.write_manifest(tmp, manifest)
         if out.exists():
             out.rmdir()  # empty (checked above)
         tmp.rename(out)

@@ -23,6 +23,7 @@ from looped_lm.config import Config, block_layers, init_source
 from looped_lm.data.batches import prepare_data
 from looped_lm.data.tokenizer import run_vocab
 from looped_lm.errors import UserError
+from looped_lm.manifest import OPTIMIZER_BY_DEEPSPEED, Manifest
 from looped_lm.parallel import check_world
 
 RESUMING_WITH = "resuming with changes (train.resume_changes: allow)"
@@ -36,7 +37,7 @@ class Plan:
     tokenizer: str
     data_dir: str
     resume: str | None = None
-    manifest: dict | None = None
+    manifest: Manifest | None = None  # the checkpoint resumed, read and checked
     notes: list[str] = field(default_factory=list)
     changes: list[str] = field(default_factory=list)  # what a resume allowed to change
 
@@ -71,7 +72,8 @@ def preflight(cfg: Config, verify: bool = True, world_size: int | None = None) -
         cfg.model.max_positions = saved.get("max_positions", 0)
     try:  # cheap checks first (the manifest against this config), the files' hashes after the data
         if resume is not None:
-            plan.resume, plan.manifest = str(resume), ckpt_io.read_manifest(resume, verify)
+            raw = ckpt_io.read_manifest(resume, verify)
+            plan.resume, plan.manifest = str(resume), Manifest.from_dict(raw)
             notes = check_resume(plan.manifest, cfg, vocab_size, world_size, resume)
             plan.notes += notes
             plan.changes = [c for n in notes if n.startswith(RESUMING_WITH)
@@ -79,7 +81,7 @@ def preflight(cfg: Config, verify: bool = True, world_size: int | None = None) -
         plan.data_dir = prepare_data(cfg, vocab_size)
         if resume is not None:
             ckpt_io.verify_checkpoint(resume, verify, ranks=world_size)
-            ckpt_io.check_checkpoint_agrees(resume, plan.manifest)  # its fields against its own files
+            ckpt_io.check_checkpoint_agrees(resume, raw)  # its fields against its own files
     except UserError as e:
         if resume is None or str(e).startswith("cannot resume"):
             raise
@@ -184,7 +186,7 @@ _FREE_TO_CHANGE = {"model": {"num_iterations", "max_iterations"},
                    "diffusion": {"num_iterations", "bridge", "last_call", "sample_top_quantile"}}
 
 
-def check_resume(manifest: dict, cfg: Config, vocab_size: int, world_size: int | None,
+def check_resume(manifest: Manifest, cfg: Config, vocab_size: int, world_size: int | None,
                  path: Path) -> list[str]:
     """Refuse a checkpoint this run cannot continue exactly; return notes on allowed changes.
 
@@ -193,13 +195,13 @@ def check_resume(manifest: dict, cfg: Config, vocab_size: int, world_size: int |
     and train.mode may change: the optimizer state is stored by parameter name (checkpoints from before
     that layout: same stage, data parallel, and at ZeRO >= 1 the same world size). world_size None: the
     caller does not know it yet (checked again by the trainer)."""
-    if "merged_from" in manifest:
+    if manifest.merged_from is not None:
         raise UserError(f"cannot resume from {path}: it is a merge of block jobs (`looped_lm merge`): weights only, "
                         "no optimizer state")
     # the saved config as this version reads it (fields another kind's section had then are dropped)
     saved, mine = ckpt_io.config_of(manifest, path).to_dict(), cfg.to_dict()
-    saved_world = manifest.get("world_size", 1)
-    layout = ckpt_io.optimizer_layout(manifest)
+    saved_world = manifest.world_size or 1
+    layout = manifest.layout
     for section in ("model", "diffusion"):
         for key, value in saved.get(section, {}).items():
             if key not in _FREE_TO_CHANGE[section] and mine[section].get(key) != value:
@@ -213,20 +215,20 @@ def check_resume(manifest: dict, cfg: Config, vocab_size: int, world_size: int |
     if split != block_layers(cfg):
         raise UserError(f"cannot resume from checkpoint: its blocks have {split} layers, this config "
                         f"{block_layers(cfg)} (diffusion.layers_per_block)")
-    if manifest["vocab_size"] != vocab_size:
-        raise UserError(f"cannot resume: the checkpoint's vocab_size {manifest['vocab_size']} differs from this "
+    if manifest.vocab_size != vocab_size:
+        raise UserError(f"cannot resume: the checkpoint's vocab_size {manifest.vocab_size} differs from this "
                         f"run's {vocab_size}")
     # optimizer state by parameter name (layout units) resumes at any ZeRO stage and world size; DeepSpeed's
     # own files (older checkpoints) only at their own stage, and at ZeRO >= 1 their own world size
     for key, why in (("zero_stage", "their optimizer files differ"), ("bf16", "its optimizer keeps other state")):
         was, now = saved.get("deepspeed", {}).get(key), mine["deepspeed"][key]
-        if was != now and (key == "bf16" or layout == "deepspeed"):
+        if was != now and (key == "bf16" or layout == OPTIMIZER_BY_DEEPSPEED):
             raise UserError(f"cannot resume: the checkpoint was written with deepspeed.{key} {was}, this run uses "
                             f"{now} ({why})")
-    if layout == "deepspeed" and mine["train"]["mode"] != "data_parallel":
+    if layout == OPTIMIZER_BY_DEEPSPEED and mine["train"]["mode"] != "data_parallel":
         raise UserError(f"cannot resume {path} in train.mode {mine['train']['mode']}: it holds DeepSpeed's own "
                         "optimizer files, which only resume in data_parallel mode at the same ZeRO stage")
-    if world_size is not None and layout == "deepspeed" and mine["deepspeed"]["zero_stage"] > 0 \
+    if world_size is not None and layout == OPTIMIZER_BY_DEEPSPEED and mine["deepspeed"]["zero_stage"] > 0 \
             and saved_world != world_size:
         raise UserError(f"cannot resume: the checkpoint's ZeRO optimizer state is partitioned over {saved_world} "
                         f"ranks, this run has world size {world_size}")
@@ -365,7 +367,7 @@ def describe_os_error(e: BaseException, subject: Path | None = None) -> str:
 
 def nothing_to_train(plan: Plan, cfg: Config) -> str | None:
     """The line to print when the checkpoint resumed is already at train.max_steps (or past it)."""
-    if plan.manifest is None or plan.manifest["step"] < cfg.train.max_steps:
+    if plan.manifest is None or plan.manifest.step < cfg.train.max_steps:
         return None
-    return (f"nothing to train: {plan.resume} is at step {plan.manifest['step']} and train.max_steps is "
+    return (f"nothing to train: {plan.resume} is at step {plan.manifest.step} and train.max_steps is "
             f"{cfg.train.max_steps}")

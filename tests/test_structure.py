@@ -17,7 +17,7 @@ LAYERS = [
     ("looped_lm.settings",),
     ("looped_lm.diffusion",),
     ("looped_lm.models", "looped_lm.data", "looped_lm.lora"),
-    ("looped_lm.checkpoint", "looped_lm.tensor_files", "looped_lm.engine", "looped_lm.optim", "looped_lm.training", "looped_lm.parallel",
+    ("looped_lm.checkpoint", "looped_lm.manifest", "looped_lm.tensor_files", "looped_lm.engine", "looped_lm.optim", "looped_lm.training", "looped_lm.parallel",
      "looped_lm.pretrained"),
     ("looped_lm.eval", "looped_lm.export", "looped_lm.hf", "looped_lm.train", "looped_lm.trainer", "looped_lm.preflight",
      "looped_lm.launch", "looped_lm.dryrun", "looped_lm.merge", "looped_lm.supporting", "looped_lm.generate", "looped_lm.verify"),

@@ -23,6 +23,7 @@ from looped_lm.config import Config, init_source
 from looped_lm.data.batches import open_batches
 from looped_lm.errors import RunFailure, UserError
 from looped_lm.kinds import kind_of
+from looped_lm.manifest import OPTIMIZER_BY_UNIT
 from looped_lm.mfu import StepFlops, peak_flops
 from looped_lm.models import build_model
 from looped_lm.optim import BlockwiseAdamW, cosine_with_warmup, load_state_by_name, param_groups
@@ -59,7 +60,7 @@ def _train(cfg: Config, device, stop_after: int, verify: bool) -> Path | None:
         return _write_conversion(cfg, plan, rank, world)
     run = _Run(cfg, device, rank, world, plan, *_open_streams(cfg, plan))
     run.model = _build_model(cfg, plan, rank, world)
-    run.start_step = plan.manifest["step"] if plan.manifest is not None else 0
+    run.start_step = plan.manifest.step if plan.manifest is not None else 0
     _start_engine(run)
     _resume_state(run)
     _open_outputs(run, stop_after)
@@ -151,20 +152,18 @@ def _write_conversion(cfg: Config, plan: Plan, rank: int, world: int) -> Path:
 def _restore_model(model, cfg: Config, plan: Plan) -> None:
     """A resume: the checkpoint's model state (edges, curve...), an adapter run's base, and the weights
     (checkpoints of DeepSpeed's own layout: with the optimizer state, in _resume_state)."""
-
-
     manifest = plan.manifest
     try:
         with torch.device("meta"):  # the saved state must build this model (edges per block...): free
-            build_model(cfg, plan.vocab_size, manifest.get("model_state", {}))
-        model.restore_state(manifest.get("model_state", {}))
+            build_model(cfg, plan.vocab_size, manifest.state)
+        model.restore_state(manifest.state)
     except (UserError, ValueError, TypeError) as e:  # edges or curve that do not fit this model
         msg = str(e) if str(e).startswith("cannot resume") else f"cannot resume from {plan.resume}: {e}"
         raise UserError(msg) from None
     if cfg.train.lora_rank:  # adapters resume over their base (sha256-verified)
-        load_base(model, cfg, manifest.get("base") or {"path": cfg.model.init_from, "sha256": "(not recorded)"})
-    if ckpt_io.optimizer_layout(manifest) == "units":
-        tensor_files.load_weights(model, Path(plan.resume) / ckpt_io.WEIGHTS, recorded_dtypes=manifest.get("weights_dtypes"))
+        load_base(model, cfg, manifest.base or {"path": cfg.model.init_from, "sha256": "(not recorded)"})
+    if manifest.layout == OPTIMIZER_BY_UNIT:
+        tensor_files.load_weights(model, Path(plan.resume) / ckpt_io.WEIGHTS, recorded_dtypes=manifest.weights_dtypes)
 
 
 def _start_engine(run: _Run) -> None:
@@ -199,17 +198,15 @@ def _start_engine(run: _Run) -> None:
 def _resume_state(run: _Run) -> None:
     """A resume: the optimizer state (by parameter name, or DeepSpeed's own files), this rank's RNG state
     and the tokens seen so far."""
-
-
     manifest = run.plan.manifest
     if manifest is None:
         return
-    if "conversion" in manifest:  # before any step: a fresh optimizer and the seed's RNG, as a fresh run
+    if manifest.conversion is not None:  # before any step: a fresh optimizer and the seed's RNG, as a fresh run
         if run.rank == 0:
             print(f"resumed from {run.plan.resume} (the model as built, step 0: a fresh optimizer)", flush=True)
         return
     resume_from = Path(run.plan.resume)
-    if ckpt_io.optimizer_layout(manifest) == "units":
+    if manifest.layout == OPTIMIZER_BY_UNIT:
         states = {unit: ckpt_io.read_unit_state(resume_from, unit)
                   for unit in sorted({g["unit"] for g in run.optimizer.param_groups})}
         zero = run.engine.optimizer if run.cfg.deepspeed.zero_stage > 0 else None
@@ -220,7 +217,7 @@ def _resume_state(run: _Run) -> None:
     rng_file = resume_from / "rng" / f"rank{run.rank}.pt"
     if rng_file.is_file():  # verified on rank 0; absent for ranks the saving run did not have
         tensor_files.set_rng_state(torch.load(rng_file, weights_only=False))
-    run.tokens_seen = manifest.get("data", {}).get("position", {}).get("tokens_seen", 0)
+    run.tokens_seen = manifest.tokens_seen
     if run.rank == 0:
         print(f"resumed from {resume_from} at step {run.start_step}", flush=True)
 

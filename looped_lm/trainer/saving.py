@@ -13,29 +13,24 @@ from looped_lm import tensor_files
 from looped_lm import parallel
 from looped_lm.config import Config, init_source
 from looped_lm.errors import RunFailure
-from looped_lm.kinds import kind_of
+from looped_lm.manifest import OPTIMIZER_BY_UNIT, STATELESS_SAMPLING, Manifest
 from looped_lm.optim import state_by_name
 from looped_lm.preflight import Plan, describe_os_error
 from looped_lm.trainer.distributed import bf16_autocast
 
 
-def run_manifest(cfg: Config, plan: Plan, model, step: int, tokens: int, world: int, conversion: bool = False) -> dict:
+def run_manifest(cfg: Config, plan: Plan, model, step: int, tokens: int, world: int,
+                 conversion: bool = False) -> Manifest:
     """The manifest of a run's checkpoint at `step` (checkpoint.finalize adds the files' sizes and hashes): what
     every verb reads back. `conversion`: train.max_steps 0, the model as built, weights only."""
-    manifest = {"config": cfg.to_dict(), "model_kind": cfg.model.kind, "vocab_size": plan.vocab_size,
-                "tokenizer": plan.tokenizer, "model_state": model.checkpoint_state(),
-                "data": {"dir": plan.data_dir, "position": {"step": step, "tokens_seen": tokens}},
-                "world_size": world, "optimizer_layout": "units"}
-    if conversion:
-        manifest["conversion"] = {"init_from": init_source(cfg) or None}
-    else:
-        manifest["data"]["sampling"] = "stateless: batch(seed, step, micro_step, rank)"
-    base = getattr(plan, "base", None) or (plan.manifest or {}).get("base")
-    if base is not None:  # the pretrained source this run started from (model.init_from)
-        manifest["base"] = base
-    if kind_of(cfg).offers("merge"):  # which blocks' weights this run trained (looped_lm merge reads it)
-        manifest["ownership"] = {"blocks": cfg.diffusion.trained_blocks()}
-    return manifest
+    data = {"dir": plan.data_dir, "position": {"step": step, "tokens_seen": tokens}}
+    if not conversion:
+        data["sampling"] = STATELESS_SAMPLING
+    # the pretrained source this run started from (model.init_from), as found now or at the run's start
+    base = getattr(plan, "base", None) or (plan.manifest.base if plan.manifest is not None else None)
+    return Manifest.of(cfg, vocab_size=plan.vocab_size, tokenizer=plan.tokenizer, model_state=model.checkpoint_state(),
+                       data=data, world_size=world, step=step, optimizer_layout=OPTIMIZER_BY_UNIT,
+                       conversion={"init_from": init_source(cfg) or None} if conversion else None, base=base)
 
 
 def save(engine, model, optimizer, cfg: Config, plan: Plan, out_dir: Path, step: int, tokens: int, rank: int) -> Path:
