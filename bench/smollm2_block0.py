@@ -45,8 +45,11 @@ REMEDIES = [a for a in ARMS if a != "db0"]
 
 
 def config(arm: str, lr: float, seed: int, steps: int, warmup: int, out_dir: Path) -> dict:
-    raw = compare.config("db2", lr, seed, steps, out_dir)
-    raw["diffusion"].update(ARMS[arm])
+    if arm == "gpt":  # the end-to-end control, as in the compare study (its warm-up swept here)
+        raw = compare.config("gpt", lr, seed, steps, out_dir)
+    else:
+        raw = compare.config("db2", lr, seed, steps, out_dir)
+        raw["diffusion"].update(ARMS[arm])
     raw["data"]["cache_dir"] = str(WORK / "cache")
     raw["train"]["warmup_steps"] = warmup
     return raw
@@ -115,7 +118,7 @@ def run_one(arm: str, lr: float, seed: int, warmup: int, steps: int, stage: str)
         cfg_path.parent.mkdir(parents=True, exist_ok=True)
         cfg_path.write_text(yaml.safe_dump(config(arm, lr, seed, steps, warmup, out_dir), sort_keys=False))
         common.python("-m", "looped_lm", "train", "--config", cfg_path)
-        result = {"arm": arm, "diffusion": ARMS[arm], "lr": lr, "seed": seed, "warmup": warmup, "steps": steps,
+        result = {"arm": arm, "diffusion": ARMS.get(arm), "lr": lr, "seed": seed, "warmup": warmup, "steps": steps,
                   "train_s": round(time.time() - t0, 1)}
         metrics = out_dir / "metrics.jsonl"
         log = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
@@ -123,7 +126,7 @@ def run_one(arm: str, lr: float, seed: int, warmup: int, steps: int, stage: str)
         result["train_log"] = [{k: r[k] for k in keep if k in r} for r in log if "loss" in r]
         result["block_steps"] = [sum(1 for r in log if r.get("block") == b) for b in range(2)]
     ckpt = sorted(out_dir.glob("step_*"))[-1]
-    db0 = arm == "db0"
+    db0 = arm in ("db0", "gpt")  # scored by their exact ppl (db0: its clean stream), no draws
     if seed == 0 and stage in ("remedy", "sweep", "source") and not db0:
         result["diagnosis"] = diagnose(ckpt)
     if stage in ("remedy", "sweep"):
@@ -141,7 +144,7 @@ def run_one(arm: str, lr: float, seed: int, warmup: int, steps: int, stage: str)
 def score(r: dict, split: str) -> float:
     """DB: ppl@0 on dev (the choice), ppl@2 on test (the verdict); db0: its exact clean-stream ppl."""
     rep = r[split]
-    if r["arm"] == "db0":
+    if r["arm"] in ("db0", "gpt"):
         return rep["ppl"]
     value = rep["ppl_at_k"]["0" if split == "dev" else "2"]
     return math.nan if value is None else value
@@ -149,6 +152,22 @@ def score(r: dict, split: str) -> float:
 
 def runs(arm: str | None = None) -> list[dict]:
     return [r for r in common.read_jsons(OUT, "*_lr*_w*_s*.json") if arm is None or r["arm"] == arm]
+
+
+def gpt_warmup() -> int | None:
+    """gpt's warm-up, chosen on dev like the remedy's: the compare study's 10 or this study's 30 (None: not run)."""
+    w30 = [r for r in runs("gpt") if r["warmup"] == 30 and r["seed"] == 0 and "dev" in r]
+    if not w30:
+        return None
+    w10 = next(r for r in compare.runs("gpt") if r["seed"] == 0 and math.isclose(r["lr"], 1e-3))
+    return 30 if score(w30[0], "dev") < w10["dev"]["ppl"] else compare.WARMUP
+
+
+def gpt_runs() -> dict:
+    """The end-to-end control's test runs by seed at its chosen warm-up."""
+    if gpt_warmup() == 30:
+        return {r["seed"]: r for r in runs("gpt") if r["warmup"] == 30 and "test" in r}
+    return {r["seed"]: r for r in compare.runs("gpt") if "test" in r and math.isclose(r["lr"], 1e-3)}
 
 
 def chosen_remedy() -> str | None:
@@ -166,31 +185,37 @@ def next_jobs(b: dict) -> list[tuple]:
     jobs = [] if (OUT / "source.json").exists() else [("db2", LR, 0, compare.WARMUP, 0, "source")]
     jobs += [(a, LR, 0, compare.WARMUP, b["steps"][a], "remedy") for a in ARMS
              if key(a, LR, 0, compare.WARMUP) not in have]
+    gpt_steps = json.loads((compare.OUT / "budget.json").read_text())["steps"]["gpt"]
+    if key("gpt", 1e-3, 0, 30) not in have:  # the same warm-up grid for the control
+        jobs.append(("gpt", 1e-3, 0, 30, gpt_steps, "sweep"))
+    elif gpt_warmup() == 30:
+        jobs += [("gpt", 1e-3, s, 30, gpt_steps, "test" if s == 0 else "seed") for s in compare.SEEDS
+                 if "test" not in have.get(key("gpt", 1e-3, s, 30), {})]
     arm = chosen_remedy()
-    if jobs or arm is None:
+    if arm is None or any(j[5] == "remedy" or j[0] == "db2" for j in jobs):
         return jobs
     lrs = sorted({r["lr"] for r in runs(arm) if r["seed"] == 0 and r["warmup"] == compare.WARMUP} | {3e-4, LR, 3e-3})
     missing = [(arm, lr, 0, compare.WARMUP, b["steps"][arm], "sweep") for lr in lrs
                if key(arm, lr, 0, compare.WARMUP) not in have]
     if missing:
-        return missing
+        return jobs + missing
     sweep = [have[key(arm, lr, 0, compare.WARMUP)] for lr in lrs]
     best = min(sweep, key=lambda r: score(r, "dev"))["lr"]
     if best in (lrs[0], lrs[-1]):  # an edge: one factor of 3 further, until interior
-        return [(arm, best / 3 if best == lrs[0] else best * 3, 0, compare.WARMUP, b["steps"][arm], "sweep")]
+        return jobs + [(arm, best / 3 if best == lrs[0] else best * 3, 0, compare.WARMUP, b["steps"][arm], "sweep")]
     if key(arm, best, 0, 30) not in have:
-        return [(arm, best, 0, 30, b["steps"][arm], "sweep")]
+        return jobs + [(arm, best, 0, 30, b["steps"][arm], "sweep")]
     warmup = min((compare.WARMUP, 30), key=lambda w: score(have[key(arm, best, 0, w)], "dev"))
     at = {s: have.get(key(arm, best, s, warmup), {}) for s in compare.SEEDS}
-    return [(arm, best, s, warmup, b["steps"][arm], "test" if s == 0 else "seed") for s in compare.SEEDS
-            if "test" not in at[s]]
+    return jobs + [(arm, best, s, warmup, b["steps"][arm], "test" if s == 0 else "seed") for s in compare.SEEDS
+                   if "test" not in at[s]]
 
 
-def run_all(workers: int) -> None:
+def run_all(workers: int, only: str | None = None) -> None:
     b = budget()
     common.write_json(OUT / "budget.json", b)
     print(f"budget: {b}", flush=True)
-    common.run_pool(workers, lambda: [(job, run_one, job) for job in next_jobs(b)],
+    common.run_pool(workers, lambda: [(job, run_one, job) for job in next_jobs(b) if only in (None, job[0])],
                     lambda key, r: print(f"done {key}: " + ", ".join(f"{sp} {score(r, sp):.3f}" for sp in ("dev", "test")
                                                                      if sp in r), flush=True))
     print(report())
@@ -216,7 +241,7 @@ def report() -> str:
                      f"{d['share_block0_draw_ce_below_half_top']:.2f} |")
     lines += ["", "## Runs", "", "| arm | lr | warm-up | seed | steps (block 0 / 1) | dev | test | train s |",
               "|---|---|---|---|---|---|---|---|"]
-    for r in sorted(runs(), key=lambda r: (list(ARMS).index(r["arm"]), r["seed"], r["lr"], r["warmup"])):
+    for r in sorted(runs(), key=lambda r: ([*ARMS, "gpt"].index(r["arm"]), r["seed"], r["lr"], r["warmup"])):
         fmt = lambda sp: f"{score(r, sp):.3f}" if sp in r else "-"  # noqa: E731
         lines.append(f"| {r['arm']} | {r['lr']:g} | {r['warmup']} | {r['seed']} | {r['steps']} "
                      f"({' / '.join(map(str, r.get('block_steps', [])))}) | {fmt('dev')} | {fmt('test')} | {r['train_s']} |")
@@ -224,8 +249,9 @@ def report() -> str:
     lines += ["", f"Chosen remedy on dev: {arm or 'not yet (the remedy runs are not all done)'}"]
     if arm:
         seeds = {r["seed"]: r for r in runs(arm) if "test" in r}
-        gpt = {r["seed"]: r for r in compare.runs("gpt") if "test" in r and math.isclose(r["lr"], 1e-3)}
-        common_seeds = sorted(set(seeds) & set(gpt))
+        gpt = gpt_runs()
+        lines.append(f"- gpt's warm-up on dev: {gpt_warmup() or 'not yet chosen (its warm-up 30 run is not done)'}")
+        common_seeds = sorted(set(seeds) & set(gpt)) if gpt_warmup() else []
         if len(common_seeds) >= 2:
             ratios = [score(seeds[s], "test") / gpt[s]["test"]["ppl"] for s in common_seeds]
             _, lo, hi = common.ratio_ci(ratios)
@@ -240,13 +266,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["run", "report", "smoke"])
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--only", default=None, help="run: only this arm's jobs (e.g. gpt, beside a running driver)")
     args = ap.parse_args()
     if args.what == "smoke":  # 2 steps of the top50 arm on seed 9, diagnosed and scored: not part of the study
         global OUT
         OUT = WORK / "smoke"
         print(run_one("top50_w31", LR, 9, 1, 2, "remedy"))
     elif args.what == "run":
-        run_all(args.workers)
+        run_all(args.workers, args.only)
     else:
         print(report())
 
