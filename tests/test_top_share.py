@@ -1,5 +1,5 @@
-"""diffusion.top_share: a share of block 0's training samples sits at exactly sigma_max, the noise level of
-every chain's first call; the rest, and every other block, draw from their intervals as before."""
+"""diffusion.top_share: a share of block 0's training samples sits at exactly sigma_max, where z carries
+nothing (as at a chain's first call); the rest, and every other block, draw from their intervals as before."""
 
 from __future__ import annotations
 

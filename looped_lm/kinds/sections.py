@@ -114,9 +114,9 @@ class TokenDiffusion(NoiseDiffusion):
     loss_weight: Literal["none", "edm", "batch_mean"] = field(
         "none", "CE weight per sample: none, edm (normalised w(sigma)) or batch_mean")
     top_share: Float = field(
-        0.0, "share of block 0's training samples taken at exactly sigma_max, the noise level of every chain's "
-        "first call (all that ppl@0 reads); the rest are drawn from block 0's interval as usual. Where the "
-        "posterior term alone names the token (the low end of block 0's interval) its CE carries little signal")
+        0.0, "share of block 0's training samples taken at exactly sigma_max, where z carries nothing, as at a "
+        "chain's first call (sigma_top, a high quantile of block 0's law, where z carries as little: all that "
+        "ppl@0 reads); the rest are drawn from block 0's interval as usual, where the network learns to read z")
     target_scale: Literal["unit", "sigma_data"] = field(
         "unit", "noisy targets are unit-norm embeddings (unit) or per-dim RMS sigma_data")
     target_fraction: Float = field(1.0, "share of noisy slots trained per sequence (clean stream stays whole)")
