@@ -126,7 +126,7 @@ class BlockObjective:
             ce = self.clean_losses(x, y, b).mean()
             return self.args.clean_lm_weight * ce, {"block": b, f"loss_block{b}": ce.detach()}
         sigma = dm.sample_sigma(Bsz, *self.net.train_ranges[b], self.net.sched, device=x.device)
-        if b == 0 and self.args.top_share > 0:  # the chain's first call, the one every K reads
+        if b == 0 and self.args.top_share > 0:  # z carries nothing there, as at a chain's first call (sigma_top)
             at_top = torch.rand(Bsz, device=x.device) < self.args.top_share
             sigma = torch.where(at_top, torch.full_like(sigma, self.net.sched.sigma_max), sigma)
         n = max(1, round(self.args.target_fraction * T))
