@@ -1,0 +1,200 @@
+"""What a DiffusionBlocks step saves on a real model: SmolLM2-135M's shape (30 x 576, 9 heads, V 49152, the
+chunked loss), one training step of each layout, LoRA rank 8 and full (docs/pretrained.md's memory table).
+
+    python bench/smollm2_memory.py [--json bench/results/smollm2/memory.json] [--speed-repeats 2]
+
+Rows: the end-to-end fine-tune (gpt), the same with activation checkpointing, db2 (the recipe: B = 2, context
+stacked, stack_order low_noise_first, noisy_input clean_state) and db4 (B = 4 in blocks of 8 / 8 / 7 / 7 layers,
+the same layout). A DB step trains one block; its cost depends on which (with the stack, the block the clean
+stream reaches last runs every earlier block forward without gradient), so each DB row reports every block and
+its maximum. Per shape:
+- `kept_mib`: the bytes autograd keeps for backward (each storage once, parameters excluded): exact, counted
+  by saved-tensor hooks over one forward, at T 1024 and 2048, batch 1, and T 1024, batch 2; batch 8 is 8x the
+  per-sequence bytes (`derived`: a sequence's activations do not depend on the others; the batch-2 row checks
+  that linearity, `batch2_over_batch1`), since batch 8 of the end-to-end rows would not fit in this machine's
+  memory beside other work;
+- at T 1024, batch 1, `peak_mib`: the step's peak of bytes allocated during forward + backward (the profiler's
+  memory timeline; weights and optimizer state excluded);
+- `state_mib`: weights + gradients + AdamW moments in fp32 (4 + 4 + 8 bytes per trainable parameter, 4 per
+  frozen one), exact from the parameter counts;
+- at T 1024, batch 1: training tokens per second of one step (forward + backward, one thread, the best of
+  `--speed-repeats`, rows interleaved so a busy machine slows all alike), beside the step's matmul FLOPs
+  (looped_lm.cost).
+Random weights at the source's shape: bytes and FLOPs do not depend on the values (the GGUF is named, for
+LoRA's check, but not read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (bench/ is not a package)
+from smollm2_convert import SMOLLM2, V  # noqa: E402  (the source's shape)
+from train_memory import step_peak_bytes  # noqa: E402  (the same peak measure as the GPT-2 table)
+
+from looped_lm.config import config_from_dict  # noqa: E402
+from looped_lm.kinds import get_kind  # noqa: E402
+from looped_lm.models import build_model  # noqa: E402
+from looped_lm.pretrained import smollm2_gguf  # noqa: E402
+
+OUT = common.ROOT / "bench" / "results" / "smollm2" / "memory.json"
+LAYOUT = {"context": "stacked", "stack_order": "low_noise_first", "noisy_input": "clean_state",
+          "block_sampling": "round_robin"}
+ROWS = {
+    "gpt": ("gpt", {}, None),
+    "gpt+ckpt": ("gpt", {"activation_checkpointing": True}, None),
+    "db2": ("db_ar", {}, {**LAYOUT, "num_blocks": 2}),
+    "db4": ("db_ar", {}, {**LAYOUT, "layers_per_block": [8, 8, 7, 7]}),
+}
+SHAPES = [(1024, 1), (1024, 2), (2048, 1)]
+PEAK_SHAPES = [(1024, 1)]
+
+
+def config(row: str, seq: int, lora: bool):
+    kind, extra, diffusion = ROWS[row]
+    model = {"kind": kind, **SMOLLM2, "seq_len": seq, "loss_chunk": 128, **extra,
+             "init_from": str(smollm2_gguf())}  # named for LoRA's check; its weights are not read here
+    raw = {"model": model, "train": {"lora_rank": 8 if lora else 0, **({"lora_ada": "lora"} if lora and diffusion else {})}}
+    if diffusion:
+        raw["diffusion"] = diffusion
+    return config_from_dict(raw)
+
+
+def keys(cfg) -> list:
+    """The step kinds of a row: one per block for DB models (the step trains block b), one for gpt."""
+    return list(range(get_kind("db_ar").num_blocks(cfg))) if cfg.model.kind == "db_ar" else [None]
+
+
+def loss_of(model, x, y, key):
+    return model.objective.block_loss(x, y, key)[0] if key is not None else model.training_loss(x, y, 0, 0)[0]
+
+
+def kept_bytes(model, x, y, key) -> int:
+    """common.saved_bytes for one block's step (or gpt's)."""
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    own |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in own:
+            seen.setdefault(s.data_ptr(), s.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = loss_of(model, x, y, key)
+    del loss
+    return sum(seen.values())
+
+
+class _Step:
+    """model.training_loss as step_peak_bytes calls it, for one block."""
+
+    def __init__(self, model, key):
+        self.model, self.key = model, key
+
+    def training_loss(self, x, y, step, seed):
+        return loss_of(self.model, x, y, self.key), {}
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)
+
+
+def step_seconds(model, x, y, key) -> float:
+    t0 = time.perf_counter()
+    loss_of(model, x, y, key).backward()
+    model.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
+def build(row: str, seq: int, lora: bool):
+    cfg = config(row, seq, lora)
+    torch.manual_seed(0)
+    model = build_model(cfg, V).train()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    return cfg, model, trainable, frozen
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", default=str(OUT))
+    p.add_argument("--speed-repeats", type=int, default=2)
+    p.add_argument("--shapes", default=",".join(f"{t}x{b}" for t, b in SHAPES), help="TxB,... measured")
+    p.add_argument("--peak-shapes", default=",".join(f"{t}x{b}" for t, b in PEAK_SHAPES), help="TxB,... with the peak")
+    p.add_argument("--speed-seq", type=int, default=1024)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    peak_shapes = [tuple(int(v) for v in s.split("x")) for s in args.peak_shapes.split(",")]
+    rows, speed = [], {}
+    for lora in (True, False):
+        for seq, batch in shapes:
+            g = torch.Generator().manual_seed(0)
+            x = torch.randint(0, V, (batch, seq), generator=g)
+            y = torch.randint(0, V, (batch, seq), generator=g)
+            for row in ROWS:
+                cfg, model, trainable, frozen = build(row, seq, lora)
+                per_key = []
+                for key in keys(cfg):
+                    r = {"block": key, "kept_mib": kept_bytes(model, x, y, key) / 2 ** 20}
+                    if (seq, batch) in peak_shapes:
+                        r["peak_mib"] = step_peak_bytes(_Step(model, key), x, y) / 2 ** 20
+                    flops = get_kind(cfg.model.kind).step_flops(cfg, V, batch, key=key)
+                    r["step_gflops"] = flops / 1e9 if flops else None
+                    per_key.append(r)
+                out = {"row": row, "lora": lora, "seq": seq, "batch": batch, "trainable_m": trainable / 1e6,
+                       "state_mib": (16 * trainable + 4 * frozen) / 2 ** 20, "per_block": per_key,
+                       "kept_mib": max(r["kept_mib"] for r in per_key)}
+                if (seq, batch) in peak_shapes:
+                    out["peak_mib"] = max(r["peak_mib"] for r in per_key)
+                rows.append(out)
+                print(f"{row:9s} lora={lora!s:5s} T={seq} B={batch}: kept {out['kept_mib']:,.0f} MiB"
+                      + (f", peak {out['peak_mib']:,.0f} MiB" if "peak_mib" in out else "")
+                      + f", state {out['state_mib']:,.0f} MiB, trainable {trainable / 1e6:.2f} M", flush=True)
+                del model
+    for r in [r for r in rows if r["batch"] == 1]:  # batch 8 from the per-sequence bytes
+        two = [q for q in rows if (q["row"], q["lora"], q["seq"], q["batch"]) == (r["row"], r["lora"], r["seq"], 2)]
+        rows.append({**{k: r[k] for k in ("row", "lora", "seq", "trainable_m", "state_mib")}, "batch": 8,
+                     "kept_mib": 8 * r["kept_mib"], "derived": "8 x batch 1",
+                     **({"batch2_over_batch1": two[0]["kept_mib"] / r["kept_mib"]} if two else {})})
+    result = {"shape": {**SMOLLM2, "loss_chunk": 128, "dtype": "float32"}, "rows": rows, "threads": 1,
+              "commit": common.git_commit()}
+    common.write_json(Path(args.json), {**result, "finished_utc": common.utc_now()})  # the bytes, before the timing
+    # speed: T speed_seq, batch 1, every row and block interleaved, best of the repeats
+    T = args.speed_seq
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, V, (1, T), generator=g)
+    y = torch.randint(0, V, (1, T), generator=g)
+    for lora in (True, False):
+        models = {row: build(row, T, lora) for row in ROWS}
+        best: dict = {}
+        for _ in range(args.speed_repeats):
+            for row, (cfg, model, _, _) in models.items():
+                for key in keys(cfg):
+                    s = step_seconds(model, x, y, key)
+                    best[(row, key)] = min(best.get((row, key), s), s)
+        for row, (cfg, _, _, _) in models.items():
+            ks = keys(cfg)
+            mean_s = sum(best[(row, k)] for k in ks) / len(ks)  # round_robin: each block equally often
+            flops = [get_kind(cfg.model.kind).step_flops(cfg, V, 1, key=k) for k in ks]
+            speed[f"{row} {'lora' if lora else 'full'}"] = {
+                "seconds_per_step": mean_s, "tokens_per_s": T / mean_s, "per_block_s": [best[(row, k)] for k in ks],
+                "step_gflops": sum(flops) / len(flops) / 1e9, "gflop_per_s": sum(flops) / len(flops) / mean_s / 1e9}
+            print(f"speed {row} lora={lora}: {T / mean_s:,.0f} tokens/s", flush=True)
+        del models
+    common.write_json(Path(args.json), {
+        **result, "speed": {"seq": T, "batch": 1, "repeats": args.speed_repeats, "rows": speed},
+        "load_average_at_end": list(os.getloadavg()), "finished_utc": common.utc_now()})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
