@@ -19,7 +19,7 @@ every file, inference the files it loads (`verify=False` checks presence and siz
 missing, edited or corrupted is refused with one line naming the file.
 
 The tensor files themselves (weights, RNG states) are read and written by tensor_files.py. This module imports
-torch, safetensors and the models only inside the functions that touch tensors (each says so): the CLI reads
+torch, safetensors.torch and the models only inside the functions that touch tensors (each says so): the CLI reads
 manifests before deciding to start anything heavy, and torch costs seconds at start-up.
 """
 
@@ -34,12 +34,15 @@ import shutil
 import sys
 from pathlib import Path
 
+from safetensors import safe_open
+
 from looped_lm import __version__
 from looped_lm.config import Config, config_from_dict
 from looped_lm.data.tokenizer import run_vocab
 from looped_lm.errors import UserError
 from looped_lm.kinds import kind_of
 from looped_lm.manifest import OPTIMIZER_BY_UNIT, Manifest
+from looped_lm.pretrained import load_base
 
 MANIFEST = "manifest.json"
 WEIGHTS = "model.safetensors"
@@ -107,8 +110,6 @@ def write_unit_state(tmp: Path, unit: str, step: int, tensors: dict) -> None:
 
 def read_unit_state(ckpt: Path, unit: str) -> tuple[int, dict]:
     """(step, tensors) of one unit of a verified checkpoint (`optimizer_layout` units)."""
-    from safetensors import safe_open  # torch: seconds at start-up (see the module's docstring)
-
     path = unit_path(ckpt, unit)
     if not path.is_file():
         raise UserError(f"cannot resume from {ckpt}: it holds no optimizer state for {unit} ({OPTIMIZER_DIR}/"
@@ -385,7 +386,6 @@ def load_checkpoint(ckpt: str | Path, device="cpu", verify: bool = True):
     """Verified (model, config, manifest) from a checkpoint directory, in eval mode."""
     # torch and the models: seconds at start-up (see the module's docstring)
     from looped_lm.models import build_model
-    from looped_lm.pretrained import load_base
     from looped_lm.tensor_files import load_weights
 
     ckpt = Path(ckpt)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import traceback
 
 from looped_lm import __version__
+from looped_lm.console import plain_warnings
 from looped_lm.errors import UserError
 
 
@@ -56,7 +58,6 @@ def build_parser(argv=()) -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
-    from looped_lm.console import plain_warnings
 
     verbose = getattr(args, "verbose", False)
     plain_warnings(verbose)
@@ -64,15 +65,11 @@ def main(argv=None) -> int:
         return args.run(args)
     except UserError as e:
         if verbose:
-            import traceback
-
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a failure mid-run (a full disk, a read-only file system): one line, exit 1
         if verbose:
-            import traceback
-
             traceback.print_exc()
         where = f" on {e.filename}" if e.filename else ""
         print(f"error: I/O failure{where}: {e.strerror or e}", file=sys.stderr)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+from torch import _dynamo
 
 from looped_lm import devices
 
@@ -33,8 +34,6 @@ def compile_graphs(fn, graphs: int, backend: str | None = None, **kwargs):
     if {"recompile_limit", "isolate_recompiles"} <= set(inspect.signature(torch.compile).parameters):
         kwargs.update(recompile_limit=graphs + 1, isolate_recompiles=True)
     else:  # every function compiled in this process shares the raised limit (gpt's loss too)
-        from torch import _dynamo
-
         name = "recompile_limit" if hasattr(_dynamo.config, "recompile_limit") else "cache_size_limit"  # torch < 2.7
         _PROMISED += graphs
         setattr(_dynamo.config, name, max(getattr(_dynamo.config, name), _PROMISED + 1))

@@ -8,6 +8,8 @@ check elsewhere is either run on CPU by a test that takes the branch, or named w
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from looped_lm.errors import UserError
@@ -73,7 +75,6 @@ def available_memory(device: torch.device) -> int:
     swapping (MemAvailable; this process's cgroup limit, if lower)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    import os
 
     free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     try:

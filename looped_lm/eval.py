@@ -17,19 +17,26 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+import tempfile
+from dataclasses import replace
 from pathlib import Path
 
-from looped_lm.checkpoint import NO_VERIFY_HELP
+import numpy as np
+
+from looped_lm.checkpoint import NO_VERIFY_HELP, load_checkpoint, no_verify_note, resolve_checkpoint
+from looped_lm.config import MAX_DRAWS
+from looped_lm.data.bin_dataset import TokenStream
+from looped_lm.data.tokenizer import get_tokenizer
 from looped_lm.errors import UserError
+from looped_lm.fields import finite_float, seed
 from looped_lm.kinds import get_kind
+from looped_lm.preflight import check_output_path
 
 # torch and the model stack are imported where they are used: `looped_lm eval --help` stays instant
 
 
 def add_arguments(p) -> None:
-    from looped_lm.config import MAX_DRAWS
-    from looped_lm.fields import finite_float, seed
-
     p.add_argument("--checkpoint", required=True,
                    help="checkpoint directory (out/step_XXXXXXX), or a run directory (its newest complete checkpoint)")
     p.add_argument("--no-verify", action="store_true", help=NO_VERIFY_HELP)
@@ -80,10 +87,9 @@ def parse_k_grid(text: str | None) -> list[int] | None:
 
 def check_arguments(args) -> None:
     """What eval can check before the checkpoint is read: one line naming the flag."""
-    from looped_lm.devices import check_device
+    from looped_lm.devices import check_device  # imports torch: seconds at start-up
 
     check_device(args.device)
-    from looped_lm.config import MAX_DRAWS
 
     for flag, value, low in (("--max-tokens", args.max_tokens, 0), ("--block-size", args.block_size, 0),
                              ("--stride", args.stride, 0), ("--batch-size", args.batch_size, 1),
@@ -96,8 +102,6 @@ def check_arguments(args) -> None:
                         "data (more tokens, --max-tokens, narrow the standard error too)")
     parse_k_grid(args.num_iterations)
     if args.json is not None:  # before the evaluation, not after it: a loop, /proc, a file in the way
-        from looped_lm.preflight import check_output_path
-
         check_output_path(args.json, "--json", kind="file")
     if args.data is not None and Path(args.data).suffix in (".txt", ".jsonl"):
         path = Path(args.data)
@@ -113,7 +117,7 @@ def check_arguments(args) -> None:
 
 def check_applies(args, model, kind: str) -> None:
     """Flags that would do nothing on this checkpoint's kind are refused, naming the kind, not ignored."""
-    from looped_lm.models.contract import ImageGenerator
+    from looped_lm.models.contract import ImageGenerator  # imports torch: seconds at start-up
 
     if not isinstance(model, ImageGenerator):
         given = [flag for flag, value in (("--cfg-scale", args.cfg_scale), ("--features", args.features))
@@ -127,12 +131,9 @@ def perplexity(model, data_path: str, block_size: int, stride: int = 0, max_toke
                batch_size: int = 8, settings=None, seed: int = 0, device: str = "cpu", progress: bool = True):
     """Score `data_path`: ({label: summed NLL}, {label: summed NLL variance}, scored tokens).
     Strided windows score their tail only."""
-    from dataclasses import replace
-
-    import torch
+    import torch  # torch, tqdm: seconds at start-up
     from tqdm import tqdm
 
-    from looped_lm.data.bin_dataset import TokenStream
     from looped_lm.models.contract import Iterative
     from looped_lm.settings import resolve_score_settings
 
@@ -189,7 +190,7 @@ def report(sums: dict, variances: dict, tokens: int, block_size: int, stride: in
     standard error is not small against it (se of the mean NLL above UNRESOLVED_MEAN_SE nats, an se
     above the ppl, or none at all: one draw), or whose Jensen bias bound (the mean per-token variance / 2)
     is above UNRESOLVED_MEAN_SE nats, is listed in `unresolved` and its ppl is null, never a number."""
-    from looped_lm.diffusion.estimator import UNRESOLVED_MEAN_SE
+    from looped_lm.diffusion.estimator import UNRESOLVED_MEAN_SE  # imports torch: seconds at start-up
 
     sums = dict(sums)
     out = {"model_kind": kind, "tokens": tokens, "block_size": block_size, "stride": stride or block_size,
@@ -245,10 +246,6 @@ def data_tokens(data: str, tokenizer_name: str, workdir: str) -> str:
     if not path.is_file():
         raise UserError(f"--data {data} does not exist")
     if path.suffix in (".txt", ".jsonl"):
-        import numpy as np
-
-        from looped_lm.data.tokenizer import get_tokenizer
-
         tok = get_tokenizer(tokenizer_name)
         docs = [path.read_text(encoding="utf-8")] if path.suffix == ".txt" else []  # UTF-8: check_arguments
         if path.suffix == ".jsonl":
@@ -277,10 +274,7 @@ def data_tokens(data: str, tokenizer_name: str, workdir: str) -> str:
 
 
 def run(args) -> int:
-    import sys
-    import tempfile
-
-    from looped_lm.checkpoint import load_checkpoint, no_verify_note, resolve_checkpoint
+    # imports torch: seconds at start-up
     from looped_lm.models.contract import Iterative, Scorable
     from looped_lm.settings import resolve_score_settings
 
@@ -291,7 +285,7 @@ def run(args) -> int:
                                            verify=not args.no_verify)
     check_applies(args, model, cfg.model.kind)
     if not isinstance(model, Scorable):  # vit, mdm: accuracy, bits per character (looped_lm.supporting)
-        from looped_lm.supporting import evaluate
+        from looped_lm.supporting import evaluate  # imports torch: seconds at start-up
 
         return evaluate(model, cfg, manifest, args)
     data = args.data

@@ -31,11 +31,16 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
-from looped_lm.checkpoint import NO_VERIFY_HELP
+from looped_lm.checkpoint import NO_VERIFY_HELP, load_checkpoint, no_verify_note, resolve_checkpoint
+from looped_lm.data.specials import PLAIN_CHAT_TEMPLATE, TOKENIZER_CLASS
+from looped_lm.data.tokenizer import get_tokenizer
 from looped_lm.errors import UserError
+from looped_lm.hf import register
 from looped_lm.kinds import kind_of, require
+from looped_lm.preflight import check_output_path
 from looped_lm.pretrained import GEMMA3
 
 FORMATS = ("auto", "llama", "looped_lm")
@@ -55,10 +60,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    import sys
-
-    from looped_lm.checkpoint import no_verify_note, resolve_checkpoint
-
     if args.no_verify:
         print(no_verify_note(), file=sys.stderr)
     checkpoint = resolve_checkpoint(args.checkpoint)
@@ -184,7 +185,7 @@ def hf_config_dict(model, cfg, manifest: dict, num_iterations: int | None = None
               "max_position_embeddings": model.max_positions,
               "tie_word_embeddings": model.lm_head is None}  # untied: transformers must not tie lm_head back
     if kind_of(cfg).offers("iterative"):
-        from looped_lm.settings import resolve_settings  # imports torch: not at `looped_lm export --help`
+        from looped_lm.settings import resolve_settings  # imports torch: seconds at start-up, not at `looped_lm export --help`
 
         settings = resolve_settings(model.iteration_limits(), num_iterations=num_iterations)
         fields.update(num_iterations=settings.num_iterations, bridge=settings.bridge)
@@ -205,8 +206,6 @@ def save_tokenizer(tok, out: Path, model_max_length: int) -> None:
     model without one: the server's plain `Role: content` template, so transformers and vLLM render chat
     as `looped_lm serve` does), in tokenizer_config.json itself; tokenizer_class PreTrainedTokenizerFast,
     which transformers 4 and 5 both load."""
-    from looped_lm.data.specials import PLAIN_CHAT_TEMPLATE, TOKENIZER_CLASS
-
     hf = tok.to_hf(model_max_length=model_max_length, chat_template=tok.specials.chat_template or PLAIN_CHAT_TEMPLATE)
     hf.save_pretrained(out, save_jinja_files=False)  # the template in tokenizer_config.json, not a .jinja file
     path = Path(out) / "tokenizer_config.json"
@@ -217,17 +216,14 @@ def save_tokenizer(tok, out: Path, model_max_length: int) -> None:
 
 def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, num_iterations: int | None = None,
            verify: bool = True, format: str = "auto") -> Path:
-    import torch
+    import torch  # transformers: seconds at start-up
     from safetensors.torch import save_file, save_model
     from transformers import GenerationConfig
 
-    from looped_lm.checkpoint import load_checkpoint
-    from looped_lm.data.tokenizer import get_tokenizer
     from looped_lm.models.contract import CachedDecoding
 
     if format not in FORMATS:
         raise UserError(f"--format must be one of {', '.join(FORMATS)} (got '{format}')")
-    from looped_lm.preflight import check_output_path
 
     out = check_output_path(out, "--out", kind="dir")  # a symlink loop, /proc: before the checkpoint is read
     if out.exists() and not out.is_dir():
@@ -243,7 +239,7 @@ def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, num
     except OSError as e:
         raise UserError(f"--out {out}: cannot write into {out.parent} ({e.strerror})") from None
     model, cfg, manifest = load_checkpoint(checkpoint, verify=verify)
-    from looped_lm.lora import is_adapted, merge
+    from looped_lm.lora import is_adapted, merge  # imports torch: seconds at start-up
 
     if is_adapted(model):  # LoRA: the adapters folded into the base, written as plain weights
         model = merge(model)
@@ -269,8 +265,7 @@ def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, num
         config = llama_config_dict(model, cfg, tok.eot_id, ids["bos_token_id"], ids["pad_token_id"])
         weights = llama_state_dict(model)
     else:
-        from looped_lm.hf import register
-        from looped_lm.hf.configuration import LoopedLMConfig
+        from looped_lm.hf.configuration import LoopedLMConfig  # transformers: seconds at start-up
 
         register()
         config = LoopedLMConfig(**hf_config_dict(model, cfg, manifest, num_iterations),

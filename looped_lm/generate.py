@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import sys
 
+from looped_lm.checkpoint import add_verify_argument, load_checkpoint, no_verify_note, resolve_checkpoint
+from looped_lm.data.tokenizer import get_tokenizer
 from looped_lm.errors import UserError
-from looped_lm.fields import BRIDGES
+from looped_lm.fields import BRIDGES, finite_float, seed
+from looped_lm.preflight import check_output_path
 
 
 def add_arguments(p) -> None:
-    from looped_lm.checkpoint import add_verify_argument
-    from looped_lm.fields import finite_float, seed
-
     p.add_argument("--checkpoint", required=True,
                    help="checkpoint directory, or a run directory (its newest complete checkpoint)")
     add_verify_argument(p)
@@ -50,10 +50,9 @@ LM_FLAGS = ("bridge", "exit_threshold", "exit_criterion")  # language models onl
 
 
 def run(args) -> int:
-    import torch
+    import torch  # torch: seconds at start-up
 
-    from looped_lm.checkpoint import load_checkpoint, no_verify_note, resolve_checkpoint
-    from looped_lm.data.tokenizer import get_tokenizer
+    # imports torch: seconds at start-up
     from looped_lm.devices import check_device
     from looped_lm.engine.generate import generate
     from looped_lm.models.contract import CachedDecoding, Iterative
@@ -66,15 +65,13 @@ def run(args) -> int:
     if args.max_tokens < 1:
         raise UserError(f"--max-tokens must be >= 1 (got {args.max_tokens})")
     if args.out is not None:  # before the checkpoint is read: a loop, /proc, a directory in the way
-        from looped_lm.preflight import check_output_path
-
         check_output_path(args.out, "--out", kind="file")
     if args.no_verify:
         print(no_verify_note(), file=sys.stderr)
     model, cfg, manifest = load_checkpoint(resolve_checkpoint(args.checkpoint), args.device,
                                            verify=not args.no_verify)
     if not isinstance(model, CachedDecoding):  # dit, mdm: samples from noise (looped_lm.supporting)
-        from looped_lm.supporting import generate as generate_module
+        from looped_lm.supporting import generate as generate_module  # imports torch: seconds at start-up
 
         given = [f"--{name.replace('_', '-')}" for name in LM_FLAGS if getattr(args, name) is not None]
         if given:  # flags that would do nothing here are refused, not ignored

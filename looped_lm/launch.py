@@ -12,8 +12,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from looped_lm import checkpoint as ckpt_io
@@ -123,16 +125,16 @@ def run(args) -> int:
         raise UserError(f"--master-port must be in 1..65535, or 0 for a free one (got {args.master_port})")
     if args.no_verify:
         print(ckpt_io.no_verify_note(), file=sys.stderr)
-    import torch  # here, not at the top: `looped_lm train --help` and a bad flag import no torch
+    import torch  # torch: seconds at start-up, not at `looped_lm train --help` or a bad flag
 
-    from looped_lm import devices
+    from looped_lm import devices  # imports torch: seconds at start-up
 
     if args.hostfile:  # every node's slots, capped by --nproc
         nproc, world = args.nproc, hostfile_slots(args.hostfile, args.nproc)
     else:
         nproc = world = args.nproc or (torch.cuda.device_count() or 1)
     if args.dry_run:
-        from looped_lm import dryrun
+        from looped_lm import dryrun  # imports torch: seconds at start-up
 
         cmd = command(world, 29500, trainer.forward_args(args), verbose=False)
         print("\n".join(dryrun.report(cfg, args.config or "--set overrides", cmd, world, args.device_type)))
@@ -152,7 +154,6 @@ def run(args) -> int:
         env.update(devices.cpu_thread_env(env, len(os.sched_getaffinity(0)), nproc or 1))
     if args.hostfile:
         return killed_rank(run_launcher(cmd, env, verbose=args.verbose))
-    import tempfile
 
     with tempfile.TemporaryDirectory(prefix="looped_lm-rendezvous-") as rendezvous:  # one node: loopback only
         env[trainer.RENDEZVOUS_FILE] = os.path.join(rendezvous, "store")
@@ -162,8 +163,6 @@ def run(args) -> int:
 def killed_rank(code: int) -> int:
     """The launcher's exit code; a rank killed by a signal (DeepSpeed then stops the others before they can
     say anything) becomes one line and exit code 1."""
-    import signal
-
     if code < 0 or code > 128:
         number = -code if code < 0 else 256 - code
         try:

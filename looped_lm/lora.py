@@ -58,6 +58,7 @@ def target_regex(model, cfg: Config) -> str:
 
 def attach(model: nn.Module, cfg: Config) -> nn.Module:
     """Wrap the target Linears with peft LoRA layers and set what trains (module doc); in place."""
+    # peft imports transformers: seconds at start-up, for train.lora_rank only
     from peft import LoraConfig, inject_adapter_in_model
 
     t = cfg.train
@@ -97,7 +98,7 @@ def _refuse_unmatched_targets(model: nn.Module, cfg: Config) -> None:
 def is_adapted(model: nn.Module) -> bool:
     if importlib.util.find_spec("peft") is None:  # adapters are attached only through peft (e.g. the vLLM venv)
         return False
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # peft imports transformers: seconds at start-up, for train.lora_rank only
 
     return any(isinstance(m, LoraLayer) for m in model.modules())
 
@@ -127,7 +128,7 @@ def adapter_state(model: nn.Module) -> dict:
 
 def merge(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight and put the plain Linear back (export); in place."""
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # peft imports transformers: seconds at start-up, for train.lora_rank only
 
     for name, module in list(model.named_modules()):
         if isinstance(module, LoraLayer):

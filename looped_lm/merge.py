@@ -28,12 +28,15 @@ import shutil
 import sys
 from pathlib import Path
 
+from safetensors import SafetensorError, safe_open
+
 from looped_lm import checkpoint as ckpt_io
-from looped_lm import tensor_files
 from looped_lm.config import block_layers
 from looped_lm.errors import UserError
 from looped_lm.kinds import kind_of
 from looped_lm.manifest import Manifest
+from looped_lm.preflight import check_output_path
+from looped_lm.pretrained import load_base
 
 # settings a job may choose for itself: how it trains (not what a block computes) and inference defaults
 # (model.init_from: where a job started; an adapter job's base is checked by its sha256 instead)
@@ -93,9 +96,7 @@ class _Job:
         """Tensor name -> shape (an adapter job's LoRA tensors and `ada` weights left out: each job has its own
         blocks', and a frozen `ada` weight is rebuilt, not saved; peft's `base_layer.` dropped: an adapted
         `ada`'s bias is the plain one of a layer the job does not own)."""
-        from safetensors import SafetensorError, safe_open
-
-        from looped_lm.lora import ADA_WEIGHT
+        from looped_lm.lora import ADA_WEIGHT  # imports torch: seconds at start-up
 
         try:
             with safe_open(str(self.path / ckpt_io.WEIGHTS), "pt") as f:
@@ -105,7 +106,7 @@ class _Job:
             raise UserError(f"cannot read {self.path / ckpt_io.WEIGHTS}: {e}") from None
 
     def tensors(self) -> dict:
-        from safetensors.torch import load_file
+        from safetensors.torch import load_file  # imports torch: seconds at start-up
 
         return load_file(str(self.path / ckpt_io.WEIGHTS))
 
@@ -175,8 +176,6 @@ def check_ownership(jobs: list[_Job], num_blocks: int) -> dict[int, _Job]:
 
 
 def merge(checkpoints: list, out, shared_from=None, verify: bool = True) -> Path:
-    from looped_lm.preflight import check_output_path
-
     out = check_output_path(out, "--out", kind="dir")  # a symlink loop, /proc: before any input is read
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out} exists and is not an empty directory; nothing was written")
@@ -198,7 +197,7 @@ def merge(checkpoints: list, out, shared_from=None, verify: bool = True) -> Path
 def check_frozen_shared(jobs: list[_Job]) -> None:
     """LoRA block jobs train none of the shared part (lora.attach): what they hold of it is its frozen
     init, which every job's blocks were trained against, so it must be the same tensor in all of them."""
-    import torch
+    import torch  # torch: seconds at start-up
 
     if len(jobs) < 2:
         return
@@ -213,9 +212,10 @@ def check_frozen_shared(jobs: list[_Job]) -> None:
 
 
 def _write(out: Path, shared: _Job, owner: dict, jobs: list[_Job]) -> Path:
+    # torch, the models and the tensor files: seconds at start-up (`looped_lm merge --help` imports none)
     import torch
-    from safetensors import safe_open
 
+    from looped_lm import tensor_files
     from looped_lm.models import build_model
 
     cfg = shared.cfg.model_copy(deep=True)
@@ -265,10 +265,9 @@ def _fill_adapters(model, cfg, shared: _Job, owner: dict) -> None:
     """The merged adapter model: the base (its hash checked), then every adapter tensor from the job that
     owns its block, the rest from `shared`; the prelude's and coda's adapters, which no block job has,
     keep lora_B = 0 (peft's init: no update)."""
-    import torch
+    import torch  # torch: seconds at start-up
 
-    from looped_lm.lora import ADA_WEIGHT, adapter_names
-    from looped_lm.pretrained import load_base
+    from looped_lm.lora import ADA_WEIGHT, adapter_names  # imports torch: seconds at start-up
 
     load_base(model, cfg, shared.base)
     params = dict(model.named_parameters())

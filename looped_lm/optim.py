@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+from deepspeed.utils import lazy_init_hp_params_optimizer_state, safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param, safe_set_full_optimizer_state
 import torch
 
 from looped_lm.devices import adamw_implementation  # noqa: F401  (re-exported: callers pick a path by device)
@@ -104,8 +105,6 @@ def _linked_state(optimizer, flat, params) -> dict:
     step, which may come later; so a unit that has not stepped gets the state AdamW would start it with
     (step 0, zero moments: the same update), every rank then holds the same tensors and takes part in
     every gather."""
-    from deepspeed.utils import lazy_init_hp_params_optimizer_state
-
     state = optimizer.state[flat]
     if not state:
         state.update(step=torch.tensor(0.0), **{k: torch.zeros_like(flat) for k in MOMENTS})
@@ -133,7 +132,6 @@ def state_by_name(model, optimizer, zero_optimizer=None, dist=None, master: bool
                 if master:
                     tensors[f"fp32/{names[id(p)]}"] = p.detach().float().clone()
         return {unit: (step, tensors) for unit, (step, tensors) in out.items()}
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     for unit, flat, params in _zero_groups(model, optimizer):
         st = _linked_state(optimizer, flat, params)
@@ -165,7 +163,6 @@ def load_state_by_name(model, optimizer, states: dict, zero_optimizer=None) -> N
                 if master is not None:  # fp32 weights the bf16 ones of model.safetensors were rounded from
                     p.copy_(master.to(p))
         return
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     for unit, flat, params in _zero_groups(model, optimizer):
         step, tensors = states[unit]

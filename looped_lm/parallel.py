@@ -100,7 +100,7 @@ class BlockParallel:
 
     def reduce(self, active_units) -> None:
         """Average, clip and share this step's gradients (after the last micro-batch's backward)."""
-        import torch
+        import torch  # torch: seconds at start-up
 
         shared = self._grads("shared")
         blocks = [int(u.removeprefix("block")) for u in active_units if u.startswith("block")]
@@ -117,7 +117,7 @@ class BlockParallel:
 
     def _grads(self, unit: str) -> list[torch.Tensor]:
         """The unit's gradients, zeros where a parameter got none (every rank must send the same sizes)."""
-        import torch
+        import torch  # torch: seconds at start-up
 
         out = []
         for p in self.units.get(unit, []):
@@ -128,7 +128,7 @@ class BlockParallel:
         return out
 
     def _mean(self, tensors: list[torch.Tensor], group, size: int) -> None:
-        import torch
+        import torch  # torch: seconds at start-up
 
         if not tensors or size == 1:
             return
@@ -143,7 +143,7 @@ class BlockParallel:
 
     def sync_blocks(self) -> None:
         """Every block's current weights, from its first rank, on every rank."""
-        import torch
+        import torch  # torch: seconds at start-up
 
         for b, ranks in self.owners.items():
             params = self.units.get(f"block{b}", [])
@@ -160,7 +160,7 @@ class BlockParallel:
     def block_losses(self, loss, block: int, device) -> dict:
         """{block: its mean training loss this step over the ranks that trained it}, device tensors (NaN for
         a block no rank trained this step): one all-reduce, nothing read back to the host."""
-        import torch
+        import torch  # torch: seconds at start-up
 
         blocks = sorted(self.owners)
         sums = torch.zeros(2, len(blocks), dtype=torch.float64, device=device)

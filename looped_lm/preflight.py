@@ -13,8 +13,11 @@ launcher, and the trainer's rank 0 again, so a bad run fails in seconds with one
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import stat as stat_
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +28,7 @@ from looped_lm.data.tokenizer import run_vocab
 from looped_lm.errors import UserError
 from looped_lm.manifest import OPTIMIZER_BY_DEEPSPEED, Manifest
 from looped_lm.parallel import check_world
+from looped_lm.pretrained import check_path, check_source
 
 RESUMING_WITH = "resuming with changes (train.resume_changes: allow)"
 
@@ -46,8 +50,6 @@ def preflight(cfg: Config, verify: bool = True, world_size: int | None = None) -
     """Check the run (world_size None: the checks that depend on it wait for the launcher's count)."""
     source = init_source(cfg)
     if source and Path(cfg.data.tokenizer) == Path(source).expanduser().absolute():
-        from looped_lm.pretrained import check_path
-
         check_path(source)  # the tokenizer is the source's: a missing or wrong source is named as model.init_from
     vocab_size, tokenizer = run_vocab(cfg)
     out_dir = Path(cfg.train.out_dir)
@@ -62,8 +64,6 @@ def preflight(cfg: Config, verify: bool = True, world_size: int | None = None) -
     plan = Plan(vocab_size, tokenizer, "")
     resume = find_resume(cfg, out_dir)
     if resume is None and init_source(cfg):  # before anything is written: the source must map
-        from looped_lm.pretrained import check_source
-
         source = check_source(cfg, vocab_size)
         if not cfg.model.max_positions:  # the context the source was trained for, kept for serving
             cfg.model.max_positions = max(source.positions, cfg.model.seq_len)
@@ -101,7 +101,7 @@ LAYER_PARAMS = 12  # a transformer layer holds at least ~12 d_model^2 parameters
 def memory_limit() -> tuple[int, str]:
     """(bytes, what) the run's memory is measured against: the smallest GPU's memory on a CUDA machine,
     else this machine's RAM (or its cgroup's limit, if lower)."""
-    import torch
+    import torch  # torch: seconds at start-up
 
     if torch.cuda.is_available():
         return min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())), \
@@ -120,7 +120,7 @@ def check_memory(cfg: Config, vocab_size: int, world_size: int = 1) -> None:
     which would die allocating or be killed): a lower bound first, from the config's widths (so a config
     too large even to describe costs nothing), then the exact parameter count of the model built on
     torch's meta device (nothing allocated). On CPU every rank of this machine holds its own copy."""
-    import torch
+    import torch  # torch: seconds at start-up
 
     limit, what = memory_limit()
     ranks = 1 if torch.cuda.is_available() else world_size  # GPUs: one rank per device
@@ -143,9 +143,9 @@ def check_memory(cfg: Config, vocab_size: int, world_size: int = 1) -> None:
 
 def _parameter_count(cfg: Config, vocab_size: int) -> tuple[int, int]:
     """(trained, frozen) parameters of the model `cfg` builds, counted on the meta device."""
-    import torch
+    import torch  # torch: seconds at start-up
 
-    from looped_lm.models import build_model
+    from looped_lm.models import build_model  # imports torch: seconds at start-up
 
     with torch.device("meta"):
         model = build_model(cfg, vocab_size)
@@ -273,9 +273,6 @@ def check_output_path(path: str | Path, flag: str, kind: str = "file", must_writ
     is (kind "dir"); and the nearest existing directory accepts a new file (a probe, removed at once:
     /proc, /sys, a read-only mount or a full inode table answer here). `must_write` False: an existing
     directory is taken as it is (a read-only cache that is already prepared)."""
-    import errno
-    import tempfile
-
     path = Path(path)
     if str(path) == "":
         raise UserError(f"{flag} must not be empty")
@@ -298,7 +295,6 @@ def check_output_path(path: str | Path, flag: str, kind: str = "file", must_writ
         existing = (p, st)
         break
     p, st = existing if existing is not None else (Path("."), os.stat("."))
-    import stat as stat_
 
     is_dir = stat_.S_ISDIR(st.st_mode)
     if p == path:
@@ -321,8 +317,6 @@ def check_output_path(path: str | Path, flag: str, kind: str = "file", must_writ
 
 
 def _loops(path: Path) -> bool:
-    import errno
-
     try:
         os.stat(path)
     except OSError as e:

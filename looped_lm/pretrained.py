@@ -56,8 +56,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
 from looped_lm.config import Config
 from looped_lm.data.gguf_file import is_gguf, metadata, need_gguf_package, smollm2_gguf  # noqa: F401 (smollm2_gguf: here too)
+from looped_lm.data.tokenizer import get_tokenizer
 from looped_lm.errors import UserError
 from looped_lm.kinds import kind_of, require
 
@@ -202,7 +206,7 @@ def _check_gguf(path: Path) -> dict:
 
 def _read_gguf(path: Path) -> Source:
     meta = _check_gguf(path)
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # transformers: seconds at start-up
 
     try:
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True).to_dict()
@@ -228,8 +232,6 @@ def _read_gguf(path: Path) -> Source:
 
 
 def _float32_decimal(x: float) -> float:
-    import numpy as np
-
     return float(str(np.float32(x)))
 
 
@@ -238,7 +240,7 @@ def _no_progress_bars():
     """transformers' loading bars off for one load: every verb that reads a GGUF base (train, eval, serve, merge)
     would print its dequantisation bar, which says nothing the verb's own lines do not (its GGUF reader uses
     tqdm directly, so its module's tqdm is swapped for a pass-through while the load runs)."""
-    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils  # transformers: seconds at start-up
     from transformers.utils import logging as hf_logging
 
     was_on, bar = hf_logging.is_progress_bar_enabled(), getattr(gguf_utils, "tqdm", None)
@@ -258,7 +260,7 @@ def gguf_state_dict(source: Source) -> dict:
     """The GGUF's tensors dequantised to float32 by transformers, under LlamaForCausalLM's names (held by
     `source`: a second call is free)."""
     if source.state is None:
-        import torch
+        import torch  # transformers: seconds at start-up
         from transformers import AutoConfig, AutoModelForCausalLM
 
         need_gguf_package(f"model.init_from {source.path}")
@@ -364,8 +366,6 @@ def gemma3_rope(config: dict) -> dict[str, dict]:
 
 def _tensor_files(root: Path) -> dict[str, Path]:
     """tensor name -> file: one model.safetensors, or the shards an index lists (each must exist)."""
-    from safetensors import SafetensorError, safe_open
-
     index = root / INDEX
     if index.is_file():
         try:
@@ -499,7 +499,7 @@ def check_run(cfg: Config, source: Source, vocab_size: int, tokenizer_size: int 
     want = expected_model_fields(source, rows)
     have = {k: getattr(cfg.model, k) for k in want}
     have["vocab_size"] = vocab_size
-    from looped_lm.models.layers import ffn_width
+    from looped_lm.models.layers import ffn_width  # imports torch: seconds at start-up
 
     have["ffn_hidden"] = ffn_width(cfg.model.d_model, cfg.model.ffn_hidden)  # 0 = Llama's 8/3 rule
     wrong = [f"model.{k}: {v}" for k, v in want.items() if have[k] != v]
@@ -511,8 +511,6 @@ def check_run(cfg: Config, source: Source, vocab_size: int, tokenizer_size: int 
 
 
 def _embedding_rows(source: Source) -> int:
-    from safetensors import safe_open
-
     with safe_open(str(source.files["model.embed_tokens.weight"]), "pt") as f:
         return f.get_slice("model.embed_tokens.weight").get_shape()[0]
 
@@ -535,8 +533,6 @@ class _Tensors:
     dtype."""
 
     def __init__(self, source: Source, dtype):
-        from safetensors import safe_open
-
         self.source, self.dtype = source, dtype
         if source.gguf:
             self.state = gguf_state_dict(source)
@@ -560,7 +556,7 @@ class _Tensors:
 def copy_layer(layer, tensors: _Tensors, i: int, heads: tuple[int, int]) -> None:
     """Source layer i into a TransformerLayer / TwoStreamLayer (its `ada` is left as it is: zero;
     `open_gates` sets the gates after)."""
-    import torch
+    import torch  # torch: seconds at start-up
 
     names = _layer_names(i, tensors.source.config)
     q, k, v, o, gate, up, down = (tensors[names[role]] for role in ("q", "k", "v", "o", "gate", "up", "down"))
@@ -592,7 +588,7 @@ def copy_layer(layer, tensors: _Tensors, i: int, heads: tuple[int, int]) -> None
 def init_from_pretrained(model, cfg: Config, source: Source | None = None) -> dict:
     """Copy the source's weights into a freshly built `model` of cfg.model.kind; -> a record for the
     manifest ({"path", "sha256", "layers"})."""
-    import torch
+    import torch  # torch: seconds at start-up
 
     source = source or read_source(cfg.model.init_from)
     plan = layer_plan(cfg, source.n_layers)
@@ -629,7 +625,7 @@ def open_gates(model) -> None:
     """Every two-stream layer's adaLN gates (chunks 2 and 5 of its shift/scale/gate x 2) biased to 1, the
     rest of `ada` zero: the noisy stream then runs each layer as the source does (its queries against
     the clean keys), instead of passing its input through."""
-    import torch
+    import torch  # torch: seconds at start-up
 
     with torch.no_grad():
         for layer in [*model.coda, *(l for block in model.blocks for l in block)]:
@@ -640,8 +636,6 @@ def open_gates(model) -> None:
 
 def check_source(cfg: Config, vocab_size: int) -> Source:
     """Preflight: the source maps onto this run (architecture, shards, tokenizer, sizes, layer split)."""
-    from looped_lm.data.tokenizer import get_tokenizer
-
     source = read_source(cfg.model.init_from)
     check_run(cfg, source, vocab_size, get_tokenizer(cfg.data.tokenizer).vocab_size)
     return source

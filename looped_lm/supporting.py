@@ -25,15 +25,21 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
+from looped_lm.checkpoint import load_checkpoint, resolve_checkpoint
+from looped_lm.data.batches import load_module_data
+from looped_lm.data.images import write_png_grid
+from looped_lm.data.latents import decode_latents, load_vae
+from looped_lm.data.text8 import decode
 from looped_lm.kinds import kind_of
 from looped_lm.errors import UserError
 from looped_lm.models.contract import Classifier, ImageGenerator, TextDiffusion
+from looped_lm.models.dit import frechet_distance
 
 
 def module_data(cfg, manifest: dict, source: str | None):
     """The data of `source` (default: the checkpoint's own), which must be one the model's kind reads."""
-    from looped_lm.data.batches import load_module_data
-
     source = source or manifest.get("data", {}).get("dir")
     if not source:
         raise UserError("the checkpoint does not record its data source: pass --data SOURCE")
@@ -63,8 +69,6 @@ def single_k(text: str | None) -> int | None:
 
 def evaluate(model, cfg, manifest: dict, args) -> int:
     """`looped_lm eval` of a module checkpoint."""
-    import torch
-
     if args.max_tokens < 0:
         raise UserError(f"--max-tokens must be >= 0 (got {args.max_tokens})")
     if args.draws < 1 or args.batch_size < 1:
@@ -124,11 +128,6 @@ def frechet_report(model, cfg, manifest: dict, args, gen) -> dict:
     feature space of a vit checkpoint trained on the same data (`--features`): Frechet distance, FID's
     formula in another network's features, so NOT comparable with FID. The floor: the held-out images'
     distance to the training images (real images of the same classes, never seen in training)."""
-    import torch
-
-    from looped_lm.checkpoint import load_checkpoint, resolve_checkpoint
-    from looped_lm.models.dit import frechet_distance
-
     if not args.features:
         raise UserError("a dit checkpoint is scored by the Frechet distance of its samples in a classifier's "
                         "features: pass --features VIT_CHECKPOINT (a vit trained on the same data)")
@@ -184,8 +183,6 @@ def parse_labels(text: str | None, num_classes: int, n: int | None) -> list[int]
 
 def generate(model, cfg, manifest: dict, args) -> int:
     """`looped_lm generate` of a module checkpoint."""
-    import torch
-
     if not isinstance(model, (ImageGenerator, TextDiffusion)):
         raise UserError(f"looped_lm generate continues prompts (language models) and samples dit / mdm; a "
                         f"{cfg.model.kind} checkpoint does neither (looped_lm eval reports its accuracy)")
@@ -207,7 +204,6 @@ def generate(model, cfg, manifest: dict, args) -> int:
             if not args.vae:
                 raise UserError("this dit was trained on VAE latents: pass --vae DIR (the AutoencoderKL that encoded "
                                 "them) to decode its samples into pixels")
-            from looped_lm.data.latents import load_vae
 
             vae = load_vae(args.vae, args.device)
             data, _ = module_data(cfg, manifest, None)
@@ -217,17 +213,13 @@ def generate(model, cfg, manifest: dict, args) -> int:
         cfg_scale = d.cfg_scale if args.cfg_scale is None else args.cfg_scale
         images = model.sample(labels, steps, cfg_scale, generator=gen)
         if vae is not None:
-            from looped_lm.data.latents import decode_latents
-
             images = decode_latents(vae, images, scale)
-        from looped_lm.data.images import write_png_grid
 
         nrow = min(len(labels), model.num_classes or 8, 10) if args.labels is None else min(len(labels), 10)
         write_png_grid(images, out, nrow=nrow, scale=max(1, 32 // images.shape[-1]))
         print(f"wrote {len(labels)} samples to {out} ({steps} steps, per block {model.steps_per_block(steps)}, "
               f"cfg scale {cfg_scale})", file=sys.stderr)
         return 0
-    from looped_lm.data.text8 import decode
 
     if args.cfg_scale is not None or args.labels is not None or args.out is not None:
         raise UserError("--cfg-scale, --labels and --out are for dit; mdm prints its samples")

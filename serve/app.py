@@ -155,7 +155,7 @@ class BackgroundServer:
     """
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        import uvicorn
+        import uvicorn  # optional: the serve extra
 
         self.host, self.port = host, port
         self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_keep_alive=30))

@@ -5,13 +5,17 @@ Imports nothing heavy at module level: `looped_lm --help` lists this verb withou
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 import sys
 from pathlib import Path
 
-from looped_lm.checkpoint import NO_VERIFY_HELP
+from looped_lm.checkpoint import NO_VERIFY_HELP, load_checkpoint, no_verify_note, resolve_checkpoint
 from looped_lm import fields
+from looped_lm.data.tokenizer import get_tokenizer
 from looped_lm.errors import UserError
+from looped_lm.serve.text import load_chat_template
 
 
 def add_arguments(p) -> None:
@@ -89,9 +93,6 @@ def served_context(trained: int, positions: int, max_model_len: int | None) -> i
 
 def check_address(host: str, port: int) -> None:
     """The address uvicorn will bind: it resolves, it is this machine's, and the port is free."""
-    import errno
-    import socket
-
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except (socket.gaierror, UnicodeError) as e:
@@ -109,17 +110,16 @@ def check_address(host: str, port: int) -> None:
 
 def run(args) -> int:
     try:
-        import uvicorn
+        import uvicorn  # optional: the serve extra
 
-        from looped_lm.serve.app import build_app
+        from looped_lm.serve.app import build_app  # optional: the serve extra
     except ModuleNotFoundError as e:
         raise UserError(f"`looped_lm serve` needs the serve extra ({e.name} is missing): "
                         "pip install -e '.[serve]'") from None
-    from looped_lm.checkpoint import load_checkpoint, no_verify_note, resolve_checkpoint
-    from looped_lm.data.tokenizer import get_tokenizer
+    # torch and the engine: seconds at start-up, so only when the verb runs
     import torch
 
-    from looped_lm import devices  # torch: imported when the verb runs, so `looped_lm --help` stays fast
+    from looped_lm import devices
     from looped_lm.engine.compiled import compile_setting
     from looped_lm.engine.engine import Engine
     from looped_lm.models.contract import CachedDecoding
@@ -133,7 +133,7 @@ def run(args) -> int:
     if args.api_key is not None and not args.api_key.strip():
         raise UserError("--api-key (or $LOOPED_LM_API_KEY) is empty: give a key, or leave both unset to serve "
                         "without authentication")
-    from looped_lm.settings import MAX_DRAWS
+    from looped_lm.settings import MAX_DRAWS  # imports torch: seconds at start-up
 
     if not 1 <= args.logprob_draws <= args.logprob_max_draws <= MAX_DRAWS:
         raise UserError(f"--logprob-draws and --logprob-max-draws must satisfy 1 <= draws <= max draws <= "
@@ -145,13 +145,11 @@ def run(args) -> int:
     for flag, value in (("--default-iterations", args.default_iterations), ("--max-iterations", args.max_iterations)):
         if value is not None and value < 1:
             raise UserError(f"{flag} must be >= 1 (got {value}): K, as a request's num_iterations")
-    from looped_lm.devices import check_device
+    from looped_lm.devices import check_device  # imports torch: seconds at start-up
 
     check_device(args.device)
     template = None
     if args.chat_template is not None:
-        from looped_lm.serve.text import load_chat_template
-
         template = load_chat_template(args.chat_template)
     check_address(args.host, args.port)  # before the model loads: a taken port fails in a second
     if args.no_verify:
@@ -165,7 +163,7 @@ def run(args) -> int:
     name = args.served_model_name or default_name(checkpoint)
     if "@" in name:
         raise UserError(f"--served-model-name must not contain '@' (it marks K aliases): {name!r}")
-    from looped_lm.settings import LOGPROB_RESOLVE_SE, ScoreSettings
+    from looped_lm.settings import LOGPROB_RESOLVE_SE, ScoreSettings  # imports torch: seconds at start-up
 
     max_len = served_context(cfg.model.positions(), model.max_positions, args.max_model_len)
     budget = args.kv_memory_gb

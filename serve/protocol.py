@@ -16,7 +16,9 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
+from looped_lm.errors import UserError
 from looped_lm.fields import Bridge
+from looped_lm.settings import ExitRule
 
 MAX_LOGPROBS = 20
 MAX_N = 64
@@ -148,9 +150,6 @@ class SamplingFields(RequestModel):
     @classmethod
     def _exit_criterion(cls, value):
         if value is not None:  # the CLI's parser, so both refuse the same rules
-            from looped_lm.errors import UserError
-            from looped_lm.settings import ExitRule
-
             try:
                 ExitRule.parse(None, value, names=("exit_threshold", "exit_criterion"))
             except UserError as e:

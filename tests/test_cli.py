@@ -280,7 +280,7 @@ heavy = ("torch", "deepspeed", "transformers")
 found = {{}}
 for argv in {[["--help"], ["fly"], ["train", "--help"], ["train", "--bogus"], ["generate", "--bogus"],
               ["prepare", "--bogus"], ["export", "--bogus"], ["serve", "--bogus"], ["eval", "--bogus"],
-              ["eval", "--help"],
+              ["eval", "--help"], ["merge", "--help"], ["verify", "--help"], ["generate", "--help"],
               ["train", "--config", str(tmp_path / "missing.yaml")], ["train", "--set", "train.lrr=1"]]!r}:
     try:
         cli.main(argv)

@@ -21,7 +21,9 @@ from functools import lru_cache
 from pathlib import Path
 
 from looped_lm.config import Config
-from looped_lm.data.bin_dataset import batch_seed
+from looped_lm.data.bin_dataset import TokenStream, batch_seed
+from looped_lm.data.latents import load_latents
+from looped_lm.data.prepare import ensure_prepared
 from looped_lm.errors import UserError
 from looped_lm.kinds import kind_of, resolve
 
@@ -40,14 +42,12 @@ def load_module_data(source: str):
     """The ImageData / LatentData / CharSplits of a source string, loaded once per process."""
     kind, _, path = source.partition(":")
     if kind in ("bible", "text8"):
-        from looped_lm.data.text8 import load_chars
+        from looped_lm.data.text8 import load_chars  # imports torch: seconds at start-up
 
         return load_chars(source)
     if kind == "latents":
-        from looped_lm.data.latents import load_latents
-
         return load_latents(path)
-    from looped_lm.data.images import load_images
+    from looped_lm.data.images import load_images  # imports torch: seconds at start-up
 
     return load_images(source)
 
@@ -84,8 +84,6 @@ class TokenBatches:
     unit = "tokens"
 
     def __init__(self, path: str, seq_len: int):
-        from looped_lm.data.bin_dataset import TokenStream
-
         self.stream = TokenStream(path, seq_len)
         self.units_per_example = seq_len
 
@@ -102,9 +100,9 @@ class ImageBatches:
         self.images, self.labels, self.augment, self.flip = images, labels, augment, flip
 
     def get_batch(self, batch_size: int, seed: int, step: int, micro_step: int, rank: int):
-        import torch
+        import torch  # torch: seconds at start-up
 
-        from looped_lm.data.images import augment
+        from looped_lm.data.images import augment  # imports torch: seconds at start-up
 
         g = torch.Generator().manual_seed(batch_seed(seed, step, micro_step, rank))
         idx = torch.randint(len(self.labels), (batch_size,), generator=g)
@@ -121,7 +119,7 @@ class CharBatches:
         self.chars, self.split, self.units_per_example = chars, split, seq_len
 
     def get_batch(self, batch_size: int, seed: int, step: int, micro_step: int, rank: int):
-        import torch
+        import torch  # torch: seconds at start-up
 
         g = torch.Generator().manual_seed(batch_seed(seed, step, micro_step, rank))
         return self.chars.batch(batch_size, self.units_per_example, g, self.split), None
@@ -168,9 +166,6 @@ def prepare_module_data(cfg: Config, vocab_size: int) -> str:
 
 def prepare_tokens(cfg: Config, vocab_size: int) -> str:
     """A language model's corpus, tokenized once into the cache: its absolute directory."""
-    from looped_lm.data.bin_dataset import TokenStream
-    from looped_lm.data.prepare import ensure_prepared
-
     cache = Path(cfg.data.cache_dir)
     existing = next((p for p in [cache, *cache.parents] if p.exists()), None)
     if existing is not None and not existing.is_dir():

@@ -87,7 +87,7 @@ class TokenStream:
 
         Offsets are uniform over every start that leaves room for the shifted targets.
         """
-        import torch
+        import torch  # torch: seconds at start-up
 
         T = self.seq_len
         g = torch.Generator().manual_seed(batch_seed(seed, step, micro_step, rank))
@@ -113,7 +113,7 @@ class TokenStream:
         the first window sees at least T - S tokens of context: the strided-perplexity protocol of the
         Hugging Face perplexity guide.
         """
-        import torch
+        import torch  # torch: seconds at start-up
 
         n, stride = self._eval_span(block_size, stride, max_tokens)
         T = block_size

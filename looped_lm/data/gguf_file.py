@@ -13,6 +13,8 @@ import functools
 import importlib.util
 from pathlib import Path
 
+import tokenizers
+
 from looped_lm.errors import UserError
 
 MAGIC = b"GGUF"
@@ -67,7 +69,7 @@ def metadata(path: str | Path, where: str) -> dict:
 
 @functools.lru_cache(maxsize=4)
 def _metadata(path: str, size: int, mtime_ns: int) -> dict:
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # optional: the gguf extra
 
     reader = GGUFReader(path)
     field = reader.fields.get("general.architecture")
@@ -79,14 +81,12 @@ def _metadata(path: str, size: int, mtime_ns: int) -> dict:
 def gguf_tokenizer(path: str | Path):
     """The tokenizer a GGUF file holds, as transformers builds it -> (a `tokenizers.Tokenizer`, the
     end-of-text id: the GGUF's eos token)."""
-    import tokenizers
-
     path = Path(path)
     where = f"data.tokenizer {path}"
     if not metadata(path, where)["tokenizer"]:
         raise UserError(f"{where}: the GGUF file holds no tokenizer (no tokenizer.ggml.tokens); set data.tokenizer "
                         "to a tokenizer.json")
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # transformers: seconds at start-up
 
     try:
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)

@@ -76,7 +76,7 @@ def load_images(source: str) -> ImageData:
 
 def load_digits(test_fraction: float = DIGITS_TEST_FRACTION, seed: int = 0) -> ImageData:
     try:
-        from sklearn.datasets import load_digits as sk_digits
+        from sklearn.datasets import load_digits as sk_digits  # optional: the vision extra
     except ImportError:
         raise UserError("the digits images need scikit-learn: pip install 'looped_lm[vision]'") from None
     d = sk_digits()
@@ -206,7 +206,7 @@ def image_grid(images: torch.Tensor, nrow: int = 10, pad: int = 1) -> np.ndarray
 def write_png_grid(images: torch.Tensor, path, nrow: int = 10, scale: int = 1) -> Path:
     """Save `image_grid(images)` as a PNG (Pillow), each pixel blown up `scale` times."""
     try:
-        from PIL import Image
+        from PIL import Image  # optional: the vision extra
     except ImportError:
         raise UserError("writing PNG grids needs Pillow: pip install 'looped_lm[vision]'") from None
     grid = image_grid(images, nrow)

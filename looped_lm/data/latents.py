@@ -16,10 +16,12 @@ float16) never have to fit in memory.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from safetensors.numpy import save_file
 
 from looped_lm.errors import UserError
 
@@ -144,7 +146,7 @@ def _read_split(root: Path, split: str):
 
 def load_latents(path) -> LatentData:
     """The latents directory at `path` (see the module docstring), checked: layout, shapes, labels."""
-    import torch
+    import torch  # torch: seconds at start-up
 
     root = Path(path)
     if not root.is_dir():
@@ -179,8 +181,6 @@ def load_latents(path) -> LatentData:
 
 def write_shard(path: Path, latents: np.ndarray, labels: np.ndarray) -> None:
     """One safetensors shard (float16 latents, int64 labels), written under a temp name and renamed."""
-    from safetensors.numpy import save_file
-
     tmp = path.with_name(f".{path.name}.tmp")
     save_file({"latents": np.ascontiguousarray(latents, dtype=np.float16),
                "labels": np.ascontiguousarray(labels, dtype=np.int64)}, str(tmp))
@@ -198,7 +198,7 @@ def load_vae(vae_dir, device: str = "cpu"):
         raise UserError(f"no VAE weights at {root}: expected a local diffusers AutoencoderKL directory with "
                         f"{VAE_FILES} (e.g. stabilityai/sd-vae-ft-ema, copied from a machine with a network)")
     try:
-        from diffusers import AutoencoderKL
+        from diffusers import AutoencoderKL  # optional: the latents extra
     except ImportError:
         raise UserError("encoding latents needs diffusers' AutoencoderKL: pip install 'looped_lm[latents]'") from None
     try:
@@ -226,7 +226,7 @@ def _image_folder(root: Path, split: str):
 def center_crop(image, size: int):
     """ADM's center crop (what DiT trains on): halve while large, resize the short side to `size` with
     bicubic, crop the middle."""
-    from PIL import Image
+    from PIL import Image  # optional: the vision extra
 
     while min(image.size) >= 2 * size:
         image = image.resize(tuple(x // 2 for x in image.size), resample=Image.BOX)
@@ -241,10 +241,8 @@ def prepare_latents(source: str, out_dir, vae_dir, image_size: int = 256, batch_
     """Encode `imagefolder:PATH` (train/ and val/ class folders) into a latents directory: each image
     center-cropped to image_size, encoded to the VAE posterior's mean, times the VAE's scaling factor.
     Written into a temp directory and renamed: an interrupted run leaves nothing that looks finished."""
-    import shutil
-
-    import torch
-    from PIL import Image
+    import torch  # torch, tqdm: seconds at start-up
+    from PIL import Image  # optional: the vision extra
     from tqdm import tqdm
 
     kind, sep, path = source.partition(":")
@@ -300,7 +298,7 @@ def prepare_latents(source: str, out_dir, vae_dir, image_size: int = 256, batch_
 
 def decode_latents(vae, latents, factor: float):
     """Latents (N, C, H, W) as stored -> images (N, 3, 8H, 8W) in [-1, 1]."""
-    import torch
+    import torch  # torch: seconds at start-up
 
     with torch.no_grad():
         return vae.decode(latents.to(next(vae.parameters()).device) / factor).sample.clamp(-1, 1).cpu()

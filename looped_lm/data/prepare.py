@@ -19,6 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from looped_lm import __version__
+from looped_lm.data.latents import prepare_latents
 from looped_lm.data.sources import BUILTIN_SOURCES, HF_PREFIX, document_split, iter_documents
 from looped_lm.data.tokenizer import TOKENIZER_NAMES, get_tokenizer
 from looped_lm.errors import UserError
@@ -268,8 +269,6 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--out {out} is a non-empty directory but not a prepared dataset (no meta.json): choose a "
                         "new or empty directory, or pass --overwrite to write train.bin / val.bin there anyway")
     if args.vae is not None or args.source.startswith("imagefolder:"):
-        from looped_lm.data.latents import prepare_latents
-
         if args.vae is None:
             raise UserError("--source imagefolder:PATH is encoded into VAE latents: pass --vae DIR (a local "
                             "diffusers AutoencoderKL)")

@@ -122,7 +122,7 @@ def _shakespeare() -> Iterator[str]:
 
 def _hf_dataset(name: str, config: str | None, split: str) -> Iterator[str]:
     try:
-        import datasets
+        import datasets  # optional: the hf extra
     except ImportError:
         raise UserError("the hf: data source needs the `datasets` package, an optional extra: "
                         "pip install 'looped_lm[hf]' (or pip install datasets)") from None
@@ -198,7 +198,7 @@ def _read_jsonl(path: Path) -> Iterator[str]:
 
 def _read_parquet(path: Path) -> Iterator[str]:
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # optional: the parquet extra
     except ImportError:
         raise UserError("reading .parquet files needs pyarrow: pip install pyarrow") from None
     try:

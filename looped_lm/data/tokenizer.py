@@ -21,6 +21,7 @@ export.
 
 import functools
 import importlib.util
+import json
 import os
 
 import tokenizers
@@ -96,7 +97,7 @@ class Tokenizer:
         `<|endoftext|>`, as in Hugging Face's own GPT-2 tokenizer); chat_template: the template to carry
         (default: the model's own, if it has one).
         """
-        from transformers import PreTrainedTokenizerFast
+        from transformers import PreTrainedTokenizerFast  # transformers: seconds at start-up
 
         backend = tokenizers.Tokenizer.from_str(self._backend.to_str())
         backend.encode_special_tokens = False  # HF convention: the literal string is the special token
@@ -156,8 +157,6 @@ def tokenizer_file(name: str) -> str:
 
 def _file_eot(path: str, backend: tokenizers.Tokenizer) -> int:
     """The end-of-text id of a checkpoint's tokenizer.json, from the files beside it or a known name."""
-    import json
-
     folder = os.path.dirname(path)
     for meta, key in (("tokenizer_config.json", "eos_token"), ("config.json", "eos_token_id")):
         try:

@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from looped_lm.engine import compiled
 from looped_lm.engine.requests import TokenLogprob
 from looped_lm.engine.scheduler import Sequence
 from looped_lm.errors import UserError
@@ -59,8 +60,6 @@ class ModelRunner:
         model.reserve(self.pool, max_iterations)
         self.compiled = self.compiled_blocks = None
         if compile_decode and isinstance(model, (FixedShapeDecoding, FixedShapeBlocks)):
-            from looped_lm.engine import compiled  # imports the compiler: only when asked
-
             if isinstance(model, FixedShapeDecoding):
                 self.compiled = compiled.CompiledDecode(model, self.pool, num_slots)
                 self.compiled.warm_up()  # as vLLM captures its graphs: at start-up, not in a request's first step

@@ -8,6 +8,7 @@ loaded. Importing transformers eagerly would add seconds to every `import looped
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
 import sys
@@ -18,14 +19,14 @@ _done: set[str] = set()
 
 
 def _register_config(module) -> None:
-    from looped_lm.hf.configuration import LoopedLMConfig
+    from looped_lm.hf.configuration import LoopedLMConfig  # imports torch: seconds at start-up
 
     module.AutoConfig.register(LoopedLMConfig.model_type, LoopedLMConfig, exist_ok=True)
     _done.add(_CONFIG_AUTO)
 
 
 def _register_model(module) -> None:
-    from looped_lm.hf.configuration import LoopedLMConfig
+    from looped_lm.hf.configuration import LoopedLMConfig  # imports torch: seconds at start-up
     from looped_lm.hf.modeling import LoopedLMForCausalLM
 
     module.AutoModelForCausalLM.register(LoopedLMConfig, LoopedLMForCausalLM, exist_ok=True)
@@ -37,8 +38,6 @@ _REGISTER = {_CONFIG_AUTO: _register_config, _MODEL_AUTO: _register_model}
 
 def register() -> None:
     """Register the looped_lm classes with AutoConfig and AutoModelForCausalLM now (idempotent)."""
-    import importlib
-
     for name, fn in _REGISTER.items():
         if name not in _done:
             fn(importlib.import_module(name))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from importlib.metadata import entry_points
 
 from looped_lm.errors import UserError
 from looped_lm.kinds.base import (CAPABILITIES, LANGUAGE_SOURCES, BlockDiffusion, DiffusionSection, IterationLimits,
@@ -59,7 +60,6 @@ def _load_plugins() -> None:
     if _loaded:
         return
     _loaded = True
-    from importlib.metadata import entry_points
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         ep.load()

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from looped_lm import cost
 from looped_lm.errors import UserError
 from looped_lm.kinds.base import IterationLimits, Kind, ensure
 from looped_lm.kinds.sections import (DbArDiffusion, DbArSection, DitDiffusion, DitSection, GptSection, HuginnSection,
@@ -18,16 +19,12 @@ from looped_lm.kinds.sections import (DbArDiffusion, DbArSection, DitDiffusion, 
 
 # --- the cost model's shapes of a config (MFU on the log line) ------------------------------------------
 def _cost_shape(cfg, vocab_size: int, batch: int):
-    from looped_lm import cost
-
     m = cfg.model
     return cost.Shape(d=m.d_model, layers=m.n_layers, heads=m.n_heads, vocab=vocab_size, seq=m.seq_len, batch=batch,
                       ffn=m.ffn_hidden, prelude=getattr(m, "n_prelude", 0), coda=getattr(m, "n_coda", 0))
 
 
 def _db_layout(cfg, blocks: int):
-    from looped_lm import cost
-
     m, d = cfg.model, cfg.diffusion
     return cost.DBLayout(
         blocks=blocks, denoise=d.denoise_weight > 0, target_fraction=d.target_fraction,
@@ -51,7 +48,7 @@ def _stack_order(cfg, blocks: int) -> tuple[int, ...]:
 def _compile_block_loss(model, backend: str) -> bool:
     """DB kinds: the loss of the block the host chose (`BlockObjective.block_loss`): one graph per block, and
     the step number never enters it."""
-    from looped_lm.compile import compile_graphs
+    from looped_lm.compile import compile_graphs  # imports torch: seconds at start-up
 
     model.objective.block_loss = compile_graphs(model.objective.block_loss, len(model.objective.net.train_ranges), backend)
     return True
@@ -80,12 +77,10 @@ class Gpt(Kind):
         return [r"layers"], True
 
     def step_flops(self, cfg, vocab_size: int, batch: int, key=None) -> float:
-        from looped_lm import cost
-
         return cost.gpt_train(_cost_shape(cfg, vocab_size, batch), cfg.model.loss_chunk).total()
 
     def compile_for_training(self, model, backend: str) -> bool:
-        import torch
+        import torch  # torch: seconds at start-up
 
         model.training_loss = torch.compile(model.training_loss, backend=backend, dynamic=False)
         return True
@@ -153,13 +148,9 @@ class DbAr(Kind):
         return _block_lora_layers(cfg, self.num_blocks(cfg))
 
     def step_flops(self, cfg, vocab_size: int, batch: int, key=None) -> float:
-        from looped_lm import cost
-
         return cost.db_train(_cost_shape(cfg, vocab_size, batch), _db_layout(cfg, self.num_blocks(cfg)), key or 0).total()
 
     def curve_flops(self, cfg, vocab_size: int, batch: int) -> float:
-        from looped_lm import cost
-
         return cost.db_curve(_cost_shape(cfg, vocab_size, batch), _db_layout(cfg, self.num_blocks(cfg))).total()
 
     def compile_for_training(self, model, backend: str) -> bool:
@@ -189,13 +180,9 @@ class LoopedDb(Kind):
         return _block_lora_layers(cfg, 1)
 
     def step_flops(self, cfg, vocab_size: int, batch: int, key=None) -> float:
-        from looped_lm import cost
-
         return cost.db_train(_cost_shape(cfg, vocab_size, batch), _db_layout(cfg, 1), 0).total()
 
     def curve_flops(self, cfg, vocab_size: int, batch: int) -> float:
-        from looped_lm import cost
-
         return cost.db_curve(_cost_shape(cfg, vocab_size, batch), _db_layout(cfg, 1)).total()
 
     def compile_for_training(self, model, backend: str) -> bool:
@@ -230,8 +217,6 @@ class Huginn(Kind):
 
     def step_flops(self, cfg, vocab_size: int, batch: int, key=None) -> float:
         """key: the step's recurrence r (drawn on the host; the mean before it is known)."""
-        from looped_lm import cost
-
         r = key or cfg.model.mean_recurrence
         return cost.huginn_train(_cost_shape(cfg, vocab_size, batch), r, cfg.model.backprop_depth).total()
 

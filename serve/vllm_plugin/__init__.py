@@ -12,13 +12,13 @@ DiffusionBlocks kinds db_ar / looped_db trained with `diffusion.noisy_self: fals
 load with the reason: see docs/export.md.
 """
 
+from looped_lm.hf import register as register_hf
+
 ARCH = "LoopedLMForCausalLM"
 
 
 def register() -> None:
-    from vllm import ModelRegistry
-
-    from looped_lm.hf import register as register_hf
+    from vllm import ModelRegistry  # optional: the vllm extra
 
     register_hf()  # AutoConfig knows model_type "looped_lm" (vLLM reads the config through it)
     if ARCH not in ModelRegistry.get_supported_archs():

@@ -25,6 +25,7 @@ from looped_lm.models.args import args_from_dict
 from looped_lm.sampling import PLAIN
 from looped_lm.settings import resolve_settings
 from looped_lm.serve.vllm_plugin.attention import paged_attention
+from looped_lm.serve.vllm_plugin.db_model import DiffusionBlocksRunner
 
 UNSUPPORTED = ("model.kind '{kind}' is not served by the vLLM plugin (its cache holds one KV set per "
                "(iteration, layer)); serve it with `looped_lm serve`")
@@ -54,8 +55,6 @@ class LoopedLMForCausalLM(nn.Module):
         self.model = build_network(args, config.model_state or None)
         self.db = None
         if get_kind(config.kind).offers("iterative"):
-            from looped_lm.serve.vllm_plugin.db_model import DiffusionBlocksRunner
-
             settings = resolve_settings(self.model.iteration_limits(), num_iterations=config.num_iterations,
                                         bridge=config.bridge, sampling=PLAIN)
             self.db = DiffusionBlocksRunner(self.model, settings, int(getattr(config, "decode_seed", 0) or 0),
