@@ -17,8 +17,8 @@ impossible values raise `UserError` naming the key, so a bad run fails in its fi
 
 from __future__ import annotations
 
-import math
 import difflib
+import math
 import sys
 import types
 import typing
@@ -29,12 +29,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError
 
 from looped_lm.errors import UserError
-from looped_lm.fields import MAX_DRAWS, MAX_ITERATIONS, SEED_MAX, Float, Str, Switch  # noqa: F401 (re-exported)
+from looped_lm.fields import DEFAULT_KIND, MAX_DRAWS, MAX_ITERATIONS, SEED_MAX, Float, Str, Switch  # noqa: F401 (re-exported)
 from looped_lm.fields import Section as _Section
 from looped_lm.fields import field as _f
 from looped_lm.kinds import (BlockDiffusion, DiffusionSection, LanguageModelSection, ModelSection, ensure, get_kind,
                              kind_of, registered, require)
 from looped_lm.kinds.builtin import BUILTIN
+from looped_lm.source_fields import with_source_shape  # noqa: F401 (re-exported: the tests and docs name it here)
+from looped_lm.yaml_file import refuse_duplicate_keys, safe_load, yaml_problem
 
 LORA_TARGETS = ("qkv", "proj", "gate_up", "down")  # the Linears of a layer that train.lora_targets may name
 # the choices of each choice field (the diffusion: section's are its kind's: looped_lm/kinds/sections.py)
@@ -43,7 +45,6 @@ ResumeChanges = Literal["refuse", "allow"]
 TrainMode = Literal["data_parallel", "block_parallel"]
 LoraAda = Literal["lora", "full"]  # train.lora_ada
 
-DEFAULT_KIND = "gpt"
 COUNT_MAX = 2 ** 31 - 1  # steps, sequences, micro-batches: DeepSpeed and torch take them as 32/64-bit ints
 BUILTIN_NAMES = tuple(kind.name for kind in BUILTIN)  # what configs/README.md documents
 # The model section of configs written before kinds owned their sections held every kind's fields. A
@@ -224,14 +225,14 @@ def load_config(path: str | None, overrides: list[str] = (), source_shape=None) 
             raise UserError(f"config file not found: {path}")
         try:
             text = p.read_text()
-            _refuse_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader), path)
-            raw = _safe_load(text, f"config file {path}") or {}
+            refuse_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader), path)
+            raw = safe_load(text, f"config file {path}") or {}
         except OSError as e:
             raise UserError(f"cannot read config file {path}: {e.strerror}") from None
         except UnicodeDecodeError as e:
             raise UserError(f"config file {path} is not UTF-8 text (bad byte at offset {e.start})") from None
         except yaml.YAMLError as e:
-            raise UserError(f"config file {path} is not valid YAML{_yaml_problem(e)}") from None
+            raise UserError(f"config file {path} is not valid YAML{yaml_problem(e)}") from None
         if not isinstance(raw, dict):
             raise UserError(f"config file {path} must hold a mapping of sections, got {type(raw).__name__}")
     for item in overrides:
@@ -239,104 +240,6 @@ def load_config(path: str | None, overrides: list[str] = (), source_shape=None) 
     if source_shape is not None:
         raw = with_source_shape(raw, source_shape)
     return config_from_dict(raw, flat_era=False)
-
-
-SOURCE_SHAPE_FIELDS = ("d_model", "n_heads", "ffn_hidden", "norm_eps", "rope_theta", "vocab_size", "head_dim",
-                       "qkv_bias", "qk_norm", "tie_embeddings", "attn_scalar", "sandwich_norm", "mlp_activation",
-                       "embed_scale", "layer_types", "sliding_window", "rope_local_theta")
-# 0 means "work it out": with a source, the source's
-SOURCE_AUTO_ZERO = ("vocab_size", "ffn_hidden", "head_dim", "attn_scalar", "rope_local_theta")
-
-
-def with_source_shape(raw: dict, source_shape) -> dict:
-    """`raw` with the model fields a pretrained source decides (SOURCE_SHAPE_FIELDS, and n_layers where the kind
-    maps every source layer) taken from the source where the user left them unset; a field the user set to
-    another value is refused in one line (numbers compare as float32, as the GGUF stores them)."""
-    model = raw.get("model")
-    if not isinstance(model, dict) or not model.get("init_from"):
-        return raw
-    kind = model.get("kind", DEFAULT_KIND)
-    if not (isinstance(kind, str) and kind in registered() and get_kind(kind).offers("init_from")):
-        return raw  # the kind's own check refuses init_from (or the kind) in one line, naming the kind
-    shape = dict(source_shape(str(model["init_from"])))
-    n_source = shape.pop("n_source_layers")
-    n_layers = get_kind(kind).source_n_layers(model, n_source)
-    if n_layers is not None:
-        shape["n_layers"] = n_layers
-    filled = dict(model)
-    for key, value in shape.items():
-        if key not in model or (key in SOURCE_AUTO_ZERO and model[key] == 0):
-            filled[key] = value
-        elif not _same_number(model[key], value):
-            has = f"{value!r}" if key != "n_layers" else \
-                f"{n_source} layers ({value} for model.n_layers beside model.n_prelude and model.n_coda)"
-            raise UserError(f"model.{key} is {model[key]!r} but model.init_from {model['init_from']} has {has}: "
-                            f"leave model.{key} unset to take the source's")
-    return {**raw, "model": filled}
-
-
-def _same_number(a, b) -> bool:
-    """Equal as float32 (the GGUF's 9.999999747378752e-06 is 1e-5); a YAML string such as '1e-5' is read as a number."""
-    import numpy as np
-
-    try:
-        a, b = float(a), float(b)
-    except (TypeError, ValueError):
-        return a == b
-    return bool(np.float32(a) == np.float32(b))
-
-
-def _yaml_problem(e: yaml.YAMLError) -> str:
-    """' at line L, column C: <problem>' on one line (PyYAML's own text spans several)."""
-    if isinstance(e, yaml.reader.ReaderError):  # a NUL or control byte: its offset, not PyYAML's two lines
-        code = e.character if isinstance(e.character, int) else ord(e.character[:1] or "\0")
-        return f": character #x{code:04x} at offset {e.position} is not allowed in YAML ({e.reason})"
-    mark = getattr(e, "problem_mark", None)
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-    problem = " ".join(str(getattr(e, "problem", None) or e).split())
-    return f"{where}: {problem}"
-
-
-def _safe_load(text: str, what: str):
-    """yaml.safe_load, with what it raises besides YAMLError named in one line: an integer too long for
-    Python's int-from-text limit (ValueError), or an alias nested in itself (a recursive structure)."""
-    try:
-        value = yaml.safe_load(text)
-    except ValueError:  # int("9" * 5000): "Exceeds the limit (4300 digits) for integer string conversion"
-        raise UserError(f"{what}: an integer has more than {sys.get_int_max_str_digits()} digits (Python's limit "
-                        "for reading one); no config value needs that many") from None
-    _refuse_recursion(value, what)
-    return value
-
-
-def _refuse_recursion(value, what: str, inside: tuple = ()) -> None:
-    """`a: &x [*x]` makes a list that contains itself: refused (validation would recurse forever)."""
-    if isinstance(value, (list, dict)):
-        if any(value is seen for seen in inside):
-            raise UserError(f"{what}: a YAML alias refers to a node that contains it (a self-referencing anchor)")
-        for item in value.values() if isinstance(value, dict) else value:
-            _refuse_recursion(item, what, inside + (value,))
-
-
-def _refuse_duplicate_keys(node, path: str, where: str = "", inside: tuple = ()) -> None:
-    """YAML lets a repeated key silently take the last value; a config must not."""
-    if any(node is seen for seen in inside):  # an anchor aliased inside itself: _safe_load names it
-        return
-    inside = inside + (node,)
-    if isinstance(node, yaml.MappingNode):
-        seen: dict = {}
-        for key_node, value_node in node.value:
-            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
-            line = key_node.start_mark.line + 1
-            if key is not None and key in seen:
-                raise UserError(f"config file {path}: key '{where}{key}' appears twice (lines {seen[key]} and "
-                                f"{line}); keep one")
-            if key is not None:
-                seen[key] = line
-            _refuse_duplicate_keys(value_node, path, f"{where}{key}." if key is not None else where, inside)
-    elif isinstance(node, yaml.SequenceNode):
-        for item in node.value:
-            _refuse_duplicate_keys(item, path, where, inside)
 
 
 def config_from_dict(raw: dict, flat_era: bool = True) -> Config:
@@ -467,7 +370,7 @@ def _apply_override(raw: dict, item: str) -> None:
         raise UserError(f"--set key must look like section.key, got '{key}'")
     section, name = key.split(".")
     try:
-        value = _safe_load(text, f"--set {key}") if text != "" else ""
+        value = safe_load(text, f"--set {key}") if text != "" else ""
     except yaml.YAMLError:
         value = text
     raw.setdefault(section, {})

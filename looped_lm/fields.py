@@ -7,6 +7,8 @@ one-line reason (its pydantic `description`), which `looped_lm train --help-conf
 
 from __future__ import annotations
 
+import argparse
+import math
 from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
@@ -43,6 +45,7 @@ def switch_word(value):
 # one spelling for each bound and choice that config, settings, the CLI and the server share
 SEED_MAX = 2 ** 62 - 1  # train.seed's bound: seeds and their offsets fit torch's and the data hash's 64 bits
 MAX_ITERATIONS = 4096  # the hard ceiling of model.max_iterations (K at inference) and of any K or draw count
+DEFAULT_KIND = "gpt"  # the model.kind of a config that names none
 MAX_DRAWS = 4096  # estimates per token (eval's chains per ppl@k, `--draws`): each is an antithetic pair of chains
 Bridge = Literal["soft", "hard", "sample"]  # logits -> denoised embedding between a chain's steps
 BRIDGES = get_args(Bridge)
@@ -73,9 +76,6 @@ class Section(BaseModel):
 
 def finite_float(text: str) -> float:
     """A float flag: NaN and Inf are refused (argparse prints `argument --x: ...`, exit 2)."""
-    import argparse
-    import math
-
     try:
         value = float(text)
     except ValueError:
@@ -87,8 +87,6 @@ def finite_float(text: str) -> float:
 
 def switch(text: str) -> str:
     """An auto / on / off flag, which takes the same words as a switch field of the config."""
-    import argparse
-
     word = switch_word(text)
     if word not in ("auto", "on", "off"):
         raise argparse.ArgumentTypeError(f"must be one of auto, on, off (or true / false, yes / no), got {text!r}")
@@ -97,8 +95,6 @@ def switch(text: str) -> str:
 
 def seed(text: str) -> int:
     """A --seed flag: an integer in 0..SEED_MAX (torch's generators take 64-bit seeds)."""
-    import argparse
-
     try:
         value = int(text)
     except ValueError:

@@ -10,10 +10,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # Layers, bottom to top: a module may import its own layer or lower ones, never a higher one, and the
 # import graph (function-level imports included) has no circle. Prefixes are matched longest first.
 LAYERS = [
-    ("looped_lm.errors", "looped_lm.console", "looped_lm.cost", "looped_lm.devices", "looped_lm.compile"),
+    ("looped_lm.errors", "looped_lm.console", "looped_lm.cost", "looped_lm.devices", "looped_lm.compile",
+     "looped_lm.yaml_file"),
     ("looped_lm.fields",),
     ("looped_lm.kinds",),  # the kind plugins: their builders and data functions are named, not imported
-    ("looped_lm.config", "looped_lm.sampling", "looped_lm.mfu"),
+    ("looped_lm.config", "looped_lm.source_fields", "looped_lm.sampling", "looped_lm.mfu"),
     ("looped_lm.settings",),
     ("looped_lm.diffusion",),
     ("looped_lm.models", "looped_lm.data", "looped_lm.lora"),
@@ -299,3 +300,66 @@ def test_the_run_config_read_check_sees_a_read():
     probe = ("def f(cfg, net):\n    a = cfg.model.d_model\n    b = net.cfg.diffusion\n    self.cfg = cfg\n"
              "    c = cfg_scale.x\n    return build(cfg)\n")
     assert run_config_reads(probe) == [2, 3, 4]
+
+
+# ---------------------------------------------------------------------------------------------
+# the shape of the house: file sizes, and why an import sits inside a function
+
+MAX_LINES = 600
+# a known debt, named so it cannot grow unseen: pretrained.py's GGUF reader is its seam (docs/architecture.md)
+OVER_LIMIT = {"looped_lm/pretrained.py"}
+# another engineer is reshaping these: their own imports are not held to the rule yet
+IMPORT_RULE_EXEMPT = ("looped_lm/models/", "looped_lm/diffusion/")
+# the reasons an import may sit inside a function, one of which its comment names: an optional extra that
+# is not always installed, a measured start-up cost (torch, deepspeed, transformers: seconds before
+# `looped_lm --help` or a verb's --help answers), or an import circle it breaks
+IMPORT_REASONS = ("optional", "start-up", "circle")
+
+
+def long_files(sources: dict[str, str]) -> list[str]:
+    return [f"{path}: {n} lines" for path, text in sources.items() if (n := len(text.splitlines())) > MAX_LINES]
+
+
+def unexplained_imports(path: str, source: str) -> list[str]:
+    """`path:line` of each import inside a function whose reason is not said: a comment naming one of
+    IMPORT_REASONS on its own line(s) or on the run of import, comment and blank lines just above it."""
+    lines = source.splitlines()
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for inner in ast.walk(node):
+            if not isinstance(inner, (ast.Import, ast.ImportFrom)):
+                continue
+            said = lines[inner.lineno - 1:inner.end_lineno]
+            i = inner.lineno - 2
+            while i >= 0 and (not lines[i].strip() or lines[i].strip().startswith(("#", "import ", "from "))):
+                said.append(lines[i])
+                i -= 1
+            if not any("#" in line and any(r in line.split("#", 1)[1] for r in IMPORT_REASONS) for line in said):
+                found.append(f"{path}:{inner.lineno}")
+    return sorted(set(found))
+
+
+def package_sources() -> dict[str, str]:
+    return {p.relative_to(ROOT).as_posix(): p.read_text()
+            for p in sorted(ROOT.glob("looped_lm/**/*.py")) + sorted(ROOT.glob("serve/**/*.py"))}
+
+
+def test_no_file_is_over_600_lines():
+    sources = {path: text for path, text in package_sources().items()
+               if path.startswith("looped_lm/") and path not in OVER_LIMIT}
+    assert not long_files(sources), "split these along a seam: " + ", ".join(long_files(sources))
+    assert long_files({"big.py": "x = 1\n" * (MAX_LINES + 1)}) == ["big.py: 601 lines"]  # the check can fail
+
+
+def test_every_import_inside_a_function_says_why():
+    """Imports sit at the top of their file; one inside a function says which reason keeps it there."""
+    offenders = [hit for path, text in package_sources().items() if not path.startswith(IMPORT_RULE_EXEMPT)
+                 for hit in unexplained_imports(path, text)]
+    assert not offenders, "move these to the top of their file, or say why not (optional, start-up, circle): " \
+        + ", ".join(offenders)
+    probe = ('"""doc"""\n\n\ndef f():\n    """doc"""\n    import json\n\n    return json\n\n\n'
+             'def g():\n    import torch  # torch: seconds at start-up\n    from x import y\n\n    return y\n\n\n'
+             'def h():\n    x = 1  # start-up\n    import numpy\n    return numpy, x\n')
+    assert unexplained_imports("probe.py", probe) == ["probe.py:20", "probe.py:6"]  # each rule can fail
