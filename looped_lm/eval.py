@@ -26,7 +26,7 @@ import numpy as np
 
 from looped_lm.checkpoint import NO_VERIFY_HELP, load_checkpoint, no_verify_note, resolve_checkpoint
 from looped_lm.config import MAX_DRAWS
-from looped_lm.data.bin_dataset import TokenStream
+from looped_lm.data.bin_dataset import TokenStream, token_dtype
 from looped_lm.data.tokenizer import get_tokenizer
 from looped_lm.errors import UserError
 from looped_lm.fields import finite_float, seed
@@ -258,7 +258,11 @@ def data_tokens(data: str, tokenizer_name: str, workdir: str) -> str:
                     raise UserError(f"{data} line {n}: expected a JSON object with a \"text\" field") from None
         ids = [t for doc in docs for t in [*tok.encode(doc), tok.eot_id]]
         out = Path(workdir) / "tokens.bin"
-        np.asarray(ids, dtype=np.uint16).tofile(out)
+        dtype = token_dtype(tok.vocab_size)
+        np.asarray(ids, dtype=dtype).tofile(out)
+        # the dtype beside the file, as prepare writes it: a vocabulary above 65,536 tokens needs uint32
+        (out.parent / "meta.json").write_text(json.dumps({"tokenizer": tok.name, "vocab_size": tok.vocab_size,
+                                                          "dtype": dtype}))
         return str(out)
     meta_path = path.parent / "meta.json"
     if meta_path.is_file():

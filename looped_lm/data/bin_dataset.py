@@ -1,7 +1,9 @@
 """Reading nanoGPT-format token files: random training batches and evaluation windows.
 
 A token file is a flat array of uint16 ids (train.bin / val.bin), read through np.memmap so that a
-9-billion-token OpenWebText file costs no memory up front. torch is imported where batches are made:
+9-billion-token OpenWebText file costs no memory up front. A vocabulary above 65,536 tokens (Qwen, Gemma)
+does not fit uint16: its files are uint32, and the sibling meta.json says so ("dtype"); a file without
+meta.json is uint16, as nanoGPT writes it. torch is imported where batches are made:
 opening and checking a token file does not need it.
 """
 
@@ -18,33 +20,58 @@ import numpy as np
 from looped_lm.errors import UserError
 
 SNIFF_TOKENS = 1 << 20  # the sanity checks look at this many tokens from the start of the file
+TOKEN_DTYPES = ("uint16", "uint32")  # what a token file may hold, narrowest first
+
+
+def token_dtype(vocab_size: int) -> str:
+    """The narrowest dtype of TOKEN_DTYPES that holds every id of a `vocab_size` vocabulary."""
+    for name in TOKEN_DTYPES:
+        if vocab_size - 1 <= np.iinfo(name).max:
+            return name
+    raise UserError(f"a vocabulary of {vocab_size} tokens does not fit a token file ({' or '.join(TOKEN_DTYPES)})")
 
 
 def load_tokens(path: str, vocab_size: int | None = None) -> np.memmap:
-    """The uint16 tokens of `path`, memory-mapped read-only, after cheap checks that it is a token file.
+    """The tokens of `path` (uint16, or the dtype its sibling meta.json names), memory-mapped read-only,
+    after cheap checks that it is a token file of that dtype.
 
-    The checks look at the size and at the first ~1M tokens: a file of 32/64-bit integers (every second
-    uint16 zero), or ids at or above `vocab_size` (or the vocab_size in a sibling meta.json) are refused.
+    The checks look at the size and at the first ~1M tokens: a file of wider integers (every second
+    token zero), or ids at or above `vocab_size` (or the vocab_size in a sibling meta.json) are refused.
     """
     if not os.path.isfile(path):
         raise UserError(f"data file {path} does not exist")
     size = os.path.getsize(path)
     if size == 0:
         raise UserError(f"data file {path} is empty")
-    if size % 2:
-        raise UserError(f"data file {path} has an odd byte length ({size} bytes): not a uint16 token file")
     meta = _sibling_meta(path)
-    if meta.get("dtype", "uint16") != "uint16":
-        raise UserError(f"data file {path}: its meta.json says dtype {meta['dtype']}, but only uint16 is supported")
-    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    dtype = np.dtype(_meta_dtype(path, meta))
+    if size % dtype.itemsize:
+        length = "an odd byte length" if dtype.itemsize == 2 else f"a byte length not a multiple of {dtype.itemsize}"
+        raise UserError(f"data file {path} has {length} ({size} bytes): not a {dtype.name} token file")
+    tokens = np.memmap(path, dtype=dtype, mode="r")
     head = np.asarray(tokens[:SNIFF_TOKENS])
     if len(head) >= 2048 and not head[1::2].any() and head[0::2].any():
-        raise UserError(f"data file {path} looks like 32- or 64-bit integers (every second uint16 is 0), not uint16 tokens")
+        wider = "32- or 64-bit" if dtype.itemsize == 2 else f"{16 * dtype.itemsize}-bit"
+        raise UserError(f"data file {path} looks like {wider} integers (every second {dtype.name} is 0), "
+                        f"not {dtype.name} tokens")
     for limit, origin in ((vocab_size, "the model"), (meta.get("vocab_size"), "its meta.json")):
         if limit is not None and int(head.max()) >= limit:
             raise UserError(f"data file {path} holds token id {int(head.max())}, but {origin} has a vocabulary "
                             f"of {limit}: not tokens of this tokenizer")
     return tokens
+
+
+def _meta_dtype(path: str, meta: dict) -> str:
+    """The dtype meta.json names (uint16 without one), checked against its own vocab_size."""
+    name = meta.get("dtype", "uint16")
+    if name not in TOKEN_DTYPES:
+        raise UserError(f"data file {path}: its meta.json says dtype {name}, but token files are "
+                        f"{' or '.join(TOKEN_DTYPES)}")
+    vocab = meta.get("vocab_size")
+    if isinstance(vocab, int) and vocab - 1 > np.iinfo(name).max:
+        raise UserError(f"data file {path}: its meta.json says dtype {name}, which cannot hold the ids of its "
+                        f"vocab_size {vocab} (that needs {token_dtype(vocab)})")
+    return name
 
 
 def _sibling_meta(path: str) -> dict:

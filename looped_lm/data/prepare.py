@@ -1,4 +1,5 @@
-"""Tokenize a source into nanoGPT's format: train.bin / val.bin (flat uint16) plus a meta.json sidecar.
+"""Tokenize a source into nanoGPT's format: train.bin / val.bin (flat uint16, or uint32 for a vocabulary
+above 65,536 tokens) plus a meta.json sidecar that names the dtype.
 
 Every document is followed by the end-of-text token, exactly as nanoGPT's OpenWebText script writes it,
 so a directory prepared here and one prepared by nanoGPT are interchangeable. Files are written under
@@ -19,6 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from looped_lm import __version__
+from looped_lm.data.bin_dataset import token_dtype
 from looped_lm.data.latents import prepare_latents
 from looped_lm.data.sources import BUILTIN_SOURCES, HF_PREFIX, document_split, iter_documents
 from looped_lm.data.tokenizer import TOKENIZER_NAMES, get_tokenizer
@@ -55,8 +57,7 @@ def prepare_dataset(
                         f"(got {test_fraction})")
     splits = SPLITS + (("test",) if test_fraction > 0 else ())
     tok = get_tokenizer(tokenizer)
-    if tok.vocab_size - 1 > np.iinfo(np.uint16).max:
-        raise UserError(f"tokenizer {tok.name} has {tok.vocab_size} tokens: too many for uint16 .bin files")
+    dtype = token_dtype(tok.vocab_size)
     meta_path = os.path.join(out_dir, "meta.json")
     if os.path.exists(meta_path) and not overwrite:
         raise UserError(f"{out_dir} is already prepared (meta.json exists); pass --overwrite to replace it")
@@ -76,7 +77,7 @@ def prepare_dataset(
 
     def write(split: str, ids: list[int], ends_document: bool = True) -> None:
         ids = ids + [tok.eot_id] if ends_document else ids
-        files[split].write(np.asarray(ids, dtype=np.uint16).tobytes())
+        files[split].write(np.asarray(ids, dtype=dtype).tobytes())
         tokens[split] += len(ids)
         docs[split] += 1
 
@@ -117,7 +118,7 @@ def prepare_dataset(
             "tokenizer": tok.name,
             "vocab_size": tok.vocab_size,
             "eot_id": tok.eot_id,
-            "dtype": "uint16",
+            "dtype": dtype,
             "source": source,
             "val_fraction": val_fraction,
             "test_fraction": test_fraction,
