@@ -29,7 +29,7 @@ from looped_lm.config import MAX_DRAWS
 from looped_lm.data.bin_dataset import TokenStream, token_dtype
 from looped_lm.data.tokenizer import get_tokenizer
 from looped_lm.errors import UserError
-from looped_lm.fields import finite_float, seed
+from looped_lm.fields import HELD_OUT_SPLITS, TEST, VAL, finite_float, seed, token_file
 from looped_lm.kinds import get_kind
 from looped_lm.preflight import check_output_path
 
@@ -47,7 +47,7 @@ def add_arguments(p) -> None:
     p.add_argument("--stride", type=int, default=0, help="0 = disjoint blocks; S = sliding windows")
     p.add_argument("--max-tokens", type=int, default=0, help="score only the first N tokens (vit: images, mdm: "
                    "characters); 0 = all")
-    p.add_argument("--split", choices=("val", "test"), default="val",
+    p.add_argument("--split", choices=HELD_OUT_SPLITS, default=VAL,
                    help="the run's held-out split scored: val (default), or test (language models: the test.bin "
                    "of a run prepared with data.test_fraction > 0; mdm: text8's 5M-character splits); vit scores "
                    "the held-out images")
@@ -293,14 +293,14 @@ def run(args) -> int:
 
         return evaluate(model, cfg, manifest, args)
     data = args.data
-    if data is not None and args.split != "val":
+    if data is not None and args.split != VAL:
         raise UserError(f"--split {args.split} chooses one of the run's own token splits; --data names the file to "
                         "score: pass one of them")
     if data is None:
         if "dir" not in manifest.get("data", {}):
             raise UserError(f"{args.checkpoint} does not record its data directory: pass --data VAL.bin")
-        data = str(Path(manifest["data"]["dir"]) / f"{args.split}.bin")
-        if args.split == "test" and not Path(data).is_file():
+        data = str(Path(manifest["data"]["dir"]) / token_file(args.split))
+        if args.split == TEST and not Path(data).is_file():
             raise UserError(f"{args.checkpoint}'s data has no test split: prepare it with data.test_fraction > 0 "
                             "(or pass --data FILE)")
     block = args.block_size or cfg.eval.block_size or cfg.model.seq_len

@@ -49,6 +49,18 @@ DEFAULT_KIND = "gpt"  # the model.kind of a config that names none
 MAX_DRAWS = 4096  # estimates per token (eval's chains per ppl@k, `--draws`): each is an antithetic pair of chains
 Bridge = Literal["soft", "hard", "sample"]  # logits -> denoised embedding between a chain's steps
 BRIDGES = get_args(Bridge)
+# the splits of a run's data: train; val, held out (validation loss, eval's default); test, held out apart
+# (data.test_fraction > 0, scored only by `looped_lm eval --split test`)
+TRAIN, VAL, TEST = "train", "val", "test"
+SPLITS = (TRAIN, VAL, TEST)
+TRAINING_SPLITS = (TRAIN, VAL)  # what every prepared corpus holds and training reads
+HELD_OUT_SPLITS = (VAL, TEST)  # what `looped_lm eval --split` scores
+
+
+def token_file(split: str) -> str:
+    """A split's token file in a prepared directory, by nanoGPT's names: train.bin / val.bin / test.bin."""
+    return f"{split}.bin"
+
 
 Float = Annotated[float, BeforeValidator(_number_from_text)]
 Str = Annotated[str, BeforeValidator(_text_from_number)]

@@ -25,9 +25,8 @@ from looped_lm.data.bin_dataset import TokenStream, batch_seed
 from looped_lm.data.latents import load_latents
 from looped_lm.data.prepare import ensure_prepared
 from looped_lm.errors import UserError
+from looped_lm.fields import TEST, TRAIN, TRAINING_SPLITS, token_file
 from looped_lm.kinds import kind_of, resolve
-
-SPLITS = ("train", "val")
 
 
 def module_source(cfg: Config) -> str:
@@ -59,7 +58,7 @@ def check_module_data(cfg: Config) -> str:
     m, source = cfg.model, module_source(cfg)
     data = load_module_data(source)
     if kind_of(cfg).batches == CHARS:
-        for split in SPLITS:
+        for split in TRAINING_SPLITS:
             n = len(data.split(split))
             if n < m.seq_len:
                 raise UserError(f"data.source {cfg.data.source}: the {split} split holds {n} characters, fewer than "
@@ -130,7 +129,7 @@ CHARS = "looped_lm.data.batches:char_batches"  # mdm's `Kind.batches`
 
 def token_batches(cfg: Config, data_dir: str, split: str) -> TokenBatches:
     """A language model's `split` token file in the directory preflight prepared."""
-    return TokenBatches(str(Path(data_dir) / f"{split}.bin"), cfg.model.seq_len)
+    return TokenBatches(str(Path(data_dir) / token_file(split)), cfg.model.seq_len)
 
 
 def char_batches(cfg: Config, source: str, split: str) -> CharBatches:
@@ -139,7 +138,7 @@ def char_batches(cfg: Config, source: str, split: str) -> CharBatches:
 
 def image_batches(cfg: Config, source: str, split: str) -> ImageBatches:
     data = load_module_data(source)
-    train = split == "train"
+    train = split == TRAIN
     images, labels = (data.train_x, data.train_y) if train else (data.test_x, data.test_y)
     # augmentation is for pixels: a flipped or shifted latent is not the latent of the shifted image
     augment = train and cfg.data.augment and cfg.data.source != "latents"
@@ -149,8 +148,8 @@ def image_batches(cfg: Config, source: str, split: str) -> ImageBatches:
 def open_batches(cfg: Config, data_dir: str, split: str):
     """The `split` batches of a run whose data preflight found (`Plan.data_dir`: a token directory, or a
     module's source string), through the kind's `batches` function."""
-    if split not in SPLITS:
-        raise UserError(f"split must be train or val (got {split!r})")
+    if split not in TRAINING_SPLITS:
+        raise UserError(f"split must be {' or '.join(TRAINING_SPLITS)} (got {split!r})")
     return resolve(kind_of(cfg).batches)(cfg, data_dir, split)
 
 
@@ -172,14 +171,14 @@ def prepare_tokens(cfg: Config, vocab_size: int) -> str:
         raise UserError(f"data.cache_dir {cache}: {existing} is a file, not a directory")
     if cfg.data.source == "bin":
         root = Path(cfg.data.path)
-        for split in ("train.bin", "val.bin"):
+        for split in map(token_file, TRAINING_SPLITS):
             if not (root / split).is_file():
                 raise UserError(f"data.path {root} has no {split} (expected nanoGPT's train.bin / val.bin)")
     data_dir = Path(ensure_prepared(data_source_string(cfg), cfg.data.cache_dir, cfg.data.tokenizer,
                                     cfg.data.val_fraction, split_seed(cfg),
                                     test_fraction=cfg.data.test_fraction)).resolve()
-    for split in ("train.bin", "val.bin") + (("test.bin",) if cfg.data.test_fraction > 0 else ()):
-        TokenStream(str(data_dir / split), cfg.model.seq_len, vocab_size)
+    for split in TRAINING_SPLITS + ((TEST,) if cfg.data.test_fraction > 0 else ()):
+        TokenStream(str(data_dir / token_file(split)), cfg.model.seq_len, vocab_size)
     return str(data_dir)
 
 

@@ -24,9 +24,9 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from looped_lm.errors import UserError
+from looped_lm.fields import TRAIN, TRAINING_SPLITS, VAL
 
 FORMAT = "looped_lm-latents"
-SPLITS = ("train", "val")
 LAYOUT = ("expected a directory with meta.json ({\"format\": \"looped_lm-latents\", \"num_classes\": N}) and "
           "train/ and val/ holding NAME.safetensors (tensors 'latents' (n, C, H, W) and 'labels' (n,)) or "
           "NAME.npy with NAME.labels.npy; `looped_lm prepare --vae DIR` writes it")
@@ -161,13 +161,13 @@ def load_latents(path) -> LatentData:
     classes = meta.get("num_classes") if isinstance(meta, dict) else None
     if isinstance(classes, bool) or not isinstance(classes, int) or classes < 0:
         raise _fail(meta_path, f"num_classes must be an integer >= 0 (got {classes!r})")
-    train_x, train_y = _read_split(root, "train")
-    test_x, test_y = _read_split(root, "val")
+    train_x, train_y = _read_split(root, TRAIN)
+    test_x, test_y = _read_split(root, VAL)
     if train_x.shape[1:] != test_x.shape[1:]:
         raise _fail(root, f"train/ holds latents {train_x.shape[1:]} but val/ {test_x.shape[1:]}")
     if train_x.shape[-1] != train_x.shape[-2]:
         raise _fail(root, f"latents must be square, got {train_x.shape[1:]}")
-    for split, labels in (("train", train_y), ("val", test_y)):
+    for split, labels in ((TRAIN, train_y), (VAL, test_y)):
         if len(labels) and (labels.min() < 0 or labels.max() >= max(classes, 1)):
             raise _fail(root / split, f"has label {int(labels.max() if labels.max() >= 0 else labels.min())} "
                                       f"outside 0 .. {max(classes, 1) - 1} (meta.json's num_classes {classes})")
@@ -253,7 +253,7 @@ def prepare_latents(source: str, out_dir, vae_dir, image_size: int = 256, batch_
         raise UserError(f"{out} is already prepared (meta.json exists); pass --overwrite to replace it")
     if image_size < 8 or image_size % 8:
         raise UserError(f"--image-size must be a multiple of 8 (the VAE downsamples by 8), got {image_size}")
-    splits = {s: _image_folder(Path(path), s) for s in SPLITS}
+    splits = {s: _image_folder(Path(path), s) for s in TRAINING_SPLITS}
     vae = load_vae(vae_dir, device)
     factor = float(getattr(vae.config, "scaling_factor", 0.18215))
     tmp = out.with_name(f".{out.name}.tmp")
@@ -281,7 +281,7 @@ def prepare_latents(source: str, out_dir, vae_dir, image_size: int = 256, batch_
                                 labels[start:start + done])
                     counts.setdefault(split, []).append(done)
                     buffer, n_shard = [], n_shard + 1
-        meta = {"format": FORMAT, "num_classes": len(splits["train"][2]), "classes": splits["train"][2],
+        meta = {"format": FORMAT, "num_classes": len(splits[TRAIN][2]), "classes": splits[TRAIN][2],
                 "scaling_factor": factor, "vae": str(Path(vae_dir).resolve()), "image_size": image_size,
                 "encoding": "posterior mean x scaling_factor, ADM center crop", "source": source,
                 "splits": {s: sum(c) for s, c in counts.items()}}

@@ -25,11 +25,11 @@ from looped_lm.data.latents import prepare_latents
 from looped_lm.data.sources import BUILTIN_SOURCES, HF_PREFIX, document_split, iter_documents
 from looped_lm.data.tokenizer import TOKENIZER_NAMES, get_tokenizer
 from looped_lm.errors import UserError
+from looped_lm.fields import TEST, TRAIN, TRAINING_SPLITS, VAL, token_file
 
 # nanoGPT holds out 0.0005 of OpenWebText's 8M documents; small corpora need more: 0.05 holds out
 # 3 of the 66 Bible books and 2 of the 42 Shakespeare works (about 5% of the tokens).
 DEFAULT_VAL_FRACTION = 0.05
-SPLITS = ("train", "val")
 BATCH_DOCS = 256  # documents per encode_batch call
 
 
@@ -55,7 +55,7 @@ def prepare_dataset(
     if not 0.0 <= test_fraction < 1.0 - val_fraction:
         raise UserError(f"test_fraction must be in [0, 1 - val_fraction) = [0, {1 - val_fraction:g}) "
                         f"(got {test_fraction})")
-    splits = SPLITS + (("test",) if test_fraction > 0 else ())
+    splits = TRAINING_SPLITS + ((TEST,) if test_fraction > 0 else ())
     tok = get_tokenizer(tokenizer)
     dtype = token_dtype(tok.vocab_size)
     meta_path = os.path.join(out_dir, "meta.json")
@@ -68,7 +68,7 @@ def prepare_dataset(
     os.makedirs(out_dir, exist_ok=True)
 
     tag = f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp = {split: os.path.join(out_dir, f".{split}.bin{tag}") for split in splits}
+    tmp = {split: os.path.join(out_dir, f".{token_file(split)}{tag}") for split in splits}
     tokens = {split: 0 for split in splits}
     docs = {split: 0 for split in splits}
     files = {split: open(tmp[split], "wb", buffering=1 << 20) for split in splits}
@@ -100,8 +100,8 @@ def prepare_dataset(
                             "(set test_fraction 0, or give the corpus as several documents)")
         if count == 1:
             cut = _single_document_cut(len(pending), val_fraction)
-            write("train", pending[:cut], ends_document=False)
-            write("val", pending[cut:])
+            write(TRAIN, pending[:cut], ends_document=False)
+            write(VAL, pending[cut:])
         else:  # the last document goes to the first split still empty, else where the rule puts it
             empty = [split for split in splits if docs[split] == 0]
             write(empty[0] if empty else document_split(count - 1, val_fraction, seed, test_fraction), pending)
@@ -130,7 +130,7 @@ def prepare_dataset(
         if os.path.exists(meta_path):  # overwriting: the old output stops counting as finished first
             os.remove(meta_path)
         for split in splits:
-            os.replace(tmp[split], os.path.join(out_dir, f"{split}.bin"))
+            os.replace(tmp[split], os.path.join(out_dir, token_file(split)))
         tmp_meta = os.path.join(out_dir, f".meta.json{tag}")
         with open(tmp_meta, "w") as f:
             json.dump(meta, f, indent=2)
@@ -166,7 +166,7 @@ def ensure_prepared(
     and seed. Processes that race each prepare into their own temporary directory and rename it into place;
     the first rename wins and the others reuse its result.
     """
-    if os.path.isdir(source) and all(os.path.isfile(os.path.join(source, f"{s}.bin")) for s in SPLITS):
+    if os.path.isdir(source) and all(os.path.isfile(os.path.join(source, token_file(s))) for s in TRAINING_SPLITS):
         meta_path = os.path.join(source, "meta.json")
         if os.path.isfile(meta_path):
             try:
@@ -278,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
         meta = prepare_latents(args.source, args.out, args.vae, image_size=args.image_size,
                                batch_size=args.batch_size, device=args.device, overwrite=args.overwrite)
         print(f"prepared {args.source} as VAE latents {meta['shape']} in {args.out}: train "
-              f"{meta['splits']['train']:,}, val {meta['splits']['val']:,} images, {meta['num_classes']} classes")
+              f"{meta['splits'][TRAIN]:,}, val {meta['splits'][VAL]:,} images, {meta['num_classes']} classes")
         return 0
     meta = prepare_dataset(args.source, args.out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
                            seed=args.seed, overwrite=args.overwrite, test_fraction=args.test_fraction)

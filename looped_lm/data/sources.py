@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from looped_lm.errors import UserError
+from looped_lm.fields import TEST, TRAIN, VAL, token_file
 
 BUILTIN_SOURCES = ("bible", "shakespeare")
 FILE_TYPES = (".txt", ".jsonl", ".parquet")
@@ -59,10 +60,10 @@ def document_split(doc_index: int, val_fraction: float, seed: int, test_fraction
     or without a test split, and about test_fraction of all documents are test.
     """
     if _systematic(doc_index, val_fraction, f"document-split:{seed}"):
-        return "val"
+        return VAL
     if test_fraction > 0 and _systematic(doc_index, test_fraction / (1.0 - val_fraction), f"test-split:{seed}"):
-        return "test"
-    return "train"
+        return TEST
+    return TRAIN
 
 
 def _systematic(doc_index: int, fraction: float, key: str) -> bool:
@@ -148,8 +149,8 @@ def _local(source: str) -> Iterator[str]:
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in FILE_TYPES
                        and not any(part.startswith(".") for part in p.relative_to(path).parts))
         if not files:
-            if (path / "train.bin").exists():
-                raise UserError(f"{path} already holds train.bin: it is prepared data, use it directly")
+            if (path / token_file(TRAIN)).exists():
+                raise UserError(f"{path} already holds {token_file(TRAIN)}: it is prepared data, use it directly")
             raise UserError(f"directory {path} contains no {', '.join(FILE_TYPES)} files")
     else:
         if path.suffix.lower() not in FILE_TYPES:

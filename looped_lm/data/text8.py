@@ -21,6 +21,7 @@ import torch
 
 from looped_lm.data.sources import iter_documents
 from looped_lm.errors import UserError
+from looped_lm.fields import SPLITS, TRAIN, VAL
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz "
 VOCAB_SIZE = len(ALPHABET)  # 27
@@ -39,11 +40,11 @@ class CharSplits:
     test: np.ndarray
 
     def split(self, name: str) -> np.ndarray:
-        if name not in ("train", "val", "test"):
-            raise UserError(f"split must be train, val or test (got {name!r})")
+        if name not in SPLITS:
+            raise UserError(f"split must be {', '.join(SPLITS[:-1])} or {SPLITS[-1]} (got {name!r})")
         return getattr(self, name)
 
-    def batch(self, batch_size: int, length: int, generator: torch.Generator, split: str = "train"):
+    def batch(self, batch_size: int, length: int, generator: torch.Generator, split: str = TRAIN):
         """Random windows (batch_size, length) int64 from a split."""
         ids = self.split(split)
         if len(ids) < length:
@@ -51,7 +52,7 @@ class CharSplits:
         starts = torch.randint(len(ids) - length + 1, (batch_size,), generator=generator).numpy()
         return torch.from_numpy(np.stack([ids[s:s + length] for s in starts]).astype(np.int64))
 
-    def windows(self, length: int, split: str = "val", limit: int | None = None):
+    def windows(self, length: int, split: str = VAL, limit: int | None = None):
         """Disjoint consecutive windows (n, length) int64 of a split (MD4 evaluates on these), the
         first `limit` of them when given."""
         ids = self.split(split)

@@ -22,6 +22,7 @@ from looped_lm.compile import compile_for_training
 from looped_lm.config import Config, init_source
 from looped_lm.data.batches import open_batches
 from looped_lm.errors import RunFailure, UserError
+from looped_lm.fields import TRAIN, VAL
 from looped_lm.kinds import kind_of
 from looped_lm.manifest import OPTIMIZER_BY_UNIT
 from looped_lm.mfu import StepFlops, peak_flops
@@ -110,7 +111,7 @@ def _check_run(cfg: Config, verify: bool, rank: int, world: int) -> Plan:
 
 def _open_streams(cfg: Config, plan: Plan):
     """The training and validation batches: tokens, images or characters (see data/batches)."""
-    return open_batches(cfg, plan.data_dir, "train"), open_batches(cfg, plan.data_dir, "val")
+    return open_batches(cfg, plan.data_dir, TRAIN), open_batches(cfg, plan.data_dir, VAL)
 
 
 def _build_model(cfg: Config, plan: Plan, rank: int, world: int):
