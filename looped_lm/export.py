@@ -41,7 +41,7 @@ from looped_lm.errors import UserError
 from looped_lm.hf import register
 from looped_lm.kinds import kind_of, require
 from looped_lm.preflight import check_output_path
-from looped_lm.pretrained import GEMMA3
+from looped_lm.source_families import GEMMA3
 
 FORMATS = ("auto", "llama", "looped_lm")
 

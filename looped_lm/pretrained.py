@@ -64,26 +64,9 @@ from looped_lm.data.gguf_file import is_gguf, metadata, need_gguf_package, smoll
 from looped_lm.data.tokenizer import get_tokenizer
 from looped_lm.errors import UserError
 from looped_lm.kinds import kind_of, require
+from looped_lm.source_families import (ARCHITECTURES, GEMMA3, REFUSED, check_architecture, gemma3_layer_types,
+                                       gemma3_rope, source_error)
 
-# model_type -> its architecture: Llama's layers, with Qwen2's q/k/v biases, Qwen3's per-head q/k norms and head
-# width, or Gemma 3's layer (looped_lm.models.layers.AttentionOptions, LayerOptions)
-FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
-ARCHITECTURES = tuple(FAMILIES.values())
-GEMMA3 = "gemma3_text"
-# why the architectures people ask for do not map (the first clause names what differs)
-REFUSED = {
-    "gpt2": "learned position embeddings and LayerNorm (the project uses RoPE and RMSNorm)",
-    "gpt_neox": "LayerNorm and partial rotary embeddings",
-    "phi": "LayerNorm, partial rotary embeddings and biases",
-    "gemma": "Gemma 1's layers (no sandwich or q/k norms) are not mapped; Gemma 3's text model (Gemma3ForCausalLM) is",
-    "gemma2": "softcapped attention scores and logits",
-    "gemma3": "the multimodal Gemma 3 (a vision tower beside the text model); its text model, Gemma3ForCausalLM "
-              "(model_type gemma3_text), maps",
-    "opt": "learned position embeddings and LayerNorm",
-}
-GEMMA3_DEFAULT_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}  # transformers' default_theta
-LAYER_TYPES = ("full_attention", "sliding_attention")
 # the noisy stream's adaLN gates at conversion: "open" (gate biases 1: its layers start as the source's;
 # the default since bench/results/pretrained/study: lower PPL after fine-tuning at every B, 3 seeds) or
 # "closed" (adaLN-Zero as in a fresh model: the noisy stream starts as identity). A module switch for the
@@ -127,10 +110,6 @@ class Source:
         return int(self.config.get("max_position_embeddings") or 0)
 
 
-def _fail(where, what: str) -> UserError:
-    return UserError(f"model.init_from {where}: {what}")
-
-
 def read_source(path: str | Path) -> Source:
     """Read DIR's config.json and the safetensors headers, or a GGUF file's metadata (no tensor data);
     refuse what does not map."""
@@ -138,17 +117,17 @@ def read_source(path: str | Path) -> Source:
     if root.is_file():
         return _read_gguf(root)
     if not root.is_dir():
-        raise _fail(root, "does not exist" if not root.exists() else
+        raise source_error(root, "does not exist" if not root.exists() else
                     "is not a directory (expected a transformers directory with config.json, or a GGUF file)")
     cfg_file = root / "config.json"
     try:
         config = json.loads(cfg_file.read_text())
     except FileNotFoundError:
-        raise _fail(cfg_file, "is missing") from None
+        raise source_error(cfg_file, "is missing") from None
     except (OSError, ValueError) as e:
-        raise _fail(cfg_file, f"is not readable JSON ({e})") from None
+        raise source_error(cfg_file, f"is not readable JSON ({e})") from None
     if not isinstance(config, dict):
-        raise _fail(cfg_file, "is not a JSON object")
+        raise source_error(cfg_file, "is not a JSON object")
     check_architecture(config, cfg_file)
     files = _tensor_files(root)
     source = Source(root, config, files, _weights_hash(files), n_layers=int(config["num_hidden_layers"]))
@@ -183,23 +162,23 @@ def check_path(path: str | Path) -> None:
     if root.is_file():
         _check_gguf(root)
     elif not root.is_dir():
-        raise _fail(root, "does not exist" if not root.exists() else
+        raise source_error(root, "does not exist" if not root.exists() else
                     "is not a directory (expected a transformers directory with config.json, or a GGUF file)")
 
 
 def _check_gguf(path: Path) -> dict:
     """A GGUF file of llama's architecture, with the gguf package to read it -> its metadata."""
     if not is_gguf(path):
-        raise _fail(path, "is a file but not a GGUF file (no GGUF magic); expected a GGUF file or a transformers "
+        raise source_error(path, "is a file but not a GGUF file (no GGUF magic); expected a GGUF file or a transformers "
                           "directory with config.json")
     meta = metadata(path, f"model.init_from {path}")
     arch = meta["architecture"]
     if arch in GGUF_DIRECTORY_ONLY:
-        raise _fail(path, f"a {GGUF_DIRECTORY_ONLY[arch]} GGUF does not map yet; its transformers directory does "
+        raise source_error(path, f"a {GGUF_DIRECTORY_ONLY[arch]} GGUF does not map yet; its transformers directory does "
                           "(AutoModelForCausalLM.from_pretrained(dir, gguf_file=...).save_pretrained(out) writes one)")
     if arch != "llama":
         reason = REFUSED.get(GGUF_REFUSED.get(arch, arch))
-        raise _fail(path, f"GGUF architecture {arch!r} does not map" + (f": {reason}" if reason else "") +
+        raise source_error(path, f"GGUF architecture {arch!r} does not map" + (f": {reason}" if reason else "") +
                           f"; looped_lm takes llama ({', '.join(ARCHITECTURES)})")
     return meta
 
@@ -211,7 +190,7 @@ def _read_gguf(path: Path) -> Source:
     try:
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True).to_dict()
     except (ValueError, OSError, KeyError) as e:
-        raise _fail(path, f"transformers cannot read its metadata ({str(e).splitlines()[0]})") from None
+        raise source_error(path, f"transformers cannot read its metadata ({str(e).splitlines()[0]})") from None
     # GGUF stores float32 scalars (rms_norm_eps 1e-5 reads 9.999999747378752e-06): the shortest decimal that
     # is the same float32, so a run config's norm_eps: 1.0e-5 matches (float32 RMSNorm adds the same eps)
     for holder, key in ((config, "rms_norm_eps"), (config, "rope_theta"), (config.get("rope_parameters") or {}, "rope_theta")):
@@ -270,98 +249,9 @@ def gguf_state_dict(source: Source) -> dict:
                                                              config=AutoConfig.for_model(**source.config),
                                                              dtype=torch.float32, local_files_only=True)
         except (ValueError, OSError, KeyError, RuntimeError) as e:
-            raise _fail(source.path, f"transformers cannot dequantise it ({str(e).splitlines()[0]})") from None
+            raise source_error(source.path, f"transformers cannot dequantise it ({str(e).splitlines()[0]})") from None
         source.state = {name: t.detach() for name, t in model.state_dict().items()}
     return source.state
-
-
-def check_architecture(config: dict, where) -> None:
-    """One line naming the config.json field that makes the architecture impossible to map."""
-    model_type = config.get("model_type", "")
-    arch = (config.get("architectures") or ["?"])[0]
-    if model_type in REFUSED:
-        raise _fail(where, f"architecture {arch} does not map: {REFUSED[model_type]}; looped_lm takes "
-                           f"{', '.join(ARCHITECTURES)}")
-    if arch not in ARCHITECTURES or FAMILIES.get(model_type) != arch:
-        raise _fail(where, f"architecture {arch} (model_type {model_type!r}) is not one looped_lm maps; it "
-                           f"takes {', '.join(ARCHITECTURES)}")
-    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size"):
-        if not isinstance(config.get(key), int) or config[key] < 1:
-            raise _fail(where, f"{key} is {config.get(key)!r}: expected a positive integer")
-    for key in ("attention_bias", "mlp_bias"):  # Qwen2's q/k/v biases are its architecture's, not this flag's
-        if config.get(key):
-            raise _fail(where, f"{key} is true: the project's output projection and MLP have no biases")
-    if model_type == GEMMA3:
-        _check_gemma3(config, where)
-    else:
-        if config.get("hidden_act", "silu") != "silu":
-            raise _fail(where, f"hidden_act is {config['hidden_act']!r}: the project's MLP is SwiGLU (silu)")
-        rope = config.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        params = config.get("rope_parameters") or {}
-        rope_type = params.get("rope_type", rope_type) if isinstance(params, dict) else rope_type
-        if rope_type != "default":
-            raise _fail(where, f"rope_scaling {rope_type!r}: the project's RoPE is unscaled")
-    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-    head_dim = int(config.get("head_dim") or hidden // heads)
-    if model_type not in ("qwen3", GEMMA3) and head_dim * heads != hidden:
-        raise _fail(where, f"head_dim {config.get('head_dim')} x {heads} heads != hidden_size {hidden}: "
-                           f"{arch}'s heads split the width exactly")
-    windowed = config.get("use_sliding_window", True) if model_type.startswith("qwen") else model_type != GEMMA3
-    if config.get("sliding_window") and windowed:
-        raise _fail(where, f"sliding_window is {config['sliding_window']}: {arch}'s layers are full causal in the "
-                           "project (only Gemma 3's local layers have a window)")
-
-
-def _check_gemma3(config: dict, where) -> None:
-    """What Gemma 3's text model may set that the project's layers do not do, refused in one line naming it."""
-    act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
-    if act != "gelu_pytorch_tanh":
-        raise _fail(where, f"hidden_activation is {act!r}: the project's Gemma MLP is GeGLU with gelu's tanh "
-                           "approximation (gelu_pytorch_tanh)")
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if config.get(key) is not None:
-            raise _fail(where, f"{key} is {config[key]}: the project's attention and head have no softcapping")
-    if config.get("use_bidirectional_attention"):
-        raise _fail(where, "use_bidirectional_attention is true: the project's language models attend causally")
-    for layer_type, params in gemma3_rope(config).items():
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type != "default":
-            raise _fail(where, f"rope_scaling {rope_type!r} of the {layer_type} layers: the project's RoPE is unscaled")
-    scalar = config.get("query_pre_attn_scalar", 256)
-    if not isinstance(scalar, (int, float)) or isinstance(scalar, bool) or scalar <= 0:
-        raise _fail(where, f"query_pre_attn_scalar is {scalar!r}: expected a positive number")
-    if "sliding_attention" in gemma3_layer_types(config, where):
-        window = config.get("sliding_window")
-        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-            raise _fail(where, f"sliding_window is {window!r} but layer_types has sliding_attention layers: expected "
-                               "a positive integer")
-
-
-def gemma3_layer_types(config: dict, where="config.json") -> list[str]:
-    """Gemma 3's layer types, one per layer: config.json's layer_types, or (older configs) every
-    sliding_window_pattern-th layer global and the others local, as transformers reads them."""
-    n = int(config["num_hidden_layers"])
-    types = config.get("layer_types")
-    if types is None:
-        pattern = int(config.get("sliding_window_pattern") or 6)
-        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
-    if not isinstance(types, list) or len(types) != n or any(t not in LAYER_TYPES for t in types):
-        raise _fail(where, f"layer_types is {types!r}: expected {n} entries, each one of {', '.join(LAYER_TYPES)}")
-    return types
-
-
-def gemma3_rope(config: dict) -> dict[str, dict]:
-    """Gemma 3's RoPE parameters by layer type: transformers 5's rope_parameters (keyed by layer type), or the
-    older rope_theta, rope_local_base_freq and rope_scaling (which applies to the global layers)."""
-    params = config.get("rope_parameters") or {}
-    rope = {t: dict(params.get(t) or {}) if isinstance(params, dict) else {} for t in LAYER_TYPES}
-    if config.get("rope_scaling"):
-        rope["full_attention"].update(config["rope_scaling"])
-    old_names = {"full_attention": "rope_theta", "sliding_attention": "rope_local_base_freq"}
-    for layer_type, name in old_names.items():
-        rope[layer_type].setdefault("rope_theta", config.get(name) or GEMMA3_DEFAULT_THETA[layer_type])
-    return rope
 
 
 def _tensor_files(root: Path) -> dict[str, Path]:
@@ -371,27 +261,27 @@ def _tensor_files(root: Path) -> dict[str, Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise _fail(index, f"is not a safetensors index with a weight_map ({e})") from None
+            raise source_error(index, f"is not a safetensors index with a weight_map ({e})") from None
         shards = sorted(set(weight_map.values()))
     elif (root / SINGLE).is_file():
         weight_map, shards = None, [SINGLE]
     else:
-        raise _fail(root, f"has neither {SINGLE} nor {INDEX}")
+        raise source_error(root, f"has neither {SINGLE} nor {INDEX}")
     files = {}
     for shard in shards:
         path = root / shard
         if not path.is_file():
-            raise _fail(path, f"is missing (listed in {INDEX})")
+            raise source_error(path, f"is missing (listed in {INDEX})")
         try:
             with safe_open(str(path), "pt") as f:
                 names = list(f.keys())
         except (SafetensorError, OSError) as e:
-            raise _fail(path, f"is not a readable safetensors file ({e})") from None
+            raise source_error(path, f"is not a readable safetensors file ({e})") from None
         files.update({name: path for name in names})
     if weight_map is not None:
         for name, shard in weight_map.items():
             if files.get(name) != root / shard:
-                raise _fail(root / shard, f"does not hold {name}, which {INDEX} says it does (a partial shard?)")
+                raise source_error(root / shard, f"does not hold {name}, which {INDEX} says it does (a partial shard?)")
     return files
 
 
@@ -434,12 +324,12 @@ def _check_tensors(source: Source) -> None:
             *(n for i in range(source.n_layers) for n in _layer_names(i, source.config).values()), *extra]
     for name in need:
         if name not in source.files:
-            raise _fail(source.path, f"has no tensor {name} (a missing or partial shard?)")
+            raise source_error(source.path, f"has no tensor {name} (a missing or partial shard?)")
     biases = [n for n in source.files if n.endswith(".bias") and n not in extra]
     if biases:
-        raise _fail(source.files[biases[0]], f"holds {biases[0]}: the project's layers have no bias there")
+        raise source_error(source.files[biases[0]], f"holds {biases[0]}: the project's layers have no bias there")
     if not tied_head(source) and "lm_head.weight" not in source.files:
-        raise _fail(source.path, "has no tensor lm_head.weight, which tie_word_embeddings false says it holds")
+        raise source_error(source.path, "has no tensor lm_head.weight, which tie_word_embeddings false says it holds")
 
 
 def tied_head(source: Source) -> bool:
