@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from looped_lm.errors import UserError
 from looped_lm.settings import IterationLimits, RowBatch, ScoreSettings
 
 
@@ -62,8 +63,6 @@ class Trainable(ABC):
     def restore_state(self, saved: dict) -> None:
         """Adopt the `checkpoint_state` of a checkpoint being resumed; raise UserError naming what
         differs from this model's own (block count, edges)."""
-        from looped_lm.errors import UserError
-
         if saved != self.checkpoint_state():
             raise UserError(f"cannot resume: the checkpoint's model state {saved} differs from this run's "
                             f"{self.checkpoint_state()}")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 def ffn_width(d_model: int, ffn_hidden: int) -> int:
@@ -544,8 +545,6 @@ def chunked(fn, chunk: int, *tensors, dim: int = 1) -> torch.Tensor:
     """fn over slices of `tensors` along `dim`, `chunk` at a time, each under activation checkpointing:
     only the slices are saved for backward and fn's inside (e.g. a (tokens, V) logits tensor) is
     recomputed, so it never exists for more than one chunk. chunk <= 0: one plain call."""
-    from torch.utils.checkpoint import checkpoint
-
     if chunk <= 0 or tensors[0].shape[dim] <= chunk:
         return fn(*tensors)
     n = tensors[0].shape[dim]
