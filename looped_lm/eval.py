@@ -289,9 +289,9 @@ def run(args) -> int:
                                            verify=not args.no_verify)
     check_applies(args, model, cfg.model.kind)
     if not isinstance(model, Scorable):  # vit, mdm: accuracy, bits per character (looped_lm.supporting)
-        from looped_lm.supporting import evaluate  # imports torch: seconds at start-up
+        from looped_lm.supporting import ModuleRequest, evaluate  # imports torch: seconds at start-up
 
-        return evaluate(model, cfg, manifest, args)
+        return evaluate(model, cfg, manifest, ModuleRequest.of(args))
     data = args.data
     if data is not None and args.split != VAL:
         raise UserError(f"--split {args.split} chooses one of the run's own token splits; --data names the file to "

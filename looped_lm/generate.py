@@ -71,14 +71,15 @@ def run(args) -> int:
     model, cfg, manifest = load_checkpoint(resolve_checkpoint(args.checkpoint), args.device,
                                            verify=not args.no_verify)
     if not isinstance(model, CachedDecoding):  # dit, mdm: samples from noise (looped_lm.supporting)
-        from looped_lm.supporting import generate as generate_module  # imports torch: seconds at start-up
+        from looped_lm.supporting import ModuleRequest  # imports torch: seconds at start-up
+        from looped_lm.supporting import generate as generate_module
 
         given = [f"--{name.replace('_', '-')}" for name in LM_FLAGS if getattr(args, name) is not None]
         if given:  # flags that would do nothing here are refused, not ignored
             raise UserError(f"{', '.join(given)}: for language models (a prompt's tokens); a {cfg.model.kind} "
                             "checkpoint samples from noise")
 
-        return generate_module(model, cfg, manifest, args)
+        return generate_module(model, cfg, manifest, ModuleRequest.of(args))
     given = [f"--{name.replace('_', '-')}" for name in MODULE_FLAGS if getattr(args, name) is not None]
     if given:
         raise UserError(f"{', '.join(given)}: for dit / mdm checkpoints (samples from noise); a {cfg.model.kind} "

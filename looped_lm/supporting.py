@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -36,6 +37,38 @@ from looped_lm.kinds import kind_of
 from looped_lm.errors import UserError
 from looped_lm.models.contract import Classifier, ImageGenerator, TextDiffusion
 from looped_lm.models.dit import frechet_distance
+
+
+@dataclass(frozen=True)
+class ModuleRequest:
+    """What `looped_lm eval` / `generate` ask of a vit / dit / mdm checkpoint: their flags, typed (the verbs
+    build it from their parsed flags with `of`; library code never takes the argparse namespace)."""
+
+    device: str = "cpu"
+    seed: int = 0
+    num_iterations: int | str | None = None  # K: generate parses it, eval passes the text (single_k checks it)
+    cfg_scale: float | None = None
+    # eval
+    data: str | None = None
+    split: str = "val"
+    max_tokens: int = 0
+    draws: int = 1
+    batch_size: int = 1
+    features: str | None = None
+    no_verify: bool = False
+    json: str | None = None
+    # generate
+    prompt: str | None = None
+    num_samples: int | None = None
+    out: str | None = None
+    vae: str | None = None
+    labels: str | None = None
+    length: int | None = None
+
+    @classmethod
+    def of(cls, flags) -> "ModuleRequest":
+        """From a verb's parsed flags: the fields it has (eval and generate share some)."""
+        return cls(**{f.name: getattr(flags, f.name) for f in fields(cls) if hasattr(flags, f.name)})
 
 
 def module_data(cfg, manifest: dict, source: str | None):
@@ -67,7 +100,7 @@ def single_k(text: str | None) -> int | None:
                         f"got '{text}'") from None
 
 
-def evaluate(model, cfg, manifest: dict, args) -> int:
+def evaluate(model, cfg, manifest: dict, args: ModuleRequest) -> int:
     """`looped_lm eval` of a module checkpoint."""
     if args.max_tokens < 0:
         raise UserError(f"--max-tokens must be >= 0 (got {args.max_tokens})")
@@ -123,7 +156,7 @@ def evaluate(model, cfg, manifest: dict, args) -> int:
     return 0
 
 
-def frechet_report(model, cfg, manifest: dict, args, gen) -> dict:
+def frechet_report(model, cfg, manifest: dict, args: ModuleRequest, gen) -> dict:
     """A dit's samples (one per held-out image, with its label) against the training images, in the
     feature space of a vit checkpoint trained on the same data (`--features`): Frechet distance, FID's
     formula in another network's features, so NOT comparable with FID. The floor: the held-out images'
@@ -181,7 +214,7 @@ def parse_labels(text: str | None, num_classes: int, n: int | None) -> list[int]
     return labels
 
 
-def generate(model, cfg, manifest: dict, args) -> int:
+def generate(model, cfg, manifest: dict, args: ModuleRequest) -> int:
     """`looped_lm generate` of a module checkpoint."""
     if not isinstance(model, (ImageGenerator, TextDiffusion)):
         raise UserError(f"looped_lm generate continues prompts (language models) and samples dit / mdm; a "
