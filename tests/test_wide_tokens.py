@@ -43,7 +43,8 @@ def wide_run(tmp_path_factory, write_config):
     data = root / "prepared"
     prepare_dataset(_corpus(root / "corpus.txt", 3000), str(data), tokenizer=str(root), progress=False)
     cfg = write_config(root / "run.yaml", {
-        "data": {"source": "bin", "path": str(data), "tokenizer": str(root / "tokenizer.json")},
+        # the model directory, not its tokenizer.json: the same tokenizer the data was prepared with
+        "data": {"source": "bin", "path": str(data), "tokenizer": str(root)},
         "train": {"out_dir": str(root / "out"), "max_steps": 3}})
     before = {k: os.environ.get(k) for k in DIST_VARS}  # train() sets a world of one in os.environ
     try:
@@ -107,3 +108,17 @@ def test_a_uint32_file_that_disagrees_with_its_meta_is_one_line(wide_run, tmp_pa
     np.arange(1, 3000, dtype=np.uint64).tofile(path)
     with pytest.raises(UserError, match="looks like 64-bit integers"):
         load_tokens(str(path))
+
+
+def test_prepare_takes_a_model_directory_and_refuses_an_unknown_name(wide_run, tmp_path, capsys, one_line_error):
+    data, _ = wide_run
+    root = data.parent
+    out = tmp_path / "by_cli"
+    assert cli.main(["prepare", "--source", _corpus(tmp_path / "c.txt", 500), "--out", str(out),
+                     "--tokenizer", str(root)]) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["dtype"] == "uint32" and meta["tokenizer"] == str(root / "tokenizer.json")
+    capsys.readouterr()
+    assert cli.main(["prepare", "--source", str(tmp_path / "c.txt"), "--out", str(tmp_path / "x"),
+                     "--tokenizer", "qwen"]) == 2
+    one_line_error(capsys.readouterr(), "--tokenizer 'qwen'", "tokenizer.json")

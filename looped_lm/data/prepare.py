@@ -23,7 +23,7 @@ from looped_lm import __version__
 from looped_lm.data.bin_dataset import token_dtype
 from looped_lm.data.latents import prepare_latents
 from looped_lm.data.sources import BUILTIN_SOURCES, HF_PREFIX, document_split, iter_documents
-from looped_lm.data.tokenizer import TOKENIZER_NAMES, get_tokenizer
+from looped_lm.data.tokenizer import TOKENIZER_NAMES, canonical_tokenizer, check_tokenizer_name, get_tokenizer
 from looped_lm.errors import UserError
 from looped_lm.fields import TEST, TRAIN, TRAINING_SPLITS, VAL, token_file
 
@@ -174,7 +174,7 @@ def ensure_prepared(
                     prepared_with = json.load(f).get("tokenizer")
             except (ValueError, AttributeError):
                 raise UserError(f"{meta_path} is not a valid meta.json") from None
-            if prepared_with not in (None, tokenizer):
+            if prepared_with is not None and canonical_tokenizer(prepared_with) != canonical_tokenizer(tokenizer):
                 raise UserError(f"{source} was prepared with tokenizer {prepared_with}, but data.tokenizer is {tokenizer}")
         return source
     final = os.path.join(cache_root, _cache_slug(source, tokenizer, val_fraction, seed, test_fraction))
@@ -246,7 +246,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bible | shakespeare | PATH (.txt/.jsonl/.parquet or a directory) | hf:NAME[:CONFIG][@SPLIT]"
                         " | imagefolder:PATH (with --vae)")
     parser.add_argument("--out", required=True, help="output directory for train.bin, val.bin and meta.json")
-    parser.add_argument("--tokenizer", default="gpt2", choices=TOKENIZER_NAMES, help="tokenizer (default: gpt2)")
+    parser.add_argument("--tokenizer", default="gpt2",
+                        help=f"{' | '.join(TOKENIZER_NAMES)} | the path of a tokenizer.json, a model directory holding "
+                        "one (a pretrained source's: Qwen, Gemma, Llama...) or a GGUF file (default: gpt2)")
     parser.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION,
                         help=f"share of documents held out for validation (default: {DEFAULT_VAL_FRACTION})")
     parser.add_argument("--test-fraction", type=float, default=0.0,
@@ -266,6 +268,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """`looped_lm prepare`: prepare, then print one line with the token (or latent) counts."""
     out = Path(args.out)
+    check_tokenizer_name(args.tokenizer, "--tokenizer")
     if out.is_dir() and not (out / "meta.json").exists() and any(out.iterdir()) and not args.overwrite:
         raise UserError(f"--out {out} is a non-empty directory but not a prepared dataset (no meta.json): choose a "
                         "new or empty directory, or pass --overwrite to write train.bin / val.bin there anyway")

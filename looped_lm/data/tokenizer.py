@@ -155,6 +155,20 @@ def tokenizer_file(name: str) -> str:
     return os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
 
 
+def canonical_tokenizer(name: str) -> str:
+    """The name a tokenizer is recorded under: a built-in's name, else its file's absolute path (a model
+    directory and its tokenizer.json are the same tokenizer)."""
+    return name if name in TOKENIZER_NAMES else tokenizer_file(name)
+
+
+def check_tokenizer_name(name: str, flag: str) -> str:
+    """A tokenizer a flag names: a built-in, or a path that exists (one line naming the choices otherwise)."""
+    if name not in TOKENIZER_NAMES and not os.path.exists(os.path.expanduser(name)):
+        raise UserError(f"{flag} {name!r}: {' or '.join(TOKENIZER_NAMES)}, or the path of a tokenizer.json, a model "
+                        "directory holding one, or a GGUF file")
+    return name
+
+
 def _file_eot(path: str, backend: tokenizers.Tokenizer) -> int:
     """The end-of-text id of a checkpoint's tokenizer.json, from the files beside it or a known name."""
     folder = os.path.dirname(path)
