@@ -278,8 +278,8 @@ def test_prepare_cli(tmp_path, capsys):
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
     t = meta["splits"]["train"]["tokens"]
     assert f"train {t:,} tokens (3 documents)" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--source", "bible", "--out", "x", "--tokenizer", "llama"])
+    with pytest.raises(UserError, match="--tokenizer 'llama': gpt2 or byte, or the path of a tokenizer.json"):
+        prepare.run(parser.parse_args(["--source", "bible", "--out", str(tmp_path / "x"), "--tokenizer", "llama"]))
 
 
 # ---------------------------------------------------------------- token files
