@@ -29,10 +29,12 @@ N = 12
 DB = {"parameterization": "likelihood", "noisy_input": "prev_token", "noisy_self": False, "bridge": "hard"}
 
 
-def make_checkpoint(root: Path, kind: str = "gpt", **diffusion) -> Path:
-    """A random-init checkpoint (head_dim 64: the CPU attention backend's sizes), written like the trainer."""
+def make_checkpoint(root: Path, kind: str = "gpt", model_options: dict | None = None, **diffusion) -> Path:
+    """A random-init checkpoint (head_dim 64: the CPU attention backend's sizes), written like the trainer;
+    model_options: the source families' layer options (Qwen's q/k/v biases and q/k norms, an untied head)."""
     torch.manual_seed(0)
-    raw = {"model": {"kind": kind, "n_layers": 2, "d_model": 128, "n_heads": 2, "seq_len": 32, "init_std": 0.2},
+    raw = {"model": {"kind": kind, "n_layers": 2, "d_model": 128, "n_heads": 2, "seq_len": 32, "init_std": 0.2,
+                     **(model_options or {})},
            "data": {"tokenizer": "byte"}}
     if kind == "looped_db":
         raw["model"].update(n_prelude=1, n_coda=1)
@@ -41,10 +43,12 @@ def make_checkpoint(root: Path, kind: str = "gpt", **diffusion) -> Path:
     cfg = config_from_dict(raw)
     vocab = get_tokenizer("byte").vocab_size
     model = build_model(cfg, vocab)
-    with torch.no_grad():  # adaLN-Zero starts at zero: give it weight so sigma matters
+    with torch.no_grad():  # adaLN-Zero starts at zero (and biases, q/k norms at 0 / 1): give them weight
         for name, p in model.named_parameters():
-            if ".ada." in name:
+            if ".ada." in name or name.endswith(".bias"):
                 p.normal_(0, 0.2)
+            elif "q_norm" in name or "k_norm" in name:
+                p.uniform_(0.5, 1.5)
     tmp = tmp_dir_for(root, 1)
     write_rank_files(tmp, 0)
     state = model.checkpoint_state()
@@ -63,10 +67,14 @@ def run_vllm(hf_dir: Path, overrides: dict | None = None) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def test_vllm_greedy_tokens_and_logprobs_equal_the_native_engine(tmp_path):
+QWEN = {"qkv_bias": True, "qk_norm": True, "tie_embeddings": False}  # Qwen2's biases, Qwen3's q/k norms, untied
+
+
+@pytest.mark.parametrize("options", [{}, QWEN])
+def test_vllm_greedy_tokens_and_logprobs_equal_the_native_engine(tmp_path, options):
     from looped_lm.checkpoint import load_checkpoint
 
-    ckpt = make_checkpoint(tmp_path / "run")
+    ckpt = make_checkpoint(tmp_path / "run", model_options=options)
     hf_dir = export(ckpt, tmp_path / "hf", format="looped_lm")  # the plugin path (gpt defaults to stock Llama)
     got = run_vllm(hf_dir)
     model, _, _ = load_checkpoint(ckpt)
@@ -97,12 +105,12 @@ def native_positional(model, prompt: list[int], K: int, seed: int = 0):
 CLEAN_STATE = {"noisy_input": "clean_state", "context": "stacked", "stack_order": "low_noise_first"}
 
 
-@pytest.mark.parametrize("kind,K,extra", [("db_ar", 2, {}), ("db_ar", 5, {}), ("looped_db", 3, {}),
-                                          ("db_ar", 2, CLEAN_STATE)])
-def test_vllm_db_models_equal_the_native_chain(tmp_path, kind, K, extra):
+@pytest.mark.parametrize("kind,K,extra,options", [("db_ar", 2, {}, {}), ("db_ar", 5, {}, {}), ("looped_db", 3, {}, {}),
+                                                  ("db_ar", 2, CLEAN_STATE, {}), ("db_ar", 2, {}, QWEN)])
+def test_vllm_db_models_equal_the_native_chain(tmp_path, kind, K, extra, options):
     from looped_lm.checkpoint import load_checkpoint
 
-    ckpt = make_checkpoint(tmp_path / "run", kind, num_blocks=2 if kind == "db_ar" else 1, **{**DB, **extra})
+    ckpt = make_checkpoint(tmp_path / "run", kind, options, num_blocks=2 if kind == "db_ar" else 1, **{**DB, **extra})
     hf_dir = export(ckpt, tmp_path / "hf")
     got = run_vllm(hf_dir, {"num_iterations": K})
     model, _, _ = load_checkpoint(ckpt)
