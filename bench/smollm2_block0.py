@@ -211,6 +211,44 @@ def next_jobs(b: dict) -> list[tuple]:
                    if "test" not in at[s]]
 
 
+KGRID, KGRID_RUNS = (2, 4, 8), ("db2", "top90_w91")  # K = B, 2B, 4B; the recipe and the chosen remedy
+
+
+def kgrid() -> dict:
+    """ppl@K at K = B, 2B, 4B on the test tokens (2 draws) for the 0-step conversion and the seed-0 runs of the
+    recipe and the chosen remedy (their checkpoints copied first: the study's later stages delete them)."""
+    out, done = OUT / "kgrid.json", {}
+    if out.exists():
+        done = json.loads(out.read_text())["runs"]
+    for tag in ("source", *(f"{arm}_lr{LR:.0e}_w{compare.WARMUP}_s0" for arm in KGRID_RUNS)):
+        if tag in done:
+            continue
+        copy = WORK / "kgrid" / tag
+        if not copy.exists():
+            if tag == "source":  # the 0-step conversion, written again (the source stage deleted it)
+                cfg_path = WORK / "kgrid" / "source.yaml"
+                cfg_path.parent.mkdir(parents=True, exist_ok=True)
+                import yaml
+
+                cfg_path.write_text(yaml.safe_dump(config("db2", LR, 0, 0, compare.WARMUP, copy), sort_keys=False))
+                common.python("-m", "looped_lm", "train", "--config", cfg_path)
+            else:
+                shutil.copytree(WORK / tag, copy)
+        ckpt = sorted(copy.glob("step_*"))[-1]
+        t0 = time.time()
+        json_out = WORK / "kgrid" / f"{tag}_test.json"
+        common.python("-m", "looped_lm", "eval", "--checkpoint", ckpt, "--split", "test", "--max-tokens", compare.TOKENS,
+                      "--no-verify", "--no-progress", "--json", json_out, "--num-iterations",
+                      ",".join(map(str, KGRID)), "--draws", compare.DRAWS)
+        rep = json.loads(json_out.read_text())
+        done[tag] = {k: rep[k] for k in ("ppl_at_k", "ppl_se", "unresolved", "tokens") if k in rep}
+        done[tag]["eval_s"] = round(time.time() - t0, 1)
+        common.write_json(out, {"k_grid": list(KGRID), "draws": compare.DRAWS, "split": "test", "runs": done,
+                                "commit": common.git_commit(), "finished_utc": common.utc_now()})
+        print(tag, done[tag], flush=True)
+    return done
+
+
 def run_all(workers: int, only: str | None = None) -> None:
     b = budget()
     common.write_json(OUT / "budget.json", b)
@@ -245,6 +283,15 @@ def report() -> str:
         fmt = lambda sp: f"{score(r, sp):.3f}" if sp in r else "-"  # noqa: E731
         lines.append(f"| {r['arm']} | {r['lr']:g} | {r['warmup']} | {r['seed']} | {r['steps']} "
                      f"({' / '.join(map(str, r.get('block_steps', [])))}) | {fmt('dev')} | {fmt('test')} | {r['train_s']} |")
+    if (OUT / "kgrid.json").exists():
+        kg = json.loads((OUT / "kgrid.json").read_text())
+        lines += ["", f"## More iterations: test ppl@K ({kg['draws']} draws; se beside; unresolved: the estimate's se "
+                  "too large to report)", "", "| run | " + " | ".join(f"K = {k}" for k in kg["k_grid"]) + " |",
+                  "|---|" + "---|" * len(kg["k_grid"])]
+        for tag, r in kg["runs"].items():
+            cell = lambda k: ("unresolved" if r["ppl_at_k"].get(str(k)) is None  # noqa: E731
+                              else f"{r['ppl_at_k'][str(k)]:.2f} ± {r['ppl_se'][str(k)]:.2f}")
+            lines.append(f"| {tag} | " + " | ".join(cell(k) for k in kg["k_grid"]) + " |")
     arm = chosen_remedy()
     lines += ["", f"Chosen remedy on dev: {arm or 'not yet (the remedy runs are not all done)'}"]
     if arm:
@@ -264,7 +311,7 @@ def report() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["run", "report", "smoke"])
+    ap.add_argument("what", choices=["run", "report", "smoke", "kgrid"])
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--only", default=None, help="run: only this arm's jobs (e.g. gpt, beside a running driver)")
     args = ap.parse_args()
@@ -272,6 +319,8 @@ def main() -> None:
         global OUT
         OUT = WORK / "smoke"
         print(run_one("top50_w31", LR, 9, 1, 2, "remedy"))
+    elif args.what == "kgrid":
+        kgrid()
     elif args.what == "run":
         run_all(args.workers, args.only)
     else:
