@@ -9,15 +9,15 @@ the same layout). A DB step trains one block; its cost depends on which (with th
 stream reaches last runs every earlier block forward without gradient), so each DB row reports every block and
 its maximum. Per shape:
 - `kept_mib`: the bytes autograd keeps for backward (each storage once, parameters excluded): exact, counted
-  by saved-tensor hooks over one forward, at T 1024 and 2048, batch 1, and T 1024, batch 2; batch 8 is 8x the
-  per-sequence bytes (`derived`: a sequence's activations do not depend on the others; the batch-2 row checks
-  that linearity, `batch2_over_batch1`), since batch 8 of the end-to-end rows would not fit in this machine's
-  memory beside other work;
-- at T 1024, batch 1, `peak_mib`: the step's peak of bytes allocated during forward + backward (the profiler's
-  memory timeline; weights and optimizer state excluded);
+  by saved-tensor hooks over one forward, at T 1024 and 2048, batch 1; batch 8 is 8x the per-sequence bytes
+  (`derived`: a sequence's activations do not depend on the others; `linearity_checked`: batch 2 over batch 1
+  at T 256), since batch 8 of the end-to-end rows would not fit in this machine's memory beside other work;
+- at T 256, batch 1, `peak_mib`: the step's peak of bytes allocated during forward + backward (the profiler's
+  memory timeline; weights and optimizer state excluded): how far the peak sits above what is kept (the
+  profiler is too slow on this machine for the long shapes);
 - `state_mib`: weights + gradients + AdamW moments in fp32 (4 + 4 + 8 bytes per trainable parameter, 4 per
   frozen one), exact from the parameter counts;
-- at T 1024, batch 1: training tokens per second of one step (forward + backward, one thread, the best of
+- at T 512 (`--speed-seq`), batch 1: training tokens per second of one step (forward + backward, one thread, the best of
   `--speed-repeats`, rows interleaved so a busy machine slows all alike), beside the step's matmul FLOPs
   (looped_lm.cost).
 Random weights at the source's shape: bytes and FLOPs do not depend on the values (the GGUF is named, for
@@ -53,8 +53,8 @@ ROWS = {
     "db2": ("db_ar", {}, {**LAYOUT, "num_blocks": 2}),
     "db4": ("db_ar", {}, {**LAYOUT, "layers_per_block": [8, 8, 7, 7]}),
 }
-SHAPES = [(1024, 1), (1024, 2), (2048, 1)]
-PEAK_SHAPES = [(1024, 1)]
+SHAPES = [(1024, 1), (2048, 1), (256, 1), (256, 2)]
+PEAK_SHAPES = [(256, 1)]
 
 
 def config(row: str, seq: int, lora: bool):
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     p.add_argument("--speed-repeats", type=int, default=2)
     p.add_argument("--shapes", default=",".join(f"{t}x{b}" for t, b in SHAPES), help="TxB,... measured")
     p.add_argument("--peak-shapes", default=",".join(f"{t}x{b}" for t, b in PEAK_SHAPES), help="TxB,... with the peak")
-    p.add_argument("--speed-seq", type=int, default=1024)
+    p.add_argument("--speed-seq", type=int, default=512)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
@@ -160,11 +160,15 @@ def main(argv=None) -> int:
                       + (f", peak {out['peak_mib']:,.0f} MiB" if "peak_mib" in out else "")
                       + f", state {out['state_mib']:,.0f} MiB, trainable {trainable / 1e6:.2f} M", flush=True)
                 del model
-    for r in [r for r in rows if r["batch"] == 1]:  # batch 8 from the per-sequence bytes
-        two = [q for q in rows if (q["row"], q["lora"], q["seq"], q["batch"]) == (r["row"], r["lora"], r["seq"], 2)]
+    linear = {}  # (row, lora) -> kept(batch 2) / kept(batch 1) at a T measured both ways
+    for r in rows:
+        one = [q for q in rows if (q["row"], q["lora"], q["seq"], q["batch"]) == (r["row"], r["lora"], r["seq"], 1)]
+        if r["batch"] == 2 and one:
+            linear[(r["row"], r["lora"])] = {"seq": r["seq"], "ratio": r["kept_mib"] / one[0]["kept_mib"]}
+    for r in [r for r in rows if r["batch"] == 1 and r["seq"] >= 1024]:  # batch 8 from the per-sequence bytes
         rows.append({**{k: r[k] for k in ("row", "lora", "seq", "trainable_m", "state_mib")}, "batch": 8,
                      "kept_mib": 8 * r["kept_mib"], "derived": "8 x batch 1",
-                     **({"batch2_over_batch1": two[0]["kept_mib"] / r["kept_mib"]} if two else {})})
+                     "linearity_checked": linear.get((r["row"], r["lora"]))})
     result = {"shape": {**SMOLLM2, "loss_chunk": 128, "dtype": "float32"}, "rows": rows, "threads": 1,
               "commit": common.git_commit()}
     common.write_json(Path(args.json), {**result, "finished_utc": common.utc_now()})  # the bytes, before the timing
