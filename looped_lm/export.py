@@ -2,9 +2,9 @@
 
 Two formats (`--format`; `auto`, the default, picks `llama` for gpt and `looped_lm` for the DB kinds):
 
-`llama` (gpt only): a stock `LlamaForCausalLM` (`Qwen2ForCausalLM` / `Qwen3ForCausalLM` / `Gemma3ForCausalLM`
-for a gpt converted from one: q/k/v biases, per-head q/k norms, Gemma 3's layer with its (1 + w) norms written
-back as w - 1), loaded with no project code. The gpt is Llama weight for
+`llama` (gpt only): a stock `LlamaForCausalLM` (`Qwen2ForCausalLM` / `Qwen3ForCausalLM` / `Gemma3ForCausalLM` /
+`MistralForCausalLM` for a gpt converted from one: q/k/v biases, per-head q/k norms, Gemma 3's layer with its
+(1 + w) norms written back as w - 1, every layer local within Mistral's sliding_window), loaded with no project code. The gpt is Llama weight for
 weight (pre-norm RMSNorm, RoPE with Llama's rotate-half pairs (x[:D/2], x[D/2:]), SwiGLU, tied head); the
 fused qkv and gate_up Linears are split into q/k/v_proj and gate_proj/up_proj.
 
@@ -72,16 +72,25 @@ def run(args) -> int:
 def stock_family(cfg) -> tuple[str, str]:
     """(architecture, model_type) of the stock transformers model a gpt is, weight for weight: Llama, or the
     Qwen family its attention options come from (Qwen2: q/k/v biases; Qwen3: per-head q/k norms), or Gemma 3
-    (all of its layer options: sandwich norms, GeGLU, a scaled embedding, q/k norms)."""
+    (all of its layer options: sandwich norms, GeGLU, a scaled embedding, q/k norms; local layers or not), or
+    Mistral (Llama's layers, every one local with the one window and RoPE base). Local layers otherwise (a mix of
+    local and global ones, a RoPE base of their own, Qwen's options) are no stock architecture: refused."""
     m = cfg.model
     gemma = {"model.sandwich_norm": m.sandwich_norm, "model.mlp_activation gelu_tanh": m.mlp_activation == "gelu_tanh",
              "model.embed_scale": m.embed_scale, "model.qk_norm": m.qk_norm}
-    if any(v for k, v in gemma.items() if k != "model.qk_norm") or m.layer_types or m.attn_scalar:
+    if any(v for k, v in gemma.items() if k != "model.qk_norm") or m.attn_scalar:
         missing = [k for k, v in gemma.items() if not v] + (["no model.qkv_bias"] if m.qkv_bias else [])
         if missing:
             raise UserError(f"--format llama: a gpt with some of Gemma 3's layer options but not {', '.join(missing)} "
                             "is no stock transformers architecture; export it with --format looped_lm")
         return "Gemma3ForCausalLM", GEMMA3
+    if "sliding_attention" in m.layer_types:
+        if "full_attention" in m.layer_types or m.local_rope_theta() != m.rope_theta or m.qkv_bias or m.qk_norm:
+            raise UserError("--format llama: a gpt with local layers (model.layer_types) is a stock transformers "
+                            "architecture only as Mistral (every layer local, model.rope_local_theta 0 or "
+                            "model.rope_theta, no model.qkv_bias or model.qk_norm) or Gemma 3 (with its layer "
+                            "options); export it with --format looped_lm")
+        return "MistralForCausalLM", "mistral"
     if m.qkv_bias and m.qk_norm:
         raise UserError("--format llama: a gpt with both model.qkv_bias and model.qk_norm is no stock transformers "
                         "architecture; export it with --format looped_lm")
@@ -93,7 +102,7 @@ def stock_family(cfg) -> tuple[str, str]:
 
 
 def llama_config_dict(model, cfg, eot_id: int, bos_id: int | None = None, pad_id: int | None = None) -> dict:
-    """The fields of a transformers LlamaConfig (Qwen2Config / Qwen3Config: `stock_family`) for a native GPT
+    """The fields of a transformers LlamaConfig (Qwen2Config / Qwen3Config / MistralConfig: `stock_family`) for a native GPT
     (bos / pad default to eot_id). rope_theta is written both at the top level (transformers 4.x, llama.cpp,
     older tools) and in rope_parameters (transformers 5)."""
     m = cfg.model
@@ -102,8 +111,8 @@ def llama_config_dict(model, cfg, eot_id: int, bos_id: int | None = None, pad_id
     arch, model_type = stock_family(cfg)
     if model_type == GEMMA3:
         return gemma3_config_dict(model, cfg, eot_id, bos_id, pad_id)
-    family = {} if model_type == "llama" else {"use_sliding_window": False, "sliding_window": None,
-                                               "max_window_layers": len(model.layers)}
+    family = {"llama": {}, "mistral": {"sliding_window": m.sliding_window}}.get(
+        model_type, {"use_sliding_window": False, "sliding_window": None, "max_window_layers": len(model.layers)})
     return {"architectures": [arch], "model_type": model_type, "vocab_size": vocab, **family,
             "hidden_size": d, "intermediate_size": ffn, "num_hidden_layers": len(model.layers),
             "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_heads, "head_dim": model.head_dim,

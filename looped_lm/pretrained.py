@@ -13,8 +13,9 @@ What maps, and why:
                                            biases: the project's TransformerLayer weight for weight
                                            (q/k/v_proj -> the fused qkv, gate/up_proj -> gate_up).
                                            Grouped-query K/V heads are repeated to one per query head
-                                           (exact: Llama's own repeat_kv). Mistral only without a
-                                           sliding window.
+                                           (exact: Llama's own repeat_kv). Mistral's sliding_window
+                                           makes every layer local (layer_types, sliding_window,
+                                           rope_local_theta = rope_theta); null: full causal.
     Qwen2ForCausalLM, Qwen3ForCausalLM     Llama's layers with q/k/v biases (model.qkv_bias) / per-head
                                            q/k norms and a head width of their own (qk_norm, head_dim).
     Gemma3ForCausalLM                      Llama's layers with sandwich norms (sandwich_norm: its
@@ -64,8 +65,8 @@ from looped_lm.data.gguf_file import is_gguf, metadata, need_gguf_package, smoll
 from looped_lm.data.tokenizer import get_tokenizer
 from looped_lm.errors import UserError
 from looped_lm.kinds import kind_of, require
-from looped_lm.source_families import (ARCHITECTURES, GEMMA3, REFUSED, check_architecture, gemma3_layer_types,
-                                       gemma3_rope, source_error)
+from looped_lm.source_families import (ARCHITECTURES, GEMMA3, MISTRAL, REFUSED, check_architecture, gemma3_layer_types,
+                                       gemma3_rope, mistral_window, source_error)
 
 # the noisy stream's adaLN gates at conversion: "open" (gate biases 1: its layers start as the source's;
 # the default since bench/results/pretrained/study: lower PPL after fine-tuning at every B, 3 seeds) or
@@ -344,20 +345,33 @@ def tied_head(source: Source) -> bool:
 def layer_fields(config: dict) -> dict:
     """The model fields of the source family's layers (AttentionOptions, LayerOptions, the embedding and the local
     layers): head_dim (0 where it is d_model / n_heads), qkv_bias (Qwen2), qk_norm (Qwen3, Gemma 3), and Gemma 3's
-    attn_scalar (0 where it is head_dim), sandwich_norm, mlp_activation, embed_scale, layer_types, sliding_window
-    and rope_local_theta ([] / 0 where no layer is local)."""
+    attn_scalar (0 where it is head_dim), sandwich_norm, mlp_activation, embed_scale; layer_types, sliding_window
+    and rope_local_theta: Gemma 3's, or Mistral's window (every layer local, rope_local_theta = rope_theta) ([] / 0
+    where no layer is local)."""
     model_type = config.get("model_type", "")
     hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     head_dim = int(config.get("head_dim") or hidden // heads)
     gemma = model_type == GEMMA3
     scalar = float(config.get("query_pre_attn_scalar", 256)) if gemma else 0.0
-    types = gemma3_layer_types(config) if gemma else []
+    if gemma:
+        types, window = gemma3_layer_types(config), config.get("sliding_window")
+        local_theta = gemma3_rope(config)["sliding_attention"]["rope_theta"]
+    elif model_type == MISTRAL and mistral_window(config):  # every layer local, with the one RoPE base
+        types = ["sliding_attention"] * int(config["num_hidden_layers"])
+        window, local_theta = mistral_window(config), _rope_theta(config)
+    else:
+        types, window, local_theta = [], 0, 0.0
     local = "sliding_attention" in types
     return {"head_dim": 0 if head_dim * heads == hidden else head_dim, "qkv_bias": model_type == "qwen2",
             "qk_norm": model_type in ("qwen3", GEMMA3), "attn_scalar": 0.0 if scalar == head_dim else scalar,
             "sandwich_norm": gemma, "mlp_activation": "gelu_tanh" if gemma else "silu", "embed_scale": gemma,
-            "layer_types": types if local else [], "sliding_window": int(config["sliding_window"]) if local else 0,
-            "rope_local_theta": float(gemma3_rope(config)["sliding_attention"]["rope_theta"]) if local else 0.0}
+            "layer_types": types if local else [], "sliding_window": int(window) if local else 0,
+            "rope_local_theta": float(local_theta) if local else 0.0}
+
+
+def _rope_theta(config: dict) -> float:
+    """The RoPE base of a one-base family: rope_theta (transformers 4), or rope_parameters' (transformers 5)."""
+    return float(config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
 
 
 def expected_model_fields(source: Source, vocab_rows: int) -> dict:
@@ -365,7 +379,7 @@ def expected_model_fields(source: Source, vocab_rows: int) -> dict:
     if c.get("model_type") == GEMMA3:
         rope_theta = gemma3_rope(c)["full_attention"]["rope_theta"]
     else:
-        rope_theta = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        rope_theta = _rope_theta(c)
     return {"d_model": int(c["hidden_size"]), "n_heads": int(c["num_attention_heads"]),
             "ffn_hidden": int(c["intermediate_size"]), "norm_eps": float(c.get("rms_norm_eps", 1e-6)),
             "rope_theta": float(rope_theta), "vocab_size": vocab_rows, "tie_embeddings": tied_head(source),

@@ -1,6 +1,6 @@
 """The pretrained families `model.init_from` maps: their architectures, the ones refused and why, and the
 config.json checks that name, in one line, the field a source sets that the project's layers do not do
-(Gemma 3's layer types and RoPE by layer type included). Reading and copying a source's tensors is
+(Gemma 3's layer types and RoPE by layer type, Mistral's sliding window included). Reading and copying a source's tensors is
 `looped_lm.pretrained`'s; export writes the same families back.
 """
 
@@ -14,6 +14,8 @@ FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2
             "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 ARCHITECTURES = tuple(FAMILIES.values())
 GEMMA3 = "gemma3_text"
+MISTRAL = "mistral"
+MISTRAL_DEFAULT_WINDOW = 4096  # MistralConfig's sliding_window where config.json has none
 # why the architectures people ask for do not map (the first clause names what differs)
 REFUSED = {
     "gpt2": "learned position embeddings and LayerNorm (the project uses RoPE and RMSNorm)",
@@ -66,10 +68,22 @@ def check_architecture(config: dict, where) -> None:
     if model_type not in ("qwen3", GEMMA3) and head_dim * heads != hidden:
         raise source_error(where, f"head_dim {config.get('head_dim')} x {heads} heads != hidden_size {hidden}: "
                            f"{arch}'s heads split the width exactly")
+    if model_type == MISTRAL:
+        window = mistral_window(config)
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise source_error(where, f"sliding_window is {window!r}: expected a positive integer (every layer local) "
+                               "or null (full causal)")
+        return
     windowed = config.get("use_sliding_window", True) if model_type.startswith("qwen") else model_type != GEMMA3
     if config.get("sliding_window") and windowed:
         raise source_error(where, f"sliding_window is {config['sliding_window']}: {arch}'s layers are full causal in the "
-                           "project (only Gemma 3's local layers have a window)")
+                           "project (only Gemma 3's local layers and Mistral's have a window)")
+
+
+def mistral_window(config: dict):
+    """Mistral's sliding window, as transformers reads it: config.json's sliding_window (null: full causal), 4096
+    (MistralConfig's default) where the key is absent. Every layer attends within it, with the one RoPE base."""
+    return config.get("sliding_window", MISTRAL_DEFAULT_WINDOW)
 
 
 def _check_gemma3(config: dict, where) -> None:
