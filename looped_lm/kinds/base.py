@@ -120,12 +120,14 @@ class LanguageModelSection(SequenceSection):
     embed_scale: bool = field(False, "the input embedding is multiplied by sqrt(d_model), rounded to the weights' "
                                      "dtype (Gemma); the head and the DiffusionBlocks targets read the table unscaled")
     layer_types: list[Literal["full_attention", "sliding_attention"]] = field(
-        [], "one entry per source layer, in the source's order (Gemma 3's layer_types; the kind's layer plan places "
+        [], "one entry per source layer, in the source's order (Gemma 3's layer_types; a windowed Mistral's: all "
+        "sliding_attention; the kind's layer plan places "
         "them, as model.init_from's layers): sliding_attention layers attend within model.sliding_window and rotate "
         "with model.rope_local_theta; [] = every layer full_attention")
     sliding_window: int = field(0, "the local layers' window: a query sees itself and the sliding_window - 1 "
-                                   "positions before it (Gemma 3); 0 = no local layers")
-    rope_local_theta: Float = field(0.0, "the RoPE base of the local layers (Gemma 3's rope_local_base_freq); "
+                                   "positions before it (Gemma 3, Mistral); 0 = no local layers")
+    rope_local_theta: Float = field(0.0, "the RoPE base of the local layers (Gemma 3's rope_local_base_freq; "
+                                         "Mistral's: its rope_theta); "
                                          "0 = rope_theta")
     tie_embeddings: bool = field(True, "the head is the token embedding, transposed (tie_word_embeddings); false: a "
                                        "separate lm_head, as most sources above the smallest sizes have")
