@@ -27,6 +27,7 @@ LoRA's check, but not read).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -123,14 +124,42 @@ def build(row: str, seq: int, lora: bool):
     return cfg, model, trainable, frozen
 
 
+def table(path: Path) -> str:
+    """docs/pretrained.md's memory table from the JSON: MiB kept for backward per step (max over blocks), the
+    state, and tokens/s."""
+    d = json.loads(Path(path).read_text())
+    shapes = sorted({(r["seq"], r["batch"]) for r in d["rows"] if r["seq"] >= 1024})
+    lines = ["| row | " + " | ".join(f"kept, T {t} x {b}" for t, b in shapes)
+             + " | weights + grads + AdamW | tokens/s (T " + str(d.get("speed", {}).get("seq", "-")) + ") |",
+             "|---|" + "---|" * (len(shapes) + 2)]
+    for lora in (True, False):
+        for row in ROWS:
+            cells = []
+            for t, b in shapes:
+                r = next((r for r in d["rows"] if (r["row"], r["lora"], r["seq"], r["batch"]) == (row, lora, t, b)), None)
+                cells.append("-" if r is None else f"{r['kept_mib']:,.0f} MiB" + (" *" if r.get("derived") else ""))
+            state = next((r["state_mib"] for r in d["rows"] if (r["row"], r["lora"]) == (row, lora)), None)
+            if state is None:  # a row this JSON does not have
+                continue
+            sp = d.get("speed", {}).get("rows", {}).get(f"{row} {'lora' if lora else 'full'}")
+            speed = f"{sp['tokens_per_s']:.0f}" if sp else "-"
+            lines.append(f"| {row}, {'LoRA 8' if lora else 'full'} | " + " | ".join(cells)
+                         + f" | {state:,.0f} MiB | {speed} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", default=str(OUT))
+    p.add_argument("--table", action="store_true", help="print docs/pretrained.md's table from --json and stop")
     p.add_argument("--speed-repeats", type=int, default=2)
     p.add_argument("--shapes", default=",".join(f"{t}x{b}" for t, b in SHAPES), help="TxB,... measured")
     p.add_argument("--peak-shapes", default=",".join(f"{t}x{b}" for t, b in PEAK_SHAPES), help="TxB,... with the peak")
     p.add_argument("--speed-seq", type=int, default=512)
     args = p.parse_args(argv)
+    if args.table:
+        print(table(Path(args.json)))
+        return 0
     torch.set_num_threads(1)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     peak_shapes = [tuple(int(v) for v in s.split("x")) for s in args.peak_shapes.split(",")]
