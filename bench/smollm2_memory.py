@@ -54,7 +54,7 @@ ROWS = {
     "db2": ("db_ar", {}, {**LAYOUT, "num_blocks": 2}),
     "db4": ("db_ar", {}, {**LAYOUT, "layers_per_block": [8, 8, 7, 7]}),
 }
-SHAPES = [(1024, 1), (2048, 1), (256, 1), (256, 2)]
+SHAPES = [(1024, 1), (256, 1), (256, 2), (2048, 1)]
 PEAK_SHAPES = [(256, 1)]
 
 
@@ -152,6 +152,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", default=str(OUT))
     p.add_argument("--table", action="store_true", help="print docs/pretrained.md's table from --json and stop")
+    p.add_argument("--lora", choices=["both", "on", "off"], default="both",
+                   help="which fine-tune's rows: LoRA rank 8, full, or both (two processes can share the work)")
     p.add_argument("--speed-repeats", type=int, default=2)
     p.add_argument("--shapes", default=",".join(f"{t}x{b}" for t, b in SHAPES), help="TxB,... measured")
     p.add_argument("--peak-shapes", default=",".join(f"{t}x{b}" for t, b in PEAK_SHAPES), help="TxB,... with the peak")
@@ -163,8 +165,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     peak_shapes = [tuple(int(v) for v in s.split("x")) for s in args.peak_shapes.split(",")]
+    modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.lora]
     rows, speed = [], {}
-    for lora in (True, False):
+    result = {"shape": {**SMOLLM2, "loss_chunk": 128, "dtype": "float32"}, "rows": rows, "threads": 1,
+              "commit": common.git_commit()}
+    for lora in modes:
         for seq, batch in shapes:
             g = torch.Generator().manual_seed(0)
             x = torch.randint(0, V, (batch, seq), generator=g)
@@ -189,6 +194,7 @@ def main(argv=None) -> int:
                       + (f", peak {out['peak_mib']:,.0f} MiB" if "peak_mib" in out else "")
                       + f", state {out['state_mib']:,.0f} MiB, trainable {trainable / 1e6:.2f} M", flush=True)
                 del model
+                common.write_json(Path(args.json), {**result, "complete": False})  # each row kept as it comes
     linear = {}  # (row, lora) -> kept(batch 2) / kept(batch 1) at a T measured both ways
     for r in rows:
         one = [q for q in rows if (q["row"], q["lora"], q["seq"], q["batch"]) == (r["row"], r["lora"], r["seq"], 1)]
@@ -198,15 +204,13 @@ def main(argv=None) -> int:
         rows.append({**{k: r[k] for k in ("row", "lora", "seq", "trainable_m", "state_mib")}, "batch": 8,
                      "kept_mib": 8 * r["kept_mib"], "derived": "8 x batch 1",
                      "linearity_checked": linear.get((r["row"], r["lora"]))})
-    result = {"shape": {**SMOLLM2, "loss_chunk": 128, "dtype": "float32"}, "rows": rows, "threads": 1,
-              "commit": common.git_commit()}
-    common.write_json(Path(args.json), {**result, "finished_utc": common.utc_now()})  # the bytes, before the timing
+    common.write_json(Path(args.json), {**result, "complete": True, "finished_utc": common.utc_now()})
     # speed: T speed_seq, batch 1, every row and block interleaved, best of the repeats
     T = args.speed_seq
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, V, (1, T), generator=g)
     y = torch.randint(0, V, (1, T), generator=g)
-    for lora in (True, False):
+    for lora in modes if args.speed_repeats else ():
         models = {row: build(row, T, lora) for row in ROWS}
         best: dict = {}
         for _ in range(args.speed_repeats):
@@ -224,7 +228,7 @@ def main(argv=None) -> int:
             print(f"speed {row} lora={lora}: {T / mean_s:,.0f} tokens/s", flush=True)
         del models
     common.write_json(Path(args.json), {
-        **result, "speed": {"seq": T, "batch": 1, "repeats": args.speed_repeats, "rows": speed},
+        **result, "complete": True, "speed": {"seq": T, "batch": 1, "repeats": args.speed_repeats, "rows": speed},
         "load_average_at_end": list(os.getloadavg()), "finished_utc": common.utc_now()})
     return 0
 
