@@ -289,7 +289,7 @@ def report() -> str:
                   "too large to report)", "", "| run | " + " | ".join(f"K = {k}" for k in kg["k_grid"]) + " |",
                   "|---|" + "---|" * len(kg["k_grid"])]
         for tag, r in kg["runs"].items():
-            cell = lambda k: ("unresolved" if r["ppl_at_k"].get(str(k)) is None  # noqa: E731
+            cell = lambda k: (f"unresolved (se {r['ppl_se'][str(k)]:,.1f})" if r["ppl_at_k"].get(str(k)) is None  # noqa: E731
                               else f"{r['ppl_at_k'][str(k)]:.2f} ± {r['ppl_se'][str(k)]:.2f}")
             lines.append(f"| {tag} | " + " | ".join(cell(k) for k in kg["k_grid"]) + " |")
     arm = chosen_remedy()
