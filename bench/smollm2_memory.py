@@ -158,13 +158,14 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default=",".join(f"{t}x{b}" for t, b in SHAPES), help="TxB,... measured")
     p.add_argument("--peak-shapes", default=",".join(f"{t}x{b}" for t, b in PEAK_SHAPES), help="TxB,... with the peak")
     p.add_argument("--speed-seq", type=int, default=512)
+    p.add_argument("--rows", default=",".join(ROWS), help="which rows (a process per row keeps its memory apart)")
     p.add_argument("--resume", action="store_true", help="keep the rows --json already holds; measure the rest")
     args = p.parse_args(argv)
     if args.table:
         print(table(Path(args.json)))
         return 0
     torch.set_num_threads(1)
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]  # "": speed only
     peak_shapes = [tuple(int(v) for v in s.split("x")) for s in args.peak_shapes.split(",")]
     modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.lora]
     rows, speed = [], {}
@@ -179,7 +180,7 @@ def main(argv=None) -> int:
             x = torch.randint(0, V, (batch, seq), generator=g)
             y = torch.randint(0, V, (batch, seq), generator=g)
             for row in ROWS:
-                if (row, lora, seq, batch) in done:
+                if (row, lora, seq, batch) in done or row not in args.rows.split(","):
                     continue
                 cfg, model, trainable, frozen = build(row, seq, lora)
                 per_key = []

@@ -128,9 +128,11 @@ def check_applies(args, model, kind: str) -> None:
 
 
 def perplexity(model, data_path: str, block_size: int, stride: int = 0, max_tokens: int = 0,
-               batch_size: int = 8, settings=None, seed: int = 0, device: str = "cpu", progress: bool = True):
+               batch_size: int = 8, settings=None, seed: int = 0, device: str = "cpu", progress: bool = True,
+               probs: dict | None = None):
     """Score `data_path`: ({label: summed NLL}, {label: summed NLL variance}, scored tokens).
-    Strided windows score their tail only."""
+    Strided windows score their tail only. `probs`, when given, is filled with {label: [summed p, summed
+    variance of p or None]}: the held-out tokens' probabilities, for `report`'s mean p."""
     import torch  # torch, tqdm: seconds at start-up
     from tqdm import tqdm
 
@@ -176,6 +178,12 @@ def perplexity(model, data_path: str, block_size: int, stride: int = 0, max_toke
             sums[label] = sums.get(label, 0.0) + float(s.nll[scored].double().sum())
             if s.nll_var is not None:
                 variances[label] = variances.get(label, 0.0) + float(s.nll_var[scored].double().sum())
+            if probs is not None:
+                p, p_var = s.probability()
+                acc = probs.setdefault(label, [0.0, 0.0 if p_var is not None else None])
+                acc[0] += float(p[scored].double().sum())
+                if p_var is not None and acc[1] is not None:
+                    acc[1] += float(p_var[scored].double().sum())
         total += int(scored.sum())
     bar.close()
     if total == 0:
@@ -183,13 +191,39 @@ def perplexity(model, data_path: str, block_size: int, stride: int = 0, max_toke
     return sums, variances, total
 
 
+def mean_p(probs: dict, tokens: int) -> tuple[dict, dict]:
+    """{label: mean p of the held-out tokens}, {label: its standard error} (estimated labels only)."""
+    means = {label: acc[0] / tokens for label, acc in probs.items()}
+    ses = {label: math.sqrt(acc[1]) / tokens for label, acc in probs.items() if acc[1] is not None}
+    return means, ses
+
+
+def worse_with_more(means: dict, ses: dict) -> list[dict]:
+    """The sampler's K (k >= 1) whose mean p is below a smaller K's by more than 2 standard errors of the
+    difference (the same tokens: only the estimates' noise differs): more iterations that did worse."""
+    ks = sorted(k for k in means if isinstance(k, int) and k >= 1)
+    out = []
+    for k in ks:
+        for j in ks:
+            if j >= k:
+                break
+            gap = means[j] - means[k]
+            if gap > 2 * math.sqrt(ses.get(j, 0.0) ** 2 + ses.get(k, 0.0) ** 2):
+                out.append({"k": k, "than": j, "mean_p": means[k], "than_mean_p": means[j]})
+                break
+    return out
+
+
 def report(sums: dict, variances: dict, tokens: int, block_size: int, stride: int, tokenizer: str, data: str,
-           settings, kind: str) -> dict:
+           settings, kind: str, probs: dict | None = None) -> dict:
     """PPL per label; for estimated ones, `ppl_se`: the standard error of the ppl from the estimates'
     spread (var(mean NLL) = sum of the per-token jackknife variances / tokens^2). An estimate whose
     standard error is not small against it (se of the mean NLL above UNRESOLVED_MEAN_SE nats, an se
     above the ppl, or none at all: one draw), or whose Jensen bias bound (the mean per-token variance / 2)
-    is above UNRESOLVED_MEAN_SE nats, is listed in `unresolved` and its ppl is null, never a number."""
+    is above UNRESOLVED_MEAN_SE nats, is listed in `unresolved` and its ppl is null, never a number.
+    With `probs` (perplexity's), also the mean probability of the held-out token per label (`mean_p`,
+    `mean_p_at_k`, `mean_p_se`): a plain mean of unbiased estimates, resolved where ppl@k may not be, and
+    `worse_with_more`, the K whose mean p is below a smaller K's."""
     from looped_lm.diffusion.estimator import UNRESOLVED_MEAN_SE  # imports torch: seconds at start-up
 
     sums = dict(sums)
@@ -202,8 +236,11 @@ def report(sums: dict, variances: dict, tokens: int, block_size: int, stride: in
             out.update(ppl=out["ppl_clean"], nll=clean, primary="clean")
             return out
     ppl = {label: math.exp(min(s / tokens, 700.0)) for label, s in sums.items()}
+    means, mean_ses = mean_p({k: v for k, v in (probs or {}).items() if k != "clean"}, tokens)
     if "exact" in ppl:
         out.update(ppl=ppl["exact"], nll=sums["exact"] / tokens)
+        if "exact" in means:
+            out.update(mean_p=means["exact"])
         return out
     se = {label: ppl[label] * math.sqrt(v) / tokens for label, v in variances.items()}
     estimated = get_kind(kind).offers("estimated_ppl")  # huginn's per-K scores are exact: no se, none needed
@@ -219,6 +256,10 @@ def report(sums: dict, variances: dict, tokens: int, block_size: int, stride: in
                ppl_se={str(k): v for k, v in sorted(se.items())},
                unresolved=[str(k) for k in unresolved],
                draws=settings.draws, candidates=settings.candidates)
+    if means:
+        out.update(mean_p_at_k={str(k): v for k, v in sorted(means.items())},
+                   mean_p_se={str(k): v for k, v in sorted(mean_ses.items())},
+                   worse_with_more=worse_with_more(means, mean_ses))
     return out
 
 
@@ -226,16 +267,26 @@ def format_table(rep: dict) -> str:
     head = (f"tokens {rep['tokens']}  block {rep['block_size']}  stride {rep['stride']}  "
             f"tokenizer {rep['tokenizer']}  data {rep['data']}")
     rows = ["| k | ppl | standard error |", "|---|---|---|"]
+    notes = []
     if "ppl_at_k" in rep:
-        se = rep.get("ppl_se", {})
+        se, mp, mp_se = rep.get("ppl_se", {}), rep.get("mean_p_at_k"), rep.get("mean_p_se", {})
+        if mp:
+            rows = ["| k | ppl | standard error | mean p of the token (se) |", "|---|---|---|---|"]
         for k, v in rep["ppl_at_k"].items():
             error = f"{se[k]:.3g}" if k in se else "-"
-            rows.append(f"| {k} | unresolved (raise --draws) | {error} |" if v is None else f"| {k} | {v:.3f} | {error} |")
+            row = f"| {k} | unresolved (raise --draws) | {error} |" if v is None else f"| {k} | {v:.3f} | {error} |"
+            if mp:
+                row += f" {mp[k]:.4f} ({mp_se[k]:.4f}) |" if k in mp_se else f" {mp[k]:.4f} |"
+            rows.append(row)
+        for w in rep.get("worse_with_more", []):
+            notes.append(f"K = {w['k']} gives the held-out tokens less probability than K = {w['than']} "
+                         f"({w['mean_p']:.4f} vs {w['than_mean_p']:.4f}, beyond 2 standard errors): more "
+                         "iterations are worse for this model here")
     elif "ppl_clean" not in rep:
         rows += [f"| exact | {rep['ppl']:.3f} | exact |"]
     if "ppl_clean" in rep:  # the clean stream's readout, an exact ordinary-LM perplexity
-        rows += [f"| clean | {rep['ppl_clean']:.3f} | exact |"]
-    return head + "\n" + "\n".join(rows)
+        rows += [f"| clean | {rep['ppl_clean']:.3f} | exact |" + (" |" if len(rows[0].split("|")) > 5 else "")]
+    return head + "\n" + "\n".join(rows + notes)
 
 
 def data_tokens(data: str, tokenizer_name: str, workdir: str) -> str:
@@ -310,10 +361,12 @@ def run(args) -> int:
                                       candidates=args.candidates)
     with tempfile.TemporaryDirectory() as work:
         tokens_file = data_tokens(data, manifest["tokenizer"], work)
+        probs: dict = {}
         sums, variances, tokens = perplexity(model, tokens_file, block, args.stride, args.max_tokens,
                                              args.batch_size, settings, args.seed, args.device,
-                                             progress=not args.no_progress)
-    rep = report(sums, variances, tokens, block, args.stride, manifest["tokenizer"], data, settings, cfg.model.kind)
+                                             progress=not args.no_progress, probs=probs)
+    rep = report(sums, variances, tokens, block, args.stride, manifest["tokenizer"], data, settings, cfg.model.kind,
+                 probs)
     print(format_table(rep))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

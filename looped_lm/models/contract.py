@@ -82,10 +82,17 @@ class Trainable(ABC):
 @dataclass
 class TokenScores:
     """Per-target scores of one window batch: nll (B, T) = -log p(y_t | x_<=t), and, where p is
-    estimated, nll_var (B, T): the variance of that estimate (None where p is exact)."""
+    estimated, nll_var (B, T): the variance of that estimate (None where p is exact); p (B, T): an unbiased
+    estimate of p itself, with p_var its variance (None where p is exact: exp(-nll))."""
 
     nll: torch.Tensor
     nll_var: torch.Tensor | None = None
+    p: torch.Tensor | None = None
+    p_var: torch.Tensor | None = None
+
+    def probability(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(p (B, T), its variance or None): the estimate where there is one, else exp(-nll), exact."""
+        return (self.p, self.p_var) if self.p is not None else ((-self.nll.double()).exp(), None)
 
 
 @dataclass

@@ -151,7 +151,9 @@ class DiffusionBlocksLM(DBNetwork, BlockwiseTrainable, Scorable, CachedDecoding,
             return out
         for k in ks:
             estimates, _, iters = self._estimates(context, y, max(k, 1), settings, random, full=False)
-            out[k] = TokenScores(*jackknife_nll(estimates))
+            # the estimates' plain mean is unbiased for p itself (bounded in [0, 2]: always resolvable)
+            p_var = estimates.var(0) / len(estimates) if len(estimates) > 1 else None
+            out[k] = TokenScores(*jackknife_nll(estimates), p=estimates.mean(0), p_var=p_var)
             if settings.exit_rule is not None:
                 settings.stats[k] = float(iters.mean())
         return out
