@@ -3,7 +3,8 @@
 times the compare study's 100-step FLOPs (plan: bench/results/smollm2/budget/plan.md, written before the runs).
 
     python bench/smollm2_budget.py run --times 3 --only top90_w91   # one arm's jobs, one process; resumable
-    python bench/smollm2_budget.py run --times 3 --only gpt         # beside it, on the other core
+    python bench/smollm2_budget.py run --times 3 --only gpt         # beside it, on the other core (drivers of
+                                                                    # the same arm share its jobs)
     python bench/smollm2_budget.py report --times 3                 # bench/results/smollm2/budget/x3/report.md
 
 Everything but the budget is the block-0 study's (bench/smollm2_block0.py): source, data, split, LoRA rank 8,
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -58,9 +60,21 @@ def tag(arm: str, lr: float, seed: int) -> str:
     return f"{arm}_lr{lr:.0e}_s{seed}"
 
 
-def run_one(times: int, arm: str, lr: float, seed: int, steps: int, stage: str) -> dict:
+def claim(times: int, job: tuple) -> Path:
+    """The marker a driver leaves on a job it runs, so a second driver beside it takes another (a driver that
+    dies leaves its marker: delete bench/work/smollm2_budget/x*/claims/ before a rerun)."""
+    return WORK / f"x{times}" / "claims" / ("_".join(map(str, job[1:])) + ".claim")
+
+
+def run_one(times: int, arm: str, lr: float, seed: int, steps: int, stage: str) -> dict | None:
     """`sweep`: train (1 thread), diagnose block 0 (DB), score dev, keep the checkpoint; `test`: score a kept
-    sweep run on test, then delete it; `seed`: train and score test."""
+    sweep run on test, then delete it; `seed`: train and score test. None: another driver has the job."""
+    marker = claim(times, (times, arm, lr, seed, steps, stage))
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return None
     name = tag(arm, lr, seed)
     run_dir, path = WORK / f"x{times}" / name, out_dir(times) / f"{name}.json"
     t0 = time.time()
@@ -89,6 +103,7 @@ def run_one(times: int, arm: str, lr: float, seed: int, steps: int, stage: str) 
     result.update(commit=common.git_commit(), finished_utc=common.utc_now())
     result[f"{stage}_wall_s"] = round(time.time() - t0, 1)
     common.write_json(path, result)
+    marker.unlink()
     if stage != "sweep":  # hundreds of MB per checkpoint; the JSON is the record
         shutil.rmtree(run_dir, ignore_errors=True)
     return result
@@ -130,9 +145,10 @@ def run_all(times: int, workers: int, only: str | None) -> None:
     common.write_json(out_dir(times) / "budget.json", b)
     print(f"budget: {b}", flush=True)
     arms = [a for a in ARMS if only in (None, a)]
-    common.run_pool(workers, lambda: [(job, run_one, job) for a in arms for job in next_jobs(b, a)],
-                    lambda key, r: print(f"done {key}: " + ", ".join(f"{sp} {block0.score(r, sp):.3f}"
-                                                                     for sp in ("dev", "test") if sp in r), flush=True))
+    common.run_pool(workers, lambda: [(job, run_one, job) for a in arms for job in next_jobs(b, a)
+                                      if not claim(times, job).exists()],
+                    lambda key, r: print(f"done {key}: " + ("another driver's" if r is None else ", ".join(
+                        f"{sp} {block0.score(r, sp):.3f}" for sp in ("dev", "test") if sp in r)), flush=True))
     print(report(times))
 
 
