@@ -31,7 +31,7 @@ import common  # noqa: E402  (bench/ is not a package)
 
 from looped_lm.checkpoint import load_checkpoint  # noqa: E402
 from looped_lm.data.bin_dataset import load_tokens  # noqa: E402
-from looped_lm.diffusion.chain import run_chain  # noqa: E402
+from looped_lm.diffusion.chain import euler_to, run_chain  # noqa: E402
 from looped_lm.models.db.contexts import WindowContext  # noqa: E402
 from looped_lm.sampling import PLAIN, SharedGenerator  # noqa: E402
 from looped_lm.settings import InferenceSettings, ScoreSettings  # noqa: E402
@@ -41,20 +41,34 @@ MIN_HITS = 10  # ... and where p x chains >= 10: a rare path no chain took leave
 OUT = common.ROOT / "bench" / "results" / "smollm2" / "kmc"
 
 
-def chain_variant(model, denoise, K: int, z, random, step: str):
-    """The sample-bridge chain with another move between calls (`step`): `fresh` puts the drawn token's target
-    under new noise at the next sigma (z = target + sigma' eps', the law block training saw) instead of the
-    Euler step, which carries the old noise and the earlier draws' targets along."""
+def variant_plan(model, K: int, step: str) -> tuple[list[float], list[int]]:
+    """(sigmas, blocks) of a chain variant. `fresh`: the served K-step grid. `mid0` / `mid1`: K = 3, the
+    K = 2 chain plus one call in the middle of block 0's / block 1's interval (the K = 4 grid's second /
+    third point), to find which extra call costs."""
     grid = model.grid()
-    sigmas, blocks = grid.sigmas(K), grid.blocks(K)
+    if step == "fresh":
+        return grid.sigmas(K), grid.blocks(K)
+    sigmas, blocks = grid.sigmas(4), grid.blocks(4)
+    keep = 1 if step == "mid0" else 2
+    return [sigmas[0], sigmas[keep], sigmas[3], sigmas[4]], [blocks[0], blocks[keep], blocks[3]]
+
+
+def chain_variant(model, denoise, K: int, z, random, step: str):
+    """The sample-bridge chain with another move between calls or another grid (`step`): `fresh` puts the
+    drawn token's target under new noise at the next sigma (z = target + sigma' eps', the law block training
+    saw) instead of the Euler step, which carries the old noise and the earlier draws' targets along;
+    `mid0` / `mid1` keep the Euler step on variant_plan's grid."""
+    sigmas, blocks = variant_plan(model, K, step)
     rows = torch.zeros(z.shape[0], dtype=torch.long)
-    for k in range(K):
+    for k in range(len(blocks)):
         logits = denoise(blocks[k], z, torch.full((z.shape[0],), sigmas[k]), rows).float()
-        if k + 1 == K:
+        if k + 1 == len(blocks):
             return logits
         v = torch.multinomial(logits.softmax(-1).flatten(0, 1), 1, generator=random.generator).view(z.shape[:2])
-        assert step == "fresh", step
-        z = model.targets(v) + sigmas[k + 1] * random.normal(rows, z.shape[1:], z.device)
+        if step == "fresh":
+            z = model.targets(v) + sigmas[k + 1] * random.normal(rows, z.shape[1:], z.device)
+        else:
+            z = euler_to(z, model.targets(v), sigmas[k], sigmas[k + 1])
 
 
 @torch.no_grad()
@@ -136,8 +150,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="chains per forward")
     ap.add_argument("--draws", type=int, default=8, help="the estimator's draws")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--step", default="euler", choices=["euler", "fresh"],
-                    help="the move between calls: the served chain's Euler step, or fresh noise (an experiment)")
+    ap.add_argument("--step", default="euler", choices=["euler", "fresh", "mid0", "mid1"],
+                    help="the served chain (euler), fresh noise between calls, or K = 3 with one extra call inside "
+                    "block 0's / block 1's interval (mid0 / mid1; pass --k 3): experiments")
     ap.add_argument("--no-estimator", action="store_true", help="plain Monte-Carlo only")
     ap.add_argument("--json")
     args = ap.parse_args()
