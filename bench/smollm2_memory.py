@@ -148,6 +148,53 @@ def table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def rss_one(row: str, lora: bool, seq: int, key) -> dict:
+    """In a fresh process: the resident bytes one step (forward + backward) adds at its peak over what the
+    process holds before it (the model built, one batch-1 window): ru_maxrss after the step minus VmRSS before.
+    `bounded` if the step did not raise the process's high-water mark (the build's was higher): then the
+    number is only an upper bound."""
+    import resource
+
+    def vm_rss() -> int:
+        line = next(ln for ln in Path("/proc/self/status").read_text().splitlines() if ln.startswith("VmRSS:"))
+        return int(line.split()[1]) * 1024
+
+    _, model, _, _ = build(row, seq, lora)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, V, (1, seq), generator=g)
+    y = torch.randint(0, V, (1, seq), generator=g)
+    before, high_before = vm_rss(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    loss_of(model, x, y, key).backward()
+    high = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"row": row, "lora": lora, "seq": seq, "batch": 1, "block": key, "rss_peak_mib": (high - before) / 2 ** 20,
+            "bounded": high <= high_before}
+
+
+def rss_all(path: Path, seqs: list[int]) -> None:
+    """rss_one for every row, LoRA and full, at each T, each in its own process; a DB row at the block that
+    keeps the most bytes there (the hooks' count); written into the JSON's `rss_peaks`."""
+    import subprocess
+
+    d = json.loads(path.read_text())
+    peaks = d.get("rss_peaks", [])
+    done = {(r["row"], r["lora"], r["seq"]) for r in peaks}
+    for lora in (True, False):
+        for seq in seqs:
+            for row in ROWS:
+                if (row, lora, seq) in done:
+                    continue
+                measured = next((r for r in d["rows"] if (r["row"], r["lora"], r["seq"], r["batch"]) == (row, lora, seq, 1)), None)
+                key = max(measured["per_block"], key=lambda b: b["kept_mib"])["block"] if measured else keys(config(row, seq, lora))[0]
+                out = subprocess.run([sys.executable, __file__, "--rss-one", f"{row},{int(lora)},{seq},{key}"],
+                                     capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                r = json.loads(out.stdout.strip().splitlines()[-1])
+                peaks.append(r)
+                print(f"rss {row:9s} lora={lora!s:5s} T={seq}: peak {r['rss_peak_mib']:,.0f} MiB"
+                      + (" (bounded)" if r["bounded"] else ""), flush=True)
+                d["rss_peaks"] = peaks
+                common.write_json(path, d)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", default=str(OUT))
@@ -160,7 +207,17 @@ def main(argv=None) -> int:
     p.add_argument("--speed-seq", type=int, default=512)
     p.add_argument("--rows", default=",".join(ROWS), help="which rows (a process per row keeps its memory apart)")
     p.add_argument("--resume", action="store_true", help="keep the rows --json already holds; measure the rest")
+    p.add_argument("--rss", default=None, help="T,...: the step's resident peak per row in fresh processes (rss_all)")
+    p.add_argument("--rss-one", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.rss_one:
+        row, lora, seq, key = args.rss_one.split(",")
+        torch.set_num_threads(1)
+        print(json.dumps(rss_one(row, lora == "1", int(seq), None if key == "None" else int(key))))
+        return 0
+    if args.rss:
+        rss_all(Path(args.json), [int(t) for t in args.rss.split(",")])
+        return 0
     if args.table:
         print(table(Path(args.json)))
         return 0
