@@ -208,8 +208,9 @@ def worse_with_more(means: dict, ses: dict) -> list[dict]:
             if j >= k:
                 break
             gap = means[j] - means[k]
-            if gap > 2 * math.sqrt(ses.get(j, 0.0) ** 2 + ses.get(k, 0.0) ** 2):
-                out.append({"k": k, "than": j, "mean_p": means[k], "than_mean_p": means[j]})
+            if gap > 2 * math.sqrt(ses.get(j, 0.0) ** 2 + ses.get(k, 0.0) ** 2):  # exact scores (huginn): any gap
+                out.append({"k": k, "than": j, "mean_p": means[k], "than_mean_p": means[j],
+                            "exact": j not in ses and k not in ses})
                 break
     return out
 
@@ -279,9 +280,10 @@ def format_table(rep: dict) -> str:
                 row += f" {mp[k]:.4f} ({mp_se[k]:.4f}) |" if k in mp_se else f" {mp[k]:.4f} |"
             rows.append(row)
         for w in rep.get("worse_with_more", []):
+            margin = "exact" if w.get("exact") else "beyond 2 standard errors"
             notes.append(f"K = {w['k']} gives the held-out tokens less probability than K = {w['than']} "
-                         f"({w['mean_p']:.4f} vs {w['than_mean_p']:.4f}, beyond 2 standard errors): more "
-                         "iterations are worse for this model here")
+                         f"({w['mean_p']:.4f} vs {w['than_mean_p']:.4f}, {margin}): more iterations are worse "
+                         "for this model here")
     elif "ppl_clean" not in rep:
         rows += [f"| exact | {rep['ppl']:.3f} | exact |"]
     if "ppl_clean" in rep:  # the clean stream's readout, an exact ordinary-LM perplexity

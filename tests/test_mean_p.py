@@ -29,7 +29,7 @@ def test_report_gives_mean_p_with_its_standard_error_and_names_more_iterations_t
     rep = report(sums, variances, tokens, 16, 0, "byte", "val.bin", ScoreSettings(draws=4), "db_ar", probs)
     assert rep["mean_p_at_k"] == {"0": 0.30, "2": 0.32, "4": 0.25}
     assert rep["mean_p_se"]["4"] == pytest.approx(math.sqrt(0.04) / tokens)
-    assert rep["worse_with_more"] == [{"k": 4, "than": 2, "mean_p": 0.25, "than_mean_p": 0.32}]
+    assert rep["worse_with_more"] == [{"k": 4, "than": 2, "mean_p": 0.25, "than_mean_p": 0.32, "exact": False}]
     table = format_table(rep)
     assert "| 4 | 13.464 | " in table and "0.2500 (0.0020) |" in table
     assert "K = 4 gives the held-out tokens less probability than K = 2" in table
@@ -37,6 +37,11 @@ def test_report_gives_mean_p_with_its_standard_error_and_names_more_iterations_t
     assert worse_with_more({1: 0.30, 2: 0.29}, {1: 0.005, 2: 0.005}) == []
     # k = 0 (one call at the top noise level) is not a sampler K: never the reference
     assert worse_with_more({0: 0.9, 1: 0.3}, {0: 0.001, 1: 0.001}) == []
+    # huginn's per-K scores are exact: any drop is one, and the note says exact
+    exact = report({1: 230.0, 4: 240.0}, {}, tokens, 16, 0, "byte", "val.bin", ScoreSettings(draws=4), "huginn",
+                   {1: [30.0, None], 4: [29.0, None]})
+    assert exact["worse_with_more"] == [{"k": 4, "than": 1, "mean_p": 0.29, "than_mean_p": 0.30, "exact": True}]
+    assert "(0.2900 vs 0.3000, exact)" in format_table(exact) and "0.2900 |" in format_table(exact)
 
 
 def test_an_exact_model_reports_the_mean_of_its_probabilities(tmp_path):
@@ -50,7 +55,7 @@ def test_an_exact_model_reports_the_mean_of_its_probabilities(tmp_path):
     by_hand = 0.0
     for i in range(4):
         logits = model(x[None, i * 16:(i + 1) * 16])[0]
-        by_hand += float(logits.float().softmax(-1)[0].gather(-1, x[i * 16 + 1:(i + 1) * 16 + 1, None]).sum())
+        by_hand += float(logits.detach().float().softmax(-1)[0].gather(-1, x[i * 16 + 1:(i + 1) * 16 + 1, None]).sum())
     rep = report(sums, variances, tokens, 16, 0, "byte", "val.bin", ScoreSettings(), "gpt", probs)
     assert rep["mean_p"] == pytest.approx(by_hand / tokens, rel=1e-5)
 
