@@ -126,18 +126,23 @@ def build(row: str, seq: int, lora: bool):
 
 def table(path: Path) -> str:
     """docs/pretrained.md's memory table from the JSON: MiB kept for backward per step (max over blocks), the
-    state, and tokens/s."""
+    step's resident peak (rss_all), the state, and tokens/s."""
     d = json.loads(Path(path).read_text())
     shapes = sorted({(r["seq"], r["batch"]) for r in d["rows"] if r["seq"] >= 1024})
+    peak_seqs = sorted({r["seq"] for r in d.get("rss_peaks", []) if r["seq"] >= 1024})
     lines = ["| row | " + " | ".join(f"kept, T {t} x {b}" for t, b in shapes)
+             + "".join(f" | peak, T {t} x 1" for t in peak_seqs)
              + " | weights + grads + AdamW | tokens/s (T " + str(d.get("speed", {}).get("seq", "-")) + ") |",
-             "|---|" + "---|" * (len(shapes) + 2)]
+             "|---|" + "---|" * (len(shapes) + len(peak_seqs) + 2)]
     for lora in (True, False):
         for row in ROWS:
             cells = []
             for t, b in shapes:
                 r = next((r for r in d["rows"] if (r["row"], r["lora"], r["seq"], r["batch"]) == (row, lora, t, b)), None)
                 cells.append("-" if r is None else f"{r['kept_mib']:,.0f} MiB" + (" *" if r.get("derived") else ""))
+            for t in peak_seqs:
+                r = next((r for r in d["rss_peaks"] if (r["row"], r["lora"], r["seq"]) == (row, lora, t)), None)
+                cells.append("-" if r is None else f"{r['rss_peak_mib']:,.0f} MiB" + (" (bound)" if r["bounded"] else ""))
             state = next((r["state_mib"] for r in d["rows"] if (r["row"], r["lora"]) == (row, lora)), None)
             if state is None:  # a row this JSON does not have
                 continue
