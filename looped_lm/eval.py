@@ -287,7 +287,7 @@ def format_table(rep: dict) -> str:
     elif "ppl_clean" not in rep:
         rows += [f"| exact | {rep['ppl']:.3f} | exact |"]
     if "ppl_clean" in rep:  # the clean stream's readout, an exact ordinary-LM perplexity
-        rows += [f"| clean | {rep['ppl_clean']:.3f} | exact |" + (" |" if len(rows[0].split("|")) > 5 else "")]
+        rows += [f"| clean | {rep['ppl_clean']:.3f} | exact |" + (" - |" if rep.get("mean_p_at_k") else "")]
     return head + "\n" + "\n".join(rows + notes)
 
 
