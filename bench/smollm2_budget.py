@@ -40,6 +40,7 @@ WARMUP = {"top90_w91": 30, "gpt": compare.WARMUP, "db0": compare.WARMUP}  # each
 LRS = [3e-4, 1e-3, 3e-3]
 SEEDS = compare.SEEDS
 TARGET = 1.2
+SAVE_EVERY = 100  # steps between a run's checkpoints (the one it resumes from after a kill)
 
 
 def out_dir(times: int) -> Path:
@@ -81,13 +82,18 @@ def run_one(times: int, arm: str, lr: float, seed: int, steps: int, stage: str) 
     if stage == "test":
         result = json.loads(path.read_text())
     else:
-        shutil.rmtree(run_dir, ignore_errors=True)
+        # A run killed part-way (a session's end) resumes from its last checkpoint (every SAVE_EVERY steps) when
+        # its job is offered again; a resumed run is the same run (optimizer and RNG state are in the checkpoint).
+        resumed_from = max((int(d.name.split("_")[1]) for d in run_dir.glob("step_*")), default=0)
+        cfg = block0.config(arm, lr, seed, steps, WARMUP[arm], run_dir)
+        cfg["train"].update(save_every=SAVE_EVERY, keep_last=1, resume="auto")
         cfg_path = run_dir.with_suffix(".yaml")
         cfg_path.parent.mkdir(parents=True, exist_ok=True)
-        cfg_path.write_text(yaml.safe_dump(block0.config(arm, lr, seed, steps, WARMUP[arm], run_dir), sort_keys=False))
+        cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         common.python("-m", "looped_lm", "train", "--config", cfg_path)
         result = {"arm": arm, "times": times, "diffusion": block0.ARMS.get(arm), "lr": lr, "seed": seed,
-                  "warmup": WARMUP[arm], "steps": steps, "train_s": round(time.time() - t0, 1)}
+                  "warmup": WARMUP[arm], "steps": steps, "train_s": round(time.time() - t0, 1),
+                  **({"resumed_from_step": resumed_from} if resumed_from else {})}
         log = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
         keep = ("step", "block", "lr", "loss", "sigma_mean")
         result["train_log"] = [{k: r[k] for k in keep if k in r} for r in log if "loss" in r]
@@ -129,7 +135,10 @@ def next_jobs(b: dict, arm: str) -> list[tuple]:
     have = {(round(math.log10(r["lr"]), 2), r["seed"]): r for r in runs(times, arm)}
     at = lambda lr, seed: have.get((round(math.log10(lr), 2), seed))  # noqa: E731
     missing = [lr for lr in LRS if at(lr, 0) is None]
-    if missing:
+    if missing:  # nearest the arm's choice at the next smaller budget first: its most informative runs
+        before = [t for t in (3, 1) if t < times and (RESULTS / f"x{t}").exists() and chosen_lr(t, arm)]
+        if before:
+            missing.sort(key=lambda lr: abs(math.log(lr / chosen_lr(before[0], arm))))
         return [(times, arm, lr, 0, steps, "sweep") for lr in missing]
     best = chosen_lr(times, arm)
     if best is None:  # an edge: one factor of 3 further
