@@ -6,6 +6,7 @@ times the compare study's 100-step FLOPs (plan: bench/results/smollm2/budget/pla
     python bench/smollm2_budget.py run --times 3 --only gpt         # beside it, on the other core (drivers of
                                                                     # the same arm share its jobs)
     python bench/smollm2_budget.py report --times 3                 # bench/results/smollm2/budget/x3/report.md
+    python bench/smollm2_budget.py run --times 3 --only gpt --warmup-check  # warm-up x 3 at the chosen lr, on dev
 
 Everything but the budget is the block-0 study's (bench/smollm2_block0.py): source, data, split, LoRA rank 8,
 batch 2 x 64, scoring (DB: ppl@0 on dev, 2 draws, to choose; ppl@2 on test, 2 draws, to report; gpt and the
@@ -40,6 +41,7 @@ WARMUP = {"top90_w91": 30, "gpt": compare.WARMUP, "db0": compare.WARMUP}  # each
 LRS = [3e-4, 1e-3, 3e-3]
 SEEDS = compare.SEEDS
 TARGET = 1.2
+WARMUP_CHECK = 3  # the warm-up check: each arm's warm-up times this, at its chosen lr
 SAVE_EVERY = 100  # steps between a run's checkpoints (the one it resumes from after a kill)
 
 
@@ -57,8 +59,9 @@ def budget(times: int) -> dict:
             "steps": {arm: round(total / f) for arm, f in flops.items()}}
 
 
-def tag(arm: str, lr: float, seed: int) -> str:
-    return f"{arm}_lr{lr:.0e}_s{seed}"
+def tag(arm: str, lr: float, seed: int, warmup: int | None = None) -> str:
+    """A run's name; a warm-up other than the arm's own (the warm-up check) is part of it."""
+    return f"{arm}_lr{lr:.0e}_s{seed}" + ("" if warmup in (None, WARMUP[arm]) else f"_w{warmup}")
 
 
 def claim(times: int, job: tuple) -> Path:
@@ -67,16 +70,18 @@ def claim(times: int, job: tuple) -> Path:
     return WORK / f"x{times}" / "claims" / ("_".join(map(str, job[1:])) + ".claim")
 
 
-def run_one(times: int, arm: str, lr: float, seed: int, steps: int, stage: str) -> dict | None:
+def run_one(times: int, arm: str, lr: float, seed: int, steps: int, stage: str,
+            warmup: int | None = None) -> dict | None:
     """`sweep`: train (1 thread), diagnose block 0 (DB), score dev, keep the checkpoint; `test`: score a kept
     sweep run on test, then delete it; `seed`: train and score test. None: another driver has the job."""
-    marker = claim(times, (times, arm, lr, seed, steps, stage))
+    warmup = WARMUP[arm] if warmup is None else warmup
+    marker = claim(times, (times, arm, lr, seed, steps, stage) + ((warmup,) if warmup != WARMUP[arm] else ()))
     marker.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
     except FileExistsError:
         return None
-    name = tag(arm, lr, seed)
+    name = tag(arm, lr, seed, warmup)
     run_dir, path = WORK / f"x{times}" / name, out_dir(times) / f"{name}.json"
     t0 = time.time()
     if stage == "test":
@@ -85,14 +90,14 @@ def run_one(times: int, arm: str, lr: float, seed: int, steps: int, stage: str) 
         # A run killed part-way (a session's end) resumes from its last checkpoint (every SAVE_EVERY steps) when
         # its job is offered again; a resumed run is the same run (optimizer and RNG state are in the checkpoint).
         resumed_from = max((int(d.name.split("_")[1]) for d in run_dir.glob("step_*")), default=0)
-        cfg = block0.config(arm, lr, seed, steps, WARMUP[arm], run_dir)
+        cfg = block0.config(arm, lr, seed, steps, warmup, run_dir)
         cfg["train"].update(save_every=SAVE_EVERY, keep_last=1, resume="auto")
         cfg_path = run_dir.with_suffix(".yaml")
         cfg_path.parent.mkdir(parents=True, exist_ok=True)
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         common.python("-m", "looped_lm", "train", "--config", cfg_path)
         result = {"arm": arm, "times": times, "diffusion": block0.ARMS.get(arm), "lr": lr, "seed": seed,
-                  "warmup": WARMUP[arm], "steps": steps, "train_s": round(time.time() - t0, 1),
+                  "warmup": warmup, "steps": steps, "train_s": round(time.time() - t0, 1),
                   **({"resumed_from_step": resumed_from} if resumed_from else {})}
         log = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
         keep = ("step", "block", "lr", "loss", "sigma_mean")
@@ -115,8 +120,22 @@ def run_one(times: int, arm: str, lr: float, seed: int, steps: int, stage: str) 
     return result
 
 
-def runs(times: int, arm: str | None = None) -> list[dict]:
-    return [r for r in common.read_jsons(out_dir(times), "*_lr*_s*.json") if arm in (None, r["arm"])]
+def runs(times: int, arm: str | None = None, warmups: bool = False) -> list[dict]:
+    """The arm's runs at its own warm-up (warmups: also the warm-up check's)."""
+    return [r for r in common.read_jsons(out_dir(times), "*_lr*_s*.json") if arm in (None, r["arm"])
+            and (warmups or r["warmup"] == WARMUP[r["arm"]])]
+
+
+def warmup_jobs(b: dict, arm: str) -> list[tuple]:
+    """The warm-up check, once the arm's lr is chosen: warm-up x WARMUP_CHECK at that lr, seed 0, on dev
+    (a win would rerun the arm's seeds at it: a later piece)."""
+    best, times = chosen_lr(b["times"], arm), b["times"]
+    if best is None:
+        return []
+    longer = WARMUP[arm] * WARMUP_CHECK
+    done = any(r["warmup"] == longer and math.isclose(r["lr"], best) and r["seed"] == 0
+               for r in runs(times, arm, warmups=True))
+    return [] if done else [(times, arm, best, 0, b["steps"][arm], "sweep", longer)]
 
 
 def chosen_lr(times: int, arm: str) -> float | None:
@@ -149,12 +168,13 @@ def next_jobs(b: dict, arm: str) -> list[tuple]:
     return jobs + [(times, arm, best, s, steps, "seed") for s in SEEDS if s and (at(best, s) is None or "test" not in at(best, s))]
 
 
-def run_all(times: int, workers: int, only: str | None) -> None:
+def run_all(times: int, workers: int, only: str | None, warmup_check: bool = False) -> None:
     b = budget(times)
     common.write_json(out_dir(times) / "budget.json", b)
     print(f"budget: {b}", flush=True)
     arms = [a for a in ARMS if only in (None, a)]
-    common.run_pool(workers, lambda: [(job, run_one, job) for a in arms for job in next_jobs(b, a)
+    jobs = warmup_jobs if warmup_check else next_jobs
+    common.run_pool(workers, lambda: [(job, run_one, job) for a in arms for job in jobs(b, a)
                                       if not claim(times, job).exists()],
                     lambda key, r: print(f"done {key}: " + ("another driver's" if r is None else ", ".join(
                         f"{sp} {block0.score(r, sp):.3f}" for sp in ("dev", "test") if sp in r)), flush=True))
@@ -200,6 +220,21 @@ def verdicts(times: int) -> list[str]:
     return lines
 
 
+def warmup_lines(times: int) -> list[str]:
+    """The warm-up check beside the verdict: dev at the arm's own warm-up and at the longer one (same lr, seed 0)."""
+    lines = []
+    for arm in ARMS:
+        best = chosen_lr(times, arm)
+        dev = {r["warmup"]: block0.score(r, "dev") for r in runs(times, arm, warmups=True)
+               if best and r["seed"] == 0 and math.isclose(r["lr"], best) and "dev" in r}
+        if len(dev) > 1:
+            w = sorted(dev)
+            word = "keeps" if dev[w[0]] <= min(dev.values()) else f"prefers {min(dev, key=dev.get)} (its seeds rerun there)"
+            lines.append(f"- warm-up check, {arm} at lr {best:g}: dev " + " / ".join(f"{dev[x]:.3f} (warm-up {x})" for x in w)
+                         + f": the arm {word}")
+    return [""] + lines if lines else []
+
+
 def report(times: int) -> str:
     b = json.loads((out_dir(times) / "budget.json").read_text())
     lines = [f"# SmolLM2-135M: DB against end-to-end at {times}x the 100-step budget", "",
@@ -209,7 +244,7 @@ def report(times: int) -> str:
              "test books; DB: ppl@0 on dev, ppl@2 on test (2 draws); gpt and db0: their exact ppl.", "",
              "## Runs", "", "| arm | lr | warm-up | seed | steps (block 0 / 1) | dev | test | block 0 CE at σ_max | "
              "block 0 CE over its draw | train s |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(runs(times), key=lambda r: (ARMS.index(r["arm"]), r["seed"], r["lr"])):
+    for r in sorted(runs(times, warmups=True), key=lambda r: (ARMS.index(r["arm"]), r["seed"], r["lr"], r["warmup"])):
         fmt = lambda sp: f"{block0.score(r, sp):.3f}" if sp in r else "-"  # noqa: E731
         d = r.get("diagnosis")
         diag = f"{d['ce_at_sigma_max']:.3f} | {d['ce_mean_block0_draw']:.3f}" if d else "- | -"
@@ -217,7 +252,7 @@ def report(times: int) -> str:
                      f"({' / '.join(map(str, r.get('block_steps', [])))}) | {fmt('dev')} | {fmt('test')} | {diag} | "
                      f"{r['train_s']} |")
     lines += ["", "Chosen lr on dev: " + ", ".join(f"{a} {chosen_lr(times, a) or 'not yet'}" for a in ARMS), ""]
-    lines += verdicts(times)
+    lines += verdicts(times) + warmup_lines(times)
     return common.write_lines(out_dir(times) / "report.md", lines)
 
 
@@ -227,9 +262,11 @@ def main() -> None:
     ap.add_argument("--times", type=int, default=3, help="the budget, in multiples of the compare study's 100 steps")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--only", default=None, choices=ARMS, help="run: only this arm's jobs")
+    ap.add_argument("--warmup-check", action="store_true",
+                    help=f"run: each arm's warm-up x {WARMUP_CHECK} at its chosen lr, seed 0, on dev")
     args = ap.parse_args()
     if args.what == "run":
-        run_all(args.times, args.workers, args.only)
+        run_all(args.times, args.workers, args.only, args.warmup_check)
     else:
         print(report(args.times))
 

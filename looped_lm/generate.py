@@ -57,7 +57,7 @@ def run(args) -> int:
     from looped_lm.engine.generate import generate
     from looped_lm.models.contract import CachedDecoding, Iterative
     from looped_lm.sampling import SamplingParams
-    from looped_lm.settings import ExitRule, resolve_settings, skipped_blocks_note
+    from looped_lm.settings import ExitRule, resolve_settings, iterations_note
 
     check_device(args.device)
     if args.num_samples is not None and args.num_samples < 1:
@@ -96,7 +96,7 @@ def run(args) -> int:
                                 exit_rule=ExitRule.parse(args.exit_threshold, args.exit_criterion),
                                 sampling=SamplingParams(args.temperature, args.top_k, args.top_p))
     refuse_idle_exit_rule(args, settings, cfg.model.kind)
-    note = skipped_blocks_note(limits, settings)
+    note = iterations_note(limits, settings)
     if note:
         print(note, file=sys.stderr)
     prompt = torch.tensor([ids], dtype=torch.long, device=args.device)

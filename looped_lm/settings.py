@@ -176,12 +176,23 @@ def resolve_steps(requested: int | None, num_blocks: int, configured: int = 0, f
     return steps
 
 
-def skipped_blocks_note(limits: IterationLimits | None, settings: InferenceSettings) -> str | None:
-    """One plain line when K < B skips blocks (allowed; the CLI prints it), else None."""
-    if limits is None or settings.num_iterations is None or settings.num_iterations >= limits.num_blocks:
+def iterations_note(limits: IterationLimits | None, settings: InferenceSettings) -> str | None:
+    """One plain line when a request's K is not the chain the model is meant to run, else None (both are
+    allowed; the CLI prints the line, the server returns it in the response's `warning`). K < B skips blocks.
+    K above both B and the default K, on a DiffusionBlocks model, adds calls inside the blocks' own noise
+    intervals: on every model measured so far that was no better than the default, and on fine-tuned
+    SmolLM2 far worse (docs/pretrained.md), so it is said, with the command that measures it."""
+    if limits is None or settings.num_iterations is None:
         return None
-    return (f"note: num_iterations={settings.num_iterations} < {limits.num_blocks} blocks: "
-            f"{limits.num_blocks - settings.num_iterations} block(s) are skipped")
+    k, blocks = settings.num_iterations, limits.num_blocks
+    if k < blocks:
+        return f"note: num_iterations={k} < {blocks} blocks: {blocks - k} block(s) are skipped"
+    usual = max(blocks, limits.default_iterations)
+    if k > usual and limits.default_bridge is not None:
+        return (f"note: num_iterations={k} is above the default K = {usual} ({blocks} block(s)): the extra "
+                f"denoising calls may make predictions worse, not better (measure it: looped_lm eval "
+                f"--num-iterations {usual},{k} reports the mean p of the held-out token per K)")
+    return None
 
 
 @dataclass

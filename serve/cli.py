@@ -187,5 +187,11 @@ def run(args) -> int:
     k = f", K default {engine.default_iterations} (max {engine.max_iterations})" if engine.max_iterations else ""
     print(f"serving {name} ({cfg.model.kind}{k}) at http://{args.host}:{args.port}/v1 with "
           f"{engine.stats.num_slots} slots of {engine.max_len} tokens", file=sys.stderr)
+    limits = engine.limits
+    usual = limits and max(limits.num_blocks, limits.default_iterations)
+    if limits and limits.default_bridge and engine.max_iterations > usual:
+        print(f"note: a request may ask for K up to {engine.max_iterations}; one above K = {usual} (B = "
+              f"{limits.num_blocks}) gets a `warning` in its response: more denoising calls may be worse",
+              file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

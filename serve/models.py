@@ -50,7 +50,9 @@ class ServedModels:
         return name, num_iterations if num_iterations is not None else alias_k
 
     def cards(self) -> ModelList:
-        common = dict(created=self.created, root=self.name, max_model_len=self.engine.max_len)
+        limits = self.engine.limits
+        blocks = limits.num_blocks if limits and limits.default_bridge else None  # DiffusionBlocks models only
+        common = dict(created=self.created, root=self.name, max_model_len=self.engine.max_len, num_blocks=blocks)
         data = [ModelCard(id=self.name, num_iterations=self.engine.default_iterations, **common)]
         data += [ModelCard(id=f"{self.name}@{k}", parent=self.name, num_iterations=k, **common)
                  for k in self.offered_iterations()]

@@ -253,6 +253,8 @@ class CompletionResponse(ResponseModel):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     num_iterations: int | None = Field(None, description="extension: the K that produced this response")
+    warning: str | None = Field(None, description="extension: set when that K is not the model's usual chain "
+                                                 "(K < B skips blocks; K above B and the default may be worse)")
 
 
 class CompletionStreamResponse(CompletionResponse):
@@ -366,6 +368,8 @@ class ChatCompletionResponse(ResponseModel):
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     num_iterations: int | None = Field(None, description="extension: the K that produced this response")
+    warning: str | None = Field(None, description="extension: set when that K is not the model's usual chain "
+                                                 "(K < B skips blocks; K above B and the default may be worse)")
 
 
 class DeltaMessage(ResponseModel):
@@ -388,6 +392,7 @@ class ChatCompletionStreamResponse(ResponseModel):
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
     num_iterations: int | None = None
+    warning: str | None = None
 
 
 # --- /v1/models ----------------------------------------------------------------------------------
@@ -402,6 +407,7 @@ class ModelCard(ResponseModel):
     parent: str | None = None
     max_model_len: int
     num_iterations: int | None = Field(None, description="extension: the K this name fixes (aliases NAME@K)")
+    num_blocks: int | None = Field(None, description="extension: B, the blocks of a DiffusionBlocks model (K = B is the trained chain)")
 
 
 class ModelList(ResponseModel):

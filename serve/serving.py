@@ -20,9 +20,9 @@ from looped_lm.data.tokenizer import Tokenizer
 from looped_lm.engine.engine import Engine, InvalidRequest, Request
 from looped_lm.errors import UserError
 from looped_lm.sampling import SamplingParams
-from looped_lm.settings import ExitRule, InferenceSettings
+from looped_lm.settings import ExitRule, InferenceSettings, iterations_note
 from looped_lm.serve import protocol as p
-from looped_lm.serve.errors import APIError
+from looped_lm.serve.errors import APIError, log
 from looped_lm.serve.metrics import RequestTimer, ServerMetrics
 from looped_lm.serve.models import ServedModels
 from looped_lm.serve.text import (TURN_STOPS, ChatTemplate, Detokenizer, StopStrings, chat_template, encode,
@@ -79,6 +79,7 @@ class OpenAIServing:
         self.max_request_work = max_request_work  # token-steps per request (`request_work`); None: unbounded
         self.chat = template or chat_template(tokenizer)  # the model's, --chat-template's, or the plain one
         self.stop_ids = frozenset(tokenizer.specials.stop_ids)  # eos and the end-of-turn tokens
+        self._warned: set[int] = set()  # the Ks whose `iterations_note` the log already holds
 
     # --- /v1/completions -----------------------------------------------------------------------
 
@@ -92,7 +93,7 @@ class OpenAIServing:
         scoring = req.logprobs if req.echo and req.logprobs is not None else (0 if max_tokens == 0 else None)
         choices = self._choices(req, prompts, settings, max_tokens, req.stop or [], echo=req.echo,
                                 logprobs=req.logprobs, prompt_logprobs=scoring)
-        used_k = settings.num_iterations
+        used_k, warning = settings.num_iterations, self._warning(settings)
         timer = self.metrics.track("completions", used_k)
         usage = p.UsageInfo(prompt_tokens=sum(map(len, prompts)))
         token_str = self._token_str(req.return_tokens_as_token_ids)
@@ -106,7 +107,7 @@ class OpenAIServing:
 
             def chunk(choices: list, usage_info=None) -> p.CompletionStreamResponse:
                 return p.CompletionStreamResponse(id=rid, created=created, model=name, choices=choices,
-                                                  usage=usage_info, num_iterations=used_k)
+                                                  usage=usage_info, num_iterations=used_k, warning=warning)
 
             return self._sse(choices, timer, usage, lambda d: chunk([choice_of(d)]),
                              lambda u: chunk([], u), include_usage=bool(req.stream_options and
@@ -115,7 +116,16 @@ class OpenAIServing:
         usage.completion_tokens = sum(r.generated for r in results)
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         return p.CompletionResponse(model=name, choices=[choice_of(r) for r in results], usage=usage,
-                                    num_iterations=used_k)
+                                    num_iterations=used_k, warning=warning)
+
+    def _warning(self, settings: InferenceSettings) -> str | None:
+        """The line a response carries when its K is not the model's usual chain (`iterations_note`: K < B
+        skips blocks; K above B and the default may be worse), logged the first time each such K is asked."""
+        note = iterations_note(self.engine.limits, settings)
+        if note and settings.num_iterations not in self._warned:
+            self._warned.add(settings.num_iterations)
+            log.warning(note)
+        return note.removeprefix("note: ") if note else None
 
     def _completion_prompts(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -177,7 +187,7 @@ class OpenAIServing:
         turn_stops = TURN_STOPS if self.chat.plain else ()  # a model's own template ends a turn with a token
         choices = self._choices(req, [ids], settings, max_tokens, [*(req.stop or []), *turn_stops], echo=False,
                                 logprobs=top_n, prompt_logprobs=None)
-        used_k = settings.num_iterations
+        used_k, warning = settings.num_iterations, self._warning(settings)
         timer = self.metrics.track("chat", used_k)
         usage = p.UsageInfo(prompt_tokens=len(ids))
         token_str = self._token_str(False)
@@ -190,7 +200,7 @@ class OpenAIServing:
 
             def chunk(choices: list, usage_info=None) -> p.ChatCompletionStreamResponse:
                 return p.ChatCompletionStreamResponse(id=rid, created=created, model=name, choices=choices,
-                                                      usage=usage_info, num_iterations=used_k)
+                                                      usage=usage_info, num_iterations=used_k, warning=warning)
 
             def delta_chunk(d: ChoiceDelta) -> p.ChatCompletionStreamResponse:
                 delta = p.DeltaMessage(content=d.text) if (d.text or not d.finish_reason) else p.DeltaMessage()
@@ -205,7 +215,7 @@ class OpenAIServing:
         usage.completion_tokens = sum(r.generated for r in results)
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         return p.ChatCompletionResponse(
-            model=name, usage=usage, num_iterations=used_k,
+            model=name, usage=usage, num_iterations=used_k, warning=warning,
             choices=[p.ChatChoice(index=r.index, message=p.AssistantMessage(content=r.text), logprobs=logprobs_of(r),
                                   finish_reason=r.finish_reason) for r in results])
 

@@ -18,7 +18,7 @@ from looped_lm import cli
 from looped_lm.data.tokenizer import get_tokenizer
 from looped_lm.engine.engine import Engine
 from looped_lm.serve.app import BackgroundServer, build_app
-from test_server import Served, train_tiny_db
+from test_server import Served, serve_in_process, train_tiny_db
 from tiny_models import build_tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -217,3 +217,50 @@ def test_the_openapi_document_lists_the_chain_fields_where_they_apply(db, gpt, l
     assert props["bridge"]["anyOf"][0]["enum"] == ["soft", "hard", "sample"]
     assert props["exit_threshold"]["anyOf"][0]["minimum"] == 0
     assert "argmax-stable" in props["exit_criterion"]["pattern"]  # (pattern applies to strings only)
+
+
+def test_a_k_above_the_usual_chain_is_answered_with_a_warning(db, gpt, looped, huginn, db_ckpt, capsys, caplog):
+    """K above both B and the default K on a DiffusionBlocks model runs extra denoising calls, measured worse
+    on fine-tuned models: the response carries one `warning` line naming the K and the command that measures
+    it (completions, chat, every streamed chunk), the server logs it once per K, and `looped_lm generate`
+    prints the same line. K = B and models without a bridge (gpt, huginn) carry none; K < B says what it skips.
+    /v1/models gives B for DiffusionBlocks models."""
+    ask = lambda k: db.client.completions.create(model="tiny-db", prompt="And", max_tokens=1,  # noqa: E731
+                                                 extra_body={"num_iterations": k})
+    assert ask(2).warning is None
+    warned = [ask(4).warning, ask(4).warning]
+    assert warned[0] == warned[1] and warned[0].startswith("num_iterations=4 is above the default K = 2"), warned
+    assert "looped_lm eval --num-iterations 2,4" in warned[0] and "\n" not in warned[0]
+    with caplog.at_level("WARNING", logger="looped_lm.serve"):  # K = 7: asked nowhere else in this module
+        assert ask(7).warning and ask(7).warning
+    assert sum("num_iterations=7" in r.getMessage() for r in caplog.records) == 1  # logged once per K
+    assert "1 block(s) are skipped" in ask(1).warning
+    chat = db.client.chat.completions.create(model="tiny-db@4", messages=[{"role": "user", "content": "Hi"}],
+                                             max_tokens=1)
+    assert chat.warning == warned[0]
+    chunks = list(db.client.completions.create(model="tiny-db@4", prompt="And", max_tokens=2, stream=True))
+    assert chunks and all(c.warning == warned[0] for c in chunks)
+    assert gpt.client.completions.create(model="tiny-gpt", prompt="And", max_tokens=1).warning is None
+    # looped_db: one block, default K 1 here; huginn (no bridge: a recurrence meant to take more K) never warns
+    for server, k, warns in ((looped, 8, True), (huginn, 8, False)):
+        r = server.http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1, "num_iterations": k})
+        assert r.status_code == 200 and (r.json()["warning"] is not None) == warns, r.text
+    cards = {c["id"]: c for c in db.http.get("/v1/models").json()["data"]}
+    assert cards["tiny-db"]["num_blocks"] == 2 and cards["tiny-db@4"]["num_blocks"] == 2
+    assert all(c["num_blocks"] is None for c in gpt.http.get("/v1/models").json()["data"])
+    capsys.readouterr()
+    assert cli.main(["generate", "--checkpoint", str(db_ckpt), "--prompt", "And", "--num-iterations", "4",
+                     "--max-tokens", "2"]) == 0
+    assert "note: " + warned[0] in capsys.readouterr().err
+
+
+def test_serve_says_at_start_up_when_requests_may_ask_above_the_usual_chain(db_ckpt, tiny_run, monkeypatch, capsys):
+    """A DiffusionBlocks model whose cap is above max(B, default K) gets one start-up line; capped at B, none;
+    gpt, none."""
+    ckpt = str(db_ckpt)
+    assert serve_in_process(monkeypatch, "--checkpoint", ckpt, "--kv-memory-gb", "0.01")[0] == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "above K = 2 (B = 2) gets a `warning` in its response" in notes[0], notes
+    for flags in (["--checkpoint", ckpt, "--max-iterations", "2"], ["--checkpoint", str(tiny_run[1])]):
+        assert serve_in_process(monkeypatch, *flags, "--kv-memory-gb", "0.01")[0] == 0
+        assert "note:" not in capsys.readouterr().err

@@ -166,3 +166,22 @@ def test_the_hf_wrapper_resolves_once_per_generate_call(db_ckpt, tmp_path, monke
     assert out.shape[1] == 3 + 6 and calls == [4]
     with pytest.raises(UserError, match=r"num_iterations must be an integer in 1\.\.64"):
         model.generate(torch.tensor([[65]]), max_new_tokens=1, do_sample=False, num_iterations=65)
+
+
+def test_the_iterations_note_names_k_below_b_and_k_above_the_usual_chain():
+    """K < B skips blocks; K above max(B, the default K) on a model with a bridge is said (with the eval command
+    that measures it); K at the default, or above it on a model without a bridge (huginn), is not."""
+    from looped_lm.kinds.base import IterationLimits
+    from looped_lm.settings import InferenceSettings, iterations_note
+
+    def note(k, blocks=2, default=2, bridge="hard"):
+        limits = IterationLimits(default, 64, blocks, bridge, bridge is not None)
+        return iterations_note(limits, InferenceSettings(num_iterations=k))
+
+    assert note(1) == "note: num_iterations=1 < 2 blocks: 1 block(s) are skipped"
+    assert note(2) is None and note(3, bridge=None) is None
+    assert note(3).startswith("note: num_iterations=3 is above the default K = 2 (2 block(s))")
+    assert "--num-iterations 2,3" in note(3)
+    assert note(4, blocks=1, default=4) is None and "default K = 4" in note(5, blocks=1, default=4)  # looped_db
+    assert note(3, default=1).startswith("note: num_iterations=3 is above the default K = 2")  # B rules
+    assert iterations_note(None, InferenceSettings()) is None
