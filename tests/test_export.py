@@ -113,6 +113,23 @@ def test_db_generation_follows_k_and_seed_of_the_call(exported):
         assert got.tolist() == ref.tolist()
 
 
+def test_a_k_above_the_usual_chain_is_logged_by_the_wrapper(exported, monkeypatch):
+    """The transformers wrapper says what generate and the server say, through transformers' logger: K = 4
+    on the B = 2 model gets the note, K = 2 none."""
+    import looped_lm  # noqa: F401
+    import looped_lm.hf.modeling as modeling
+    from transformers import AutoModelForCausalLM
+
+    said = []
+    monkeypatch.setattr(modeling.logger, "warning_once", said.append)
+    model = AutoModelForCausalLM.from_pretrained(exported["db_ar"][1])
+    ids = torch.tensor([get_tokenizer("byte").encode(PROMPT)])
+    model.generate(ids, max_new_tokens=2, do_sample=False, num_iterations=2)
+    assert said == []
+    model.generate(ids, max_new_tokens=2, do_sample=False, num_iterations=4)
+    assert said and all(s.startswith("note: num_iterations=4 is above the default K = 2") for s in said), said
+
+
 def test_import_stays_light_and_registers_lazily():
     code = ("import sys, looped_lm; assert 'transformers' not in sys.modules and 'torch' not in sys.modules; "
             "from transformers import AutoConfig; from transformers.models.auto.configuration_auto import CONFIG_MAPPING; "

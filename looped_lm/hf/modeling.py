@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from transformers import Cache, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import logging
 
 from looped_lm.hf.configuration import LoopedLMConfig
 from looped_lm.kinds import get_kind
@@ -28,7 +29,9 @@ from looped_lm.models import build_network
 from looped_lm.models.args import args_from_dict
 from looped_lm.models.layers import RotaryEmbedding
 from looped_lm.sampling import SamplingParams, SharedGenerator
-from looped_lm.settings import InferenceSettings, RowBatch, resolve_settings
+from looped_lm.settings import InferenceSettings, RowBatch, iterations_note, resolve_settings
+
+logger = logging.get_logger(__name__)
 
 
 def bridge_sampler(gc, kwargs) -> SamplingParams:
@@ -126,8 +129,13 @@ class LoopedLMForCausalLM(PreTrainedModel, GenerationMixin):
         if not self.is_db:
             return resolve_settings(None, sampling=sampling or SamplingParams(0.0))
         K = num_iterations if num_iterations is not None else getattr(gc, "num_iterations", None)
-        return resolve_settings(self.model.iteration_limits(), num_iterations=K,
-                                bridge=bridge or getattr(gc, "bridge", None), sampling=sampling or SamplingParams(0.0))
+        limits = self.model.iteration_limits()
+        settings = resolve_settings(limits, num_iterations=K, bridge=bridge or getattr(gc, "bridge", None),
+                                    sampling=sampling or SamplingParams(0.0))
+        note = iterations_note(limits, settings)
+        if note:  # K < B, or K above the usual chain: said once per process, as generate and the server say it
+            logger.warning_once(note)
+        return settings
 
     def new_native_cache(self, batch: int, max_len: int | None = None, num_iterations=None, bridge=None,
                          seed=None, generation_config=None, sampling=None) -> NativeCache:

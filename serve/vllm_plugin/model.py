@@ -12,6 +12,7 @@ prefix caching. Tokens are flattened: x is (N, C) for the N scheduled tokens.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -23,7 +24,7 @@ from looped_lm.kinds import get_kind
 from looped_lm.models import build_network
 from looped_lm.models.args import args_from_dict
 from looped_lm.sampling import PLAIN
-from looped_lm.settings import resolve_settings
+from looped_lm.settings import iterations_note, resolve_settings
 from looped_lm.serve.vllm_plugin.attention import paged_attention
 from looped_lm.serve.vllm_plugin.db_model import DiffusionBlocksRunner
 
@@ -55,8 +56,12 @@ class LoopedLMForCausalLM(nn.Module):
         self.model = build_network(args, config.model_state or None)
         self.db = None
         if get_kind(config.kind).offers("iterative"):
-            settings = resolve_settings(self.model.iteration_limits(), num_iterations=config.num_iterations,
-                                        bridge=config.bridge, sampling=PLAIN)
+            limits = self.model.iteration_limits()
+            settings = resolve_settings(limits, num_iterations=config.num_iterations, bridge=config.bridge,
+                                        sampling=PLAIN)
+            note = iterations_note(limits, settings)
+            if note:  # K < B, or above the usual chain: the line generate and the server give
+                logging.getLogger(__name__).warning(note)
             self.db = DiffusionBlocksRunner(self.model, settings, int(getattr(config, "decode_seed", 0) or 0),
                                             vllm_config.cache_config, f"{prefix}.db")
             return
