@@ -31,7 +31,8 @@ DESCRIPTION = """OpenAI-compatible API for looped_lm models (DiffusionBlocks, lo
 
 K (denoising iterations per token) is chosen per request: `num_iterations` in the body (the openai client
 sends it through `extra_body`), or a model alias `NAME@K` from `/v1/models`, else the server default;
-responses report it in `num_iterations`. `bridge`, `exit_threshold` and `exit_criterion` choose the
+responses report it in `num_iterations`, and in `warning` when it is not the model's usual chain (K < B
+skips blocks; on a DiffusionBlocks model, K above B and the default may be worse). `bridge`, `exit_threshold` and `exit_criterion` choose the
 chain's bridge and adaptive exit, as `looped_lm generate`'s flags do. With `--api-key`, every route but
 /health, /metrics and the docs needs `Authorization: Bearer KEY`."""
 
