@@ -36,9 +36,12 @@ import smollm2_compare as compare  # noqa: E402  (the source, data and the 100-s
 
 RESULTS = common.ROOT / "bench" / "results" / "smollm2" / "budget"
 WORK = common.ROOT / "bench" / "work" / "smollm2_budget"
-ARMS = ["top90_w91", "gpt", "db0"]  # the order jobs are offered in
+FULL = "_full"  # an arm's full fine-tune (train.lora_rank 0: every weight trains), run at the largest budget
+ARMS = ["top90_w91", "gpt", "db0", "top90_w91" + FULL, "gpt" + FULL]  # the order jobs are offered in
 WARMUP = {"top90_w91": 30, "gpt": compare.WARMUP, "db0": compare.WARMUP}  # each arm's choice at 1x
+WARMUP.update({arm + FULL: WARMUP[arm] for arm in ("top90_w91", "gpt")})  # not swept for full fine-tuning
 LRS = [3e-4, 1e-3, 3e-3]
+FULL_LRS = [3e-5, 1e-4, 3e-4]  # full fine-tuning moves every weight: its grid starts 10x lower
 SEEDS = compare.SEEDS
 TARGET = 1.2
 WARMUP_CHECK = 3  # the warm-up check: each arm's warm-up times this, at its chosen lr
@@ -50,11 +53,13 @@ def out_dir(times: int) -> Path:
 
 
 def budget(times: int) -> dict:
-    """N x the compare study's 100-step FLOPs, and the steps it buys each arm (looped_lm.cost)."""
-    base = json.loads((compare.OUT / "budget.json").read_text())
+    """N x the compare study's 100-step FLOPs, and the steps it buys each arm (looped_lm.cost; a full fine-tune
+    is charged as its LoRA arm: both are counted as full fine-tuning)."""
+    at_1x = json.loads((compare.OUT / "budget.json").read_text())
     flops = {"top90_w91": block0.step_flops("top90_w91"), "db0": block0.step_flops("db0"),
-             "gpt": base["gpt_step_flops"]}
-    total = times * base["total_flops"]
+             "gpt": at_1x["gpt_step_flops"]}
+    flops.update({arm: flops[base(arm)] for arm in ARMS if arm.endswith(FULL)})
+    total = times * at_1x["total_flops"]
     return {"times": times, "total_flops": total, "step_flops": flops,
             "steps": {arm: round(total / f) for arm, f in flops.items()}}
 
@@ -62,6 +67,20 @@ def budget(times: int) -> dict:
 def tag(arm: str, lr: float, seed: int, warmup: int | None = None) -> str:
     """A run's name; a warm-up other than the arm's own (the warm-up check) is part of it."""
     return f"{arm}_lr{lr:.0e}_s{seed}" + ("" if warmup in (None, WARMUP[arm]) else f"_w{warmup}")
+
+
+def base(arm: str) -> str:
+    """The LoRA arm a full fine-tune runs the recipe of."""
+    return arm.removesuffix(FULL)
+
+
+def score(r: dict, split: str) -> float:
+    """The block-0 study's scoring (DB: ppl@0 on dev, ppl@2 on test; gpt, db0: exact), full fine-tunes as their base."""
+    return block0.score({**r, "arm": base(r["arm"])}, split)
+
+
+def lr_grid(arm: str) -> list[float]:
+    return FULL_LRS if arm.endswith(FULL) else LRS
 
 
 def claim(times: int, job: tuple) -> Path:
@@ -90,13 +109,16 @@ def run_one(times: int, arm: str, lr: float, seed: int, steps: int, stage: str,
         # A run killed part-way (a session's end) resumes from its last checkpoint (every SAVE_EVERY steps) when
         # its job is offered again; a resumed run is the same run (optimizer and RNG state are in the checkpoint).
         resumed_from = max((int(d.name.split("_")[1]) for d in run_dir.glob("step_*")), default=0)
-        cfg = block0.config(arm, lr, seed, steps, warmup, run_dir)
+        cfg = block0.config(base(arm), lr, seed, steps, warmup, run_dir)
+        if arm.endswith(FULL):  # every weight trains (the adaLN modulation too: lora_ada applies to LoRA only)
+            cfg["train"]["lora_rank"] = 0
+            cfg["train"].pop("lora_ada", None)
         cfg["train"].update(save_every=SAVE_EVERY, keep_last=1, resume="auto")
         cfg_path = run_dir.with_suffix(".yaml")
         cfg_path.parent.mkdir(parents=True, exist_ok=True)
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         common.python("-m", "looped_lm", "train", "--config", cfg_path)
-        result = {"arm": arm, "times": times, "diffusion": block0.ARMS.get(arm), "lr": lr, "seed": seed,
+        result = {"arm": arm, "times": times, "diffusion": block0.ARMS.get(base(arm)), "lr": lr, "seed": seed,
                   "warmup": warmup, "steps": steps, "train_s": round(time.time() - t0, 1),
                   **({"resumed_from_step": resumed_from} if resumed_from else {})}
         log = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -144,7 +166,7 @@ def chosen_lr(times: int, arm: str) -> float | None:
     lrs = sorted(sweep)
     if not lrs:
         return None
-    best = min(lrs, key=lambda lr: block0.score(sweep[lr], "dev"))
+    best = min(lrs, key=lambda lr: score(sweep[lr], "dev"))
     return None if best in (lrs[0], lrs[-1]) else best
 
 
@@ -153,7 +175,7 @@ def next_jobs(b: dict, arm: str) -> list[tuple]:
     times, steps = b["times"], b["steps"][arm]
     have = {(round(math.log10(r["lr"]), 2), r["seed"]): r for r in runs(times, arm)}
     at = lambda lr, seed: have.get((round(math.log10(lr), 2), seed))  # noqa: E731
-    missing = [lr for lr in LRS if at(lr, 0) is None]
+    missing = [lr for lr in lr_grid(arm) if at(lr, 0) is None]
     if missing:  # nearest the arm's choice at the next smaller budget first: its most informative runs
         before = [t for t in (3, 1) if t < times and (RESULTS / f"x{t}").exists() and chosen_lr(t, arm)]
         if before:
@@ -162,7 +184,7 @@ def next_jobs(b: dict, arm: str) -> list[tuple]:
     best = chosen_lr(times, arm)
     if best is None:  # an edge: one factor of 3 further
         lrs = sorted(r["lr"] for r in runs(times, arm) if r["seed"] == 0)
-        edge = min(lrs, key=lambda lr: block0.score(at(lr, 0), "dev"))
+        edge = min(lrs, key=lambda lr: score(at(lr, 0), "dev"))
         return [(times, arm, edge / 3 if edge == lrs[0] else edge * 3, 0, steps, "sweep")]
     jobs = [] if "test" in at(best, 0) else [(times, arm, best, 0, steps, "test")]
     return jobs + [(times, arm, best, s, steps, "seed") for s in SEEDS if s and (at(best, s) is None or "test" not in at(best, s))]
@@ -177,21 +199,21 @@ def run_all(times: int, workers: int, only: str | None, warmup_check: bool = Fal
     common.run_pool(workers, lambda: [(job, run_one, job) for a in arms for job in jobs(b, a)
                                       if not claim(times, job).exists()],
                     lambda key, r: print(f"done {key}: " + ("another driver's" if r is None else ", ".join(
-                        f"{sp} {block0.score(r, sp):.3f}" for sp in ("dev", "test") if sp in r)), flush=True))
+                        f"{sp} {score(r, sp):.3f}" for sp in ("dev", "test") if sp in r)), flush=True))
     print(report(times))
 
 
 def one_x() -> dict:
     """The 1x point per arm and seed (test): the block-0 study's chosen remedy and end-to-end runs."""
     remedy = {r["seed"]: r for r in block0.runs("top90_w91") if "test" in r}
-    return {"top90_w91": {s: block0.score(r, "test") for s, r in remedy.items()},
+    return {"top90_w91": {s: score(r, "test") for s, r in remedy.items()},
             "gpt": {s: r["test"]["ppl"] for s, r in block0.gpt_runs().items()}}
 
 
 def verdicts(times: int) -> list[str]:
     """The plan's statistics: the paired DB / end-to-end ratio at this budget against the target, and its change
     from the 1x ratio (same seeds)."""
-    tests = {arm: {r["seed"]: block0.score(r, "test") for r in runs(times, arm)
+    tests = {arm: {r["seed"]: score(r, "test") for r in runs(times, arm)
                    if "test" in r and chosen_lr(times, arm) is not None and math.isclose(r["lr"], chosen_lr(times, arm))}
              for arm in ARMS}
     lines = []
@@ -212,6 +234,13 @@ def verdicts(times: int) -> list[str]:
         word = "closes" if hi < 1 else "grows" if lo > 1 else "not separated from no change"
         lines.append(f"- that ratio over the 1x ratio (same seeds): {common.paired(both, change)} (n = {len(both)}): "
                      f"the gap **{word}**{short}")
+    full = sorted(set(tests["top90_w91" + FULL]) & set(tests["gpt" + FULL]))
+    if len(full) >= 2:
+        rf = [tests["top90_w91" + FULL][s] / tests["gpt" + FULL][s] for s in full]
+        _, lo, hi = common.ratio_ci(rf)
+        word = "met" if hi < TARGET else "missed" if lo > TARGET else f"not separated from {TARGET}"
+        lines.append(f"- full fine-tuning, top90_w91 test ppl@2 / gpt test ppl: {common.paired(full, rf)} "
+                     f"(n = {len(full)}): the {TARGET}x target {word}")
     if len(tests["db0"]) >= 2:
         s0 = sorted(set(tests["db0"]) & set(tests["gpt"]))
         if len(s0) >= 2:
@@ -225,7 +254,7 @@ def warmup_lines(times: int) -> list[str]:
     lines = []
     for arm in ARMS:
         best = chosen_lr(times, arm)
-        dev = {r["warmup"]: block0.score(r, "dev") for r in runs(times, arm, warmups=True)
+        dev = {r["warmup"]: score(r, "dev") for r in runs(times, arm, warmups=True)
                if best and r["seed"] == 0 and math.isclose(r["lr"], best) and "dev" in r}
         if len(dev) > 1:
             w = sorted(dev)
@@ -245,13 +274,13 @@ def report(times: int) -> str:
              "## Runs", "", "| arm | lr | warm-up | seed | steps (block 0 / 1) | dev | test | block 0 CE at σ_max | "
              "block 0 CE over its draw | train s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(runs(times, warmups=True), key=lambda r: (ARMS.index(r["arm"]), r["seed"], r["lr"], r["warmup"])):
-        fmt = lambda sp: f"{block0.score(r, sp):.3f}" if sp in r else "-"  # noqa: E731
+        fmt = lambda sp: f"{score(r, sp):.3f}" if sp in r else "-"  # noqa: E731
         d = r.get("diagnosis")
         diag = f"{d['ce_at_sigma_max']:.3f} | {d['ce_mean_block0_draw']:.3f}" if d else "- | -"
         lines.append(f"| {r['arm']} | {r['lr']:g} | {r['warmup']} | {r['seed']} | {r['steps']} "
                      f"({' / '.join(map(str, r.get('block_steps', [])))}) | {fmt('dev')} | {fmt('test')} | {diag} | "
                      f"{r['train_s']} |")
-    lines += ["", "Chosen lr on dev: " + ", ".join(f"{a} {chosen_lr(times, a) or 'not yet'}" for a in ARMS), ""]
+    lines += ["", "Chosen lr on dev: " + ", ".join(f"{a} {chosen_lr(times, a) or 'not yet'}" for a in ARMS if runs(times, a)), ""]
     lines += verdicts(times) + warmup_lines(times)
     return common.write_lines(out_dir(times) / "report.md", lines)
 
