@@ -142,10 +142,20 @@ def run_one(times: int, arm: str, lr: float, seed: int, steps: int, stage: str,
     return result
 
 
-def runs(times: int, arm: str | None = None, warmups: bool = False) -> list[dict]:
-    """The arm's runs at its own warm-up (warmups: also the warm-up check's)."""
+def runs(times: int, arm: str | None = None, warmup: int | None = None, warmups: bool = False) -> list[dict]:
+    """The arm's runs at `warmup` (None: the arm's own, the lr sweep's; warmups: every warm-up)."""
     return [r for r in common.read_jsons(out_dir(times), "*_lr*_s*.json") if arm in (None, r["arm"])
-            and (warmups or r["warmup"] == WARMUP[r["arm"]])]
+            and (warmups or r["warmup"] == (warmup or WARMUP[r["arm"]]))]
+
+
+def chosen_warmup(times: int, arm: str) -> int:
+    """The arm's warm-up at this budget: its own, unless the warm-up check (x WARMUP_CHECK at the chosen lr,
+    seed 0) scored better on dev; then the arm's seeds run again at it."""
+    best, own = chosen_lr(times, arm), WARMUP[arm]
+    dev = {r["warmup"]: score(r, "dev") for r in runs(times, arm, warmups=True)
+           if best and r["seed"] == 0 and math.isclose(r["lr"], best) and "dev" in r}
+    longer = own * WARMUP_CHECK
+    return longer if longer in dev and own in dev and dev[longer] < dev[own] else own
 
 
 def warmup_jobs(b: dict, arm: str) -> list[tuple]:
@@ -171,7 +181,7 @@ def chosen_lr(times: int, arm: str) -> float | None:
 
 
 def next_jobs(b: dict, arm: str) -> list[tuple]:
-    """(times, arm, lr, seed, steps, stage) jobs the arm's next stage needs."""
+    """(times, arm, lr, seed, steps, stage[, warm-up]) jobs the arm's next stage needs."""
     times, steps = b["times"], b["steps"][arm]
     have = {(round(math.log10(r["lr"]), 2), r["seed"]): r for r in runs(times, arm)}
     at = lambda lr, seed: have.get((round(math.log10(lr), 2), seed))  # noqa: E731
@@ -186,8 +196,11 @@ def next_jobs(b: dict, arm: str) -> list[tuple]:
         lrs = sorted(r["lr"] for r in runs(times, arm) if r["seed"] == 0)
         edge = min(lrs, key=lambda lr: score(at(lr, 0), "dev"))
         return [(times, arm, edge / 3 if edge == lrs[0] else edge * 3, 0, steps, "sweep")]
-    jobs = [] if "test" in at(best, 0) else [(times, arm, best, 0, steps, "test")]
-    return jobs + [(times, arm, best, s, steps, "seed") for s in SEEDS if s and (at(best, s) is None or "test" not in at(best, s))]
+    w = chosen_warmup(times, arm)
+    mine = {r["seed"]: r for r in runs(times, arm, warmup=w) if math.isclose(r["lr"], best)}
+    extra = () if w == WARMUP[arm] else (w,)  # the warm-up check won: seeds at its warm-up
+    jobs = [] if "test" in mine[0] else [(times, arm, best, 0, steps, "test", *extra)]
+    return jobs + [(times, arm, best, s, steps, "seed", *extra) for s in SEEDS if s and "test" not in mine.get(s, {})]
 
 
 def run_all(times: int, workers: int, only: str | None, warmup_check: bool = False) -> None:
@@ -213,7 +226,7 @@ def one_x() -> dict:
 def verdicts(times: int) -> list[str]:
     """The plan's statistics: the paired DB / end-to-end ratio at this budget against the target, and its change
     from the 1x ratio (same seeds)."""
-    tests = {arm: {r["seed"]: score(r, "test") for r in runs(times, arm)
+    tests = {arm: {r["seed"]: score(r, "test") for r in runs(times, arm, warmup=chosen_warmup(times, arm))
                    if "test" in r and chosen_lr(times, arm) is not None and math.isclose(r["lr"], chosen_lr(times, arm))}
              for arm in ARMS}
     lines = []
@@ -280,7 +293,9 @@ def report(times: int) -> str:
         lines.append(f"| {r['arm']} | {r['lr']:g} | {r['warmup']} | {r['seed']} | {r['steps']} "
                      f"({' / '.join(map(str, r.get('block_steps', [])))}) | {fmt('dev')} | {fmt('test')} | {diag} | "
                      f"{r['train_s']} |")
-    lines += ["", "Chosen lr on dev: " + ", ".join(f"{a} {chosen_lr(times, a) or 'not yet'}" for a in ARMS if runs(times, a)), ""]
+    lines += ["", "Chosen on dev (lr, warm-up): " + ", ".join(f"{a} {chosen_lr(times, a) or 'not yet'}, "
+                                                         f"{chosen_warmup(times, a)}" for a in ARMS if runs(times, a)),
+              ""]
     lines += verdicts(times) + warmup_lines(times)
     return common.write_lines(out_dir(times) / "report.md", lines)
 
