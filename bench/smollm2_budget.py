@@ -292,7 +292,7 @@ def report(times: int) -> str:
         diag = f"{d['ce_at_sigma_max']:.3f} | {d['ce_mean_block0_draw']:.3f}" if d else "- | -"
         lines.append(f"| {r['arm']} | {r['lr']:g} | {r['warmup']} | {r['seed']} | {r['steps']} "
                      f"({' / '.join(map(str, r.get('block_steps', [])))}) | {fmt('dev')} | {fmt('test')} | {diag} | "
-                     f"{r['train_s']} |")
+                     f"{r['train_s']}{' after a resume at step %d' % r['resumed_from_step'] if 'resumed_from_step' in r else ''} |")
     lines += ["", "Chosen on dev (lr, warm-up): " + ", ".join(f"{a} {chosen_lr(times, a) or 'not yet'}, "
                                                          f"{chosen_warmup(times, a)}" for a in ARMS if runs(times, a)),
               ""]
