@@ -64,7 +64,7 @@ def run_vllm(hf_dir: Path, overrides: dict | None = None) -> dict:
                           capture_output=True, text=True, timeout=600, env=env, cwd=hf_dir)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return {**json.loads(lines[-1][len("RESULT "):]), "log": proc.stdout + proc.stderr}
 
 
 QWEN = {"qkv_bias": True, "qk_norm": True, "tie_embeddings": False}  # Qwen2's biases, Qwen3's q/k norms, untied
@@ -115,6 +115,9 @@ def test_vllm_db_models_equal_the_native_chain(tmp_path, kind, K, extra, options
     got = run_vllm(hf_dir, {"num_iterations": K})
     model, _, _ = load_checkpoint(ckpt)
     model.eval()
+    # K above B and the default is run and said, in the line generate and the server give (db_ar: B = 2)
+    if kind == "db_ar":
+        assert (f"note: num_iterations={K} is above the default K = 2" in got["log"]) == (K > 2), got["log"][-3000:]
     for i, prompt in enumerate(PROMPTS):
         with torch.no_grad():
             new, logits = native_positional(model, prompt, K)
