@@ -163,7 +163,7 @@ def run(args) -> int:
     name = args.served_model_name or default_name(checkpoint)
     if "@" in name:
         raise UserError(f"--served-model-name must not contain '@' (it marks K aliases): {name!r}")
-    from looped_lm.settings import LOGPROB_RESOLVE_SE, ScoreSettings  # imports torch: seconds at start-up
+    from looped_lm.settings import LOGPROB_RESOLVE_SE, InferenceSettings, ScoreSettings, iterations_note  # imports torch: seconds at start-up
 
     max_len = served_context(cfg.model.positions(), model.max_positions, args.max_model_len)
     budget = args.kv_memory_gb
@@ -187,11 +187,10 @@ def run(args) -> int:
     k = f", K default {engine.default_iterations} (max {engine.max_iterations})" if engine.max_iterations else ""
     print(f"serving {name} ({cfg.model.kind}{k}) at http://{args.host}:{args.port}/v1 with "
           f"{engine.stats.num_slots} slots of {engine.max_len} tokens", file=sys.stderr)
-    limits = engine.limits
-    usual = limits and max(limits.num_blocks, limits.default_iterations)
-    if limits and limits.default_bridge and engine.max_iterations > usual:
-        print(f"note: a request may ask for K up to {engine.max_iterations}; one above K = {usual} (B = "
-              f"{limits.num_blocks}) gets a `warning` in its response: more denoising calls may be worse",
-              file=sys.stderr)
+    # the cap itself through the same rule a request meets: a note here means some allowed K gets a `warning`
+    if engine.limits and iterations_note(engine.limits, InferenceSettings(num_iterations=engine.max_iterations)):
+        print(f"note: a request may ask for K up to {engine.max_iterations}; one above K = "
+              f"{max(engine.limits.num_blocks, engine.limits.default_iterations)} (B = {engine.limits.num_blocks}) "
+              f"gets a `warning` in its response: more denoising calls may be worse", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
