@@ -46,6 +46,9 @@ SINK_PAD = 8  # looped_lm.models.two_stream.SINK_PAD (this module imports nothin
 TERMS = ("attn_proj", "attn_scores", "mlp", "cond", "adapter", "head", "loglik", "posterior", "bridge")
 LAYER_TERMS = ("attn_proj", "attn_scores", "mlp", "cond", "adapter")
 VOCAB_TERMS = ("head", "loglik", "posterior", "bridge")
+# LoRA (train.lora_rank > 0) freezes the pretrained matrices of these terms: their weight gradients never run.
+# The budgets charge a LoRA step as full fine-tuning on purpose (one FLOPs count per recipe); MFU asks what ran.
+FROZEN_UNDER_LORA = ("attn_proj", "mlp", "head", "posterior")  # head and posterior: the frozen embedding
 
 
 def ffn_width(d: int, ffn: int = 0) -> int:
@@ -108,6 +111,7 @@ class Ledger:
 
     fwd: dict = field(default_factory=lambda: defaultdict(float))
     bwd: dict = field(default_factory=lambda: defaultdict(float))
+    bwd_weight: dict = field(default_factory=lambda: defaultdict(float))  # the part of bwd that is weight grads
     weight_params: float = 0.0
     kv_elements: float = 0.0
 
@@ -116,6 +120,7 @@ class Ledger:
         flops = 2.0 * rows * d_in * d_out
         self.fwd[term] += runs * flops
         self.bwd[term] += flops * (int(grad_in) + int(grad_w))
+        self.bwd_weight[term] += flops * int(grad_w)
         self.weight_params += runs * d_in * d_out
 
     def attention(self, batch, queries, keys_per_query, d, grad=False):
@@ -124,8 +129,10 @@ class Ledger:
         self.bwd["attn_scores"] += 2 * flops if grad else 0.0
         self.kv_elements += batch * queries * keys_per_query * 2 * d
 
-    def total(self, terms=TERMS) -> float:
-        return sum(self.fwd.get(t, 0.0) + self.bwd.get(t, 0.0) for t in terms)
+    def total(self, terms=TERMS, frozen=()) -> float:
+        """`frozen`: terms whose weight gradients do not run (FROZEN_UNDER_LORA for a LoRA step)."""
+        return sum(self.fwd.get(t, 0.0) + self.bwd.get(t, 0.0) - (self.bwd_weight.get(t, 0.0) if t in frozen else 0.0)
+                   for t in terms)
 
     def as_dict(self) -> dict:
         terms = {t: {"fwd": self.fwd.get(t, 0.0), "bwd": self.bwd.get(t, 0.0)} for t in TERMS

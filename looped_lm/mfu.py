@@ -7,7 +7,9 @@ hardware's peak, as nanoGPT prints it.
 
 What decides a step's cost (`key`): the block a DiffusionBlocks step trains, huginn's sampled recurrence r,
 nothing for gpt; each kind maps its config to the cost model (`Kind.step_flops`, looped_lm/kinds/).
-Attention is charged over the pairs a causal kernel computes.
+Attention is charged over the pairs a causal kernel computes. A LoRA run (train.lora_rank > 0) is charged what
+runs: the frozen base's weight gradients are left out (the adapters' own rank-r matmuls, a few percent, are not
+counted), while the equal-FLOPs benches charge a LoRA step as full fine-tuning (`Kind.step_flops` without `frozen`).
 
 Peaks are the vendors' dense (no sparsity) tensor-core numbers: bf16 / fp16, and TF32 for fp32 matmuls
 (torch uses TF32 on these GPUs only with `torch.backends.cuda.matmul.allow_tf32`; otherwise fp32 runs at
@@ -22,6 +24,7 @@ from functools import lru_cache
 
 import torch
 
+from looped_lm import cost
 from looped_lm.kinds import kind_of
 
 # dense peak TFLOP/s by (a name fragment of torch.cuda.get_device_name, matmul precision)
@@ -43,7 +46,8 @@ class StepFlops:
     def __call__(self, key=None) -> float | None:
         if key not in self._cache:
             t = self.cfg.train
-            flops = self.kind.step_flops(self.cfg, self.vocab_size, t.batch_size, key)
+            frozen = cost.FROZEN_UNDER_LORA if t.lora_rank else ()  # what runs: no weight grads of a frozen base
+            flops = self.kind.step_flops(self.cfg, self.vocab_size, t.batch_size, key, frozen=frozen)
             self._cache[key] = None if flops is None else t.grad_accum * flops
         return self._cache[key]
 

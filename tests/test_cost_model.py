@@ -205,3 +205,19 @@ def test_an_uneven_split_charges_each_block_its_own_layers():
     assert costs[0] > cm.db_train(s, even, 0).total() > costs[1]
     with pytest.raises(ValueError, match="summing to 4"):
         cm.db_train(s, cm.DBLayout(blocks=2, layers_per_block=(2, 1)))
+
+
+@pytest.mark.parametrize("kind", ["gpt", "db_ar"])
+def test_a_frozen_base_runs_no_weight_gradients(kind):
+    """What MFU charges a LoRA step (total(frozen=FROZEN_UNDER_LORA)): the frozen base's projections, MLPs and
+    tied head run forward and pass input gradients, but compute no weight gradients. Exact here: the base is
+    frozen by hand, without adapters, whose own rank-r matmuls the count leaves out (module docs)."""
+    s = replace(SHAPES[0], prelude=1) if kind == "db_ar" else SHAPES[0]
+    lay = cm.DBLayout(blocks=2) if kind == "db_ar" else None
+    model = build(kind, s, lay)
+    for name, p in model.named_parameters():  # LoRA's split: the new DB parts (adaLN, noise MLP) train fully
+        p.requires_grad_(p.dim() < 2 or ".ada." in name or name.startswith("noise_emb."))
+    led = cm.gpt_train(s, 0, "dense") if lay is None else cm.db_train(s, lay, 0, "dense")
+    measured = step_flops(model, s, 0)
+    close(measured, led.total(frozen=cm.FROZEN_UNDER_LORA))
+    assert led.total() > 1.2 * measured  # full fine-tuning's count is not what ran

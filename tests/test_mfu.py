@@ -24,6 +24,20 @@ def test_gpt_step_flops_equal_a_count_by_hand():
     assert mfu.StepFlops(gpt_config(grad_accum=3), V)() == pytest.approx(9 * forward)
 
 
+def test_a_lora_step_is_charged_without_the_frozen_bases_weight_gradients():
+    """LoRA: forward 1x and input gradients 1x run; the frozen weights' gradients (the second 1x) do not, so
+    a step is charged 2x its forward (adapters' rank-r matmuls aside), not full fine-tuning's 3x."""
+    d, h, T, V, L, batch = 64, 192, 16, 100, 2, 2
+    rows = batch * T
+    attention = rows * L * 4 * d * (T + 1) / 2  # no weights: scores and values get both gradients
+    weights = rows * (L * (8 * d * d + 6 * d * h) + 2 * d * V)
+    lora = config_from_dict({"model": {"kind": "gpt", "n_layers": 2, "d_model": 64, "n_heads": 4, "seq_len": 16,
+                                       "init_from": "/a/base"},  # never read: only the cost is asked for
+                             "train": {"batch_size": 2, "lora_rank": 4}})
+    assert mfu.StepFlops(lora, V)() == pytest.approx(2 * weights + 3 * attention)
+    assert mfu.StepFlops(gpt_config(), V)() == pytest.approx(3 * (weights + attention))
+
+
 def test_db_step_flops_depend_on_the_block_and_are_cached():
     cfg = config_from_dict({"model": {"kind": "db_ar", "n_layers": 4, "d_model": 32, "n_heads": 2, "seq_len": 16},
                             "diffusion": {"num_blocks": 2, "layers_per_block": [1, 3]}})

@@ -314,10 +314,11 @@ class Kind:
         """Checks of this kind's own fields and of the other sections' options it gives meaning to, on the
         resolved config. Raise UserError naming the key; write nothing."""
 
-    def step_flops(self, cfg, vocab_size: int, batch: int, key=None) -> float | None:
+    def step_flops(self, cfg, vocab_size: int, batch: int, key=None, frozen=()) -> float | None:
         """Matmul FLOPs (forward + backward) of one training micro-batch of `batch` sequences, by the cost
         model (looped_lm/cost.py); `key` is what the step's metrics say decides its cost ("block" for DB
-        kinds, "recurrence" for huginn). None: no cost model (no MFU is logged)."""
+        kinds, "recurrence" for huginn); `frozen`: cost terms whose weight gradients do not run
+        (cost.FROZEN_UNDER_LORA). None: no cost model (no MFU is logged)."""
         return None
 
     def curve_flops(self, cfg, vocab_size: int, batch: int) -> float | None:

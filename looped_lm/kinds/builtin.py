@@ -76,8 +76,8 @@ class Gpt(Kind):
     def lora_layers(self, cfg) -> tuple[list[str], bool]:
         return [r"layers"], True
 
-    def step_flops(self, cfg, vocab_size: int, batch: int, key=None) -> float:
-        return cost.gpt_train(_cost_shape(cfg, vocab_size, batch), cfg.model.loss_chunk).total()
+    def step_flops(self, cfg, vocab_size: int, batch: int, key=None, frozen=()) -> float:
+        return cost.gpt_train(_cost_shape(cfg, vocab_size, batch), cfg.model.loss_chunk).total(frozen=frozen)
 
     def compile_for_training(self, model, backend: str) -> bool:
         import torch  # torch: seconds at start-up
@@ -147,8 +147,8 @@ class DbAr(Kind):
     def lora_layers(self, cfg) -> tuple[list[str], bool]:
         return _block_lora_layers(cfg, self.num_blocks(cfg))
 
-    def step_flops(self, cfg, vocab_size: int, batch: int, key=None) -> float:
-        return cost.db_train(_cost_shape(cfg, vocab_size, batch), _db_layout(cfg, self.num_blocks(cfg)), key or 0).total()
+    def step_flops(self, cfg, vocab_size: int, batch: int, key=None, frozen=()) -> float:
+        return cost.db_train(_cost_shape(cfg, vocab_size, batch), _db_layout(cfg, self.num_blocks(cfg)), key or 0).total(frozen=frozen)
 
     def curve_flops(self, cfg, vocab_size: int, batch: int) -> float:
         return cost.db_curve(_cost_shape(cfg, vocab_size, batch), _db_layout(cfg, self.num_blocks(cfg))).total()
@@ -179,8 +179,8 @@ class LoopedDb(Kind):
     def lora_layers(self, cfg) -> tuple[list[str], bool]:
         return _block_lora_layers(cfg, 1)
 
-    def step_flops(self, cfg, vocab_size: int, batch: int, key=None) -> float:
-        return cost.db_train(_cost_shape(cfg, vocab_size, batch), _db_layout(cfg, 1), 0).total()
+    def step_flops(self, cfg, vocab_size: int, batch: int, key=None, frozen=()) -> float:
+        return cost.db_train(_cost_shape(cfg, vocab_size, batch), _db_layout(cfg, 1), 0).total(frozen=frozen)
 
     def curve_flops(self, cfg, vocab_size: int, batch: int) -> float:
         return cost.db_curve(_cost_shape(cfg, vocab_size, batch), _db_layout(cfg, 1)).total()
@@ -215,10 +215,10 @@ class Huginn(Kind):
         prelude, core, coda = _retrofit(cfg, n_source)
         return {"prelude": prelude, "core": core, "coda": coda}
 
-    def step_flops(self, cfg, vocab_size: int, batch: int, key=None) -> float:
+    def step_flops(self, cfg, vocab_size: int, batch: int, key=None, frozen=()) -> float:
         """key: the step's recurrence r (drawn on the host; the mean before it is known)."""
         r = key or cfg.model.mean_recurrence
-        return cost.huginn_train(_cost_shape(cfg, vocab_size, batch), r, cfg.model.backprop_depth).total()
+        return cost.huginn_train(_cost_shape(cfg, vocab_size, batch), r, cfg.model.backprop_depth).total(frozen=frozen)
 
     def compile_for_training(self, model, backend: str) -> bool:
         """Each layer: the loss loops over a recurrence r drawn on the host each step (a whole-loss graph
