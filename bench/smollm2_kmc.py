@@ -32,6 +32,7 @@ import common  # noqa: E402  (bench/ is not a package)
 from looped_lm.checkpoint import load_checkpoint  # noqa: E402
 from looped_lm.data.bin_dataset import load_tokens  # noqa: E402
 from looped_lm.diffusion.chain import euler_to, run_chain  # noqa: E402
+from looped_lm.diffusion.sampler import inference_sigmas  # noqa: E402
 from looped_lm.models.db.contexts import WindowContext  # noqa: E402
 from looped_lm.sampling import PLAIN, SharedGenerator  # noqa: E402
 from looped_lm.settings import InferenceSettings, ScoreSettings  # noqa: E402
@@ -44,10 +45,15 @@ OUT = common.ROOT / "bench" / "results" / "smollm2" / "kmc"
 def variant_plan(model, K: int, step: str) -> tuple[list[float], list[int]]:
     """(sigmas, blocks) of a chain variant. `fresh`: the served K-step grid. `mid0` / `mid1`: K = 3, the
     K = 2 chain plus one call in the middle of block 0's / block 1's interval (the K = 4 grid's second /
-    third point), to find which extra call costs."""
+    third point), to find which extra call costs. `block0`: every call beyond B inside block 0's interval
+    (the block the levers train), block 1 only reading back at sigma_min; K = 2 is the served chain."""
     grid = model.grid()
     if step == "fresh":
         return grid.sigmas(K), grid.blocks(K)
+    if step == "block0":  # B = 2: K - 1 calls equally in block 0's CDF from sigma_top, then the read-back at sigma_min
+        inside = inference_sigmas(K - 1, grid.sched, lo=grid.edges[1], hi=grid.sigma_top)[:-1]
+        inside[0] = grid.sigma_top
+        return inside + [grid.edges[0], grid.edges[0]], [0] * len(inside) + [1]
     sigmas, blocks = grid.sigmas(4), grid.blocks(4)
     keep = 1 if step == "mid0" else 2
     return [sigmas[0], sigmas[keep], sigmas[3], sigmas[4]], [blocks[0], blocks[keep], blocks[3]]
@@ -150,9 +156,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="chains per forward")
     ap.add_argument("--draws", type=int, default=8, help="the estimator's draws")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--step", default="euler", choices=["euler", "fresh", "mid0", "mid1"],
+    ap.add_argument("--step", default="euler", choices=["euler", "fresh", "mid0", "mid1", "block0"],
                     help="the served chain (euler), fresh noise between calls, or K = 3 with one extra call inside "
-                    "block 0's / block 1's interval (mid0 / mid1; pass --k 3): experiments")
+                    "block 0's / block 1's interval (mid0 / mid1; pass --k 3), or every extra call in block 0's (block0): experiments")
     ap.add_argument("--no-estimator", action="store_true", help="plain Monte-Carlo only")
     ap.add_argument("--json")
     args = ap.parse_args()
