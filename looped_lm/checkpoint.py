@@ -37,7 +37,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from looped_lm import __version__
-from looped_lm.config import Config, config_from_dict
+from looped_lm.config import Config, config_from_dict, with_inference_overrides
 from looped_lm.data.tokenizer import run_vocab
 from looped_lm.errors import UserError
 from looped_lm.kinds import kind_of
@@ -79,6 +79,12 @@ def manifest_digest(manifest: dict) -> str:
 
 def add_verify_argument(p) -> None:
     p.add_argument("--no-verify", action="store_true", help=NO_VERIFY_HELP)
+
+
+def add_set_argument(p) -> None:
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="run the checkpoint with another inference setting (repeatable): diffusion.extra_calls, "
+                        "last_call, sample_top_quantile, bridge, num_iterations, or model.max_iterations")
 
 
 def no_verify_note() -> str:
@@ -369,21 +375,29 @@ def _names_on_disk(root: Path) -> list[str]:
             if rel != MANIFEST]
 
 
-def config_of(manifest: Manifest | dict, ckpt: Path | None = None) -> Config:
+def config_of(manifest: Manifest | dict, ckpt: Path | None = None, overrides=()) -> Config:
+    """The checkpoint's run config, with inference `overrides` (`--set section.key=value`) applied."""
     raw = manifest.config if isinstance(manifest, Manifest) else manifest["config"]
     train = raw.get("train") if isinstance(raw, dict) else None
     if isinstance(train, dict) and train.get("lora_rank") and "lora_ada" not in train:
         # an adapter checkpoint from before train.lora_ada: its `ada` trained fully, whatever the default
         raw = {**raw, "train": {**train, "lora_ada": "full"}}
     try:
-        return config_from_dict(raw)
+        cfg = config_from_dict(raw)
     except UserError as e:
         where = f"{Path(ckpt) / MANIFEST}: " if ckpt is not None else ""
         raise UserError(f"{where}its config is invalid: {e}") from None
+    if not overrides:
+        return cfg
+    try:
+        return config_from_dict(with_inference_overrides(raw, overrides))
+    except UserError as e:
+        raise UserError(str(e) if str(e).startswith("--set") else f"--set: {e}") from None
 
 
-def load_checkpoint(ckpt: str | Path, device="cpu", verify: bool = True):
-    """Verified (model, config, manifest) from a checkpoint directory, in eval mode."""
+def load_checkpoint(ckpt: str | Path, device="cpu", verify: bool = True, overrides=()):
+    """Verified (model, config, manifest) from a checkpoint directory, in eval mode; `overrides`: inference
+    settings to run it with (`--set`, config.INFERENCE_KEYS)."""
     # torch and the models: seconds at start-up (see the module's docstring)
     from looped_lm.models import build_model
     from looped_lm.tensor_files import load_weights
@@ -391,7 +405,7 @@ def load_checkpoint(ckpt: str | Path, device="cpu", verify: bool = True):
     ckpt = Path(ckpt)
     manifest = read_manifest(ckpt, verify)
     verify_files(ckpt, manifest, [WEIGHTS], verify)
-    cfg = config_of(manifest, ckpt)
+    cfg = config_of(manifest, ckpt, overrides)
     check_agreement(ckpt, manifest, cfg)
     try:
         model = build_model(cfg, manifest["vocab_size"], manifest.get("model_state"))

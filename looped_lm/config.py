@@ -362,6 +362,26 @@ def _message(err: dict, sections: dict | None = None) -> str:
     return f"{key}: {err['msg']} (got {value!r})"
 
 
+# how a trained model is run, never what it computes: a resume may change these freely, and generate / eval /
+# serve / export may set them on a checkpoint they load (`--set`)
+INFERENCE_KEYS = {"model": {"num_iterations", "max_iterations"},
+                  "diffusion": {"num_iterations", "bridge", "last_call", "extra_calls", "sample_top_quantile"}}
+
+
+def with_inference_overrides(raw: dict, overrides) -> dict:
+    """A copy of a checkpoint's config dict with `section.key=value` items applied, each one of INFERENCE_KEYS
+    (anything else would change what the weights compute, or how they were trained: refused, named)."""
+    raw = {section: dict(values) if isinstance(values, dict) else values for section, values in raw.items()}
+    for item in overrides:
+        key = item.partition("=")[0]
+        section, _, name = key.partition(".")
+        if name not in INFERENCE_KEYS.get(section, ()):
+            allowed = ", ".join(f"{s}.{n}" for s, names in INFERENCE_KEYS.items() for n in sorted(names))
+            raise UserError(f"--set {key}: a loaded checkpoint may change only how it is run ({allowed})")
+        _apply_override(raw, item)
+    return raw
+
+
 def _apply_override(raw: dict, item: str) -> None:
     if "=" not in item:
         raise UserError(f"--set expects section.key=value, got '{item}' (no '=')")

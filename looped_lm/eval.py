@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from looped_lm.checkpoint import NO_VERIFY_HELP, load_checkpoint, no_verify_note, resolve_checkpoint
+from looped_lm.checkpoint import NO_VERIFY_HELP, add_set_argument, load_checkpoint, no_verify_note, resolve_checkpoint
 from looped_lm.config import MAX_DRAWS
 from looped_lm.data.bin_dataset import TokenStream, token_dtype
 from looped_lm.data.tokenizer import get_tokenizer
@@ -40,6 +40,7 @@ def add_arguments(p) -> None:
     p.add_argument("--checkpoint", required=True,
                    help="checkpoint directory (out/step_XXXXXXX), or a run directory (its newest complete checkpoint)")
     p.add_argument("--no-verify", action="store_true", help=NO_VERIFY_HELP)
+    add_set_argument(p)
     p.add_argument("--data", default=None, help="nanoGPT val.bin, or a .txt / .jsonl file (tokenized with the "
                    "checkpoint's tokenizer); default: the run's val.bin (vit / mdm: a data source such as "
                    "cifar100:PATH or text8:PATH; default: the run's)")
@@ -339,7 +340,7 @@ def run(args) -> int:
     if args.no_verify:
         print(no_verify_note(), file=sys.stderr)
     model, cfg, manifest = load_checkpoint(resolve_checkpoint(args.checkpoint), args.device,
-                                           verify=not args.no_verify)
+                                           verify=not args.no_verify, overrides=args.set)
     check_applies(args, model, cfg.model.kind)
     if not isinstance(model, Scorable):  # vit, mdm: accuracy, bits per character (looped_lm.supporting)
         from looped_lm.supporting import ModuleRequest, evaluate  # imports torch: seconds at start-up
@@ -369,6 +370,8 @@ def run(args) -> int:
                                              progress=not args.no_progress, probs=probs)
     rep = report(sums, variances, tokens, block, args.stride, manifest["tokenizer"], data, settings, cfg.model.kind,
                  probs)
+    if args.set:  # what the checkpoint was run with besides its own config
+        rep["set"] = list(args.set)
     print(format_table(rep))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from looped_lm.checkpoint import NO_VERIFY_HELP, load_checkpoint, no_verify_note, resolve_checkpoint
+from looped_lm.checkpoint import NO_VERIFY_HELP, add_set_argument, load_checkpoint, no_verify_note, resolve_checkpoint
 from looped_lm.data.specials import PLAIN_CHAT_TEMPLATE, TOKENIZER_CLASS
 from looped_lm.data.tokenizer import get_tokenizer
 from looped_lm.errors import UserError
@@ -50,6 +50,7 @@ def add_arguments(p) -> None:
     p.add_argument("--checkpoint", required=True,
                    help="checkpoint directory, or a run directory (its newest complete checkpoint)")
     p.add_argument("--no-verify", action="store_true", help=NO_VERIFY_HELP)
+    add_set_argument(p)
     p.add_argument("--out", required=True, help="the Hugging Face directory to write")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out directory")
     p.add_argument("--num-iterations", type=int, default=None,
@@ -64,7 +65,7 @@ def run(args) -> int:
         print(no_verify_note(), file=sys.stderr)
     checkpoint = resolve_checkpoint(args.checkpoint)
     out = export(checkpoint, args.out, overwrite=args.overwrite, num_iterations=args.num_iterations,
-                 verify=not args.no_verify, format=args.format)
+                 verify=not args.no_verify, format=args.format, overrides=args.set)
     print(f"exported {checkpoint} -> {out}")
     return 0
 
@@ -224,7 +225,7 @@ def save_tokenizer(tok, out: Path, model_max_length: int) -> None:
 
 
 def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, num_iterations: int | None = None,
-           verify: bool = True, format: str = "auto") -> Path:
+           verify: bool = True, format: str = "auto", overrides=()) -> Path:
     import torch  # transformers: seconds at start-up
     from safetensors.torch import save_file, save_model
     from transformers import GenerationConfig
@@ -247,7 +248,7 @@ def export(checkpoint: str | Path, out: str | Path, overwrite: bool = False, num
         tmp.rmdir()
     except OSError as e:
         raise UserError(f"--out {out}: cannot write into {out.parent} ({e.strerror})") from None
-    model, cfg, manifest = load_checkpoint(checkpoint, verify=verify)
+    model, cfg, manifest = load_checkpoint(checkpoint, verify=verify, overrides=overrides)
     from looped_lm.lora import is_adapted, merge  # imports torch: seconds at start-up
 
     if is_adapted(model):  # LoRA: the adapters folded into the base, written as plain weights

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from looped_lm.checkpoint import add_verify_argument, load_checkpoint, no_verify_note, resolve_checkpoint
+from looped_lm.checkpoint import add_set_argument, add_verify_argument, load_checkpoint, no_verify_note, resolve_checkpoint
 from looped_lm.data.tokenizer import get_tokenizer
 from looped_lm.errors import UserError
 from looped_lm.fields import BRIDGES, finite_float, seed
@@ -18,6 +18,7 @@ def add_arguments(p) -> None:
     p.add_argument("--checkpoint", required=True,
                    help="checkpoint directory, or a run directory (its newest complete checkpoint)")
     add_verify_argument(p)
+    add_set_argument(p)
     p.add_argument("--prompt", default=None, help="text to continue (language models)")
     p.add_argument("--max-tokens", type=int, default=100)
     p.add_argument("--temperature", type=finite_float, default=0.8, help="0 = greedy")
@@ -69,7 +70,7 @@ def run(args) -> int:
     if args.no_verify:
         print(no_verify_note(), file=sys.stderr)
     model, cfg, manifest = load_checkpoint(resolve_checkpoint(args.checkpoint), args.device,
-                                           verify=not args.no_verify)
+                                           verify=not args.no_verify, overrides=args.set)
     if not isinstance(model, CachedDecoding):  # dit, mdm: samples from noise (looped_lm.supporting)
         from looped_lm.supporting import ModuleRequest  # imports torch: seconds at start-up
         from looped_lm.supporting import generate as generate_module

@@ -42,7 +42,7 @@ from looped_lm.pretrained import load_base
 # (model.init_from: where a job started; an adapter job's base is checked by its sha256 instead)
 PER_JOB = {"model": {"num_iterations", "max_iterations", "loss_chunk", "init_from"},
            "diffusion": {"blocks_to_train", "block_sampling", "curve_every", "curve_until", "loss_weight",
-                         "target_fraction", "clean_lm_weight", "num_iterations", "bridge", "last_call",
+                         "target_fraction", "clean_lm_weight", "num_iterations", "bridge", "last_call", "extra_calls",
                          "sample_top_quantile"}}
 LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets", "lora_ada")  # what an adapter computes (dropout only trains)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from looped_lm import checkpoint as ckpt_io
-from looped_lm.config import Config, block_layers, init_source
+from looped_lm.config import INFERENCE_KEYS, Config, block_layers, init_source
 from looped_lm.data.batches import prepare_data
 from looped_lm.data.tokenizer import run_vocab
 from looped_lm.errors import UserError
@@ -182,8 +182,7 @@ def _older_hint(out_dir: Path, refused: Path) -> str:
 
 
 # settings that a resume may change without notice (inference-time or logging)
-_FREE_TO_CHANGE = {"model": {"num_iterations", "max_iterations"},
-                   "diffusion": {"num_iterations", "bridge", "last_call", "sample_top_quantile"}}
+_FREE_TO_CHANGE = INFERENCE_KEYS
 
 
 def check_resume(manifest: Manifest, cfg: Config, vocab_size: int, world_size: int | None,

@@ -11,7 +11,7 @@ import socket
 import sys
 from pathlib import Path
 
-from looped_lm.checkpoint import NO_VERIFY_HELP, load_checkpoint, no_verify_note, resolve_checkpoint
+from looped_lm.checkpoint import NO_VERIFY_HELP, add_set_argument, load_checkpoint, no_verify_note, resolve_checkpoint
 from looped_lm import fields
 from looped_lm.data.tokenizer import get_tokenizer
 from looped_lm.errors import UserError
@@ -22,6 +22,7 @@ def add_arguments(p) -> None:
     p.add_argument("--checkpoint", required=True,
                    help="checkpoint directory, or a run directory (its newest complete checkpoint)")
     p.add_argument("--no-verify", action="store_true", help=NO_VERIFY_HELP)
+    add_set_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("LOOPED_LM_API_KEY"),
@@ -155,7 +156,8 @@ def run(args) -> int:
     if args.no_verify:
         print(no_verify_note(), file=sys.stderr)
     checkpoint = resolve_checkpoint(args.checkpoint)
-    model, cfg, manifest = load_checkpoint(checkpoint, args.device, verify=not args.no_verify)
+    model, cfg, manifest = load_checkpoint(checkpoint, args.device, verify=not args.no_verify,
+                                           overrides=args.set)
     if not isinstance(model, CachedDecoding):  # vit / dit / mdm
         raise UserError(f"looped_lm serve is for language models; a {cfg.model.kind} checkpoint is used through "
                         "looped_lm eval and looped_lm generate")

@@ -32,7 +32,7 @@ NON_DEFAULT = {
         "block_sampling": "round_robin", "bridge": "soft", "num_iterations": 6,
         "curve_every": 50, "curve_until": 500, "noisy_input": "noise", "posterior_input": "topk",
         "posterior_topk": 16, "head": "cosine", "stack_order": "low_noise_first",
-        "clean_lm_weight": 0.3, "denoise_weight": 0.5, "top_share": 0.25, "sample_top_quantile": 0.99, "parameterization": "edm", "last_call": "edge",
+        "clean_lm_weight": 0.3, "denoise_weight": 0.5, "top_share": 0.25, "sample_top_quantile": 0.99, "parameterization": "edm", "last_call": "edge", "extra_calls": "block0",
         "noisy_self": True,
     },
     "data": {"source": "files", "path": "corpus.txt", "tokenizer": "byte", "val_fraction": 0.1, "test_fraction": 0.05, "split_seed": 3,

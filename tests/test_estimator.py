@@ -4,7 +4,8 @@ The estimator (looped_lm/diffusion/estimator.py) claims to be unbiased for p_K(y
 the K-step sampler (the chain `generate` runs, temperature 1) emits y. Plain Monte-Carlo runs that very
 chain thousands of times and averages the last call's softmax at y. Both are compared per token, within
 their combined standard error, at K = 1, B, 2B, 4B, with the read-back (`last_call: sigma_min`) and the
-paper's (`edge`) last call, with 2 enumerated candidates (the default) and with none.
+paper's (`edge`) last call, with 2 enumerated candidates (the default) and with none, and with the calls
+beyond B in block 0 (`extra_calls: block0`).
 """
 
 import pytest
@@ -43,7 +44,18 @@ def plain_monte_carlo(model, x, y, K, chains, seed):
 @pytest.mark.parametrize("K", [1, B, 2 * B, 4 * B])
 @pytest.mark.parametrize("candidates", [2, 0])
 def test_estimator_agrees_with_plain_monte_carlo(last_call, K, candidates, one_thread):
-    model = model_for(last_call)
+    check_against_plain_monte_carlo(model_for(last_call), K, candidates)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("K", [2 * B, 4 * B])
+def test_estimator_agrees_with_plain_monte_carlo_when_extra_calls_run_in_block_0(K, one_thread):
+    model = trained_tiny_db(last_call="sigma_min", extra_calls="block0")
+    assert model.grid().blocks(K) == [0] * (K - 1) + [1]
+    check_against_plain_monte_carlo(model, K, 2)
+
+
+def check_against_plain_monte_carlo(model, K, candidates):
     x, y = markov_batch(torch.Generator().manual_seed(3), batch=2, T=6)  # real next tokens: likely and not
     est = model.score(x, y, ScoreSettings(k_grid=(K,), draws=32, candidates=candidates),
                       torch.Generator().manual_seed(1))[K]

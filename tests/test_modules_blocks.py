@@ -66,3 +66,28 @@ def test_grid_of_the_official_code():
     assert grid.steps_per_block(6) == [2, 2, 2] and grid.steps_per_block(1) == [1, 0, 0]
     top = chain_grid(edges, ranges, sched, 0.999, "sigma_min").sigma_top
     assert edges[-2] < top < 80  # a quantile block 0 actually trains on
+
+
+def test_extra_calls_in_block_0_keep_the_k_equals_b_grid_below_it():
+    """extra_calls block0: the K = B grid, with the calls beyond B equally in block 0's CDF from sigma_top down
+    (above its lower edge); K <= B and a single block are the spread grid itself."""
+    sched = dm.NoiseSchedule()
+    edges = dm.equi_probability_edges(3, sched)
+    ranges = dm.widen(edges, 0.05)
+    spread = chain_grid(edges, ranges, sched, 0.999, "sigma_min")
+    block0 = chain_grid(edges, ranges, sched, 0.999, "sigma_min", "block0")
+    for K in (1, 2, 3):
+        assert block0.sigmas(K) == spread.sigmas(K)
+    for K in (4, 7):
+        sigmas = block0.sigmas(K)
+        assert len(sigmas) == K + 1 and sigmas == sorted(sigmas, reverse=True)
+        assert block0.blocks(K) == [0] * (K - 2) + [1, 2]
+        assert sigmas[K - 2:] == spread.sigmas(3)[1:]  # below block 0: the K = B grid
+        assert sigmas[0] == spread.sigma_top and min(sigmas[:K - 2]) > edges[-2]
+        q = [float(dm.cdf_range(edges[-2], s, sched)[1]) for s in sigmas[:K - 2] + [edges[-2]]]
+        steps = [a - b for a, b in zip(q, q[1:])]
+        assert max(steps) == pytest.approx(min(steps), rel=1e-6)  # equal steps in block 0's noise CDF
+    assert spread.steps_per_block(6) == [2, 2, 2] and block0.steps_per_block(6) == [4, 1, 1]
+    one = [edges[0], edges[-1]]
+    assert chain_grid(one, [tuple(one)], sched, 0.999, "sigma_min", "block0").sigmas(5) == \
+        chain_grid(one, [tuple(one)], sched, 0.999, "sigma_min").sigmas(5)

@@ -11,6 +11,10 @@ block 0's training law, `top_of_block0`; 1 = sigma_max) down to the partition's 
 `last_call: sigma_min` (the default, and the official DiffusionBlocks code's grid: B calls on the
 inclusive CDF grid [sigma_max, ..., sigma_min]) the K-th call runs at sigma_min itself; with `edge` the
 K calls are the top edges of K equal CDF steps and the chain ends at sigma_min without a call there.
+Calls beyond B (`extra_calls`): `spread` (the default) places all K equally, so every block gets about K / B
+of them; `block0` keeps the K = B grid and spends the extra K - B calls inside block 0's interval, from
+sigma_top down, where a fine-tuning recipe that moves steps to block 0 trained (docs/pretrained.md: on
+SmolLM2, spread loses at K = 2B what block0 keeps).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from looped_lm.diffusion.partition import route_sigma
 from looped_lm.diffusion.sampler import inference_sigmas
 
 LAST_CALLS = ("sigma_min", "edge")
+EXTRA_CALLS = ("spread", "block0")
 
 
 def choose_block(step: int, seed: int, pool, sampling: str = "uniform", weights=None) -> int:
@@ -50,9 +55,20 @@ class ChainGrid:
     sigma_top: float  # where every chain starts (docs/method.md §5)
     last_call: str
     sched: NoiseSchedule
+    extra_calls: str = "spread"
 
     def sigmas(self, K: int) -> list[float]:
         """K + 1 descending points: calls at the first K, the chain ends at the last."""
+        B = len(self.edges) - 1
+        if self.extra_calls == "block0" and 1 < B < K:
+            # K - B + 1 calls equally in block 0's CDF from sigma_top (its lower edge excluded), then the
+            # K = B grid after its first call: blocks 1 .. B - 1 run as they do at K = B
+            inside = inference_sigmas(K - B + 1, self.sched, lo=self.edges[-2], hi=self.sigma_top)[:-1]
+            inside[0] = self.sigma_top
+            return inside + self._spread(B)[1:]
+        return self._spread(K)
+
+    def _spread(self, K: int) -> list[float]:
         lo, hi = self.edges[0], self.edges[-1]
         if self.last_call == "sigma_min" and K >= 2:
             sigmas = inference_sigmas(K - 1, self.sched, lo=lo, hi=hi)
@@ -82,8 +98,9 @@ def top_of_block0(train_range: tuple[float, float], edges, quantile: float, sche
     return float(min(max(top, edges[-2]), edges[-1]))
 
 
-def chain_grid(edges, train_ranges, sched: NoiseSchedule, top_quantile: float, last_call: str) -> ChainGrid:
+def chain_grid(edges, train_ranges, sched: NoiseSchedule, top_quantile: float, last_call: str,
+               extra_calls: str = "spread") -> ChainGrid:
     """The grid of a model with these partition `edges` (ascending) and per-block training intervals
     (`train_ranges[0]` = block 0's): chains start at `top_quantile` of block 0's law (1 = sigma_max)."""
     top = top_of_block0(train_ranges[0], edges, top_quantile, sched)
-    return ChainGrid(tuple(float(e) for e in edges), top, last_call, sched)
+    return ChainGrid(tuple(float(e) for e in edges), top, last_call, sched, extra_calls)

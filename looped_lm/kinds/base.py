@@ -177,6 +177,7 @@ class IterationLimits:
     num_blocks: int  # K < num_blocks skips blocks
     default_bridge: str | None  # DiffusionBlocks' bridge; None: the model has no bridge (huginn)
     adaptive_exit: bool  # whether an exit rule may cut a token's iterations (its cache must not depend on K)
+    extra_calls: str = "spread"  # where calls beyond B run (diffusion.extra_calls)
 
 
 # --- the diffusion: section, each kind's own ------------------------------------------------------------
@@ -222,6 +223,9 @@ class NoiseDiffusion(BlockDiffusion):
         "sigma_min", "where a K-step chain's last call runs: the last Euler grid point above sigma_min (edge, paper) "
         "or sigma_min itself (with parameterization likelihood an exact read-back of the last bridge's token, so "
         "K = B samples what block 0 drew)")
+    extra_calls: Literal["spread", "block0"] = field(
+        "spread", "where a chain's calls beyond B run: spread (all K equally in the noise CDF, about K / B per block) "
+        "or block0 (the K = B grid, the extra K - B calls inside block 0's interval; docs/pretrained.md)")
     sample_top_quantile: Float = field(0.999, "chains start at this quantile of block 0's training sigma law instead "
                                               "of sigma_max, where block 0 never trains; 1 = sigma_max (paper and "
                                               "official code)")

@@ -236,7 +236,8 @@ def _db_limits(cfg, num_blocks: int) -> IterationLimits:
     """DiffusionBlocks LMs: K defaults to diffusion.num_iterations, else one call per block."""
     d = cfg.diffusion
     return IterationLimits(default_iterations=d.num_iterations or num_blocks, max_iterations=cfg.model.max_iterations,
-                           num_blocks=num_blocks, default_bridge=d.bridge, adaptive_exit=True)
+                           num_blocks=num_blocks, default_bridge=d.bridge, adaptive_exit=True,
+                           extra_calls=d.extra_calls)
 
 
 def _retrofit(cfg, n_source: int) -> tuple[list[int], list[int], list[int]]:

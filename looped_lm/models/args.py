@@ -132,6 +132,7 @@ class DBArgs(LMArgs):
     overlap: float = 0.1
     sample_top_quantile: float = 0.999
     last_call: str = "sigma_min"
+    extra_calls: str = "spread"
     # the noisy slot
     parameterization: str = "likelihood"
     noisy_self: bool = False
@@ -164,7 +165,7 @@ class DBArgs(LMArgs):
                    stack_order=getattr(d, "stack_order", "high_noise_first"),
                    schedule=NoiseSchedule.of(d),
                    partition=d.partition, overlap=d.overlap, sample_top_quantile=d.sample_top_quantile,
-                   last_call=d.last_call, parameterization=d.parameterization, noisy_self=d.noisy_self,
+                   last_call=d.last_call, extra_calls=d.extra_calls, parameterization=d.parameterization, noisy_self=d.noisy_self,
                    noisy_input=d.noisy_input, posterior_input=d.posterior_input, posterior_topk=d.posterior_topk,
                    head=d.head, target_scale=d.target_scale, blocks_to_train=tuple(d.blocks_to_train),
                    block_sampling=d.block_sampling, block_weights=tuple(d.block_weights), loss_weight=d.loss_weight,
@@ -208,7 +209,8 @@ def _image_fields(cfg) -> dict:
     m, d = cfg.model, cfg.diffusion
     return dict(image_size=m.image_size, channels=m.channels, patch=m.patch, num_classes=m.num_classes,
                 schedule=NoiseSchedule.of(d),
-                partition=d.partition, sample_top_quantile=d.sample_top_quantile, last_call=d.last_call)
+                partition=d.partition, sample_top_quantile=d.sample_top_quantile, last_call=d.last_call,
+                extra_calls=d.extra_calls)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,6 +223,7 @@ class ImageArgs(ModuleArgs):
     partition: str = "equi_probability"
     sample_top_quantile: float = 0.999
     last_call: str = "sigma_min"
+    extra_calls: str = "spread"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -79,7 +79,8 @@ class DiffusionDiT(nn.Module, Blockwise, ImageGenerator):
         for lin in (self.final_ada, self.out):  # DiT's zero output layer: F = 0, D = c_skip*z at init
             nn.init.zeros_(lin.weight)
             nn.init.zeros_(lin.bias)
-        self.grid = chain_grid(self.edges, self.train_ranges, self.sched, args.sample_top_quantile, args.last_call)
+        self.grid = chain_grid(self.edges, self.train_ranges, self.sched, args.sample_top_quantile, args.last_call,
+                               args.extra_calls)
 
     @property
     def null_label(self) -> int:

@@ -100,7 +100,8 @@ class DiffusionViT(nn.Module, Blockwise, Classifier):
         if not args.end_to_end:
             nn.init.zeros_(self.final_ada.weight)
             nn.init.zeros_(self.final_ada.bias)
-        self.grid = chain_grid(self.edges, self.train_ranges, self.sched, args.sample_top_quantile, args.last_call)
+        self.grid = chain_grid(self.edges, self.train_ranges, self.sched, args.sample_top_quantile, args.last_call,
+                               args.extra_calls)
 
     def checkpoint_state(self) -> dict:
         return {**super().checkpoint_state(), "end_to_end": self.end_to_end}

@@ -83,7 +83,7 @@ class DiffusionBlocksLM(DBNetwork, BlockwiseTrainable, Scorable, CachedDecoding,
         return top_of_block0(self.train_ranges[0], self.edges, self.args.sample_top_quantile, self.sched)
 
     def grid(self) -> ChainGrid:
-        return ChainGrid(tuple(self.edges), self.sigma_top(), self.args.last_call, self.sched)
+        return ChainGrid(tuple(self.edges), self.sigma_top(), self.args.last_call, self.sched, self.args.extra_calls)
 
     def initial_noise(self, rows: int, n: int, random: RandomSource, device=None) -> torch.Tensor:
         """z_0 ~ N(0, sigma_top^2 I), (rows, n, d), each row from its own stream."""
