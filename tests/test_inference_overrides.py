@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 
+import openai
 import pytest
 
 from looped_lm import cli
 from looped_lm.checkpoint import load_checkpoint
+from looped_lm.serve.app import BackgroundServer
 from test_server import serve_in_process, train_tiny_db
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -72,7 +74,13 @@ def test_export_writes_the_setting_into_the_exported_config(db_ckpt, tmp_path):
 
 
 def test_serve_runs_the_setting_and_says_nothing_at_start_up(db_ckpt, monkeypatch, capsys, one_line_error):
-    assert serve_in_process(monkeypatch, "--checkpoint", str(db_ckpt), "--kv-memory-gb", "0.01", "--set", BLOCK0)[0] == 0
-    assert "note:" not in capsys.readouterr().err
+    """Through the `openai` client: K = 4 runs block 0's grid, with no `warning` on the response."""
+    code, app = serve_in_process(monkeypatch, "--checkpoint", str(db_ckpt), "--kv-memory-gb", "0.01", "--set", BLOCK0)
+    assert code == 0 and "note:" not in capsys.readouterr().err
+    assert app.state.serving.engine.model.grid().blocks(4) == [0, 0, 0, 1]
+    with BackgroundServer(app) as server, openai.OpenAI(base_url=server.url + "/v1", api_key="unused") as client:
+        r = client.completions.create(model=client.models.list().data[0].id, prompt="And", max_tokens=2,
+                                      extra_body={"num_iterations": 4})
+        assert r.choices[0].text and r.warning is None
     assert serve_in_process(monkeypatch, "--checkpoint", str(db_ckpt), "--set", "train.lr=1")[0] == 2
     one_line_error(capsys.readouterr(), "--set train.lr", "may change only how it is run")
