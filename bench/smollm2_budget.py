@@ -137,8 +137,8 @@ def run_one(times: int, arm: str, lr: float, seed: int, steps: int, stage: str,
     result[f"{stage}_wall_s"] = round(time.time() - t0, 1)
     common.write_json(path, result)
     marker.unlink()
-    if stage != "sweep":  # hundreds of MB per checkpoint; the JSON is the record
-        shutil.rmtree(run_dir, ignore_errors=True)
+    if stage != "sweep" and arm.endswith(FULL):  # full weights: hundreds of MB per checkpoint; the JSON is the record
+        shutil.rmtree(run_dir, ignore_errors=True)  # (a LoRA run's, 26-46 MB, stays for later reads: K > B, eval)
     return result
 
 
