@@ -27,6 +27,7 @@ from looped_lm.diffusion.noise import NoiseSchedule, cdf_range, sigma_at_fractio
 from looped_lm.diffusion.partition import route_sigma
 from looped_lm.diffusion.sampler import inference_sigmas
 
+
 def choose_block(step: int, seed: int, pool, sampling: str = "uniform", weights=None) -> int:
     """The block trained at `step`, from `pool` (the trainable block indices): round_robin cycles through
     the pool; otherwise a draw from a generator seeded by (seed, step): uniform, or in proportion to
