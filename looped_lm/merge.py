@@ -31,7 +31,7 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from looped_lm import checkpoint as ckpt_io
-from looped_lm.config import block_layers
+from looped_lm.config import INFERENCE_KEYS, block_layers
 from looped_lm.errors import UserError
 from looped_lm.kinds import kind_of
 from looped_lm.manifest import Manifest
@@ -40,10 +40,10 @@ from looped_lm.pretrained import load_base
 
 # settings a job may choose for itself: how it trains (not what a block computes) and inference defaults
 # (model.init_from: where a job started; an adapter job's base is checked by its sha256 instead)
-PER_JOB = {"model": {"num_iterations", "max_iterations", "loss_chunk", "init_from"},
-           "diffusion": {"blocks_to_train", "block_sampling", "curve_every", "curve_until", "loss_weight",
-                         "target_fraction", "clean_lm_weight", "num_iterations", "bridge", "last_call", "extra_calls",
-                         "sample_top_quantile"}}
+PER_JOB = {"model": INFERENCE_KEYS["model"] | {"loss_chunk", "init_from"},
+           "diffusion": INFERENCE_KEYS["diffusion"] | {"blocks_to_train", "block_sampling", "curve_every",
+                                                       "curve_until", "loss_weight", "target_fraction",
+                                                       "clean_lm_weight"}}
 LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets", "lora_ada")  # what an adapter computes (dropout only trains)
 
 
