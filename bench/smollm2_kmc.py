@@ -116,17 +116,19 @@ def summarize(p: np.ndarray, est_nll: np.ndarray, est_var: np.ndarray | None) ->
             "per_slot": slots}
 
 
-def report() -> str:
-    """report.md from every JSON in OUT: per run and K, the mean p_K(y) over slots, and over the slots plain
-    Monte-Carlo resolves, its ppl and the estimator's NLL minus plain MC's (mean over those slots, se)."""
-    lines = ["# Plain Monte-Carlo of the K-step chain on SmolLM2 conversions (one held-out window)", "",
+def report(out: Path = OUT) -> str:
+    """report.md from every JSON in `out` (default: the SmolLM2 runs'): per run and K, the mean p_K(y) over
+    slots, and over the slots plain Monte-Carlo resolves, its ppl and the estimator's NLL minus plain MC's
+    (mean over those slots, se)."""
+    title = "SmolLM2 conversions" if out == OUT else f"the checkpoints of {out.name}/"
+    lines = [f"# Plain Monte-Carlo of the K-step chain on {title} (one held-out window)", "",
              "Written by `bench/smollm2_kmc.py --report` from the JSONs beside it. mean p: the mean over the "
              "window's slots of p_K(y), the chain's chance of the held-out token (plain MC over the chains, se "
              f"beside). Resolved slots: plain MC's log p has se < {RESOLVED_SE} nats and p x chains >= {MIN_HITS}. "
              "estimator - plain: `looped_lm eval`'s NLL minus plain MC's, mean over the resolved slots (se).", "",
              "| run | step | chains | K | mean p | resolved slots | plain ppl there | estimator - plain (nats) |",
              "|---|---|---|---|---|---|---|---|"]
-    for path in sorted(OUT.glob("*.json")):
+    for path in sorted(out.glob("*.json")):
         d = json.loads(path.read_text())
         for K, r in d["by_k"].items():
             s = r["per_slot"]
@@ -141,12 +143,13 @@ def report() -> str:
             lines.append(f"| {path.stem} | {d.get('step', 'euler')} | {d['chains']} | {K} | {r['mean_p']:.4f} ± "
                          f"{r['mean_p_se']:.4f} | {int(res.sum())} / {len(mean)} | "
                          f"{math.exp(nll.mean()) if res.any() else float('nan'):.3f} | {gap} |")
-    return common.write_lines(OUT / "report.md", lines)
+    return common.write_lines(out / "report.md", lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--report", action="store_true", help="write report.md from the JSONs and stop")
+    ap.add_argument("--report", nargs="?", const=str(OUT), metavar="DIR",
+                    help="write DIR/report.md from the JSONs in DIR (default: the SmolLM2 runs') and stop")
     ap.add_argument("--checkpoint")
     ap.add_argument("--split", default="test", choices=["val", "test"])
     ap.add_argument("--offset", type=int, default=0, help="the window's first token in the split")
@@ -163,7 +166,7 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.report:
-        print(report())
+        print(report(Path(args.report)))
         return
     if not args.checkpoint or not args.json:
         ap.error("--checkpoint and --json are needed (or --report)")
