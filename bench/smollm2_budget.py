@@ -126,7 +126,7 @@ def run_one(times: int, arm: str, lr: float, seed: int, steps: int, stage: str,
         result["train_log"] = [{k: r[k] for k in keep if k in r} for r in log if "loss" in r]
         result["block_steps"] = [sum(1 for r in log if r.get("block") == b) for b in range(2)]
     ckpt = sorted(run_dir.glob("step_*"))[-1]
-    exact = arm in ("db0", "gpt")  # scored by their exact ppl (db0: its clean stream), no draws
+    exact = base(arm) in ("db0", "gpt")  # scored by their exact ppl (db0: its clean stream), no draws
     if stage == "sweep":
         if not exact:
             result["diagnosis"] = block0.diagnose(ckpt)
