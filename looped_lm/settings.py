@@ -179,23 +179,26 @@ def resolve_steps(requested: int | None, num_blocks: int, configured: int = 0, f
 def iterations_note(limits: IterationLimits | None, settings: InferenceSettings) -> str | None:
     """One plain line when a request's K is not the chain the model is meant to run, else None (both are
     allowed; the CLI prints the line, the server returns it in the response's `warning`). K < B skips blocks.
-    K above both B and the default K, on a DiffusionBlocks model whose extra calls are spread over every
-    block (`diffusion.extra_calls: spread`, the default), adds calls inside each block's own interval: on
-    every model measured so far that was no better than the default, and on fine-tuned SmolLM2 far worse;
-    with `extra_calls: block0` it measured the same as K = B there (docs/pretrained.md), so only spread's is
-    said, with the setting and the command that measures it."""
+    K above both B and the default K, on a DiffusionBlocks model, was no better than the default on every model
+    measured (docs/method.md §5): with the extra calls in block 0 (`diffusion.extra_calls: block0`, the language
+    models' default) at most a little worse, with them spread over every block (`spread`) often far worse. So
+    such a K is run and told so, with the command that measures it on the user's own model and data."""
     if limits is None or settings.num_iterations is None:
         return None
     k, blocks = settings.num_iterations, limits.num_blocks
     if k < blocks:
         return f"note: num_iterations={k} < {blocks} blocks: {blocks - k} block(s) are skipped"
     usual = max(blocks, limits.default_iterations)
-    if k <= usual or limits.default_bridge is None or (blocks > 1 and limits.extra_calls == "block0"):
+    if k <= usual or limits.default_bridge is None:
         return None
     measure = f"looped_lm eval --num-iterations {usual},{k} reports the mean p of the held-out token per K"
     if blocks == 1:  # one weight-tied core: every call is block 0's
         return (f"note: num_iterations={k} is above the default K = {usual}: the extra denoising calls may make "
                 f"predictions worse, not better (measure it: {measure})")
+    if limits.extra_calls == "block0":
+        return (f"note: num_iterations={k} is above the default K = {usual} ({blocks} blocks): the extra denoising "
+                f"calls run in block 0 and have measured no better than K = {usual}, on some models a little worse "
+                f"({measure})")
     return (f"note: num_iterations={k} is above the default K = {usual} ({blocks} blocks), with the extra denoising "
             f"calls spread over every block: they may make predictions worse, not better (--set "
             f"diffusion.extra_calls=block0 runs them in block 0; {measure})")

@@ -32,7 +32,7 @@ NON_DEFAULT = {
         "block_sampling": "round_robin", "bridge": "soft", "num_iterations": 6,
         "curve_every": 50, "curve_until": 500, "noisy_input": "noise", "posterior_input": "topk",
         "posterior_topk": 16, "head": "cosine", "stack_order": "low_noise_first",
-        "clean_lm_weight": 0.3, "denoise_weight": 0.5, "top_share": 0.25, "sample_top_quantile": 0.99, "parameterization": "edm", "last_call": "edge", "extra_calls": "block0",
+        "clean_lm_weight": 0.3, "denoise_weight": 0.5, "top_share": 0.25, "sample_top_quantile": 0.99, "parameterization": "edm", "last_call": "edge", "extra_calls": "spread",
         "noisy_self": True,
     },
     "data": {"source": "files", "path": "corpus.txt", "tokenizer": "byte", "val_fraction": 0.1, "test_fraction": 0.05, "split_seed": 3,
@@ -91,6 +91,15 @@ def test_defaults_load_and_validate():
     a, b = (config_from_dict({"model": {"kind": "db_ar"}}) for _ in range(2))
     a.diffusion.blocks_to_train.append(1)
     assert b.diffusion.blocks_to_train == []
+
+
+def test_calls_beyond_b_run_in_block_0_for_the_language_models_and_spread_for_the_image_ones():
+    """diffusion.extra_calls' default is each kind's: measured for the language models (docs/method.md §5)."""
+    images = {"data": {"source": "digits"}}
+    defaults = {kind: config_from_dict({"model": {"kind": kind}, **extra}).diffusion.extra_calls
+                for kind, extra in (("db_ar", {}), ("looped_db", {"diffusion": {"num_blocks": 1}}), ("vit", images),
+                                    ("dit", images))}
+    assert defaults == {"db_ar": "block0", "looped_db": "block0", "vit": "spread", "dit": "spread"}
 
 
 def test_non_default_table_covers_every_field():

@@ -381,7 +381,7 @@ def test_last_call_at_sigma_min_makes_the_k_equals_b_sampler_block_0s_distributi
     grid = model.grid()
     sigmas = grid.sigmas(2)
     assert sigmas[0] == model.sigma_top() and sigmas[1] == sigmas[2] == model.edges[0]
-    assert grid.blocks(4) == [0, 0, 1, 1]
+    assert grid.blocks(4) == [0, 0, 0, 1]  # the calls beyond B in block 0 (extra_calls' default)
     x, y = torch.randint(0, V, (2, 7)), torch.randint(0, V, (2, 7))
     scores = model.score(x, y, ScoreSettings(k_grid=(2,), draws=16), torch.Generator().manual_seed(4))
     # the last call only reads the drawn token back: ppl@2 is ppl@0 (up to the estimates' spread)

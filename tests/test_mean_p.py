@@ -74,11 +74,12 @@ def plain_chain_p(model, x, y, K: int, chains: int, seed: int) -> tuple[torch.Te
     return p.mean(0), p.std(0) / math.sqrt(chains)
 
 
-@pytest.mark.parametrize("K", [1, 2, 4])
-def test_mean_p_agrees_with_plain_monte_carlo_of_the_chain(K):
-    """On a B = 2 model with the sample bridge, at K = 1, B and 2B: the estimator's mean p (what eval reports)
-    within 4 standard errors of plain Monte-Carlo of the chain itself, per slot and over the window."""
-    model = build_tiny("db_ar", bridge="sample")
+@pytest.mark.parametrize("K, extra_calls", [(1, "block0"), (2, "block0"), (4, "block0"), (4, "spread")])
+def test_mean_p_agrees_with_plain_monte_carlo_of_the_chain(K, extra_calls):
+    """On a B = 2 model with the sample bridge, at K = 1, B and 2B (the calls beyond B in block 0, the default,
+    or spread): the estimator's mean p (what eval reports) within 4 standard errors of plain Monte-Carlo of the
+    chain itself, per slot and over the window."""
+    model = build_tiny("db_ar", bridge="sample", extra_calls=extra_calls)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, V, (1, 16), generator=g)
     y = torch.randint(0, V, (1, 16), generator=g)
@@ -89,4 +90,4 @@ def test_mean_p_agrees_with_plain_monte_carlo_of_the_chain(K):
     se = (mc_se ** 2 + est_se ** 2).sqrt()
     assert float(((est - mc).abs() / se).max()) < 4.5, (est, mc, se)
     assert abs(float(est.mean() - mc.mean())) < 4 * float(se.pow(2).sum().sqrt()) / 16
-    assert float(mc.std()) > 0.01  # the slots differ: the check compares numbers that could disagree
+    assert float(mc.std()) > 3 * float(mc_se.max())  # the slots differ beyond noise: numbers that could disagree

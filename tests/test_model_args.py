@@ -40,7 +40,7 @@ def test_db_ar_from_a_literal_equals_db_ar_from_its_config():
                                       "n_prelude": 1},
                             "diffusion": {"layers_per_block": [3, 1], "noisy_input": "clean_state"}})
     limits = IterationLimits(default_iterations=2, max_iterations=64, num_blocks=2, default_bridge="sample",
-                             adaptive_exit=True)
+                             adaptive_exit=True, extra_calls="block0")
     literal = DBArgs(vocab_size=V, n_layers=4, d_model=32, n_heads=4, seq_len=16, n_prelude=1, block_layers=(3, 1),
                      noisy_input="clean_state", limits=limits)
     assert network_args(cfg, V) == literal

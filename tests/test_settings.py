@@ -170,8 +170,8 @@ def test_the_hf_wrapper_resolves_once_per_generate_call(db_ckpt, tmp_path, monke
 
 def test_the_iterations_note_names_k_below_b_and_k_above_the_usual_chain():
     """K < B skips blocks; K above max(B, the default K) on a model with a bridge is said (with the eval command
-    that measures it, and the setting that runs the extra calls in block 0); K at the default, above it on a
-    model without a bridge (huginn), or with extra_calls block0 on B >= 2, is not."""
+    that measures it; with the calls spread, the setting that runs them in block 0); K at the default, or above it
+    on a model without a bridge (huginn), is not."""
     from looped_lm.kinds.base import IterationLimits
     from looped_lm.settings import InferenceSettings, iterations_note
 
@@ -183,7 +183,10 @@ def test_the_iterations_note_names_k_below_b_and_k_above_the_usual_chain():
     assert note(2) is None and note(3, bridge=None) is None
     assert note(3).startswith("note: num_iterations=3 is above the default K = 2 (2 blocks), with the extra")
     assert "--num-iterations 2,3" in note(3) and "--set diffusion.extra_calls=block0" in note(3)
-    assert note(3, extra_calls="block0") is None and note(1, extra_calls="block0").endswith("skipped")
+    assert note(3, extra_calls="block0").startswith("note: num_iterations=3 is above the default K = 2 (2 blocks): "
+                                                    "the extra denoising calls run in block 0 and have measured no")
+    assert "--num-iterations 2,3" in note(3, extra_calls="block0") and "--set" not in note(3, extra_calls="block0")
+    assert note(1, extra_calls="block0").endswith("skipped") and note(2, extra_calls="block0") is None
     assert note(4, blocks=1, default=4) is None and "default K = 4" in note(5, blocks=1, default=4)  # looped_db
     assert note(5, blocks=1, default=4, extra_calls="block0") == note(5, blocks=1, default=4)  # one core: no choice
     assert "extra_calls" not in note(5, blocks=1, default=4)

@@ -184,18 +184,17 @@ def test_the_converted_db_ar_decodes_compiled_as_eager(smollm2, monkeypatch):
     net = build_model(cfg, 49152).eval()
     init_from_pretrained(net, cfg, smollm2.source)
     prompts = [smollm2.tok.encode("In the beginning God created"), smollm2.tok.encode("The quick brown fox")]
-    for K in (2, 4):
-        requests = lambda: [Request(prompt=p, max_tokens=4, seed=0, sampling=GREEDY, num_iterations=K)  # noqa: E731
-                            for p in prompts]
-        eager = [o.token_ids for o in Engine(net, num_slots=2, max_len=32).run(requests())]
-        torch._dynamo.reset()
-        counter = CompileCounter()
-        monkeypatch.setattr(compiled, "BACKEND", counter)
-        engine = Engine(net, num_slots=2, max_len=32, compile_decode=True)
-        assert counter.frame_count == 8  # 2 blocks x 2 calls x (one row, any other)
-        assert [o.token_ids for o in engine.run(requests())] == eager
-        assert counter.frame_count == 8
-        net.use_block_step(engine.runner.pool, None)
+    requests = lambda: [Request(prompt=p, max_tokens=4, seed=0, sampling=GREEDY, num_iterations=K)  # noqa: E731
+                        for K in (2, 4) for p in prompts]
+    eager = [o.token_ids for o in Engine(net, num_slots=4, max_len=32).run(requests())]
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    monkeypatch.setattr(compiled, "BACKEND", counter)
+    engine = Engine(net, num_slots=4, max_len=32, compile_decode=True)  # one engine serves K = 2 and 4 side by side
+    assert counter.frame_count == 8  # 2 blocks x 2 calls x (one row, any other)
+    assert [o.token_ids for o in engine.run(requests())] == eager
+    assert counter.frame_count == 8
+    net.use_block_step(engine.runner.pool, None)
     torch._dynamo.reset()
 
 

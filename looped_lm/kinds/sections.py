@@ -84,6 +84,10 @@ class TokenDiffusion(NoiseDiffusion):
         "uniform until the first curve), loss_share (to each block's share of the CE drop, which counts what z gives "
         "for free) or fixed (diffusion.block_weights); train.mode block_parallel: which of its own blocks a rank "
         "trains (uniform, round_robin or fixed)")
+    extra_calls: Literal["spread", "block0"] = field(
+        "block0", "where a chain's calls beyond B run: block0 (the K = B grid, the extra K - B calls inside block 0's "
+        "interval: K > B held K = B's quality where spread lost it, on SmolLM2 and on the quickstart; "
+        "docs/method.md §5) or spread (all K equally in the noise CDF, about K / B per block)")
     curve_every: int = field(200, "block_sampling loss_share / network_gain: re-measure held-out CE(sigma) every N steps")
     curve_until: int = field(0, "stop re-measuring (freeze the block shares) after this step; 0 = never")
     parameterization: Literal["edm", "likelihood"] = field(

@@ -132,7 +132,7 @@ class DBArgs(LMArgs):
     overlap: float = 0.1
     sample_top_quantile: float = 0.999
     last_call: str = "sigma_min"
-    extra_calls: str = "spread"
+    extra_calls: str = "block0"  # the language models' default (diffusion.extra_calls); images spread
     # the noisy slot
     parameterization: str = "likelihood"
     noisy_self: bool = False
