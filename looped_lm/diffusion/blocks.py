@@ -11,10 +11,10 @@ block 0's training law, `top_of_block0`; 1 = sigma_max) down to the partition's 
 `last_call: sigma_min` (the default, and the official DiffusionBlocks code's grid: B calls on the
 inclusive CDF grid [sigma_max, ..., sigma_min]) the K-th call runs at sigma_min itself; with `edge` the
 K calls are the top edges of K equal CDF steps and the chain ends at sigma_min without a call there.
-Calls beyond B (`extra_calls`): `spread` (the default) places all K equally, so every block gets about K / B
-of them; `block0` keeps the K = B grid and spends the extra K - B calls inside block 0's interval, from
-sigma_top down, where a fine-tuning recipe that moves steps to block 0 trained (docs/pretrained.md: on
-SmolLM2, spread loses at K = 2B what block0 keeps).
+Calls beyond B (`extra_calls`): `spread` (vit's and dit's default) places all K equally, so every block gets
+about K / B of them; `block0` (the language models' default) keeps the K = B grid and spends the extra K - B
+calls inside block 0's interval, from sigma_top down, where the recipes put most training steps (docs/method.md
+§5: on SmolLM2 and the quickstart, spread loses at K = 2B and 4B what block0 keeps).
 """
 
 from __future__ import annotations
